@@ -1,1 +1,96 @@
-fn main() {}
+//! Developer tasks for xlb: `cargo xtask <command>` (alias in .cargo/config.toml).
+
+mod bench;
+mod demo;
+mod setup;
+mod test;
+mod util;
+
+use std::process::ExitCode;
+
+use anyhow::Result;
+use clap::{Parser, Subcommand};
+
+#[derive(Parser)]
+#[command(about = "Developer tasks for xlb")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Install whatever this machine lacks (toolchain parts, bpf-linker, Debian packages, bpffs).
+    Setup,
+    /// Run fmt, clippy and the workspace tests; arguments after `--` go to `cargo test`.
+    Test {
+        #[arg(last = true)]
+        args: Vec<String>,
+    },
+    /// Show the load balancer at work.
+    Demo,
+    /// Run the benchmark binary; arguments are passed to it.
+    Bench {
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+        args: Vec<String>,
+    },
+    /// Lint the eBPF crate for its real target (needs nightly).
+    ClippyEbpf,
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    // Print the error chain ourselves: anyhow's Debug output adds a backtrace
+    // whenever RUST_BACKTRACE is set, burying which step failed.
+    match run(cli.command) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(err) => {
+            eprintln!("error: {err:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn run(command: Command) -> Result<()> {
+    // Every task needs the machine set up, so do it first rather than fail halfway.
+    setup::run()?;
+    match command {
+        Command::Setup => Ok(()),
+        Command::Test { args } => test::run(&args),
+        Command::Demo => demo::run(),
+        Command::Bench { args } => bench::run(&args),
+        Command::ClippyEbpf => test::clippy_ebpf(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(args: &[&str]) -> Command {
+        Cli::try_parse_from(std::iter::once("xtask").chain(args.iter().copied()))
+            .unwrap()
+            .command
+    }
+
+    #[test]
+    fn test_args_after_double_dash_reach_cargo_test_verbatim() {
+        let Command::Test { args } = parse(&["test", "--", "fixtures", "--", "--nocapture"]) else {
+            panic!("not the test command");
+        };
+        assert_eq!(args, ["fixtures", "--", "--nocapture"]);
+    }
+
+    #[test]
+    fn bench_args_pass_through_with_or_without_double_dash() {
+        for argv in [
+            &["bench", "--duration", "5"][..],
+            &["bench", "--", "--duration", "5"][..],
+        ] {
+            let Command::Bench { args } = parse(argv) else {
+                panic!("not the bench command");
+            };
+            assert_eq!(args, ["--duration", "5"]);
+        }
+    }
+}

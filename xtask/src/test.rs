@@ -1,0 +1,46 @@
+use anyhow::{Context, Result};
+
+use crate::util::{cargo, repo_root, run as run_cmd};
+
+/// fmt, clippy, tests: cheapest first, stopping at the first failure.
+pub fn run(extra: &[String]) -> Result<()> {
+    run_cmd(cargo().args(["fmt", "--all", "--check"])).context("step `fmt` failed")?;
+
+    run_cmd(cargo().args([
+        "clippy",
+        "--workspace",
+        "--all-targets",
+        "--",
+        "-D",
+        "warnings",
+    ]))
+    .context("step `clippy` failed")?;
+
+    let mut test = cargo();
+    test.args(["test", "--workspace"]).args(extra);
+    // The tests set up namespaces and BPF state and manage their own concurrency.
+    test.env_remove("RUST_TEST_THREADS");
+    run_cmd(&mut test).context("step `test` failed")?;
+
+    println!("all checks passed");
+    Ok(())
+}
+
+/// The eBPF crate only builds for bpfel with nightly, so the workspace clippy skips it.
+pub fn clippy_ebpf() -> Result<()> {
+    let mut cmd = cargo();
+    cmd.current_dir(repo_root().join("lb-ebpf")).args([
+        "+nightly",
+        "clippy",
+        "-p",
+        "lb-ebpf",
+        "--target",
+        "bpfel-unknown-none",
+        "-Z",
+        "build-std=core",
+        "--",
+        "-D",
+        "warnings",
+    ]);
+    run_cmd(&mut cmd).context("step `clippy-ebpf` failed")
+}
