@@ -175,8 +175,15 @@ pub struct ReplyNat {
     pub cport: u16,
     pub service_id: u32,
     pub backend_id: u32,
-    pub _pad: u32,
+    /// `REPLY_F_*`.
+    pub flags: u32,
+    /// `bpf_ktime_get_coarse_ns` after which the entry (and in SNAT mode its
+    /// port) may be taken by a new flow.
+    pub expires_ns: u64,
 }
+
+/// `ReplyNat::flags`: a TCP FIN or RST was seen; the short lifetime applies.
+pub const REPLY_F_CLOSING: u32 = 1;
 
 /// Value of `CONFIG` (array, index 0). Written by the agent.
 #[repr(C)]
@@ -185,7 +192,11 @@ pub struct Config {
     /// Host order, inclusive.
     pub snat_port_min: u16,
     pub snat_port_max: u16,
-    pub _pad: u32,
+    /// Idle time after which a flow's reply translation (and SNAT port) may be reused.
+    pub tcp_timeout_s: u32,
+    /// The same once a FIN or RST has been seen.
+    pub tcp_closing_timeout_s: u32,
+    pub udp_timeout_s: u32,
 }
 
 impl Default for Config {
@@ -193,7 +204,9 @@ impl Default for Config {
         Self {
             snat_port_min: DEFAULT_SNAT_PORT_MIN,
             snat_port_max: DEFAULT_SNAT_PORT_MAX,
-            _pad: 0,
+            tcp_timeout_s: 900,
+            tcp_closing_timeout_s: 10,
+            udp_timeout_s: 60,
         }
     }
 }
@@ -208,9 +221,13 @@ pub const PORT_F_BACKEND: u8 = 2;
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct TrafficStats {
+    /// Client -> backend direction.
     pub packets: u64,
     pub bytes: u64,
     pub new_flows: u64,
+    /// Backend -> client direction (translated replies).
+    pub reply_packets: u64,
+    pub reply_bytes: u64,
 }
 
 /// Why the program returned what it did: index of `REASON_STATS` (per CPU).
@@ -347,7 +364,7 @@ const _: () = {
     assert!(core::mem::size_of::<Backend>() == 20);
     assert!(core::mem::size_of::<FlowKey>() == 40);
     assert!(core::mem::size_of::<Flow>() == 48);
-    assert!(core::mem::size_of::<ReplyNat>() == 48);
-    assert!(core::mem::size_of::<Config>() == 8);
-    assert!(core::mem::size_of::<TrafficStats>() == 24);
+    assert!(core::mem::size_of::<ReplyNat>() == 56);
+    assert!(core::mem::size_of::<Config>() == 16);
+    assert!(core::mem::size_of::<TrafficStats>() == 40);
 };

@@ -1,0 +1,627 @@
+//! The data-plane driver: loads the XDP program and keeps its maps equal to
+//! a set of services. Every service update is atomic for packets: backends
+//! are written first, then the service's inactive Maglev table, then one
+//! `SERVICES` update flips the service to it.
+
+mod alloc;
+mod maglev_pool;
+
+use std::{
+    collections::{BTreeMap, BTreeSet},
+    net::{IpAddr, SocketAddr},
+    time::{Duration, Instant},
+};
+
+use aya::{
+    maps::{
+        Array, DevMapHash, HashMap, Map, MapData, MapError, PerCpuArray, PerCpuHashMap, PerCpuValues,
+    },
+    programs::{ProgramError, Xdp, XdpMode},
+    Ebpf, EbpfLoader,
+};
+use lb_common::{
+    addr_from_v4, addr_from_v6, maglev, map_names as names, Backend, Config, Flow, FlowKey, Reason, ReplyNat,
+    ServiceInfo, ServiceKey, TrafficStats, FAMILY_V4, FAMILY_V6, MAGLEV_POOL_ENTRIES, MAX_BACKENDS, MAX_SERVICES,
+    PORT_F_BACKEND, PORT_F_SERVICE, PROTO_ICMP, PROTO_ICMPV6, PROTO_TCP, PROTO_UDP, REASON_COUNT, SERVICE_F_SNAT,
+};
+
+use self::{
+    alloc::{IdPool, RegionPool},
+    maglev_pool::MaglevPool,
+};
+
+/// The XDP object, built from lb-ebpf by build.rs.
+pub static OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/lb-ebpf"));
+
+/// Name of the XDP program in the object.
+pub const PROGRAM: &str = "xlb";
+
+/// A table region freed less than this long ago is not written again:
+/// a packet that read the old `ServiceInfo` may still be reading its table.
+/// (An XDP run takes microseconds; this is thousands of times that.)
+const TABLE_QUARANTINE: Duration = Duration::from_millis(20);
+
+#[derive(Debug, thiserror::Error)]
+pub enum DataplaneError {
+    #[error("loading the XDP object: {0}")]
+    Load(#[from] aya::EbpfError),
+    #[error("map {name}: {source}")]
+    Map { name: &'static str, source: MapError },
+    #[error("map TX_PORTS: {0}")]
+    TxPorts(aya::maps::xdp::XdpMapError),
+    #[error("map {0} is missing from the object")]
+    MissingMap(&'static str),
+    #[error("XDP program: {0}")]
+    Program(#[from] ProgramError),
+    #[error("service {service}: {reason}")]
+    InvalidService { service: String, reason: String },
+    #[error("{0} is full")]
+    Full(&'static str),
+    #[error("mapping MAGLEV into memory: {0}")]
+    Mmap(std::io::Error),
+}
+
+type Result<T, E = DataplaneError> = std::result::Result<T, E>;
+
+fn map_err(name: &'static str) -> impl FnOnce(MapError) -> DataplaneError {
+    move |source| DataplaneError::Map { name, source }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Protocol {
+    Tcp,
+    Udp,
+}
+
+impl Protocol {
+    pub fn number(self) -> u8 {
+        match self {
+            Protocol::Tcp => PROTO_TCP,
+            Protocol::Udp => PROTO_UDP,
+        }
+    }
+}
+
+/// What a service should look like in the data plane.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ServiceSpec {
+    pub vip: IpAddr,
+    pub port: u16,
+    pub protocol: Protocol,
+    /// SNAT mode: the node address to use as source. `None`: NAT mode.
+    pub snat: Option<IpAddr>,
+    /// Maglev table size; `None` picks [`maglev::default_table_size`].
+    pub table_size: Option<u32>,
+    pub backends: Vec<BackendSpec>,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct BackendSpec {
+    pub addr: SocketAddr,
+    pub weight: u32,
+}
+
+impl ServiceSpec {
+    pub fn key(&self) -> ServiceKey {
+        service_key(self.vip, self.port, self.protocol.number())
+    }
+
+    fn name(&self) -> String {
+        let p = match self.protocol {
+            Protocol::Tcp => "tcp",
+            Protocol::Udp => "udp",
+        };
+        format!("{}/{p}", SocketAddr::new(self.vip, self.port))
+    }
+
+    /// Checks what the data plane relies on; the config layer checks more.
+    pub fn validate(&self) -> Result<()> {
+        let bad = |reason: String| DataplaneError::InvalidService { service: self.name(), reason };
+        for b in &self.backends {
+            if b.addr.is_ipv4() != self.vip.is_ipv4() {
+                return Err(bad(format!("backend {} is not of the VIP's address family", b.addr)));
+            }
+        }
+        if let Some(snat) = self.snat {
+            if snat.is_ipv4() != self.vip.is_ipv4() {
+                return Err(bad(format!("SNAT address {snat} is not of the VIP's address family")));
+            }
+        }
+        let m = self.table_size();
+        maglev::check_table_size(m, self.backends.len()).map_err(|e| bad(e.to_string()))?;
+        Ok(())
+    }
+
+    pub fn table_size(&self) -> u32 {
+        self.table_size.unwrap_or_else(|| maglev::default_table_size(self.backends.len()))
+    }
+}
+
+pub fn ip_words(ip: IpAddr) -> [u32; 4] {
+    match ip {
+        IpAddr::V4(a) => addr_from_v4(a.octets()),
+        IpAddr::V6(a) => addr_from_v6(a.octets()),
+    }
+}
+
+pub fn family(ip: IpAddr) -> u8 {
+    if ip.is_ipv4() {
+        FAMILY_V4
+    } else {
+        FAMILY_V6
+    }
+}
+
+pub fn service_key(vip: IpAddr, port: u16, proto: u8) -> ServiceKey {
+    ServiceKey { addr: ip_words(vip), port: port.to_be(), proto, family: family(vip) }
+}
+
+fn echo_key(vip: IpAddr) -> ServiceKey {
+    service_key(vip, 0, if vip.is_ipv4() { PROTO_ICMP } else { PROTO_ICMPV6 })
+}
+
+/// What the driver remembers of a service it programmed.
+#[derive(Clone, Debug)]
+struct Programmed {
+    spec: ServiceSpec,
+    info: ServiceInfo,
+    /// Backend id per backend address (in `spec.backends` order).
+    backend_ids: Vec<(SocketAddr, u32)>,
+    flipped: Instant,
+}
+
+/// The loaded program and its maps.
+pub struct Dataplane {
+    ebpf: Ebpf,
+    services: HashMap<MapData, ServiceKey, ServiceInfo>,
+    backends: Array<MapData, Backend>,
+    maglev: MaglevPool,
+    port_flags: Array<MapData, u8>,
+    config: Array<MapData, Config>,
+    tx_ports: DevMapHash<MapData>,
+    conntrack: PerCpuHashMap<MapData, FlowKey, Flow>,
+    reply_nat: HashMap<MapData, FlowKey, ReplyNat>,
+    service_stats: PerCpuArray<MapData, TrafficStats>,
+    backend_stats: PerCpuArray<MapData, TrafficStats>,
+    reason_stats: PerCpuArray<MapData, u64>,
+    state: BTreeMap<ServiceKey, Programmed>,
+    service_ids: IdPool,
+    backend_ids: IdPool,
+    regions: RegionPool,
+    /// Regions freed recently, released to `regions` after the quarantine.
+    quarantined: Vec<(Instant, u32, u32)>,
+    ports: Vec<u8>,
+}
+
+impl Dataplane {
+    /// Loads the program and creates fresh maps (nothing attached yet).
+    pub fn load() -> Result<Self> {
+        let mut ebpf = EbpfLoader::new().load(OBJECT)?;
+        let xdp: &mut Xdp = ebpf
+            .program_mut(PROGRAM)
+            .ok_or(DataplaneError::MissingMap("program xlb"))?
+            .try_into()?;
+        xdp.load()?;
+        Self::from_ebpf(ebpf)
+    }
+
+    fn from_ebpf(mut ebpf: Ebpf) -> Result<Self> {
+        fn take(ebpf: &mut Ebpf, name: &'static str) -> Result<Map> {
+            ebpf.take_map(name).ok_or(DataplaneError::MissingMap(name))
+        }
+        let maglev_data = match take(&mut ebpf, names::MAGLEV)? {
+            Map::Array(data) => data,
+            _ => return Err(DataplaneError::MissingMap(names::MAGLEV)),
+        };
+        let mut dp = Self {
+            services: HashMap::try_from(take(&mut ebpf, names::SERVICES)?).map_err(map_err(names::SERVICES))?,
+            backends: Array::try_from(take(&mut ebpf, names::BACKENDS)?).map_err(map_err(names::BACKENDS))?,
+            maglev: MaglevPool::new(maglev_data, MAGLEV_POOL_ENTRIES).map_err(DataplaneError::Mmap)?,
+            port_flags: Array::try_from(take(&mut ebpf, names::PORT_FLAGS)?).map_err(map_err(names::PORT_FLAGS))?,
+            config: Array::try_from(take(&mut ebpf, names::CONFIG)?).map_err(map_err(names::CONFIG))?,
+            tx_ports: DevMapHash::try_from(take(&mut ebpf, names::TX_PORTS)?).map_err(map_err(names::TX_PORTS))?,
+            conntrack: PerCpuHashMap::try_from(take(&mut ebpf, names::CONNTRACK)?)
+                .map_err(map_err(names::CONNTRACK))?,
+            reply_nat: HashMap::try_from(take(&mut ebpf, names::REPLY_NAT)?).map_err(map_err(names::REPLY_NAT))?,
+            service_stats: PerCpuArray::try_from(take(&mut ebpf, names::SERVICE_STATS)?)
+                .map_err(map_err(names::SERVICE_STATS))?,
+            backend_stats: PerCpuArray::try_from(take(&mut ebpf, names::BACKEND_STATS)?)
+                .map_err(map_err(names::BACKEND_STATS))?,
+            reason_stats: PerCpuArray::try_from(take(&mut ebpf, names::REASON_STATS)?)
+                .map_err(map_err(names::REASON_STATS))?,
+            ebpf,
+            state: BTreeMap::new(),
+            service_ids: IdPool::new(MAX_SERVICES),
+            backend_ids: IdPool::new(MAX_BACKENDS),
+            regions: RegionPool::new(MAGLEV_POOL_ENTRIES),
+            quarantined: Vec::new(),
+            ports: vec![0; 65536],
+        };
+        dp.set_config(Config::default())?;
+        Ok(dp)
+    }
+
+    pub fn program(&self) -> &Xdp {
+        self.ebpf
+            .program(PROGRAM)
+            .and_then(|p| <&Xdp>::try_from(p).ok())
+            .expect("the object always has the xlb XDP program")
+    }
+
+    fn program_mut(&mut self) -> &mut Xdp {
+        self.ebpf
+            .program_mut(PROGRAM)
+            .and_then(|p| <&mut Xdp>::try_from(p).ok())
+            .expect("the object always has the xlb XDP program")
+    }
+
+    /// Attaches to an interface (native mode unless `mode` says otherwise)
+    /// and allows redirects to it.
+    pub fn attach(&mut self, iface: &str, mode: XdpMode) -> Result<()> {
+        self.program_mut().attach(iface, mode)?;
+        let ifindex = ifindex(iface).ok_or_else(|| DataplaneError::InvalidService {
+            service: iface.to_string(),
+            reason: "no such interface".into(),
+        })?;
+        self.allow_redirect(ifindex)
+    }
+
+    /// Lets the program redirect to `ifindex` (it must be able to take XDP frames).
+    pub fn allow_redirect(&mut self, ifindex: u32) -> Result<()> {
+        self.tx_ports
+            .insert(ifindex, ifindex, None, 0)
+            .map_err(DataplaneError::TxPorts)
+    }
+
+    pub fn set_config(&mut self, cfg: Config) -> Result<()> {
+        self.config.set(0, cfg, 0).map_err(map_err(names::CONFIG))
+    }
+
+    pub fn services(&self) -> impl Iterator<Item = (&ServiceKey, &ServiceSpec)> {
+        self.state.iter().map(|(k, p)| (k, &p.spec))
+    }
+
+    /// Adds or updates a service. On error nothing changed.
+    pub fn set_service(&mut self, spec: &ServiceSpec) -> Result<()> {
+        spec.validate()?;
+        self.release_quarantine();
+        let key = spec.key();
+        let old = self.state.get(&key).cloned();
+        let m = spec.table_size();
+
+        // Backend ids: keep those of backends that stay.
+        let mut ids = Vec::with_capacity(spec.backends.len());
+        let mut fresh = Vec::new();
+        for b in &spec.backends {
+            let kept = old.as_ref().and_then(|o| o.backend_ids.iter().find(|(a, _)| *a == b.addr).map(|x| x.1));
+            let id = match kept {
+                Some(id) => id,
+                None => match self.backend_ids.alloc() {
+                    Some(id) => {
+                        fresh.push(id);
+                        id
+                    }
+                    None => {
+                        fresh.iter().for_each(|&id| self.backend_ids.free(id));
+                        return Err(DataplaneError::Full(names::BACKENDS));
+                    }
+                },
+            };
+            ids.push((b.addr, id));
+        }
+        let service_id = match &old {
+            Some(o) => o.info.id,
+            None => match self.service_ids.alloc() {
+                Some(id) => id,
+                None => {
+                    fresh.iter().for_each(|&id| self.backend_ids.free(id));
+                    return Err(DataplaneError::Full(names::SERVICES));
+                }
+            },
+        };
+
+        // Where the new table goes: the inactive half of the service's region,
+        // or a new region when the size changed.
+        let (base, active, new_region) = match &old {
+            Some(o) if o.info.table_size == m => {
+                let wait = TABLE_QUARANTINE.saturating_sub(o.flipped.elapsed());
+                std::thread::sleep(wait);
+                (o.info.table_base, 1 - o.info.active, false)
+            }
+            _ => match self.regions.alloc(2 * m) {
+                Some(base) => (base, 0, true),
+                None => {
+                    fresh.iter().for_each(|&id| self.backend_ids.free(id));
+                    if old.is_none() {
+                        self.service_ids.free(service_id);
+                    }
+                    return Err(DataplaneError::Full(names::MAGLEV));
+                }
+            },
+        };
+
+        let undo = |dp: &mut Self| {
+            fresh.iter().for_each(|&id| dp.backend_ids.free(id));
+            if new_region {
+                dp.regions.free(base, 2 * m);
+            }
+            if old.is_none() {
+                dp.service_ids.free(service_id);
+            }
+        };
+        match self.write_service(spec, &key, service_id, &ids, &fresh, base, active, m, old.is_none()) {
+            Ok(info) => {
+                if let Some(o) = &old {
+                    if new_region {
+                        self.quarantined.push((Instant::now(), o.info.table_base, 2 * o.info.table_size));
+                    }
+                    for (addr, id) in &o.backend_ids {
+                        if !ids.iter().any(|(a, _)| a == addr) {
+                            self.backend_ids.free(*id);
+                        }
+                    }
+                }
+                self.state.insert(
+                    key,
+                    Programmed { spec: spec.clone(), info, backend_ids: ids, flipped: Instant::now() },
+                );
+                self.sync_echo_markers(spec.vip)?;
+                self.sync_port_flags()
+            }
+            Err(e) => {
+                undo(self);
+                Err(e)
+            }
+        }
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn write_service(
+        &mut self,
+        spec: &ServiceSpec,
+        key: &ServiceKey,
+        service_id: u32,
+        ids: &[(SocketAddr, u32)],
+        fresh: &[u32],
+        base: u32,
+        active: u32,
+        m: u32,
+        new_service: bool,
+    ) -> Result<ServiceInfo> {
+        for (b, (_, id)) in spec.backends.iter().zip(ids) {
+            let value = Backend { addr: ip_words(b.addr.ip()), port: b.addr.port().to_be(), family: family(b.addr.ip()), _pad: 0 };
+            self.backends.set(*id, value, 0).map_err(map_err(names::BACKENDS))?;
+        }
+        for &id in fresh {
+            zero_stats(&mut self.backend_stats, id).map_err(map_err(names::BACKEND_STATS))?;
+        }
+        if new_service {
+            zero_stats(&mut self.service_stats, service_id).map_err(map_err(names::SERVICE_STATS))?;
+        }
+        let mb: Vec<_> = spec
+            .backends
+            .iter()
+            .map(|b| {
+                let mut addr = [0u8; 16];
+                match b.addr.ip() {
+                    IpAddr::V4(a) => addr[..4].copy_from_slice(&a.octets()),
+                    IpAddr::V6(a) => addr = a.octets(),
+                }
+                maglev::MaglevBackend { addr, port: b.addr.port(), weight: b.weight }
+            })
+            .collect();
+        let table = maglev::build_table(&mb, m).map_err(|e| DataplaneError::InvalidService {
+            service: spec.name(),
+            reason: e.to_string(),
+        })?;
+        let live = !table.is_empty();
+        if live {
+            let slot = base + active * m;
+            self.maglev.write(slot, table.iter().map(|&i| ids[i as usize].1));
+        }
+        let info = ServiceInfo {
+            id: service_id,
+            flags: if spec.snat.is_some() { SERVICE_F_SNAT } else { 0 },
+            table_base: base,
+            table_size: m,
+            active,
+            backend_count: if live { mb.iter().filter(|b| b.weight > 0).count() as u32 } else { 0 },
+            snat_addr: spec.snat.map(ip_words).unwrap_or_default(),
+        };
+        // The flip: one whole-value replacement of the service entry.
+        self.services.insert(key, info, 0).map_err(map_err(names::SERVICES))?;
+        Ok(info)
+    }
+
+    /// Removes a service. Its flows' reply translations stay until they expire.
+    pub fn remove_service(&mut self, key: &ServiceKey) -> Result<()> {
+        let Some(p) = self.state.remove(key) else {
+            return Ok(());
+        };
+        if let Err(e) = self.services.remove(key) {
+            self.state.insert(*key, p);
+            return Err(map_err(names::SERVICES)(e));
+        }
+        self.quarantined.push((Instant::now(), p.info.table_base, 2 * p.info.table_size));
+        p.backend_ids.iter().for_each(|(_, id)| self.backend_ids.free(*id));
+        self.service_ids.free(p.info.id);
+        self.sync_echo_markers(p.spec.vip)?;
+        self.sync_port_flags()
+    }
+
+    fn release_quarantine(&mut self) {
+        let now = Instant::now();
+        let (due, keep): (Vec<_>, Vec<_>) =
+            self.quarantined.drain(..).partition(|(t, _, _)| now.duration_since(*t) >= TABLE_QUARANTINE);
+        self.quarantined = keep;
+        for (_, start, len) in due {
+            self.regions.free(start, len);
+        }
+    }
+
+    /// The echo marker of a VIP exists while any service uses the VIP.
+    fn sync_echo_markers(&mut self, vip: IpAddr) -> Result<()> {
+        let key = echo_key(vip);
+        let first = self.state.values().find(|p| p.spec.vip == vip).map(|p| p.info.id);
+        match first {
+            Some(id) => {
+                let marker = ServiceInfo { id, ..Default::default() };
+                self.services.insert(key, marker, 0).map_err(map_err(names::SERVICES))
+            }
+            None => match self.services.remove(&key) {
+                Ok(()) | Err(MapError::KeyNotFound) => Ok(()),
+                Err(e) => Err(map_err(names::SERVICES)(e)),
+            },
+        }
+    }
+
+    fn sync_port_flags(&mut self) -> Result<()> {
+        let mut want = vec![0u8; 65536];
+        for p in self.state.values() {
+            want[p.spec.port as usize] |= PORT_F_SERVICE;
+            for b in &p.spec.backends {
+                want[b.addr.port() as usize] |= PORT_F_BACKEND;
+            }
+        }
+        for (port, (&w, have)) in want.iter().zip(self.ports.iter_mut()).enumerate() {
+            if w != *have {
+                self.port_flags.set(port as u32, w, 0).map_err(map_err(names::PORT_FLAGS))?;
+                *have = w;
+            }
+        }
+        Ok(())
+    }
+
+    /// Id of a programmed service.
+    pub fn service_id(&self, key: &ServiceKey) -> Option<u32> {
+        self.state.get(key).map(|p| p.info.id)
+    }
+
+    pub fn service_info(&self, key: &ServiceKey) -> Result<ServiceInfo> {
+        self.services.get(key, 0).map_err(map_err(names::SERVICES))
+    }
+
+    /// Id of a backend of a programmed service.
+    pub fn backend_id(&self, key: &ServiceKey, addr: SocketAddr) -> Option<u32> {
+        self.state.get(key)?.backend_ids.iter().find(|(a, _)| *a == addr).map(|x| x.1)
+    }
+
+    /// Packets per reason, summed over CPUs.
+    pub fn reason_counts(&self) -> Result<[u64; REASON_COUNT as usize]> {
+        let mut out = [0u64; REASON_COUNT as usize];
+        for (i, slot) in out.iter_mut().enumerate() {
+            let v = self.reason_stats.get(&(i as u32), 0).map_err(map_err(names::REASON_STATS))?;
+            *slot = v.iter().sum();
+        }
+        Ok(out)
+    }
+
+    /// Packets per reason, per CPU: `[cpu][reason]`.
+    pub fn reason_counts_per_cpu(&self) -> Result<Vec<[u64; REASON_COUNT as usize]>> {
+        let mut out: Vec<[u64; REASON_COUNT as usize]> = Vec::new();
+        for r in Reason::ALL {
+            let v = self.reason_stats.get(&(r as u32), 0).map_err(map_err(names::REASON_STATS))?;
+            if out.is_empty() {
+                out = vec![[0; REASON_COUNT as usize]; v.len()];
+            }
+            for (cpu, c) in v.iter().enumerate() {
+                out[cpu][r as usize] = *c;
+            }
+        }
+        Ok(out)
+    }
+
+    pub fn service_stats(&self, id: u32) -> Result<TrafficStats> {
+        sum_stats(&self.service_stats, id).map_err(map_err(names::SERVICE_STATS))
+    }
+
+    pub fn backend_stats(&self, id: u32) -> Result<TrafficStats> {
+        sum_stats(&self.backend_stats, id).map_err(map_err(names::BACKEND_STATS))
+    }
+
+    /// Every connection-table entry, with the CPU that holds it.
+    pub fn conntrack(&self) -> Result<Vec<(FlowKey, usize, Flow)>> {
+        let mut out = Vec::new();
+        for item in self.conntrack.iter() {
+            let (k, per_cpu) = item.map_err(map_err(names::CONNTRACK))?;
+            for (cpu, f) in per_cpu.iter().enumerate() {
+                if f.created_ns != 0 {
+                    out.push((k, cpu, *f));
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    pub fn reply_entries(&self) -> Result<Vec<(FlowKey, ReplyNat)>> {
+        self.reply_nat.iter().map(|r| r.map_err(map_err(names::REPLY_NAT))).collect()
+    }
+
+    /// Clears flows, reply translations and counters (between test cases).
+    pub fn clear_dynamic_state(&mut self) -> Result<()> {
+        let keys: Vec<_> = self.conntrack.keys().collect::<Result<_, _>>().map_err(map_err(names::CONNTRACK))?;
+        for k in keys {
+            let _ = self.conntrack.remove(&k);
+        }
+        let keys: Vec<_> = self.reply_nat.keys().collect::<Result<_, _>>().map_err(map_err(names::REPLY_NAT))?;
+        for k in keys {
+            let _ = self.reply_nat.remove(&k);
+        }
+        for i in 0..REASON_COUNT {
+            zero_stats(&mut self.reason_stats, i).map_err(map_err(names::REASON_STATS))?;
+        }
+        let services: BTreeSet<u32> = self.state.values().map(|p| p.info.id).collect();
+        for id in services {
+            zero_stats(&mut self.service_stats, id).map_err(map_err(names::SERVICE_STATS))?;
+        }
+        let backends: BTreeSet<u32> = self.state.values().flat_map(|p| p.backend_ids.iter().map(|x| x.1)).collect();
+        for id in backends {
+            zero_stats(&mut self.backend_stats, id).map_err(map_err(names::BACKEND_STATS))?;
+        }
+        Ok(())
+    }
+
+    /// Inserts a reply translation directly (tests of reply handling).
+    pub fn insert_reply(&mut self, key: &FlowKey, value: &ReplyNat) -> Result<()> {
+        self.reply_nat.insert(key, value, 0).map_err(map_err(names::REPLY_NAT))
+    }
+
+    /// The live Maglev table of a service (backend ids).
+    pub fn live_table(&self, key: &ServiceKey) -> Result<Vec<u32>> {
+        let info = self.service_info(key)?;
+        if info.backend_count == 0 {
+            return Ok(Vec::new());
+        }
+        Ok(self.maglev.read(info.table_base + info.active * info.table_size, info.table_size))
+    }
+}
+
+fn sum_stats(map: &PerCpuArray<MapData, TrafficStats>, id: u32) -> Result<TrafficStats, MapError> {
+    let v = map.get(&id, 0)?;
+    Ok(v.iter().fold(TrafficStats::default(), |a, s| TrafficStats {
+        packets: a.packets + s.packets,
+        bytes: a.bytes + s.bytes,
+        new_flows: a.new_flows + s.new_flows,
+        reply_packets: a.reply_packets + s.reply_packets,
+        reply_bytes: a.reply_bytes + s.reply_bytes,
+    }))
+}
+
+/// Number of possible CPUs: the length of every per-CPU value.
+pub fn possible_cpus() -> usize {
+    aya::util::nr_cpus().unwrap_or(1)
+}
+
+fn zero_stats<T: aya::Pod + Default>(map: &mut PerCpuArray<MapData, T>, id: u32) -> Result<(), MapError> {
+    let values = PerCpuValues::try_from(vec![T::default(); possible_cpus()])
+        .expect("one value per possible CPU is what the kernel expects");
+    map.set(id, values, 0)
+}
+
+/// Index of a network interface in this network namespace.
+pub fn ifindex(name: &str) -> Option<u32> {
+    let c = std::ffi::CString::new(name).ok()?;
+    // SAFETY: valid NUL-terminated string.
+    let i = unsafe { libc::if_nametoindex(c.as_ptr()) };
+    (i != 0).then_some(i)
+}

@@ -1,0 +1,294 @@
+//! Flow state: the per-CPU connection table (client -> backend) and the
+//! shared reply table (backend -> client), and Maglev picks for new flows.
+
+use aya_ebpf::{bindings::BPF_NOEXIST, helpers::bpf_ktime_get_coarse_ns};
+use lb_common::{
+    hash::{flow_hash, snat_port_candidate},
+    Backend, Config, Flow, FlowKey, Reason, ReplyNat, ServiceInfo, PROTO_TCP, REPLY_F_CLOSING, SERVICE_F_SNAT,
+    SNAT_PROBES,
+};
+
+use crate::maps::{BACKENDS, CONFIG, CONNTRACK, MAGLEV, REPLY_NAT};
+
+const NS: u64 = 1_000_000_000;
+/// Flow timestamps and reply-entry lifetimes are refreshed at most this often,
+/// so an established flow costs no write per packet.
+const REFRESH_NS: u64 = NS;
+
+/// Where a client flow goes.
+#[derive(Clone, Copy, Default)]
+#[repr(C)]
+pub struct Target {
+    pub backend: Backend,
+    pub backend_id: u32,
+    /// Network order; 0 in NAT mode.
+    pub snat_port: u16,
+    /// 1 when this packet created the flow. (Not a bool: a bool's niche would
+    /// put `Result<Target, _>`'s tag mid-struct, which kernel BTF rejects.)
+    pub new_flow: u16,
+}
+
+/// `lookup_or_create`'s "no error" return.
+pub const FOUND: u32 = u32::MAX;
+
+#[inline(always)]
+pub fn now() -> u64 {
+    // SAFETY: helper without arguments.
+    unsafe { bpf_ktime_get_coarse_ns() }
+}
+
+#[inline(always)]
+pub fn config() -> Config {
+    CONFIG.get(0).copied().unwrap_or_default()
+}
+
+#[inline(always)]
+fn lifetime_ns(cfg: &Config, proto: u8, closing: bool) -> u64 {
+    let s = if proto != PROTO_TCP {
+        cfg.udp_timeout_s
+    } else if closing {
+        cfg.tcp_closing_timeout_s
+    } else {
+        cfg.tcp_timeout_s
+    };
+    s as u64 * NS
+}
+
+/// The reply-direction key of a client flow sent to `t`.
+/// Writes the reply key in place (no stack temporary).
+#[inline(always)]
+fn set_reply_key(rk: &mut FlowKey, key: &FlowKey, svc: &ServiceInfo, backend: &Backend, snat_port: u16) {
+    let snat = svc.flags & SERVICE_F_SNAT != 0;
+    rk.src = backend.addr;
+    rk.dst = if snat { svc.snat_addr } else { key.src };
+    rk.sport = backend.port;
+    rk.dport = if snat { snat_port } else { key.sport };
+    rk.proto = key.proto;
+    rk.family = key.family;
+    rk._pad = [0; 2];
+}
+
+/// Fills a reply translation in place, field by field: whole-struct copies
+/// become `memcpy` loops that cost the verifier dearly.
+#[inline(always)]
+fn set_reply_value(r: &mut ReplyNat, key: &FlowKey, service_id: u32, backend_id: u32, closing: bool, expires_ns: u64) {
+    r.vip = key.dst;
+    r.client = key.src;
+    r.vport = key.dport;
+    r.cport = key.sport;
+    r.service_id = service_id;
+    r.backend_id = backend_id;
+    r.flags = if closing { REPLY_F_CLOSING } else { 0 };
+    r.expires_ns = expires_ns;
+}
+
+#[inline(always)]
+fn same_client(r: &ReplyNat, key: &FlowKey) -> bool {
+    r.client == key.src && r.cport == key.sport && r.vip == key.dst && r.vport == key.dport
+}
+
+/// The backend Maglev gives this flow now.
+#[inline(always)]
+pub fn pick(key: &FlowKey, svc: &ServiceInfo) -> Result<(u32, Backend), Reason> {
+    if svc.backend_count == 0 || svc.table_size == 0 {
+        return Err(Reason::DropNoBackend);
+    }
+    let m = svc.table_size;
+    let idx = svc.table_base + svc.active * m + flow_hash(key) % m;
+    let id = *MAGLEV.get(idx).ok_or(Reason::DropTableError)?;
+    let backend = *BACKENDS.get(id).ok_or(Reason::DropTableError)?;
+    if backend.family != key.family {
+        return Err(Reason::DropTableError);
+    }
+    Ok((id, backend))
+}
+
+/// Per-CPU scratch space for the new-flow path: these values would not
+/// fit the verifier's 512-byte stack limit across the call chain.
+#[repr(C)]
+pub struct Scratch {
+    /// The packet's flow (client -> VIP, or backend -> client for replies).
+    pub key: FlowKey,
+    pub target: Target,
+    pub reply_key: FlowKey,
+    pub reply: ReplyNat,
+    pub flow: Flow,
+}
+
+/// Finds the flow's backend, creating the flow (and its reply entry, and in
+/// SNAT mode its source port) on a miss. `closing`: a TCP FIN or RST;
+/// `syn`: a TCP SYN without ACK, which starts a connection afresh even when
+/// an old flow with the same tuple is still in the table.
+///
+/// Not inlined (its own stack frame); fills `s.target` and returns
+/// [`FOUND`], or returns the `Reason` to drop the packet for.
+#[inline(never)]
+pub fn lookup_or_create(svc: &ServiceInfo, closing: bool, syn: bool, s: &mut Scratch) -> u32 {
+    let t = now();
+    let snat = svc.flags & SERVICE_F_SNAT != 0;
+    if let Some(flow) = if syn { None } else { CONNTRACK.get_ptr_mut(&s.key) } {
+        // SAFETY: per-CPU value, only this CPU touches it while we run.
+        let flow = unsafe { &mut *flow };
+        let idle = t.saturating_sub(flow.last_seen_ns);
+        let cfg = config();
+        // An SNAT flow idle past its lifetime may have lost its port to another flow.
+        if !(snat && idle > lifetime_ns(&cfg, s.key.proto, false)) {
+            s.target.backend.addr = flow.backend_addr;
+            s.target.backend.port = flow.backend_port;
+            s.target.backend.family = s.key.family;
+            s.target.backend_id = flow.backend_id;
+            s.target.snat_port = flow.snat_port;
+            s.target.new_flow = 0;
+            if idle > REFRESH_NS || closing {
+                flow.last_seen_ns = t;
+                set_reply_key(&mut s.reply_key, &s.key, svc, &s.target.backend, flow.snat_port);
+                refresh_reply(&s.reply_key, &cfg, s.key.proto, closing, t);
+            }
+            return FOUND;
+        }
+    }
+    create(svc, closing, s)
+}
+
+#[inline(always)]
+fn create(svc: &ServiceInfo, closing: bool, s: &mut Scratch) -> u32 {
+    let t = now();
+    let (backend_id, backend) = match pick(&s.key, svc) {
+        Ok(p) => p,
+        Err(r) => return r as u32,
+    };
+    let cfg = config();
+    set_reply_value(&mut s.reply, &s.key, svc.id, backend_id, closing, t + lifetime_ns(&cfg, s.key.proto, closing));
+    let mut snat_port = 0u16;
+    if svc.flags & SERVICE_F_SNAT != 0 {
+        snat_port = claim_snat_port(svc, &backend, &cfg, s);
+        if snat_port == 0 {
+            return Reason::DropSnatExhausted as u32;
+        }
+    } else {
+        // NAT mode: the reply key holds the client tuple, so it is this flow's own.
+        set_reply_key(&mut s.reply_key, &s.key, svc, &backend, 0);
+        let _ = REPLY_NAT.insert(&s.reply_key, &s.reply, 0);
+    }
+    s.flow.backend_addr = backend.addr;
+    s.flow.backend_port = backend.port;
+    s.flow.snat_port = snat_port;
+    s.flow.backend_id = backend_id;
+    s.flow.service_id = svc.id;
+    s.flow._pad = 0;
+    s.flow.created_ns = t;
+    s.flow.last_seen_ns = t;
+    // A full LRU evicts its oldest entry; failure here only costs a re-pick later.
+    let _ = CONNTRACK.insert(&s.key, &s.flow, 0);
+    s.target.backend.addr = backend.addr;
+    s.target.backend.port = backend.port;
+    s.target.backend.family = backend.family;
+    s.target.backend_id = backend_id;
+    s.target.snat_port = snat_port;
+    s.target.new_flow = 1;
+    FOUND
+}
+
+/// Pushes a reply entry's expiry forward; once closing, it stays closing.
+#[inline(always)]
+fn refresh(r: &mut ReplyNat, cfg: &Config, proto: u8, closing: bool, t: u64) {
+    let closing = closing || r.flags & REPLY_F_CLOSING != 0;
+    let expires = t + lifetime_ns(cfg, proto, closing);
+    if closing {
+        r.flags |= REPLY_F_CLOSING;
+        if expires < r.expires_ns {
+            r.expires_ns = expires;
+        }
+    } else if expires > r.expires_ns + REFRESH_NS {
+        r.expires_ns = expires;
+    }
+}
+
+#[inline(always)]
+fn refresh_reply(rk: &FlowKey, cfg: &Config, proto: u8, closing: bool, t: u64) {
+    if let Some(r) = REPLY_NAT.get_ptr_mut(rk) {
+        // SAFETY: plain stores; a racing CPU writes similar values.
+        refresh(unsafe { &mut *r }, cfg, proto, closing, t);
+    }
+}
+
+/// Claims a source port for a new SNAT flow: probes deterministic candidates,
+/// taking a free one, one left by this same client flow (seen by another
+/// CPU), or one whose previous flow has expired. Returns the port (network
+/// order), or 0 when every probe was taken. Expects `s.reply` filled.
+#[inline(always)]
+fn claim_snat_port(svc: &ServiceInfo, backend: &Backend, cfg: &Config, s: &mut Scratch) -> u16 {
+    let t = now();
+    let h = flow_hash(&s.key);
+    for probe in 0..SNAT_PROBES {
+        let port = snat_port_candidate(h, probe, cfg.snat_port_min, cfg.snat_port_max).to_be();
+        set_reply_key(&mut s.reply_key, &s.key, svc, backend, port);
+        if REPLY_NAT.insert(&s.reply_key, &s.reply, BPF_NOEXIST as u64).is_ok() {
+            return port;
+        }
+        if let Some(r) = REPLY_NAT.get_ptr_mut(&s.reply_key) {
+            // SAFETY: shared entry; we only take it when it is ours or expired.
+            let r = unsafe { &mut *r };
+            if same_client(r, &s.key) || r.expires_ns < t {
+                let closing = s.reply.flags & REPLY_F_CLOSING != 0;
+                set_reply_value(r, &s.key, svc.id, s.reply.backend_id, closing, s.reply.expires_ns);
+                return port;
+            }
+        }
+    }
+    0
+}
+
+/// Read-only lookup of an existing flow (for ICMP errors, which may arrive on
+/// any CPU): this CPU's table, else Maglev plus, in SNAT mode, the reply
+/// table entry that proves the flow and gives its port. Reads `s.key`,
+/// fills `s.target`.
+#[inline(always)]
+pub fn find(svc: &ServiceInfo, s: &mut Scratch) -> Option<()> {
+    if let Some(flow) = CONNTRACK.get_ptr(&s.key) {
+        // SAFETY: per-CPU value.
+        let flow = unsafe { &*flow };
+        s.target.backend.addr = flow.backend_addr;
+        s.target.backend.port = flow.backend_port;
+        s.target.backend.family = s.key.family;
+        s.target.backend_id = flow.backend_id;
+        s.target.snat_port = flow.snat_port;
+        s.target.new_flow = 0;
+        return Some(());
+    }
+    let (backend_id, backend) = pick(&s.key, svc).ok()?;
+    s.target.backend.addr = backend.addr;
+    s.target.backend.port = backend.port;
+    s.target.backend.family = backend.family;
+    s.target.backend_id = backend_id;
+    s.target.snat_port = 0;
+    s.target.new_flow = 0;
+    if svc.flags & SERVICE_F_SNAT == 0 {
+        return Some(());
+    }
+    let cfg = config();
+    let h = flow_hash(&s.key);
+    for probe in 0..SNAT_PROBES {
+        let port = snat_port_candidate(h, probe, cfg.snat_port_min, cfg.snat_port_max).to_be();
+        set_reply_key(&mut s.reply_key, &s.key, svc, &backend, port);
+        if let Some(r) = REPLY_NAT.get_ptr(&s.reply_key) {
+            // SAFETY: read of a shared entry.
+            if same_client(unsafe { &*r }, &s.key) {
+                s.target.snat_port = port;
+                return Some(());
+            }
+        }
+    }
+    None
+}
+
+/// Reply translation for a packet from a backend, if it belongs to a flow.
+/// Refreshes the entry's lifetime when it is due (or on FIN/RST).
+#[inline(always)]
+pub fn reply_lookup(key: &FlowKey, closing: bool) -> Option<&ReplyNat> {
+    let r = REPLY_NAT.get_ptr_mut(key)?;
+    // SAFETY: shared entry; plain stores, a racing CPU writes similar values.
+    let r = unsafe { &mut *r };
+    refresh(r, &config(), key.proto, closing, now());
+    Some(r)
+}

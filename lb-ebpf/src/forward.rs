@@ -1,0 +1,97 @@
+//! Sending a rewritten packet on: FIB lookup, MACs, TTL, XDP_TX or redirect.
+
+use aya_ebpf::{
+    bindings::{
+        bpf_fib_lookup as FibParams, xdp_action, BPF_FIB_LKUP_RET_NO_NEIGH, BPF_FIB_LKUP_RET_SUCCESS,
+    },
+    helpers::bpf_fib_lookup,
+    programs::XdpContext,
+    EbpfContext,
+};
+use lb_common::Reason;
+
+use crate::{
+    Verdict,
+    csum::Delta,
+    maps::TX_PORTS,
+    parse::{load16, load8, ptr_at, store16, store32, store8, Headers},
+};
+
+/// TTL / hop limit of the packet; forwarding needs it above 1.
+#[inline(always)]
+pub fn ttl(ctx: &XdpContext, h: &Headers) -> u8 {
+    let off = if h.v6() { 7 } else { 8 };
+    ptr_at(ctx, h.l3 + off, 1).map(load8).unwrap_or(0)
+}
+
+/// Routes the (already rewritten) packet to `dst`. Returns the action and its reason.
+#[inline(never)]
+pub fn forward(ctx: &XdpContext, h: &Headers, src: &[u32; 4], dst: &[u32; 4]) -> Verdict {
+    let ingress = ctx.ingress_ifindex() as u32;
+    let len = (ctx.data_end() - ctx.data()).saturating_sub(h.l3) as u16;
+    // SAFETY: plain-data bindgen struct; all-zero is a valid value.
+    let mut p: FibParams = unsafe { core::mem::zeroed() };
+    p.family = h.family;
+    p.l4_protocol = h.proto;
+    p.ifindex = ingress;
+    p.__bindgen_anon_1.tot_len = len;
+    if h.v6() {
+        p.__bindgen_anon_3.ipv6_src = *src;
+        p.__bindgen_anon_4.ipv6_dst = *dst;
+    } else {
+        p.__bindgen_anon_3.ipv4_src = src[0];
+        p.__bindgen_anon_4.ipv4_dst = dst[0];
+    }
+    // SAFETY: `p` is a valid, fully initialised parameter block of the size given.
+    let rc = unsafe {
+        bpf_fib_lookup(ctx.as_ptr(), &mut p, core::mem::size_of::<FibParams>() as i32, 0)
+    };
+    if rc == BPF_FIB_LKUP_RET_NO_NEIGH as i64 {
+        return Verdict::new(xdp_action::XDP_PASS, Reason::PassNoNeigh);
+    }
+    if rc != BPF_FIB_LKUP_RET_SUCCESS as i64 {
+        return Verdict::new(xdp_action::XDP_PASS, Reason::PassFibFailed);
+    }
+    let (action, reason) = if p.ifindex == ingress {
+        (xdp_action::XDP_TX, Reason::Tx)
+    } else if h.vlan {
+        // We cannot know the egress VLAN; the kernel's VLAN device does.
+        return Verdict::new(xdp_action::XDP_PASS, Reason::PassFibFailed);
+    } else {
+        // Only interfaces the agent listed accept redirects; a miss returns
+        // XDP_PASS and nothing is changed yet, so the kernel forwards it.
+        match TX_PORTS.redirect(p.ifindex, xdp_action::XDP_PASS as u64) {
+            Ok(a) => (a, Reason::Redirect),
+            Err(_) => return Verdict::new(xdp_action::XDP_PASS, Reason::PassFibFailed),
+        }
+    };
+    let Some(eth) = ptr_at(ctx, 0, 12) else {
+        return Verdict::new(xdp_action::XDP_ABORTED, Reason::DropMalformed);
+    };
+    write_mac(eth, &p.dmac);
+    write_mac(eth + 6, &p.smac);
+    decrement_ttl(ctx, h);
+    Verdict::new(action, reason)
+}
+
+#[inline(always)]
+fn write_mac(p: usize, mac: &[u8; 6]) {
+    store16(p, u16::from_ne_bytes([mac[0], mac[1]]));
+    store32(p + 2, u32::from_ne_bytes([mac[2], mac[3], mac[4], mac[5]]));
+}
+
+#[inline(always)]
+fn decrement_ttl(ctx: &XdpContext, h: &Headers) {
+    if h.v6() {
+        if let Some(p) = ptr_at(ctx, h.l3 + 7, 1) {
+            store8(p, load8(p).wrapping_sub(1));
+        }
+    } else if let Some(ip) = ptr_at(ctx, h.l3, 20) {
+        // TTL shares a checksummed 16-bit word with the protocol byte.
+        let old = load16(ip + 8);
+        store8(ip + 8, load8(ip + 8).wrapping_sub(1));
+        let mut d = Delta::default();
+        d.replace16(old, load16(ip + 8));
+        store16(ip + 10, d.apply(load16(ip + 10)));
+    }
+}

@@ -1,0 +1,71 @@
+//! Every map the program uses, with BTF so that `bpftool map dump` shows
+//! field names. Sizes come from lb-common; docs/maps.md lists their memory.
+
+use aya_ebpf::{
+    bindings::{BPF_F_MMAPABLE, BPF_F_NO_PREALLOC},
+    btf_maps::{Array, DevMapHash, HashMap, LruHashMap, LruPerCpuHashMap, PerCpuArray},
+    macros::btf_map,
+};
+use lb_common::{
+    Backend, Config, Flow, FlowKey, ReplyNat, ServiceInfo, ServiceKey, TrafficStats, CONNTRACK_ENTRIES,
+    MAGLEV_POOL_ENTRIES, MAX_BACKENDS, MAX_SERVICES, MAX_TX_PORTS, PORT_FLAGS_ENTRIES, REASON_COUNT,
+    REPLY_NAT_ENTRIES,
+};
+
+const NO_PREALLOC: usize = BPF_F_NO_PREALLOC as usize;
+/// The agent writes Maglev tables through a memory mapping: one store per
+/// entry instead of one syscall.
+const MMAPABLE: usize = BPF_F_MMAPABLE as usize;
+
+/// (VIP, port, protocol) -> service. Not preallocated: an update replaces the
+/// element under RCU, so a reader never sees half of an old and a new value.
+#[btf_map]
+pub static SERVICES: HashMap<ServiceKey, ServiceInfo, { MAX_SERVICES as usize }, NO_PREALLOC> =
+    HashMap::new();
+
+/// Backend id -> address. Filled before any Maglev table names the id.
+#[btf_map]
+pub static BACKENDS: Array<Backend, { MAX_BACKENDS as usize }> = Array::new();
+
+/// Pool of Maglev entries (backend ids). Each service owns two tables of its
+/// size M here and flips between them, see `ServiceInfo::active`.
+#[btf_map]
+pub static MAGLEV: Array<u32, { MAGLEV_POOL_ENTRIES as usize }, MMAPABLE> = Array::new();
+
+/// Client flow -> chosen backend, per CPU (RSS keeps a flow on one CPU).
+#[btf_map]
+pub static CONNTRACK: LruPerCpuHashMap<FlowKey, Flow, { CONNTRACK_ENTRIES as usize }> =
+    LruPerCpuHashMap::new();
+
+/// Reply flow -> how to translate it back. Shared by all CPUs: replies hash
+/// to a different receive queue than the requests they answer.
+#[btf_map]
+pub static REPLY_NAT: LruHashMap<FlowKey, ReplyNat, { REPLY_NAT_ENTRIES as usize }> =
+    LruHashMap::new();
+
+/// ifindex -> ifindex for interfaces XDP may redirect to. A miss makes
+/// `bpf_redirect_map` return XDP_PASS, so the kernel forwards instead.
+#[btf_map]
+pub static TX_PORTS: DevMapHash<{ MAX_TX_PORTS as usize }> = DevMapHash::new();
+
+/// Port (host order) -> PORT_F_* bits: lets unrelated traffic skip the hash maps.
+#[btf_map]
+pub static PORT_FLAGS: Array<u8, { PORT_FLAGS_ENTRIES as usize }> = Array::new();
+
+/// Global settings, index 0.
+#[btf_map]
+pub static CONFIG: Array<Config, 1> = Array::new();
+
+#[btf_map]
+pub static SERVICE_STATS: PerCpuArray<TrafficStats, { MAX_SERVICES as usize }> = PerCpuArray::new();
+
+#[btf_map]
+pub static BACKEND_STATS: PerCpuArray<TrafficStats, { MAX_BACKENDS as usize }> = PerCpuArray::new();
+
+/// Packets per `lb_common::Reason`.
+#[btf_map]
+pub static REASON_STATS: PerCpuArray<u64, { REASON_COUNT as usize }> = PerCpuArray::new();
+
+/// Per-CPU scratch space for large temporaries (see `conntrack::Scratch`).
+#[btf_map]
+pub static SCRATCH: PerCpuArray<crate::conntrack::Scratch, 1> = PerCpuArray::new();

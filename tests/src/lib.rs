@@ -1,0 +1,3 @@
+//! Test support for xlb: packet fixtures, checkers and helpers shared by the integration tests.
+
+pub mod packet;
