@@ -30,8 +30,9 @@ pub const MAX_SERVICES: u32 = 4096;
 /// `BACKENDS` and `BACKEND_STATS`: backend slots, indexed by backend id.
 pub const MAX_BACKENDS: u32 = 65536;
 /// `MAGLEV`: one pool of u32 backend ids holding every service's two tables.
-/// 2^23 entries (32 MiB) hold 256 services at the default table size.
-pub const MAGLEV_POOL_ENTRIES: u32 = 1 << 23;
+/// 2^22 entries (32 MiB: the kernel spaces array elements 8 bytes apart)
+/// hold 128 services at the default table size.
+pub const MAGLEV_POOL_ENTRIES: u32 = 1 << 22;
 /// `CONNTRACK`: flows per CPU (LRU, per-CPU).
 pub const CONNTRACK_ENTRIES: u32 = 1 << 18;
 /// `REPLY_NAT`: reverse translations, shared by all CPUs (LRU).

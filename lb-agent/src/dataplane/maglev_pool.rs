@@ -2,6 +2,9 @@
 //! created with BPF_F_MMAPABLE): filling a 65537-entry table is 65537 stores,
 //! not 65537 syscalls. The caller publishes a table only afterwards, with a
 //! `SERVICES` update, and that syscall orders the stores before it.
+//!
+//! The kernel lays array elements out 8 bytes apart (`round_up(value_size,
+//! 8)`), so entry i of our u32 values sits at byte 8 * i of the mapping.
 
 use std::{
     io,
@@ -11,10 +14,14 @@ use std::{
 
 use aya::maps::MapData;
 
+/// Bytes between two array elements in the mapping.
+const STRIDE: usize = 8;
+
 pub struct MaglevPool {
     // Keeps the map (and so the mapping's backing) alive.
     _map: MapData,
     base: NonNull<u32>,
+
     entries: u32,
     len: usize,
 }
@@ -25,7 +32,7 @@ unsafe impl Send for MaglevPool {}
 impl MaglevPool {
     pub fn new(map: MapData, entries: u32) -> io::Result<Self> {
         let page = 4096usize;
-        let len = (entries as usize * 4).div_ceil(page) * page;
+        let len = (entries as usize * STRIDE).div_ceil(page) * page;
         // SAFETY: mapping a BPF array map fd as its documented shared memory.
         let p = unsafe {
             libc::mmap(
@@ -49,7 +56,7 @@ impl MaglevPool {
         assert!(start as usize + values.len() <= self.entries as usize, "Maglev write past the pool");
         for (i, v) in values.enumerate() {
             // SAFETY: in bounds (asserted above); volatile because the kernel reads it.
-            unsafe { self.base.as_ptr().add(start as usize + i).write_volatile(v) };
+            unsafe { self.slot(start as usize + i).write_volatile(v) };
         }
     }
 
@@ -58,8 +65,16 @@ impl MaglevPool {
         assert!(start as u64 + len as u64 <= self.entries as u64, "Maglev read past the pool");
         (0..len as usize)
             // SAFETY: in bounds (asserted above).
-            .map(|i| unsafe { self.base.as_ptr().add(start as usize + i).read_volatile() })
+            .map(|i| unsafe { self.slot(start as usize + i).read_volatile() })
             .collect()
+    }
+}
+
+impl MaglevPool {
+    /// Address of entry `i`; the caller checks `i < entries`.
+    fn slot(&self, i: usize) -> *mut u32 {
+        // SAFETY: within the mapping for i < entries (STRIDE * entries <= len).
+        unsafe { self.base.as_ptr().cast::<u8>().add(i * STRIDE).cast::<u32>() }
     }
 }
 

@@ -287,6 +287,9 @@ impl Dataplane {
         self.release_quarantine();
         let key = spec.key();
         let old = self.state.get(&key).cloned();
+        if old.as_ref().is_some_and(|o| o.spec == *spec) {
+            return Ok(());
+        }
         let m = spec.table_size();
 
         // Backend ids: keep those of backends that stay.
