@@ -9,8 +9,14 @@ const SEED: u32 = 0x786c_6221; // "xlb!"
 
 #[inline(always)]
 fn mix(h: u32, k: u32) -> u32 {
-    let k = k.wrapping_mul(0xcc9e_2d51).rotate_left(15).wrapping_mul(0x1b87_3593);
-    (h ^ k).rotate_left(13).wrapping_mul(5).wrapping_add(0xe654_6b64)
+    let k = k
+        .wrapping_mul(0xcc9e_2d51)
+        .rotate_left(15)
+        .wrapping_mul(0x1b87_3593);
+    (h ^ k)
+        .rotate_left(13)
+        .wrapping_mul(5)
+        .wrapping_add(0xe654_6b64)
 }
 
 #[inline(always)]
@@ -56,7 +62,15 @@ mod tests {
 
     #[test]
     fn flow_hash_is_stable_and_spreads() {
-        let mut k = FlowKey { src: [0x0100_000a, 0, 0, 0], dst: [0x0a02_00c0, 0, 0, 0], sport: 1234, dport: 80, proto: 6, family: 2, _pad: [0; 2] };
+        let mut k = FlowKey {
+            src: [0x0100_000a, 0, 0, 0],
+            dst: [0x0a02_00c0, 0, 0, 0],
+            sport: 1234,
+            dport: 80,
+            proto: 6,
+            family: 2,
+            _pad: [0; 2],
+        };
         // A fixed value: a change to the hash breaks cross-version consistency
         // between nodes that run different xlb versions behind one ECMP group.
         assert_eq!(flow_hash(&k), flow_hash(&k.clone()));
@@ -76,7 +90,8 @@ mod tests {
     #[test]
     fn snat_candidates_stay_in_range_and_differ() {
         for h in [0u32, 1, 0xffff_ffff, 12345] {
-            let ports: [u16; 4] = core::array::from_fn(|i| snat_port_candidate(h, i as u32, 10000, 10009));
+            let ports: [u16; 4] =
+                core::array::from_fn(|i| snat_port_candidate(h, i as u32, 10000, 10009));
             for p in ports {
                 assert!((10000..=10009).contains(&p));
             }

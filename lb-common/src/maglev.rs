@@ -30,7 +30,9 @@ impl core::fmt::Display for MaglevError {
     fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
         match self {
             MaglevError::NotPrime(m) => write!(f, "table size {m} is not a prime"),
-            MaglevError::TooLarge(m) => write!(f, "table size {m} exceeds {}", crate::MAX_MAGLEV_SIZE),
+            MaglevError::TooLarge(m) => {
+                write!(f, "table size {m} exceeds {}", crate::MAX_MAGLEV_SIZE)
+            }
             MaglevError::TooSmall { size, backends } => write!(
                 f,
                 "table size {size} is below 100 x {backends} backends; pick a prime above {}",
@@ -48,7 +50,7 @@ pub fn is_prime(n: u32) -> bool {
     }
     let mut d = 2u32;
     while (d as u64) * (d as u64) <= n as u64 {
-        if n % d == 0 {
+        if n.is_multiple_of(d) {
             return false;
         }
         d += 1;
@@ -106,9 +108,15 @@ pub fn build_table(backends: &[MaglevBackend], size: u32) -> Result<Vec<u32>, Ma
     check_table_size(size, backends.len())?;
     let m = size as u64;
     // Sort a view by identity so that input order does not matter.
-    let mut order: Vec<usize> = (0..backends.len()).filter(|&i| backends[i].weight > 0).collect();
-    order.sort_by(|&a, &b| (backends[a].addr, backends[a].port).cmp(&(backends[b].addr, backends[b].port)));
-    order.dedup_by(|a, b| (backends[*a].addr, backends[*a].port) == (backends[*b].addr, backends[*b].port));
+    let mut order: Vec<usize> = (0..backends.len())
+        .filter(|&i| backends[i].weight > 0)
+        .collect();
+    order.sort_by(|&a, &b| {
+        (backends[a].addr, backends[a].port).cmp(&(backends[b].addr, backends[b].port))
+    });
+    order.dedup_by(|a, b| {
+        (backends[*a].addr, backends[*a].port) == (backends[*b].addr, backends[*b].port)
+    });
     if order.is_empty() {
         return Ok(Vec::new());
     }
@@ -152,7 +160,11 @@ mod tests {
     fn backend(n: u8, weight: u32) -> MaglevBackend {
         let mut addr = [0u8; 16];
         addr[..4].copy_from_slice(&[10, 2, 0, n]);
-        MaglevBackend { addr, port: 8080, weight }
+        MaglevBackend {
+            addr,
+            port: 8080,
+            weight,
+        }
     }
 
     fn shares(table: &[u32], n: usize) -> Vec<f64> {
@@ -166,9 +178,18 @@ mod tests {
     #[test]
     fn sizes_are_checked() {
         assert!(check_table_size(16381, 3).is_ok());
-        assert_eq!(check_table_size(16380, 3), Err(MaglevError::NotPrime(16380)));
-        assert_eq!(check_table_size(65539, 3), Err(MaglevError::TooLarge(65539)));
-        assert!(matches!(check_table_size(101, 3), Err(MaglevError::TooSmall { .. })));
+        assert_eq!(
+            check_table_size(16380, 3),
+            Err(MaglevError::NotPrime(16380))
+        );
+        assert_eq!(
+            check_table_size(65539, 3),
+            Err(MaglevError::TooLarge(65539))
+        );
+        assert!(matches!(
+            check_table_size(101, 3),
+            Err(MaglevError::TooSmall { .. })
+        ));
         assert!(check_table_size(65537, 655).is_ok());
     }
 
@@ -187,14 +208,22 @@ mod tests {
     #[test]
     fn weighted_shares_within_one_percent() {
         let weights = [1u32, 2, 3, 10, 0, 4];
-        let bs: Vec<_> = weights.iter().enumerate().map(|(i, &w)| backend(i as u8, w)).collect();
+        let bs: Vec<_> = weights
+            .iter()
+            .enumerate()
+            .map(|(i, &w)| backend(i as u8, w))
+            .collect();
         let total: u32 = weights.iter().sum();
         for m in [16381u32, 65537] {
             let t = build_table(&bs, m).unwrap();
             let s = shares(&t, bs.len());
             for (i, &w) in weights.iter().enumerate() {
                 let want = w as f64 / total as f64;
-                assert!((s[i] - want).abs() <= 0.01, "m={m} backend {i}: {} vs {want}", s[i]);
+                assert!(
+                    (s[i] - want).abs() <= 0.01,
+                    "m={m} backend {i}: {} vs {want}",
+                    s[i]
+                );
             }
             assert_eq!(s[4], 0.0, "weight 0 must get nothing");
         }
@@ -202,7 +231,13 @@ mod tests {
 
     #[test]
     fn removing_a_backend_moves_little_else() {
-        for (n, m) in [(3usize, 16381u32), (10, 16381), (30, 16381), (100, 65537), (150, 65537)] {
+        for (n, m) in [
+            (3usize, 16381u32),
+            (10, 16381),
+            (30, 16381),
+            (100, 65537),
+            (150, 65537),
+        ] {
             let bs: Vec<_> = (0..n).map(|i| backend(i as u8, 1)).collect();
             let before = build_table(&bs, m).unwrap();
             let removed = n / 2;
@@ -232,7 +267,10 @@ mod tests {
         rev.reverse();
         let b = build_table(&rev, 16381).unwrap();
         // Same backend identity at every entry.
-        assert!(a.iter().zip(&b).all(|(&x, &y)| bs[x as usize] == rev[y as usize]));
+        assert!(a
+            .iter()
+            .zip(&b)
+            .all(|(&x, &y)| bs[x as usize] == rev[y as usize]));
         assert_eq!(a, build_table(&bs, 16381).unwrap());
         // Pinned first entries: if this changes, nodes on different xlb
         // versions would disagree behind one ECMP group.

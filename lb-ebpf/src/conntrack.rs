@@ -4,8 +4,8 @@
 use aya_ebpf::{bindings::BPF_NOEXIST, helpers::bpf_ktime_get_coarse_ns};
 use lb_common::{
     hash::{flow_hash, snat_port_candidate},
-    Backend, Config, Flow, FlowKey, Reason, ReplyNat, ServiceInfo, PROTO_TCP, REPLY_F_CLOSING, SERVICE_F_SNAT,
-    SNAT_PROBES,
+    Backend, Config, Flow, FlowKey, Reason, ReplyNat, ServiceInfo, PROTO_TCP, REPLY_F_CLOSING,
+    SERVICE_F_SNAT, SNAT_PROBES,
 };
 
 use crate::maps::{BACKENDS, CONFIG, CONNTRACK, MAGLEV, REPLY_NAT};
@@ -57,7 +57,13 @@ fn lifetime_ns(cfg: &Config, proto: u8, closing: bool) -> u64 {
 /// The reply-direction key of a client flow sent to `t`.
 /// Writes the reply key in place (no stack temporary).
 #[inline(always)]
-fn set_reply_key(rk: &mut FlowKey, key: &FlowKey, svc: &ServiceInfo, backend: &Backend, snat_port: u16) {
+fn set_reply_key(
+    rk: &mut FlowKey,
+    key: &FlowKey,
+    svc: &ServiceInfo,
+    backend: &Backend,
+    snat_port: u16,
+) {
     let snat = svc.flags & SERVICE_F_SNAT != 0;
     rk.src = backend.addr;
     rk.dst = if snat { svc.snat_addr } else { key.src };
@@ -71,7 +77,14 @@ fn set_reply_key(rk: &mut FlowKey, key: &FlowKey, svc: &ServiceInfo, backend: &B
 /// Fills a reply translation in place, field by field: whole-struct copies
 /// become `memcpy` loops that cost the verifier dearly.
 #[inline(always)]
-fn set_reply_value(r: &mut ReplyNat, key: &FlowKey, service_id: u32, backend_id: u32, closing: bool, expires_ns: u64) {
+fn set_reply_value(
+    r: &mut ReplyNat,
+    key: &FlowKey,
+    service_id: u32,
+    backend_id: u32,
+    closing: bool,
+    expires_ns: u64,
+) {
     r.vip = key.dst;
     r.client = key.src;
     r.vport = key.dport;
@@ -126,7 +139,11 @@ pub struct Scratch {
 pub fn lookup_or_create(svc: &ServiceInfo, closing: bool, syn: bool, s: &mut Scratch) -> u32 {
     let t = now();
     let snat = svc.flags & SERVICE_F_SNAT != 0;
-    if let Some(flow) = if syn { None } else { CONNTRACK.get_ptr_mut(&s.key) } {
+    if let Some(flow) = if syn {
+        None
+    } else {
+        CONNTRACK.get_ptr_mut(&s.key)
+    } {
         // SAFETY: per-CPU value, only this CPU touches it while we run.
         let flow = unsafe { &mut *flow };
         let idle = t.saturating_sub(flow.last_seen_ns);
@@ -141,7 +158,13 @@ pub fn lookup_or_create(svc: &ServiceInfo, closing: bool, syn: bool, s: &mut Scr
             s.target.new_flow = 0;
             if idle > REFRESH_NS || closing {
                 flow.last_seen_ns = t;
-                set_reply_key(&mut s.reply_key, &s.key, svc, &s.target.backend, flow.snat_port);
+                set_reply_key(
+                    &mut s.reply_key,
+                    &s.key,
+                    svc,
+                    &s.target.backend,
+                    flow.snat_port,
+                );
                 refresh_reply(&s.reply_key, &cfg, s.key.proto, closing, t);
             }
             return FOUND;
@@ -158,7 +181,14 @@ fn create(svc: &ServiceInfo, closing: bool, s: &mut Scratch) -> u32 {
         Err(r) => return r as u32,
     };
     let cfg = config();
-    set_reply_value(&mut s.reply, &s.key, svc.id, backend_id, closing, t + lifetime_ns(&cfg, s.key.proto, closing));
+    set_reply_value(
+        &mut s.reply,
+        &s.key,
+        svc.id,
+        backend_id,
+        closing,
+        t + lifetime_ns(&cfg, s.key.proto, closing),
+    );
     let mut snat_port = 0u16;
     if svc.flags & SERVICE_F_SNAT != 0 {
         snat_port = claim_snat_port(svc, &backend, &cfg, s);
@@ -223,7 +253,10 @@ fn claim_snat_port(svc: &ServiceInfo, backend: &Backend, cfg: &Config, s: &mut S
     for probe in 0..SNAT_PROBES {
         let port = snat_port_candidate(h, probe, cfg.snat_port_min, cfg.snat_port_max).to_be();
         set_reply_key(&mut s.reply_key, &s.key, svc, backend, port);
-        if REPLY_NAT.insert(&s.reply_key, &s.reply, BPF_NOEXIST as u64).is_ok() {
+        if REPLY_NAT
+            .insert(&s.reply_key, &s.reply, BPF_NOEXIST as u64)
+            .is_ok()
+        {
             return port;
         }
         if let Some(r) = REPLY_NAT.get_ptr_mut(&s.reply_key) {
@@ -231,7 +264,14 @@ fn claim_snat_port(svc: &ServiceInfo, backend: &Backend, cfg: &Config, s: &mut S
             let r = unsafe { &mut *r };
             if same_client(r, &s.key) || r.expires_ns < t {
                 let closing = s.reply.flags & REPLY_F_CLOSING != 0;
-                set_reply_value(r, &s.key, svc.id, s.reply.backend_id, closing, s.reply.expires_ns);
+                set_reply_value(
+                    r,
+                    &s.key,
+                    svc.id,
+                    s.reply.backend_id,
+                    closing,
+                    s.reply.expires_ns,
+                );
                 return port;
             }
         }

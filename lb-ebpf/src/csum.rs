@@ -17,7 +17,8 @@ impl Delta {
     #[inline(always)]
     pub fn replace32(&mut self, old: u32, new: u32) {
         let o = !old;
-        self.0 += (o & 0xffff) as u64 + (o >> 16) as u64 + (new & 0xffff) as u64 + (new >> 16) as u64;
+        self.0 +=
+            (o & 0xffff) as u64 + (o >> 16) as u64 + (new & 0xffff) as u64 + (new >> 16) as u64;
     }
 
     #[inline(always)]

@@ -2,7 +2,8 @@
 
 use aya_ebpf::{
     bindings::{
-        bpf_fib_lookup as FibParams, xdp_action, BPF_FIB_LKUP_RET_NO_NEIGH, BPF_FIB_LKUP_RET_SUCCESS,
+        bpf_fib_lookup as FibParams, xdp_action, BPF_FIB_LKUP_RET_NO_NEIGH,
+        BPF_FIB_LKUP_RET_SUCCESS,
     },
     helpers::bpf_fib_lookup,
     programs::XdpContext,
@@ -11,10 +12,10 @@ use aya_ebpf::{
 use lb_common::Reason;
 
 use crate::{
-    Verdict,
     csum::Delta,
     maps::TX_PORTS,
     parse::{load16, load8, ptr_at, store16, store32, store8, Headers},
+    Verdict,
 };
 
 /// TTL / hop limit of the packet; forwarding needs it above 1.
@@ -44,7 +45,12 @@ pub fn forward(ctx: &XdpContext, h: &Headers, src: &[u32; 4], dst: &[u32; 4]) ->
     }
     // SAFETY: `p` is a valid, fully initialised parameter block of the size given.
     let rc = unsafe {
-        bpf_fib_lookup(ctx.as_ptr(), &mut p, core::mem::size_of::<FibParams>() as i32, 0)
+        bpf_fib_lookup(
+            ctx.as_ptr(),
+            &mut p,
+            core::mem::size_of::<FibParams>() as i32,
+            0,
+        )
     };
     if rc == BPF_FIB_LKUP_RET_NO_NEIGH as i64 {
         return Verdict::new(xdp_action::XDP_PASS, Reason::PassNoNeigh);

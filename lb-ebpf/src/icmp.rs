@@ -6,12 +6,15 @@ use aya_ebpf::{bindings::xdp_action, programs::XdpContext};
 use lb_common::{Reason, ServiceKey, PROTO_ICMP, PROTO_ICMPV6, SERVICE_F_SNAT};
 
 use crate::{
-    Verdict,
     conntrack,
     csum::Delta,
     forward::forward,
     maps::{SCRATCH, SERVICES},
-    parse::{addr_offsets, load16, load8, ptr_at, rd16, rd8, rd_addr, store16, wr16, wr8, wr_addr, Headers},
+    parse::{
+        addr_offsets, load16, load8, ptr_at, rd16, rd8, rd_addr, store16, wr16, wr8, wr_addr,
+        Headers,
+    },
+    Verdict,
 };
 
 const ICMP_ECHO_REPLY: u8 = 0;
@@ -25,8 +28,17 @@ const ICMPV6_ECHO_REPLY: u8 = 129;
 /// True if `addr` is a VIP (the agent adds an echo marker for every VIP).
 #[inline(always)]
 pub fn is_vip(addr: &[u32; 4], family: u8) -> bool {
-    let proto = if family == lb_common::FAMILY_V6 { PROTO_ICMPV6 } else { PROTO_ICMP };
-    let key = ServiceKey { addr: *addr, port: 0, proto, family };
+    let proto = if family == lb_common::FAMILY_V6 {
+        PROTO_ICMPV6
+    } else {
+        PROTO_ICMP
+    };
+    let key = ServiceKey {
+        addr: *addr,
+        port: 0,
+        proto,
+        family,
+    };
     SERVICES.get_ptr(&key).is_some()
 }
 
@@ -45,13 +57,20 @@ fn handle_inner(ctx: &XdpContext, h: &Headers) -> Option<Verdict> {
         if !is_vip(&h.dst, h.family) {
             return None;
         }
-        return Some(echo_reply(ctx, h).unwrap_or(Verdict::new(xdp_action::XDP_DROP, Reason::DropMalformed)));
+        return Some(
+            echo_reply(ctx, h).unwrap_or(Verdict::new(xdp_action::XDP_DROP, Reason::DropMalformed)),
+        );
     }
-    if (!v6 && ty == ICMP_DEST_UNREACH && code == ICMP_FRAG_NEEDED) || (v6 && ty == ICMPV6_PKT_TOOBIG) {
+    if (!v6 && ty == ICMP_DEST_UNREACH && code == ICMP_FRAG_NEEDED)
+        || (v6 && ty == ICMPV6_PKT_TOOBIG)
+    {
         if !is_vip(&h.dst, h.family) {
             return None;
         }
-        return Some(too_big_to_backend(ctx, h).unwrap_or(Verdict::new(xdp_action::XDP_DROP, Reason::DropIcmpNoFlow)));
+        return Some(
+            too_big_to_backend(ctx, h)
+                .unwrap_or(Verdict::new(xdp_action::XDP_DROP, Reason::DropIcmpNoFlow)),
+        );
     }
     None
 }
@@ -73,7 +92,15 @@ fn echo_reply(ctx: &XdpContext, h: &Headers) -> Option<Verdict> {
     wr_addr(ctx, h.l3 + src_off, &h.dst, v6)?;
     wr_addr(ctx, h.l3 + dst_off, &h.src, v6)?;
     let old_type = rd16(ctx, h.l4)?;
-    wr8(ctx, h.l4, if v6 { ICMPV6_ECHO_REPLY } else { ICMP_ECHO_REPLY })?;
+    wr8(
+        ctx,
+        h.l4,
+        if v6 {
+            ICMPV6_ECHO_REPLY
+        } else {
+            ICMP_ECHO_REPLY
+        },
+    )?;
     let mut d = Delta::default();
     d.replace16(old_type, rd16(ctx, h.l4)?);
     wr16(ctx, h.l4 + 2, d.apply(rd16(ctx, h.l4 + 2)?))?;
@@ -117,7 +144,12 @@ fn too_big_to_backend(ctx: &XdpContext, h: &Headers) -> Option<Verdict> {
     s.key.sport = rd16(ctx, il4 + 2)?;
     s.key.proto = proto;
     s.key.family = h.family;
-    let svc_key = ServiceKey { addr: s.key.dst, port: s.key.dport, proto, family: h.family };
+    let svc_key = ServiceKey {
+        addr: s.key.dst,
+        port: s.key.dport,
+        proto,
+        family: h.family,
+    };
     // SAFETY: SERVICES is not preallocated: the element outlives this run.
     let svc = unsafe { &*SERVICES.get_ptr(&svc_key)? };
     conntrack::find(svc, s)?;

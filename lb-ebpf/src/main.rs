@@ -3,6 +3,9 @@
 //! the backend, rewrite, forward. Every packet is counted under one reason.
 #![no_std]
 #![no_main]
+// Map keys and values are passed by reference on purpose: by value they are
+// copied to the stack (the verifier limits it to 512 bytes across calls).
+#![allow(clippy::needless_borrows_for_generic_args)]
 
 mod conntrack;
 mod csum;
@@ -117,16 +120,28 @@ fn process(ctx: &XdpContext) -> Verdict {
 
 #[inline(always)]
 fn port_flags(port_be: u16) -> u8 {
-    PORT_FLAGS.get(u16::from_be(port_be) as u32).copied().unwrap_or(0)
+    PORT_FLAGS
+        .get(u16::from_be(port_be) as u32)
+        .copied()
+        .unwrap_or(0)
 }
 
 #[inline(always)]
 fn transport(ctx: &XdpContext, h: &Headers) -> Verdict {
     let Some((sport, dport)) = ports(ctx, h) else {
-        return if icmp::is_vip(&h.dst, h.family) { drop(Reason::DropMalformed) } else { pass(Reason::PassTruncated) };
+        return if icmp::is_vip(&h.dst, h.family) {
+            drop(Reason::DropMalformed)
+        } else {
+            pass(Reason::PassTruncated)
+        };
     };
     if port_flags(dport) & PORT_F_SERVICE != 0 {
-        let key = ServiceKey { addr: h.dst, port: dport, proto: h.proto, family: h.family };
+        let key = ServiceKey {
+            addr: h.dst,
+            port: dport,
+            proto: h.proto,
+            family: h.family,
+        };
         if let Some(svc) = SERVICES.get_ptr(&key) {
             // SAFETY: SERVICES is not preallocated: an update replaces the
             // element and frees the old one only after this program run.
@@ -191,13 +206,22 @@ fn to_backend(ctx: &XdpContext, h: &Headers, svc: &lb_common::ServiceInfo) -> Ve
     }
     let t = &scratch.target;
     let snat = svc.flags & SERVICE_F_SNAT != 0;
-    let src = if snat { Some((&svc.snat_addr, t.snat_port)) } else { None };
+    let src = if snat {
+        Some((&svc.snat_addr, t.snat_port))
+    } else {
+        None
+    };
     if rewrite(ctx, h, src, Some((&t.backend.addr, t.backend.port))).is_none() {
         return drop(Reason::DropMalformed);
     }
     let bytes = (ctx.data_end() - ctx.data()) as u64;
     stats::count_traffic(svc.id, t.backend_id, bytes, t.new_flow != 0, false);
-    forward(ctx, h, if snat { &svc.snat_addr } else { &h.src }, &t.backend.addr)
+    forward(
+        ctx,
+        h,
+        if snat { &svc.snat_addr } else { &h.src },
+        &t.backend.addr,
+    )
 }
 
 /// A packet that may be a backend's reply; `Verdict::NONE` if it is not.
@@ -208,9 +232,7 @@ fn from_backend(ctx: &XdpContext, h: &Headers) -> Verdict {
 
 #[inline(always)]
 fn from_backend_inner(ctx: &XdpContext, h: &Headers) -> Option<Verdict> {
-    if ptr_at(ctx, h.l4, l4_min_len(h.proto)).is_none() {
-        return None;
-    }
+    ptr_at(ctx, h.l4, l4_min_len(h.proto))?;
     let (sport, dport) = ports(ctx, h)?;
     let flags = tcp_flags(ctx, h);
     // SAFETY: per-CPU scratch, only this program run uses it.
@@ -226,7 +248,11 @@ fn from_backend_inner(ctx: &XdpContext, h: &Headers) -> Option<Verdict> {
         return Some(pass(Reason::PassTtlExpired));
     }
     // In NAT mode the destination already is the client; skip the no-op.
-    let dst = if r.client != h.dst || r.cport != dport { Some((&r.client, r.cport)) } else { None };
+    let dst = if r.client != h.dst || r.cport != dport {
+        Some((&r.client, r.cport))
+    } else {
+        None
+    };
     rewrite(ctx, h, Some((&r.vip, r.vport)), dst)?;
     let bytes = (ctx.data_end() - ctx.data()) as u64;
     stats::count_traffic(r.service_id, r.backend_id, bytes, false, true);

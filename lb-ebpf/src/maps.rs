@@ -7,9 +7,9 @@ use aya_ebpf::{
     macros::btf_map,
 };
 use lb_common::{
-    Backend, Config, Flow, FlowKey, ReplyNat, ServiceInfo, ServiceKey, TrafficStats, CONNTRACK_ENTRIES,
-    MAGLEV_POOL_ENTRIES, MAX_BACKENDS, MAX_SERVICES, MAX_TX_PORTS, PORT_FLAGS_ENTRIES, REASON_COUNT,
-    REPLY_NAT_ENTRIES,
+    Backend, Config, Flow, FlowKey, ReplyNat, ServiceInfo, ServiceKey, TrafficStats,
+    CONNTRACK_ENTRIES, MAGLEV_POOL_ENTRIES, MAX_BACKENDS, MAX_SERVICES, MAX_TX_PORTS,
+    PORT_FLAGS_ENTRIES, REASON_COUNT, REPLY_NAT_ENTRIES,
 };
 
 const NO_PREALLOC: usize = BPF_F_NO_PREALLOC as usize;

@@ -223,8 +223,18 @@ fn parse_ipv6(ctx: &XdpContext, l3: usize, vlan: bool) -> Result<Headers, ParseE
         proto: next,
         vlan,
         fragment,
-        src: [load32(ip + 8), load32(ip + 12), load32(ip + 16), load32(ip + 20)],
-        dst: [load32(ip + 24), load32(ip + 28), load32(ip + 32), load32(ip + 36)],
+        src: [
+            load32(ip + 8),
+            load32(ip + 12),
+            load32(ip + 16),
+            load32(ip + 20),
+        ],
+        dst: [
+            load32(ip + 24),
+            load32(ip + 28),
+            load32(ip + 32),
+            load32(ip + 36),
+        ],
     })
 }
 

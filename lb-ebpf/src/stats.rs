@@ -14,9 +14,12 @@ pub fn count_reason(reason: u32) {
 /// backend -> client direction.
 #[inline(always)]
 pub fn count_traffic(service_id: u32, backend_id: u32, bytes: u64, new_flow: bool, reply: bool) {
-    for s in [SERVICE_STATS.get_ptr_mut(service_id), BACKEND_STATS.get_ptr_mut(backend_id)]
-        .into_iter()
-        .flatten()
+    for s in [
+        SERVICE_STATS.get_ptr_mut(service_id),
+        BACKEND_STATS.get_ptr_mut(backend_id),
+    ]
+    .into_iter()
+    .flatten()
     {
         // SAFETY: per-CPU slot.
         let s = unsafe { &mut *s };

@@ -1,4 +1,4 @@
 //! Test support for xlb: packet fixtures, checkers and helpers shared by the integration tests.
 
-pub mod packet;
 pub mod netns;
+pub mod packet;

@@ -5,7 +5,11 @@ use std::{fs::File, os::fd::AsRawFd, process::Command};
 
 /// Runs a command and panics with its output if it fails.
 pub fn sh(cmd: &str) {
-    let out = Command::new("sh").arg("-c").arg(cmd).output().expect("spawn sh");
+    let out = Command::new("sh")
+        .arg("-c")
+        .arg(cmd)
+        .output()
+        .expect("spawn sh");
     assert!(
         out.status.success(),
         "`{cmd}` failed: {}{}",
@@ -24,14 +28,20 @@ impl Netns {
     pub fn new(name: &str) -> Self {
         let _ = Command::new("ip").args(["netns", "del", name]).output();
         sh(&format!("ip netns add {name}"));
-        let ns = Self { name: name.to_string() };
+        let ns = Self {
+            name: name.to_string(),
+        };
         ns.run("ip link set lo up");
         ns
     }
 
     /// Runs a shell command inside the namespace.
     pub fn run(&self, cmd: &str) {
-        sh(&format!("ip netns exec {} sh -c '{}'", self.name, cmd.replace('\'', "'\\''")));
+        sh(&format!(
+            "ip netns exec {} sh -c '{}'",
+            self.name,
+            cmd.replace('\'', "'\\''")
+        ));
     }
 
     /// Moves the calling thread into the namespace (for BPF_PROG_TEST_RUN,
@@ -46,6 +56,8 @@ impl Netns {
 
 impl Drop for Netns {
     fn drop(&mut self) {
-        let _ = Command::new("ip").args(["netns", "del", &self.name]).output();
+        let _ = Command::new("ip")
+            .args(["netns", "del", &self.name])
+            .output();
     }
 }

@@ -15,8 +15,8 @@ use lb_common::{Reason, REASON_COUNT};
 use xlb_tests::{
     netns::Netns,
     packet::{
-        hexdump_diff, tcp_flags, verify_checksums, ExtHeader, Icmpv4, Icmpv6, Ipv4, Ipv6, Mac, PacketBuilder, Quote,
-        Tcp, Udp,
+        hexdump_diff, tcp_flags, verify_checksums, ExtHeader, Icmpv4, Icmpv6, Ipv4, Ipv6, Mac,
+        PacketBuilder, Quote, Tcp, Udp,
     },
 };
 
@@ -94,11 +94,29 @@ fn build_namespace() -> Netns {
 }
 
 fn backends(list: &[(IpAddr, u16)]) -> Vec<BackendSpec> {
-    list.iter().map(|&(ip, port)| BackendSpec { addr: SocketAddr::new(ip, port), weight: 1 }).collect()
+    list.iter()
+        .map(|&(ip, port)| BackendSpec {
+            addr: SocketAddr::new(ip, port),
+            weight: 1,
+        })
+        .collect()
 }
 
-fn svc(vip: IpAddr, port: u16, protocol: Protocol, snat: Option<IpAddr>, b: &[(IpAddr, u16)]) -> ServiceSpec {
-    ServiceSpec { vip, port, protocol, snat, table_size: None, backends: backends(b) }
+fn svc(
+    vip: IpAddr,
+    port: u16,
+    protocol: Protocol,
+    snat: Option<IpAddr>,
+    b: &[(IpAddr, u16)],
+) -> ServiceSpec {
+    ServiceSpec {
+        vip,
+        port,
+        protocol,
+        snat,
+        table_size: None,
+        backends: backends(b),
+    }
 }
 
 fn base_services() -> Vec<ServiceSpec> {
@@ -106,14 +124,50 @@ fn base_services() -> Vec<ServiceSpec> {
     vec![
         svc(VIP.into(), 80, Tcp, None, &[(B2.into(), 8080)]),
         svc(VIP.into(), 53, Udp, None, &[(B2.into(), 5353)]),
-        svc(VIP.into(), 443, Tcp, Some(SNAT4.into()), &[(B3.into(), 8443)]),
-        svc(VIP.into(), 54, Udp, Some(SNAT4.into()), &[(B3.into(), 5353)]),
+        svc(
+            VIP.into(),
+            443,
+            Tcp,
+            Some(SNAT4.into()),
+            &[(B3.into(), 8443)],
+        ),
+        svc(
+            VIP.into(),
+            54,
+            Udp,
+            Some(SNAT4.into()),
+            &[(B3.into(), 5353)],
+        ),
         svc(vip6().into(), 80, Tcp, None, &[(b6_2().into(), 8080)]),
-        svc(vip6().into(), 53, Udp, Some(snat6().into()), &[(b6_3().into(), 5353)]),
-        svc(vip6().into(), 443, Tcp, Some(snat6().into()), &[(b6_3().into(), 8443)]),
+        svc(
+            vip6().into(),
+            53,
+            Udp,
+            Some(snat6().into()),
+            &[(b6_3().into(), 5353)],
+        ),
+        svc(
+            vip6().into(),
+            443,
+            Tcp,
+            Some(snat6().into()),
+            &[(b6_3().into(), 8443)],
+        ),
         svc(VIP_EMPTY.into(), 80, Tcp, None, &[]),
-        svc(VIP_NONEIGH.into(), 80, Tcp, None, &[(Ipv4Addr::new(10, 2, 0, 99).into(), 8080)]),
-        svc(VIP_MULTI.into(), 80, Tcp, None, &[(B2.into(), 8080), (B3.into(), 8080), (B4.into(), 8080)]),
+        svc(
+            VIP_NONEIGH.into(),
+            80,
+            Tcp,
+            None,
+            &[(Ipv4Addr::new(10, 2, 0, 99).into(), 8080)],
+        ),
+        svc(
+            VIP_MULTI.into(),
+            80,
+            Tcp,
+            None,
+            &[(B2.into(), 8080), (B3.into(), 8080), (B4.into(), 8080)],
+        ),
     ]
 }
 
@@ -138,13 +192,23 @@ fn ip6(src: Ipv6Addr, dst: Ipv6Addr, hl: u8) -> Ipv6 {
     Ipv6::new(src, dst).hop_limit(hl)
 }
 fn syn(sport: u16, dport: u16) -> Tcp {
-    Tcp::new(sport, dport).seq(1000).flags(tcp_flags::SYN).payload(b"")
+    Tcp::new(sport, dport)
+        .seq(1000)
+        .flags(tcp_flags::SYN)
+        .payload(b"")
 }
 fn ack(sport: u16, dport: u16) -> Tcp {
-    Tcp::new(sport, dport).seq(1001).ack(5001).flags(tcp_flags::ACK).payload(b"GET / HTTP/1.1\r\n\r\n")
+    Tcp::new(sport, dport)
+        .seq(1001)
+        .ack(5001)
+        .flags(tcp_flags::ACK)
+        .payload(b"GET / HTTP/1.1\r\n\r\n")
 }
 fn synack(sport: u16, dport: u16) -> Tcp {
-    Tcp::new(sport, dport).seq(5000).ack(1001).flags(tcp_flags::SYN | tcp_flags::ACK)
+    Tcp::new(sport, dport)
+        .seq(5000)
+        .ack(1001)
+        .flags(tcp_flags::SYN | tcp_flags::ACK)
 }
 fn udp(sport: u16, dport: u16) -> Udp {
     Udp::new(sport, dport).payload(b"query")
@@ -182,8 +246,24 @@ struct Fixture {
     traffic: Traffic,
 }
 
-fn fx(name: &'static str, ingress: Ingress, input: Vec<u8>, verdict: u32, reason: Reason) -> Fixture {
-    Fixture { name, before: vec![], change: None, ingress, input, verdict, reason, output: None, traffic: Traffic::None }
+fn fx(
+    name: &'static str,
+    ingress: Ingress,
+    input: Vec<u8>,
+    verdict: u32,
+    reason: Reason,
+) -> Fixture {
+    Fixture {
+        name,
+        before: vec![],
+        change: None,
+        ingress,
+        input,
+        verdict,
+        reason,
+        output: None,
+        traffic: Traffic::None,
+    }
 }
 
 impl Fixture {
@@ -221,7 +301,12 @@ fn first_snat_port(src: IpAddr, dst: IpAddr, sport: u16, dport: u16, proto: u8) 
         _pad: [0; 2],
     };
     let h = lb_common::hash::flow_hash(&key);
-    lb_common::hash::snat_port_candidate(h, 0, lb_common::DEFAULT_SNAT_PORT_MIN, lb_common::DEFAULT_SNAT_PORT_MAX)
+    lb_common::hash::snat_port_candidate(
+        h,
+        0,
+        lb_common::DEFAULT_SNAT_PORT_MIN,
+        lb_common::DEFAULT_SNAT_PORT_MAX,
+    )
 }
 
 fn fixtures() -> Vec<Fixture> {
@@ -230,250 +315,904 @@ fn fixtures() -> Vec<Fixture> {
     let c4 = |t: Tcp| from_client().ipv4(ip4(CLIENT, VIP, 64)).tcp(t).build();
     let mut v = vec![
         // ---- IPv4 TCP, NAT mode ----
-        fx("v4 tcp syn to VIP is DNATed and redirected to the backend", Clients, c4(syn(40000, 80)), XDP_REDIRECT, Redirect)
-            .out(to_backend(B2_MAC).ipv4(ip4(CLIENT, B2, 63)).tcp(syn(40000, 8080)).build())
-            .traffic(Traffic::Forward(0, sa(B2, 8080), true)),
-        fx("v4 tcp established packet follows its flow", Clients, c4(ack(40000, 80)), XDP_REDIRECT, Redirect)
-            .after(Clients, c4(syn(40000, 80)))
-            .out(to_backend(B2_MAC).ipv4(ip4(CLIENT, B2, 63)).tcp(ack(40000, 8080)).build())
-            .traffic(Traffic::Forward(0, sa(B2, 8080), false)),
-        fx("v4 tcp from a routed client keeps the client address (NAT mode)", Clients,
-            from_client().eth(ROUTER_MAC, CL0_MAC).ipv4(ip4(REMOTE_CLIENT, VIP, 50)).tcp(syn(41000, 80)).build(),
-            XDP_REDIRECT, Redirect)
-            .out(to_backend(B2_MAC).ipv4(ip4(REMOTE_CLIENT, B2, 49)).tcp(syn(41000, 8080)).build())
-            .traffic(Traffic::Forward(0, sa(B2, 8080), true)),
-        fx("v4 tcp reply is translated back to the VIP and sent to the client", Backends,
-            from_backend(B2_MAC).ipv4(ip4(B2, CLIENT, 64)).tcp(synack(8080, 40000)).build(), XDP_REDIRECT, Redirect)
-            .after(Clients, c4(syn(40000, 80)))
-            .out(to_client().ipv4(ip4(VIP, CLIENT, 63)).tcp(synack(80, 40000)).build())
-            .traffic(Traffic::Reply(0, sa(B2, 8080))),
-        fx("v4 tcp reply to a routed client goes out through the router", Backends,
-            from_backend(B2_MAC).ipv4(ip4(B2, REMOTE_CLIENT, 64)).tcp(synack(8080, 41000)).build(), XDP_REDIRECT, Redirect)
-            .after(Clients, from_client().ipv4(ip4(REMOTE_CLIENT, VIP, 50)).tcp(syn(41000, 80)).build())
-            .out(PacketBuilder::new().eth(CL0_MAC, ROUTER_MAC).ipv4(ip4(VIP, REMOTE_CLIENT, 63)).tcp(synack(80, 41000)).build())
-            .traffic(Traffic::Reply(0, sa(B2, 8080))),
-        fx("v4 packet from a backend port with no flow passes untouched", Backends,
-            from_backend(B2_MAC).ipv4(ip4(B2, CLIENT, 64)).tcp(synack(8080, 40999)).build(), XDP_PASS, PassNoService),
-        fx("v4 tcp FIN keeps the flow and is forwarded", Clients,
-            c4(Tcp::new(40000, 80).seq(2000).ack(6000).flags(tcp_flags::FIN | tcp_flags::ACK)), XDP_REDIRECT, Redirect)
-            .after(Clients, c4(syn(40000, 80)))
-            .out(to_backend(B2_MAC).ipv4(ip4(CLIENT, B2, 63)).tcp(Tcp::new(40000, 8080).seq(2000).ack(6000).flags(tcp_flags::FIN | tcp_flags::ACK)).build())
-            .traffic(Traffic::Forward(0, sa(B2, 8080), false)),
+        fx(
+            "v4 tcp syn to VIP is DNATed and redirected to the backend",
+            Clients,
+            c4(syn(40000, 80)),
+            XDP_REDIRECT,
+            Redirect,
+        )
+        .out(
+            to_backend(B2_MAC)
+                .ipv4(ip4(CLIENT, B2, 63))
+                .tcp(syn(40000, 8080))
+                .build(),
+        )
+        .traffic(Traffic::Forward(0, sa(B2, 8080), true)),
+        fx(
+            "v4 tcp established packet follows its flow",
+            Clients,
+            c4(ack(40000, 80)),
+            XDP_REDIRECT,
+            Redirect,
+        )
+        .after(Clients, c4(syn(40000, 80)))
+        .out(
+            to_backend(B2_MAC)
+                .ipv4(ip4(CLIENT, B2, 63))
+                .tcp(ack(40000, 8080))
+                .build(),
+        )
+        .traffic(Traffic::Forward(0, sa(B2, 8080), false)),
+        fx(
+            "v4 tcp from a routed client keeps the client address (NAT mode)",
+            Clients,
+            from_client()
+                .eth(ROUTER_MAC, CL0_MAC)
+                .ipv4(ip4(REMOTE_CLIENT, VIP, 50))
+                .tcp(syn(41000, 80))
+                .build(),
+            XDP_REDIRECT,
+            Redirect,
+        )
+        .out(
+            to_backend(B2_MAC)
+                .ipv4(ip4(REMOTE_CLIENT, B2, 49))
+                .tcp(syn(41000, 8080))
+                .build(),
+        )
+        .traffic(Traffic::Forward(0, sa(B2, 8080), true)),
+        fx(
+            "v4 tcp reply is translated back to the VIP and sent to the client",
+            Backends,
+            from_backend(B2_MAC)
+                .ipv4(ip4(B2, CLIENT, 64))
+                .tcp(synack(8080, 40000))
+                .build(),
+            XDP_REDIRECT,
+            Redirect,
+        )
+        .after(Clients, c4(syn(40000, 80)))
+        .out(to_client().ipv4(ip4(VIP, CLIENT, 63)).tcp(synack(80, 40000)).build())
+        .traffic(Traffic::Reply(0, sa(B2, 8080))),
+        fx(
+            "v4 tcp reply to a routed client goes out through the router",
+            Backends,
+            from_backend(B2_MAC)
+                .ipv4(ip4(B2, REMOTE_CLIENT, 64))
+                .tcp(synack(8080, 41000))
+                .build(),
+            XDP_REDIRECT,
+            Redirect,
+        )
+        .after(
+            Clients,
+            from_client()
+                .ipv4(ip4(REMOTE_CLIENT, VIP, 50))
+                .tcp(syn(41000, 80))
+                .build(),
+        )
+        .out(
+            PacketBuilder::new()
+                .eth(CL0_MAC, ROUTER_MAC)
+                .ipv4(ip4(VIP, REMOTE_CLIENT, 63))
+                .tcp(synack(80, 41000))
+                .build(),
+        )
+        .traffic(Traffic::Reply(0, sa(B2, 8080))),
+        fx(
+            "v4 packet from a backend port with no flow passes untouched",
+            Backends,
+            from_backend(B2_MAC)
+                .ipv4(ip4(B2, CLIENT, 64))
+                .tcp(synack(8080, 40999))
+                .build(),
+            XDP_PASS,
+            PassNoService,
+        ),
+        fx(
+            "v4 tcp FIN keeps the flow and is forwarded",
+            Clients,
+            c4(Tcp::new(40000, 80)
+                .seq(2000)
+                .ack(6000)
+                .flags(tcp_flags::FIN | tcp_flags::ACK)),
+            XDP_REDIRECT,
+            Redirect,
+        )
+        .after(Clients, c4(syn(40000, 80)))
+        .out(
+            to_backend(B2_MAC)
+                .ipv4(ip4(CLIENT, B2, 63))
+                .tcp(
+                    Tcp::new(40000, 8080)
+                        .seq(2000)
+                        .ack(6000)
+                        .flags(tcp_flags::FIN | tcp_flags::ACK),
+                )
+                .build(),
+        )
+        .traffic(Traffic::Forward(0, sa(B2, 8080), false)),
         // ---- IPv4 UDP ----
-        fx("v4 udp to VIP is DNATed", Clients, from_client().ipv4(ip4(CLIENT, VIP, 64)).udp(udp(40001, 53)).build(), XDP_REDIRECT, Redirect)
-            .out(to_backend(B2_MAC).ipv4(ip4(CLIENT, B2, 63)).udp(udp(40001, 5353)).build())
-            .traffic(Traffic::Forward(1, sa(B2, 5353), true)),
-        fx("v4 udp with checksum 0 keeps checksum 0", Clients,
-            from_client().ipv4(ip4(CLIENT, VIP, 64)).udp(udp(40002, 53).zero_checksum()).build(), XDP_REDIRECT, Redirect)
-            .out(to_backend(B2_MAC).ipv4(ip4(CLIENT, B2, 63)).udp(udp(40002, 5353).zero_checksum()).build())
-            .traffic(Traffic::Forward(1, sa(B2, 5353), true)),
-        fx("v4 udp reply is translated back", Backends,
-            from_backend(B2_MAC).ipv4(ip4(B2, CLIENT, 64)).udp(udp(5353, 40001)).build(), XDP_REDIRECT, Redirect)
-            .after(Clients, from_client().ipv4(ip4(CLIENT, VIP, 64)).udp(udp(40001, 53)).build())
-            .out(to_client().ipv4(ip4(VIP, CLIENT, 63)).udp(udp(53, 40001)).build())
-            .traffic(Traffic::Reply(1, sa(B2, 5353))),
+        fx(
+            "v4 udp to VIP is DNATed",
+            Clients,
+            from_client().ipv4(ip4(CLIENT, VIP, 64)).udp(udp(40001, 53)).build(),
+            XDP_REDIRECT,
+            Redirect,
+        )
+        .out(
+            to_backend(B2_MAC)
+                .ipv4(ip4(CLIENT, B2, 63))
+                .udp(udp(40001, 5353))
+                .build(),
+        )
+        .traffic(Traffic::Forward(1, sa(B2, 5353), true)),
+        fx(
+            "v4 udp with checksum 0 keeps checksum 0",
+            Clients,
+            from_client()
+                .ipv4(ip4(CLIENT, VIP, 64))
+                .udp(udp(40002, 53).zero_checksum())
+                .build(),
+            XDP_REDIRECT,
+            Redirect,
+        )
+        .out(
+            to_backend(B2_MAC)
+                .ipv4(ip4(CLIENT, B2, 63))
+                .udp(udp(40002, 5353).zero_checksum())
+                .build(),
+        )
+        .traffic(Traffic::Forward(1, sa(B2, 5353), true)),
+        fx(
+            "v4 udp reply is translated back",
+            Backends,
+            from_backend(B2_MAC)
+                .ipv4(ip4(B2, CLIENT, 64))
+                .udp(udp(5353, 40001))
+                .build(),
+            XDP_REDIRECT,
+            Redirect,
+        )
+        .after(
+            Clients,
+            from_client().ipv4(ip4(CLIENT, VIP, 64)).udp(udp(40001, 53)).build(),
+        )
+        .out(to_client().ipv4(ip4(VIP, CLIENT, 63)).udp(udp(53, 40001)).build())
+        .traffic(Traffic::Reply(1, sa(B2, 5353))),
         // ---- SNAT mode ----
         {
             let p = first_snat_port(CLIENT.into(), VIP.into(), 40010, 443, 6);
-            fx("v4 tcp snat rewrites source to the node address and an allocated port", Clients, c4(syn(40010, 443)), XDP_REDIRECT, Redirect)
-                .out(to_backend(B3_MAC).ipv4(ip4(SNAT4, B3, 63)).tcp(syn(p, 8443)).build())
-                .traffic(Traffic::Forward(2, sa(B3, 8443), true))
+            fx(
+                "v4 tcp snat rewrites source to the node address and an allocated port",
+                Clients,
+                c4(syn(40010, 443)),
+                XDP_REDIRECT,
+                Redirect,
+            )
+            .out(to_backend(B3_MAC).ipv4(ip4(SNAT4, B3, 63)).tcp(syn(p, 8443)).build())
+            .traffic(Traffic::Forward(2, sa(B3, 8443), true))
         },
         {
             let p = first_snat_port(CLIENT.into(), VIP.into(), 40010, 443, 6);
-            fx("v4 tcp snat reply goes back to the client from the VIP", Backends,
-                from_backend(B3_MAC).ipv4(ip4(B3, SNAT4, 64)).tcp(synack(8443, p)).build(), XDP_REDIRECT, Redirect)
-                .after(Clients, c4(syn(40010, 443)))
-                .out(to_client().ipv4(ip4(VIP, CLIENT, 63)).tcp(synack(443, 40010)).build())
-                .traffic(Traffic::Reply(2, sa(B3, 8443)))
+            fx(
+                "v4 tcp snat reply goes back to the client from the VIP",
+                Backends,
+                from_backend(B3_MAC)
+                    .ipv4(ip4(B3, SNAT4, 64))
+                    .tcp(synack(8443, p))
+                    .build(),
+                XDP_REDIRECT,
+                Redirect,
+            )
+            .after(Clients, c4(syn(40010, 443)))
+            .out(to_client().ipv4(ip4(VIP, CLIENT, 63)).tcp(synack(443, 40010)).build())
+            .traffic(Traffic::Reply(2, sa(B3, 8443)))
         },
         {
             let p = first_snat_port(CLIENT.into(), VIP.into(), 40011, 54, 17);
-            fx("v4 udp snat", Clients, from_client().ipv4(ip4(CLIENT, VIP, 64)).udp(udp(40011, 54)).build(), XDP_REDIRECT, Redirect)
-                .out(to_backend(B3_MAC).ipv4(ip4(SNAT4, B3, 63)).udp(udp(p, 5353)).build())
-                .traffic(Traffic::Forward(3, sa(B3, 5353), true))
+            fx(
+                "v4 udp snat",
+                Clients,
+                from_client().ipv4(ip4(CLIENT, VIP, 64)).udp(udp(40011, 54)).build(),
+                XDP_REDIRECT,
+                Redirect,
+            )
+            .out(to_backend(B3_MAC).ipv4(ip4(SNAT4, B3, 63)).udp(udp(p, 5353)).build())
+            .traffic(Traffic::Forward(3, sa(B3, 5353), true))
         },
         {
             let p = first_snat_port(CLIENT.into(), VIP.into(), 40011, 54, 17);
-            fx("v4 udp snat reply", Backends, from_backend(B3_MAC).ipv4(ip4(B3, SNAT4, 64)).udp(udp(5353, p)).build(), XDP_REDIRECT, Redirect)
-                .after(Clients, from_client().ipv4(ip4(CLIENT, VIP, 64)).udp(udp(40011, 54)).build())
-                .out(to_client().ipv4(ip4(VIP, CLIENT, 63)).udp(udp(54, 40011)).build())
-                .traffic(Traffic::Reply(3, sa(B3, 5353)))
+            fx(
+                "v4 udp snat reply",
+                Backends,
+                from_backend(B3_MAC).ipv4(ip4(B3, SNAT4, 64)).udp(udp(5353, p)).build(),
+                XDP_REDIRECT,
+                Redirect,
+            )
+            .after(
+                Clients,
+                from_client().ipv4(ip4(CLIENT, VIP, 64)).udp(udp(40011, 54)).build(),
+            )
+            .out(to_client().ipv4(ip4(VIP, CLIENT, 63)).udp(udp(54, 40011)).build())
+            .traffic(Traffic::Reply(3, sa(B3, 5353)))
         },
-        fx("v4 packet to the SNAT address on an unallocated port passes", Backends,
-            from_backend(B3_MAC).ipv4(ip4(B3, SNAT4, 64)).tcp(synack(8443, 12345)).build(), XDP_PASS, PassNoService),
+        fx(
+            "v4 packet to the SNAT address on an unallocated port passes",
+            Backends,
+            from_backend(B3_MAC)
+                .ipv4(ip4(B3, SNAT4, 64))
+                .tcp(synack(8443, 12345))
+                .build(),
+            XDP_PASS,
+            PassNoService,
+        ),
         // ---- IPv6 ----
-        fx("v6 tcp syn to VIP is DNATed", Clients, from_client().ipv6(ip6(client6(), vip6(), 64)).tcp(syn(40020, 80)).build(), XDP_REDIRECT, Redirect)
-            .out(to_backend(B2_MAC).ipv6(ip6(client6(), b6_2(), 63)).tcp(syn(40020, 8080)).build())
-            .traffic(Traffic::Forward(4, sa(b6_2(), 8080), true)),
-        fx("v6 tcp reply is translated back", Backends,
-            from_backend(B2_MAC).ipv6(ip6(b6_2(), client6(), 64)).tcp(synack(8080, 40020)).build(), XDP_REDIRECT, Redirect)
-            .after(Clients, from_client().ipv6(ip6(client6(), vip6(), 64)).tcp(syn(40020, 80)).build())
-            .out(to_client().ipv6(ip6(vip6(), client6(), 63)).tcp(synack(80, 40020)).build())
-            .traffic(Traffic::Reply(4, sa(b6_2(), 8080))),
+        fx(
+            "v6 tcp syn to VIP is DNATed",
+            Clients,
+            from_client()
+                .ipv6(ip6(client6(), vip6(), 64))
+                .tcp(syn(40020, 80))
+                .build(),
+            XDP_REDIRECT,
+            Redirect,
+        )
+        .out(
+            to_backend(B2_MAC)
+                .ipv6(ip6(client6(), b6_2(), 63))
+                .tcp(syn(40020, 8080))
+                .build(),
+        )
+        .traffic(Traffic::Forward(4, sa(b6_2(), 8080), true)),
+        fx(
+            "v6 tcp reply is translated back",
+            Backends,
+            from_backend(B2_MAC)
+                .ipv6(ip6(b6_2(), client6(), 64))
+                .tcp(synack(8080, 40020))
+                .build(),
+            XDP_REDIRECT,
+            Redirect,
+        )
+        .after(
+            Clients,
+            from_client()
+                .ipv6(ip6(client6(), vip6(), 64))
+                .tcp(syn(40020, 80))
+                .build(),
+        )
+        .out(
+            to_client()
+                .ipv6(ip6(vip6(), client6(), 63))
+                .tcp(synack(80, 40020))
+                .build(),
+        )
+        .traffic(Traffic::Reply(4, sa(b6_2(), 8080))),
         {
             let p = first_snat_port(client6().into(), vip6().into(), 40021, 53, 17);
-            fx("v6 udp snat", Clients, from_client().ipv6(ip6(client6(), vip6(), 64)).udp(udp(40021, 53)).build(), XDP_REDIRECT, Redirect)
-                .out(to_backend(B3_MAC).ipv6(ip6(snat6(), b6_3(), 63)).udp(udp(p, 5353)).build())
-                .traffic(Traffic::Forward(5, sa(b6_3(), 5353), true))
+            fx(
+                "v6 udp snat",
+                Clients,
+                from_client()
+                    .ipv6(ip6(client6(), vip6(), 64))
+                    .udp(udp(40021, 53))
+                    .build(),
+                XDP_REDIRECT,
+                Redirect,
+            )
+            .out(
+                to_backend(B3_MAC)
+                    .ipv6(ip6(snat6(), b6_3(), 63))
+                    .udp(udp(p, 5353))
+                    .build(),
+            )
+            .traffic(Traffic::Forward(5, sa(b6_3(), 5353), true))
         },
         {
             let p = first_snat_port(client6().into(), vip6().into(), 40021, 53, 17);
-            fx("v6 udp snat reply", Backends, from_backend(B3_MAC).ipv6(ip6(b6_3(), snat6(), 64)).udp(udp(5353, p)).build(), XDP_REDIRECT, Redirect)
-                .after(Clients, from_client().ipv6(ip6(client6(), vip6(), 64)).udp(udp(40021, 53)).build())
-                .out(to_client().ipv6(ip6(vip6(), client6(), 63)).udp(udp(53, 40021)).build())
-                .traffic(Traffic::Reply(5, sa(b6_3(), 5353)))
+            fx(
+                "v6 udp snat reply",
+                Backends,
+                from_backend(B3_MAC)
+                    .ipv6(ip6(b6_3(), snat6(), 64))
+                    .udp(udp(5353, p))
+                    .build(),
+                XDP_REDIRECT,
+                Redirect,
+            )
+            .after(
+                Clients,
+                from_client()
+                    .ipv6(ip6(client6(), vip6(), 64))
+                    .udp(udp(40021, 53))
+                    .build(),
+            )
+            .out(to_client().ipv6(ip6(vip6(), client6(), 63)).udp(udp(53, 40021)).build())
+            .traffic(Traffic::Reply(5, sa(b6_3(), 5353)))
         },
         {
             let p = first_snat_port(client6().into(), vip6().into(), 40022, 443, 6);
-            fx("v6 tcp snat", Clients, from_client().ipv6(ip6(client6(), vip6(), 64)).tcp(syn(40022, 443)).build(), XDP_REDIRECT, Redirect)
-                .out(to_backend(B3_MAC).ipv6(ip6(snat6(), b6_3(), 63)).tcp(syn(p, 8443)).build())
-                .traffic(Traffic::Forward(6, sa(b6_3(), 8443), true))
+            fx(
+                "v6 tcp snat",
+                Clients,
+                from_client()
+                    .ipv6(ip6(client6(), vip6(), 64))
+                    .tcp(syn(40022, 443))
+                    .build(),
+                XDP_REDIRECT,
+                Redirect,
+            )
+            .out(
+                to_backend(B3_MAC)
+                    .ipv6(ip6(snat6(), b6_3(), 63))
+                    .tcp(syn(p, 8443))
+                    .build(),
+            )
+            .traffic(Traffic::Forward(6, sa(b6_3(), 8443), true))
         },
-        fx("v6 tcp behind hop-by-hop and destination-options headers is DNATed", Clients,
-            from_client().ipv6(ip6(client6(), vip6(), 64).ext(ExtHeader::hop_by_hop()).ext(ExtHeader::dest_opts())).tcp(syn(40023, 80)).build(),
-            XDP_REDIRECT, Redirect)
-            .out(to_backend(B2_MAC).ipv6(ip6(client6(), b6_2(), 63).ext(ExtHeader::hop_by_hop()).ext(ExtHeader::dest_opts())).tcp(syn(40023, 8080)).build())
-            .traffic(Traffic::Forward(4, sa(b6_2(), 8080), true)),
-        fx("v6 tcp behind a routing header is DNATed", Clients,
-            from_client().ipv6(ip6(client6(), vip6(), 64).ext(ExtHeader::routing(0, 0))).tcp(syn(40024, 80)).build(), XDP_REDIRECT, Redirect)
-            .out(to_backend(B2_MAC).ipv6(ip6(client6(), b6_2(), 63).ext(ExtHeader::routing(0, 0))).tcp(syn(40024, 8080)).build())
-            .traffic(Traffic::Forward(4, sa(b6_2(), 8080), true)),
-        fx("v6 atomic fragment (offset 0, no M flag) is not a fragment and is DNATed", Clients,
-            from_client().ipv6(ip6(client6(), vip6(), 64).ext(ExtHeader::fragment(0, false, 7))).tcp(syn(40025, 80)).build(), XDP_REDIRECT, Redirect)
-            .out(to_backend(B2_MAC).ipv6(ip6(client6(), b6_2(), 63).ext(ExtHeader::fragment(0, false, 7))).tcp(syn(40025, 8080)).build())
-            .traffic(Traffic::Forward(4, sa(b6_2(), 8080), true)),
-        fx("v6 fragment to a VIP is dropped", Clients,
-            from_client().ipv6(ip6(client6(), vip6(), 64).ext(ExtHeader::fragment(0, true, 9))).udp(udp(40026, 53)).build(), XDP_DROP, DropFragment),
+        fx(
+            "v6 tcp behind hop-by-hop and destination-options headers is DNATed",
+            Clients,
+            from_client()
+                .ipv6(
+                    ip6(client6(), vip6(), 64)
+                        .ext(ExtHeader::hop_by_hop())
+                        .ext(ExtHeader::dest_opts()),
+                )
+                .tcp(syn(40023, 80))
+                .build(),
+            XDP_REDIRECT,
+            Redirect,
+        )
+        .out(
+            to_backend(B2_MAC)
+                .ipv6(
+                    ip6(client6(), b6_2(), 63)
+                        .ext(ExtHeader::hop_by_hop())
+                        .ext(ExtHeader::dest_opts()),
+                )
+                .tcp(syn(40023, 8080))
+                .build(),
+        )
+        .traffic(Traffic::Forward(4, sa(b6_2(), 8080), true)),
+        fx(
+            "v6 tcp behind a routing header is DNATed",
+            Clients,
+            from_client()
+                .ipv6(ip6(client6(), vip6(), 64).ext(ExtHeader::routing(0, 0)))
+                .tcp(syn(40024, 80))
+                .build(),
+            XDP_REDIRECT,
+            Redirect,
+        )
+        .out(
+            to_backend(B2_MAC)
+                .ipv6(ip6(client6(), b6_2(), 63).ext(ExtHeader::routing(0, 0)))
+                .tcp(syn(40024, 8080))
+                .build(),
+        )
+        .traffic(Traffic::Forward(4, sa(b6_2(), 8080), true)),
+        fx(
+            "v6 atomic fragment (offset 0, no M flag) is not a fragment and is DNATed",
+            Clients,
+            from_client()
+                .ipv6(ip6(client6(), vip6(), 64).ext(ExtHeader::fragment(0, false, 7)))
+                .tcp(syn(40025, 80))
+                .build(),
+            XDP_REDIRECT,
+            Redirect,
+        )
+        .out(
+            to_backend(B2_MAC)
+                .ipv6(ip6(client6(), b6_2(), 63).ext(ExtHeader::fragment(0, false, 7)))
+                .tcp(syn(40025, 8080))
+                .build(),
+        )
+        .traffic(Traffic::Forward(4, sa(b6_2(), 8080), true)),
+        fx(
+            "v6 fragment to a VIP is dropped",
+            Clients,
+            from_client()
+                .ipv6(ip6(client6(), vip6(), 64).ext(ExtHeader::fragment(0, true, 9)))
+                .udp(udp(40026, 53))
+                .build(),
+            XDP_DROP,
+            DropFragment,
+        ),
         // ---- VLAN ----
-        fx("VLAN-tagged v4 tcp to VIP whose route leaves another interface is rewritten and passed", Clients,
-            from_client().vlan(100).ipv4(ip4(CLIENT, VIP, 64)).tcp(syn(40030, 80)).build(), XDP_PASS, PassFibFailed)
-            .out(from_client().vlan(100).ipv4(ip4(CLIENT, B2, 64)).tcp(syn(40030, 8080)).build())
-            .traffic(Traffic::Forward(0, sa(B2, 8080), true)),
-        fx("VLAN-tagged non-VIP traffic passes untouched", Clients,
-            from_client().vlan(100).ipv4(ip4(CLIENT, Ipv4Addr::new(10, 0, 0, 1), 64)).tcp(syn(40031, 22)).build(), XDP_PASS, PassNoService),
+        fx(
+            "VLAN-tagged v4 tcp to VIP whose route leaves another interface is rewritten and passed",
+            Clients,
+            from_client()
+                .vlan(100)
+                .ipv4(ip4(CLIENT, VIP, 64))
+                .tcp(syn(40030, 80))
+                .build(),
+            XDP_PASS,
+            PassFibFailed,
+        )
+        .out(
+            from_client()
+                .vlan(100)
+                .ipv4(ip4(CLIENT, B2, 64))
+                .tcp(syn(40030, 8080))
+                .build(),
+        )
+        .traffic(Traffic::Forward(0, sa(B2, 8080), true)),
+        fx(
+            "VLAN-tagged non-VIP traffic passes untouched",
+            Clients,
+            from_client()
+                .vlan(100)
+                .ipv4(ip4(CLIENT, Ipv4Addr::new(10, 0, 0, 1), 64))
+                .tcp(syn(40031, 22))
+                .build(),
+            XDP_PASS,
+            PassNoService,
+        ),
         // ---- Not for us ----
-        fx("ARP passes", Clients, {
-            let mut f = vec![0xff; 6];
-            f.extend_from_slice(&CLIENT_MAC);
-            f.extend_from_slice(&[0x08, 0x06]);
-            f.extend_from_slice(&[0u8; 28]);
-            f
-        }, XDP_PASS, PassNotIp),
-        fx("non-VIP v4 tcp passes untouched", Clients, from_client().ipv4(ip4(CLIENT, Ipv4Addr::new(10, 0, 0, 1), 64)).tcp(syn(40040, 22)).build(), XDP_PASS, PassNoService),
-        fx("non-VIP v6 udp passes untouched", Clients, from_client().ipv6(ip6(client6(), v6("fd00::1"), 64)).udp(udp(40041, 53)).build(), XDP_PASS, PassNoService),
-        fx("VIP on a port with no service passes", Clients, c4(syn(40042, 8081)), XDP_PASS, PassNoService),
-        fx("VIP on a service port but the wrong protocol passes", Clients,
-            from_client().ipv4(ip4(CLIENT, VIP, 64)).udp(udp(40043, 80)).build(), XDP_PASS, PassNoService),
-        fx("another address on a service port passes", Clients, from_client().ipv4(ip4(CLIENT, Ipv4Addr::new(192, 0, 2, 99), 64)).tcp(syn(40044, 80)).build(), XDP_PASS, PassNoService),
-        fx("GRE to a VIP passes (no L4 service)", Clients, from_client().ipv4(ip4(CLIENT, VIP, 64)).raw(47, &[0; 8]).build(), XDP_PASS, PassNoService),
+        fx(
+            "ARP passes",
+            Clients,
+            {
+                let mut f = vec![0xff; 6];
+                f.extend_from_slice(&CLIENT_MAC);
+                f.extend_from_slice(&[0x08, 0x06]);
+                f.extend_from_slice(&[0u8; 28]);
+                f
+            },
+            XDP_PASS,
+            PassNotIp,
+        ),
+        fx(
+            "non-VIP v4 tcp passes untouched",
+            Clients,
+            from_client()
+                .ipv4(ip4(CLIENT, Ipv4Addr::new(10, 0, 0, 1), 64))
+                .tcp(syn(40040, 22))
+                .build(),
+            XDP_PASS,
+            PassNoService,
+        ),
+        fx(
+            "non-VIP v6 udp passes untouched",
+            Clients,
+            from_client()
+                .ipv6(ip6(client6(), v6("fd00::1"), 64))
+                .udp(udp(40041, 53))
+                .build(),
+            XDP_PASS,
+            PassNoService,
+        ),
+        fx(
+            "VIP on a port with no service passes",
+            Clients,
+            c4(syn(40042, 8081)),
+            XDP_PASS,
+            PassNoService,
+        ),
+        fx(
+            "VIP on a service port but the wrong protocol passes",
+            Clients,
+            from_client().ipv4(ip4(CLIENT, VIP, 64)).udp(udp(40043, 80)).build(),
+            XDP_PASS,
+            PassNoService,
+        ),
+        fx(
+            "another address on a service port passes",
+            Clients,
+            from_client()
+                .ipv4(ip4(CLIENT, Ipv4Addr::new(192, 0, 2, 99), 64))
+                .tcp(syn(40044, 80))
+                .build(),
+            XDP_PASS,
+            PassNoService,
+        ),
+        fx(
+            "GRE to a VIP passes (no L4 service)",
+            Clients,
+            from_client().ipv4(ip4(CLIENT, VIP, 64)).raw(47, &[0; 8]).build(),
+            XDP_PASS,
+            PassNoService,
+        ),
         // ---- Truncated and malformed ----
         // (The kernel's test runner refuses frames under 14 bytes, so the
         // shortest case is an Ethernet header announcing IPv4 and nothing more.)
-        fx("Ethernet header alone, announcing IPv4, passes", Clients, from_client().ipv4(ip4(CLIENT, VIP, 64)).tcp(syn(1, 80)).truncate(14).build(), XDP_PASS, PassTruncated),
-        fx("VLAN tag cut short passes", Clients, from_client().vlan(100).ipv4(ip4(CLIENT, VIP, 64)).tcp(syn(1, 80)).truncate(16).build(), XDP_PASS, PassTruncated),
-        fx("IPv4 header cut short passes", Clients, from_client().ipv4(ip4(CLIENT, VIP, 64)).tcp(syn(1, 80)).truncate(14 + 12).build(), XDP_PASS, PassTruncated),
-        fx("IPv4 options cut short pass", Clients,
-            from_client().ipv4(ip4(CLIENT, VIP, 64).options(&[1, 1, 1, 1, 1, 1, 1, 0])).tcp(syn(1, 80)).truncate(14 + 24).build(), XDP_PASS, PassTruncated),
-        fx("IPv6 header cut short passes", Clients, from_client().ipv6(ip6(client6(), vip6(), 64)).tcp(syn(1, 80)).truncate(14 + 30).build(), XDP_PASS, PassTruncated),
-        fx("IPv6 extension header cut short passes", Clients,
-            from_client().ipv6(ip6(client6(), vip6(), 64).ext(ExtHeader::hop_by_hop())).tcp(syn(1, 80)).truncate(14 + 40 + 4).build(), XDP_PASS, PassTruncated),
-        fx("TCP to a VIP without room for ports is dropped", Clients, c4(syn(40050, 80)).into_iter().take(14 + 20 + 2).collect(), XDP_DROP, DropMalformed),
-        fx("TCP to a VIP service with a short header is dropped", Clients, c4(syn(40051, 80)).into_iter().take(14 + 20 + 12).collect(), XDP_DROP, DropMalformed),
-        fx("UDP to a VIP service with a short header is dropped", Clients,
-            from_client().ipv4(ip4(CLIENT, VIP, 64)).udp(udp(40052, 53)).build().into_iter().take(14 + 20 + 6).collect(), XDP_DROP, DropMalformed),
-        fx("IPv4 header length below 5 words passes", Clients, {
-            let mut f = c4(syn(40053, 80));
-            f[14] = 0x44;
-            f
-        }, XDP_PASS, PassTruncated),
+        fx(
+            "Ethernet header alone, announcing IPv4, passes",
+            Clients,
+            from_client()
+                .ipv4(ip4(CLIENT, VIP, 64))
+                .tcp(syn(1, 80))
+                .truncate(14)
+                .build(),
+            XDP_PASS,
+            PassTruncated,
+        ),
+        fx(
+            "VLAN tag cut short passes",
+            Clients,
+            from_client()
+                .vlan(100)
+                .ipv4(ip4(CLIENT, VIP, 64))
+                .tcp(syn(1, 80))
+                .truncate(16)
+                .build(),
+            XDP_PASS,
+            PassTruncated,
+        ),
+        fx(
+            "IPv4 header cut short passes",
+            Clients,
+            from_client()
+                .ipv4(ip4(CLIENT, VIP, 64))
+                .tcp(syn(1, 80))
+                .truncate(14 + 12)
+                .build(),
+            XDP_PASS,
+            PassTruncated,
+        ),
+        fx(
+            "IPv4 options cut short pass",
+            Clients,
+            from_client()
+                .ipv4(ip4(CLIENT, VIP, 64).options(&[1, 1, 1, 1, 1, 1, 1, 0]))
+                .tcp(syn(1, 80))
+                .truncate(14 + 24)
+                .build(),
+            XDP_PASS,
+            PassTruncated,
+        ),
+        fx(
+            "IPv6 header cut short passes",
+            Clients,
+            from_client()
+                .ipv6(ip6(client6(), vip6(), 64))
+                .tcp(syn(1, 80))
+                .truncate(14 + 30)
+                .build(),
+            XDP_PASS,
+            PassTruncated,
+        ),
+        fx(
+            "IPv6 extension header cut short passes",
+            Clients,
+            from_client()
+                .ipv6(ip6(client6(), vip6(), 64).ext(ExtHeader::hop_by_hop()))
+                .tcp(syn(1, 80))
+                .truncate(14 + 40 + 4)
+                .build(),
+            XDP_PASS,
+            PassTruncated,
+        ),
+        fx(
+            "TCP to a VIP without room for ports is dropped",
+            Clients,
+            c4(syn(40050, 80)).into_iter().take(14 + 20 + 2).collect(),
+            XDP_DROP,
+            DropMalformed,
+        ),
+        fx(
+            "TCP to a VIP service with a short header is dropped",
+            Clients,
+            c4(syn(40051, 80)).into_iter().take(14 + 20 + 12).collect(),
+            XDP_DROP,
+            DropMalformed,
+        ),
+        fx(
+            "UDP to a VIP service with a short header is dropped",
+            Clients,
+            from_client()
+                .ipv4(ip4(CLIENT, VIP, 64))
+                .udp(udp(40052, 53))
+                .build()
+                .into_iter()
+                .take(14 + 20 + 6)
+                .collect(),
+            XDP_DROP,
+            DropMalformed,
+        ),
+        fx(
+            "IPv4 header length below 5 words passes",
+            Clients,
+            {
+                let mut f = c4(syn(40053, 80));
+                f[14] = 0x44;
+                f
+            },
+            XDP_PASS,
+            PassTruncated,
+        ),
         // ---- IPv4 options ----
-        fx("v4 tcp with IP options is DNATed, options kept", Clients,
-            from_client().ipv4(ip4(CLIENT, VIP, 64).options(&[1, 1, 1, 0])).tcp(syn(40060, 80)).build(), XDP_REDIRECT, Redirect)
-            .out(to_backend(B2_MAC).ipv4(ip4(CLIENT, B2, 63).options(&[1, 1, 1, 0])).tcp(syn(40060, 8080)).build())
-            .traffic(Traffic::Forward(0, sa(B2, 8080), true)),
+        fx(
+            "v4 tcp with IP options is DNATed, options kept",
+            Clients,
+            from_client()
+                .ipv4(ip4(CLIENT, VIP, 64).options(&[1, 1, 1, 0]))
+                .tcp(syn(40060, 80))
+                .build(),
+            XDP_REDIRECT,
+            Redirect,
+        )
+        .out(
+            to_backend(B2_MAC)
+                .ipv4(ip4(CLIENT, B2, 63).options(&[1, 1, 1, 0]))
+                .tcp(syn(40060, 8080))
+                .build(),
+        )
+        .traffic(Traffic::Forward(0, sa(B2, 8080), true)),
         // ---- Fragments ----
-        fx("first v4 fragment to a VIP is dropped", Clients,
-            from_client().ipv4(ip4(CLIENT, VIP, 64).df(false).mf(true)).udp(udp(40070, 53)).build(), XDP_DROP, DropFragment),
-        fx("later v4 fragment to a VIP is dropped", Clients,
-            from_client().ipv4(ip4(CLIENT, VIP, 64).df(false).frag_offset(185)).raw(17, &[0; 16]).build(), XDP_DROP, DropFragment),
-        fx("v4 fragment to another address passes", Clients,
-            from_client().ipv4(ip4(CLIENT, Ipv4Addr::new(10, 0, 0, 1), 64).df(false).mf(true)).udp(udp(40071, 53)).build(), XDP_PASS, PassFragment),
+        fx(
+            "first v4 fragment to a VIP is dropped",
+            Clients,
+            from_client()
+                .ipv4(ip4(CLIENT, VIP, 64).df(false).mf(true))
+                .udp(udp(40070, 53))
+                .build(),
+            XDP_DROP,
+            DropFragment,
+        ),
+        fx(
+            "later v4 fragment to a VIP is dropped",
+            Clients,
+            from_client()
+                .ipv4(ip4(CLIENT, VIP, 64).df(false).frag_offset(185))
+                .raw(17, &[0; 16])
+                .build(),
+            XDP_DROP,
+            DropFragment,
+        ),
+        fx(
+            "v4 fragment to another address passes",
+            Clients,
+            from_client()
+                .ipv4(ip4(CLIENT, Ipv4Addr::new(10, 0, 0, 1), 64).df(false).mf(true))
+                .udp(udp(40071, 53))
+                .build(),
+            XDP_PASS,
+            PassFragment,
+        ),
         // ---- ICMP ----
-        fx("v4 echo request to a VIP is answered", Clients,
-            from_client().ipv4(ip4(CLIENT, VIP, 64)).icmpv4(Icmpv4::echo_request(7, 1).payload(b"ping")).build(), XDP_TX, EchoReply)
-            .out(to_client().ipv4(ip4(VIP, CLIENT, 64)).icmpv4(Icmpv4::echo_reply(7, 1).payload(b"ping")).build()),
-        fx("v6 echo request to a VIP is answered", Clients,
-            from_client().ipv6(ip6(client6(), vip6(), 64)).icmpv6(Icmpv6::echo_request(8, 2).payload(b"ping6")).build(), XDP_TX, EchoReply)
-            .out(to_client().ipv6(ip6(vip6(), client6(), 64)).icmpv6(Icmpv6::echo_reply(8, 2).payload(b"ping6")).build()),
-        fx("v4 echo request to another address passes", Clients,
-            from_client().ipv4(ip4(CLIENT, Ipv4Addr::new(10, 0, 0, 1), 64)).icmpv4(Icmpv4::echo_request(7, 1)).build(), XDP_PASS, PassNoService),
+        fx(
+            "v4 echo request to a VIP is answered",
+            Clients,
+            from_client()
+                .ipv4(ip4(CLIENT, VIP, 64))
+                .icmpv4(Icmpv4::echo_request(7, 1).payload(b"ping"))
+                .build(),
+            XDP_TX,
+            EchoReply,
+        )
+        .out(
+            to_client()
+                .ipv4(ip4(VIP, CLIENT, 64))
+                .icmpv4(Icmpv4::echo_reply(7, 1).payload(b"ping"))
+                .build(),
+        ),
+        fx(
+            "v6 echo request to a VIP is answered",
+            Clients,
+            from_client()
+                .ipv6(ip6(client6(), vip6(), 64))
+                .icmpv6(Icmpv6::echo_request(8, 2).payload(b"ping6"))
+                .build(),
+            XDP_TX,
+            EchoReply,
+        )
+        .out(
+            to_client()
+                .ipv6(ip6(vip6(), client6(), 64))
+                .icmpv6(Icmpv6::echo_reply(8, 2).payload(b"ping6"))
+                .build(),
+        ),
+        fx(
+            "v4 echo request to another address passes",
+            Clients,
+            from_client()
+                .ipv4(ip4(CLIENT, Ipv4Addr::new(10, 0, 0, 1), 64))
+                .icmpv4(Icmpv4::echo_request(7, 1))
+                .build(),
+            XDP_PASS,
+            PassNoService,
+        ),
         {
-            let quoted = PacketBuilder::new().ipv4(ip4(VIP, CLIENT, 63)).tcp(ack(80, 40080)).build_ip();
-            let backend_view = PacketBuilder::new().ipv4(ip4(B2, CLIENT, 63)).tcp(ack(8080, 40080)).build_ip();
-            fx("v4 frag-needed about a VIP flow goes to its backend, translated", Clients,
-                PacketBuilder::new().eth(ROUTER_MAC, CL0_MAC).ipv4(ip4(ROUTER, VIP, 64))
-                    .icmpv4(Icmpv4::frag_needed(1400, &quoted, Quote::HeaderPlus8)).build(), XDP_REDIRECT, IcmpToBackend)
-                .after(Clients, c4(syn(40080, 80)))
-                .out(to_backend(B2_MAC).ipv4(ip4(ROUTER, B2, 63)).icmpv4(Icmpv4::frag_needed(1400, &backend_view, Quote::HeaderPlus8)).build())
+            let quoted = PacketBuilder::new()
+                .ipv4(ip4(VIP, CLIENT, 63))
+                .tcp(ack(80, 40080))
+                .build_ip();
+            let backend_view = PacketBuilder::new()
+                .ipv4(ip4(B2, CLIENT, 63))
+                .tcp(ack(8080, 40080))
+                .build_ip();
+            fx(
+                "v4 frag-needed about a VIP flow goes to its backend, translated",
+                Clients,
+                PacketBuilder::new()
+                    .eth(ROUTER_MAC, CL0_MAC)
+                    .ipv4(ip4(ROUTER, VIP, 64))
+                    .icmpv4(Icmpv4::frag_needed(1400, &quoted, Quote::HeaderPlus8))
+                    .build(),
+                XDP_REDIRECT,
+                IcmpToBackend,
+            )
+            .after(Clients, c4(syn(40080, 80)))
+            .out(
+                to_backend(B2_MAC)
+                    .ipv4(ip4(ROUTER, B2, 63))
+                    .icmpv4(Icmpv4::frag_needed(1400, &backend_view, Quote::HeaderPlus8))
+                    .build(),
+            )
         },
         {
             let p = first_snat_port(CLIENT.into(), VIP.into(), 40081, 443, 6);
-            let quoted = PacketBuilder::new().ipv4(ip4(VIP, CLIENT, 63)).tcp(ack(443, 40081)).build_ip();
-            let backend_view = PacketBuilder::new().ipv4(ip4(B3, SNAT4, 63)).tcp(ack(8443, p)).build_ip();
-            fx("v4 frag-needed about a SNAT flow gets the backend's own view", Clients,
-                PacketBuilder::new().eth(ROUTER_MAC, CL0_MAC).ipv4(ip4(ROUTER, VIP, 64))
-                    .icmpv4(Icmpv4::frag_needed(1400, &quoted, Quote::HeaderPlus8)).build(), XDP_REDIRECT, IcmpToBackend)
-                .after(Clients, c4(syn(40081, 443)))
-                .out(to_backend(B3_MAC).ipv4(ip4(ROUTER, B3, 63)).icmpv4(Icmpv4::frag_needed(1400, &backend_view, Quote::HeaderPlus8)).build())
+            let quoted = PacketBuilder::new()
+                .ipv4(ip4(VIP, CLIENT, 63))
+                .tcp(ack(443, 40081))
+                .build_ip();
+            let backend_view = PacketBuilder::new()
+                .ipv4(ip4(B3, SNAT4, 63))
+                .tcp(ack(8443, p))
+                .build_ip();
+            fx(
+                "v4 frag-needed about a SNAT flow gets the backend's own view",
+                Clients,
+                PacketBuilder::new()
+                    .eth(ROUTER_MAC, CL0_MAC)
+                    .ipv4(ip4(ROUTER, VIP, 64))
+                    .icmpv4(Icmpv4::frag_needed(1400, &quoted, Quote::HeaderPlus8))
+                    .build(),
+                XDP_REDIRECT,
+                IcmpToBackend,
+            )
+            .after(Clients, c4(syn(40081, 443)))
+            .out(
+                to_backend(B3_MAC)
+                    .ipv4(ip4(ROUTER, B3, 63))
+                    .icmpv4(Icmpv4::frag_needed(1400, &backend_view, Quote::HeaderPlus8))
+                    .build(),
+            )
         },
         {
-            let quoted = PacketBuilder::new().ipv6(ip6(vip6(), client6(), 63)).tcp(ack(80, 40082)).build_ip()[..48].to_vec();
-            let backend_view = PacketBuilder::new().ipv6(ip6(b6_2(), client6(), 63)).tcp(ack(8080, 40082)).build_ip()[..48].to_vec();
-            fx("v6 packet-too-big about a VIP flow goes to its backend, translated", Clients,
-                from_client().ipv6(ip6(client6(), vip6(), 64)).icmpv6(Icmpv6::packet_too_big(1280, &quoted)).build(), XDP_REDIRECT, IcmpToBackend)
-                .after(Clients, from_client().ipv6(ip6(client6(), vip6(), 64)).tcp(syn(40082, 80)).build())
-                .out(to_backend(B2_MAC).ipv6(ip6(client6(), b6_2(), 63)).icmpv6(Icmpv6::packet_too_big(1280, &backend_view)).build())
+            let quoted = PacketBuilder::new()
+                .ipv6(ip6(vip6(), client6(), 63))
+                .tcp(ack(80, 40082))
+                .build_ip()[..48]
+                .to_vec();
+            let backend_view = PacketBuilder::new()
+                .ipv6(ip6(b6_2(), client6(), 63))
+                .tcp(ack(8080, 40082))
+                .build_ip()[..48]
+                .to_vec();
+            fx(
+                "v6 packet-too-big about a VIP flow goes to its backend, translated",
+                Clients,
+                from_client()
+                    .ipv6(ip6(client6(), vip6(), 64))
+                    .icmpv6(Icmpv6::packet_too_big(1280, &quoted))
+                    .build(),
+                XDP_REDIRECT,
+                IcmpToBackend,
+            )
+            .after(
+                Clients,
+                from_client()
+                    .ipv6(ip6(client6(), vip6(), 64))
+                    .tcp(syn(40082, 80))
+                    .build(),
+            )
+            .out(
+                to_backend(B2_MAC)
+                    .ipv6(ip6(client6(), b6_2(), 63))
+                    .icmpv6(Icmpv6::packet_too_big(1280, &backend_view))
+                    .build(),
+            )
         },
         {
-            let quoted = PacketBuilder::new().ipv4(ip4(VIP, CLIENT, 63)).tcp(ack(8081, 40083)).build_ip();
-            fx("v4 frag-needed quoting no VIP service is dropped", Clients,
-                PacketBuilder::new().eth(ROUTER_MAC, CL0_MAC).ipv4(ip4(ROUTER, VIP, 64))
-                    .icmpv4(Icmpv4::frag_needed(1400, &quoted, Quote::HeaderPlus8)).build(), XDP_DROP, DropIcmpNoFlow)
+            let quoted = PacketBuilder::new()
+                .ipv4(ip4(VIP, CLIENT, 63))
+                .tcp(ack(8081, 40083))
+                .build_ip();
+            fx(
+                "v4 frag-needed quoting no VIP service is dropped",
+                Clients,
+                PacketBuilder::new()
+                    .eth(ROUTER_MAC, CL0_MAC)
+                    .ipv4(ip4(ROUTER, VIP, 64))
+                    .icmpv4(Icmpv4::frag_needed(1400, &quoted, Quote::HeaderPlus8))
+                    .build(),
+                XDP_DROP,
+                DropIcmpNoFlow,
+            )
         },
         // ---- Service states ----
-        fx("service with no backends drops new flows", Clients,
-            from_client().ipv4(ip4(CLIENT, VIP_EMPTY, 64)).tcp(syn(40090, 80)).build(), XDP_DROP, DropNoBackend),
-        fx("backend without a neighbour entry: rewritten and passed to the kernel", Clients,
-            from_client().ipv4(ip4(CLIENT, VIP_NONEIGH, 64)).tcp(syn(40091, 80)).build(), XDP_PASS, PassNoNeigh)
-            .out(from_client().ipv4(ip4(CLIENT, Ipv4Addr::new(10, 2, 0, 99), 64)).tcp(syn(40091, 8080)).build())
-            .traffic(Traffic::Forward(8, sa(Ipv4Addr::new(10, 2, 0, 99), 8080), true)),
-        fx("TTL 1 to a VIP passes so the kernel answers time-exceeded", Clients,
-            from_client().ipv4(ip4(CLIENT, VIP, 1)).tcp(syn(40092, 80)).build(), XDP_PASS, PassTtlExpired),
-        fx("an established flow keeps its backend after the backend set changed", Clients, c4(ack(40093, 80)), XDP_REDIRECT, Redirect)
-            .after(Clients, c4(syn(40093, 80)))
-            .change(|dp| {
-                let mut s = base_services()[0].clone();
-                s.backends = backends(&[(B4.into(), 8080)]);
-                dp.set_service(&s).unwrap();
-            })
-            .out(to_backend(B2_MAC).ipv4(ip4(CLIENT, B2, 63)).tcp(ack(40093, 8080)).build())
-            .traffic(Traffic::Forward(0, sa(B2, 8080), false)),
-        fx("a new flow after the backend set changed goes to the new backend", Clients, c4(syn(40094, 80)), XDP_REDIRECT, Redirect)
-            .change(|dp| {
-                let mut s = base_services()[0].clone();
-                s.backends = backends(&[(B4.into(), 8080)]);
-                dp.set_service(&s).unwrap();
-            })
-            .out(to_backend(B4_MAC).ipv4(ip4(CLIENT, B4, 63)).tcp(syn(40094, 8080)).build())
-            .traffic(Traffic::Forward(0, sa(B4, 8080), true)),
+        fx(
+            "service with no backends drops new flows",
+            Clients,
+            from_client()
+                .ipv4(ip4(CLIENT, VIP_EMPTY, 64))
+                .tcp(syn(40090, 80))
+                .build(),
+            XDP_DROP,
+            DropNoBackend,
+        ),
+        fx(
+            "backend without a neighbour entry: rewritten and passed to the kernel",
+            Clients,
+            from_client()
+                .ipv4(ip4(CLIENT, VIP_NONEIGH, 64))
+                .tcp(syn(40091, 80))
+                .build(),
+            XDP_PASS,
+            PassNoNeigh,
+        )
+        .out(
+            from_client()
+                .ipv4(ip4(CLIENT, Ipv4Addr::new(10, 2, 0, 99), 64))
+                .tcp(syn(40091, 8080))
+                .build(),
+        )
+        .traffic(Traffic::Forward(8, sa(Ipv4Addr::new(10, 2, 0, 99), 8080), true)),
+        fx(
+            "TTL 1 to a VIP passes so the kernel answers time-exceeded",
+            Clients,
+            from_client().ipv4(ip4(CLIENT, VIP, 1)).tcp(syn(40092, 80)).build(),
+            XDP_PASS,
+            PassTtlExpired,
+        ),
+        fx(
+            "an established flow keeps its backend after the backend set changed",
+            Clients,
+            c4(ack(40093, 80)),
+            XDP_REDIRECT,
+            Redirect,
+        )
+        .after(Clients, c4(syn(40093, 80)))
+        .change(|dp| {
+            let mut s = base_services()[0].clone();
+            s.backends = backends(&[(B4.into(), 8080)]);
+            dp.set_service(&s).unwrap();
+        })
+        .out(
+            to_backend(B2_MAC)
+                .ipv4(ip4(CLIENT, B2, 63))
+                .tcp(ack(40093, 8080))
+                .build(),
+        )
+        .traffic(Traffic::Forward(0, sa(B2, 8080), false)),
+        fx(
+            "a new flow after the backend set changed goes to the new backend",
+            Clients,
+            c4(syn(40094, 80)),
+            XDP_REDIRECT,
+            Redirect,
+        )
+        .change(|dp| {
+            let mut s = base_services()[0].clone();
+            s.backends = backends(&[(B4.into(), 8080)]);
+            dp.set_service(&s).unwrap();
+        })
+        .out(
+            to_backend(B4_MAC)
+                .ipv4(ip4(CLIENT, B4, 63))
+                .tcp(syn(40094, 8080))
+                .build(),
+        )
+        .traffic(Traffic::Forward(0, sa(B4, 8080), true)),
     ];
     // Multi-backend service: the expected backend is computed from the live
     // table exactly as the data plane does (checked by the harness).
-    v.push(
-        fx("multi-backend service sends the flow where Maglev says", Clients,
-            from_client().ipv4(ip4(CLIENT, VIP_MULTI, 64)).tcp(syn(40100, 80)).build(), XDP_REDIRECT, Redirect),
-    );
+    v.push(fx(
+        "multi-backend service sends the flow where Maglev says",
+        Clients,
+        from_client()
+            .ipv4(ip4(CLIENT, VIP_MULTI, 64))
+            .tcp(syn(40100, 80))
+            .build(),
+        XDP_REDIRECT,
+        Redirect,
+    ));
     v
 }
 
@@ -485,16 +1224,33 @@ fn run(dp: &Dataplane, ingress: u32, input: &[u8]) -> (u32, Vec<u8>) {
     let mut out = vec![0u8; input.len() + 256];
     let r = dp
         .program()
-        .test_run(TestRunOptions { data_in: Some(input), data_out: Some(&mut out), ctx_in: Some(&ctx_bytes), ..Default::default() })
+        .test_run(TestRunOptions {
+            data_in: Some(input),
+            data_out: Some(&mut out),
+            ctx_in: Some(&ctx_bytes),
+            ..Default::default()
+        })
         .expect("BPF_PROG_TEST_RUN");
     out.truncate(r.data_size_out as usize);
     (r.return_value, out)
 }
 
-type Snapshot = (BTreeMap<u32, [u64; 5]>, BTreeMap<u32, [u64; 5]>, [u64; REASON_COUNT as usize]);
+type Snapshot = (
+    BTreeMap<u32, [u64; 5]>,
+    BTreeMap<u32, [u64; 5]>,
+    [u64; REASON_COUNT as usize],
+);
 
 fn snapshot(dp: &Dataplane) -> Snapshot {
-    let arr = |s: lb_common::TrafficStats| [s.packets, s.bytes, s.new_flows, s.reply_packets, s.reply_bytes];
+    let arr = |s: lb_common::TrafficStats| {
+        [
+            s.packets,
+            s.bytes,
+            s.new_flows,
+            s.reply_packets,
+            s.reply_bytes,
+        ]
+    };
     let mut services = BTreeMap::new();
     let mut backends = BTreeMap::new();
     for (key, spec) in dp.services() {
@@ -518,7 +1274,10 @@ fn packet_fixtures_need_root() {
     dp.allow_redirect(cl0).unwrap();
     dp.allow_redirect(be0).unwrap();
     let fixtures = fixtures();
-    assert!(fixtures.len() >= 40, "the fixture table must keep at least 40 cases");
+    assert!(
+        fixtures.len() >= 40,
+        "the fixture table must keep at least 40 cases"
+    );
     let mut failures = Vec::new();
     for f in &fixtures {
         // Each fixture starts from the base services, no flows, zero counters.
@@ -528,9 +1287,20 @@ fn packet_fixtures_need_root() {
         dp.clear_dynamic_state().unwrap();
         let mut errs = Vec::new();
         for (ing, pkt) in &f.before {
-            let (v, _) = run(&dp, if matches!(ing, Ingress::Clients) { cl0 } else { be0 }, pkt);
+            let (v, _) = run(
+                &dp,
+                if matches!(ing, Ingress::Clients) {
+                    cl0
+                } else {
+                    be0
+                },
+                pkt,
+            );
             if v == XDP_DROP {
-                errs.push(format!("setup packet dropped, reasons {:?}", dp.reason_counts().unwrap()));
+                errs.push(format!(
+                    "setup packet dropped, reasons {:?}",
+                    dp.reason_counts().unwrap()
+                ));
             }
         }
         // The change comes after the setup packets: that is what "after" means.
@@ -538,7 +1308,11 @@ fn packet_fixtures_need_root() {
             change(&mut dp);
         }
         let before = snapshot(&dp);
-        let ingress = if matches!(f.ingress, Ingress::Clients) { cl0 } else { be0 };
+        let ingress = if matches!(f.ingress, Ingress::Clients) {
+            cl0
+        } else {
+            be0
+        };
         let (verdict, out) = run(&dp, ingress, &f.input);
         let after = snapshot(&dp);
         if verdict != f.verdict {
@@ -548,7 +1322,10 @@ fn packet_fixtures_need_root() {
         if f.name.starts_with("multi-backend") {
             check_multi(&dp, &f.input, &out, &mut errs);
         } else if out != expected {
-            errs.push(format!("output differs:\n{}", hexdump_diff(&expected, &out)));
+            errs.push(format!(
+                "output differs:\n{}",
+                hexdump_diff(&expected, &out)
+            ));
         }
         if f.output.is_some() && f.verdict != XDP_DROP {
             if let Err(e) = verify_checksums(&out) {
@@ -560,7 +1337,13 @@ fn packet_fixtures_need_root() {
             failures.push(format!("{}:\n  {}", f.name, errs.join("\n  ")));
         }
     }
-    assert!(failures.is_empty(), "{} of {} fixtures failed:\n{}", failures.len(), fixtures.len(), failures.join("\n"));
+    assert!(
+        failures.is_empty(),
+        "{} of {} fixtures failed:\n{}",
+        failures.len(),
+        fixtures.len(),
+        failures.join("\n")
+    );
 }
 
 fn check_multi(dp: &Dataplane, input: &[u8], out: &[u8], errs: &mut Vec<String>) {
@@ -581,13 +1364,25 @@ fn check_multi(dp: &Dataplane, input: &[u8], out: &[u8], errs: &mut Vec<String>)
         .find(|(ip, _)| dp.backend_id(&key, sa(*ip, 8080)) == Some(id))
         .expect("table entry names a backend of the service");
     let _ = input;
-    let want = to_backend(mac).ipv4(ip4(CLIENT, ip, 63)).tcp(syn(40100, 8080)).build();
+    let want = to_backend(mac)
+        .ipv4(ip4(CLIENT, ip, 63))
+        .tcp(syn(40100, 8080))
+        .build();
     if out != want {
-        errs.push(format!("multi-backend output differs:\n{}", hexdump_diff(&want, out)));
+        errs.push(format!(
+            "multi-backend output differs:\n{}",
+            hexdump_diff(&want, out)
+        ));
     }
 }
 
-fn check_counters(dp: &Dataplane, f: &Fixture, before: &Snapshot, after: &Snapshot, errs: &mut Vec<String>) {
+fn check_counters(
+    dp: &Dataplane,
+    f: &Fixture,
+    before: &Snapshot,
+    after: &Snapshot,
+    errs: &mut Vec<String>,
+) {
     for r in Reason::ALL {
         let d = after.2[r as usize] - before.2[r as usize];
         let want = u64::from(r == f.reason);
@@ -601,11 +1396,19 @@ fn check_counters(dp: &Dataplane, f: &Fixture, before: &Snapshot, after: &Snapsh
         Traffic::None => (None, None, [0; 5]),
         Traffic::Forward(i, b, new) => {
             let key = services[i].key();
-            (dp.service_id(&key), dp.backend_id(&key, b), [1, bytes, u64::from(new), 0, 0])
+            (
+                dp.service_id(&key),
+                dp.backend_id(&key, b),
+                [1, bytes, u64::from(new), 0, 0],
+            )
         }
         Traffic::Reply(i, b) => {
             let key = services[i].key();
-            (dp.service_id(&key), dp.backend_id(&key, b), [0, 0, 0, 1, bytes])
+            (
+                dp.service_id(&key),
+                dp.backend_id(&key, b),
+                [0, 0, 0, 1, bytes],
+            )
         }
     };
     if f.name.starts_with("multi-backend") {
@@ -619,7 +1422,11 @@ fn check_counters(dp: &Dataplane, f: &Fixture, before: &Snapshot, after: &Snapsh
     for (id, a) in &after.0 {
         let b = before.0.get(id).copied().unwrap_or([0; 5]);
         let d: Vec<u64> = a.iter().zip(b).map(|(x, y)| x - y).collect();
-        let w = if Some(*id) == want_svc { want.to_vec() } else { vec![0; 5] };
+        let w = if Some(*id) == want_svc {
+            want.to_vec()
+        } else {
+            vec![0; 5]
+        };
         if d != w {
             errs.push(format!("service {id} stats moved by {d:?}, want {w:?}"));
         }
@@ -627,7 +1434,11 @@ fn check_counters(dp: &Dataplane, f: &Fixture, before: &Snapshot, after: &Snapsh
     for (id, a) in &after.1 {
         let b = before.1.get(id).copied().unwrap_or([0; 5]);
         let d: Vec<u64> = a.iter().zip(b).map(|(x, y)| x - y).collect();
-        let w = if Some(*id) == want_backend { want.to_vec() } else { vec![0; 5] };
+        let w = if Some(*id) == want_backend {
+            want.to_vec()
+        } else {
+            vec![0; 5]
+        };
         if d != w {
             errs.push(format!("backend {id} stats moved by {d:?}, want {w:?}"));
         }

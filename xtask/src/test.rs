@@ -9,15 +9,20 @@ pub fn run(extra: &[String]) -> Result<()> {
     run_cmd(cargo().args([
         "clippy",
         "--workspace",
+        "--exclude",
+        "lb-ebpf",
         "--all-targets",
         "--",
         "-D",
         "warnings",
     ]))
     .context("step `clippy` failed")?;
+    clippy_ebpf()?;
 
     let mut test = cargo();
-    test.args(["test", "--workspace"]).args(extra);
+    // lb-ebpf builds only for the BPF target; lb-agent's build.rs builds it.
+    test.args(["test", "--workspace", "--exclude", "lb-ebpf"])
+        .args(extra);
     // The tests set up namespaces and BPF state and manage their own concurrency.
     test.env_remove("RUST_TEST_THREADS");
     run_cmd(&mut test).context("step `test` failed")?;

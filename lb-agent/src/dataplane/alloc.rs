@@ -14,7 +14,11 @@ pub struct IdPool {
 
 impl IdPool {
     pub fn new(max: u32) -> Self {
-        Self { next: 0, max, free: VecDeque::new() }
+        Self {
+            next: 0,
+            max,
+            free: VecDeque::new(),
+        }
     }
 
     pub fn alloc(&mut self) -> Option<u32> {
@@ -28,15 +32,6 @@ impl IdPool {
     pub fn free(&mut self, id: u32) {
         self.free.push_back(id);
     }
-
-    /// Marks `id` as used (when adopting existing state).
-    pub fn reserve(&mut self, id: u32) {
-        while self.next <= id && self.next < self.max {
-            self.free.push_back(self.next);
-            self.next += 1;
-        }
-        self.free.retain(|&f| f != id);
-    }
 }
 
 /// First-fit allocator of `[start, start + len)` ranges in the Maglev pool.
@@ -48,7 +43,9 @@ pub struct RegionPool {
 
 impl RegionPool {
     pub fn new(size: u32) -> Self {
-        Self { free: vec![(0, size)] }
+        Self {
+            free: vec![(0, size)],
+        }
     }
 
     pub fn alloc(&mut self, len: u32) -> Option<u32> {
@@ -75,25 +72,6 @@ impl RegionPool {
             self.free.remove(i);
         }
     }
-
-    /// Marks a range as used (when adopting existing state).
-    pub fn reserve(&mut self, start: u32, len: u32) -> bool {
-        let Some(i) = self.free.iter().position(|&(s, l)| s <= start && start + len <= s + l) else {
-            return false;
-        };
-        let (s, l) = self.free.remove(i);
-        if start + len < s + l {
-            self.free.insert(i, (start + len, s + l - start - len));
-        }
-        if s < start {
-            self.free.insert(i, (s, start - s));
-        }
-        true
-    }
-
-    pub fn free_total(&self) -> u64 {
-        self.free.iter().map(|&(_, l)| l as u64).sum()
-    }
 }
 
 #[cfg(test)]
@@ -108,15 +86,10 @@ mod tests {
         assert_eq!(p.alloc(), Some(2));
         p.free(1);
         assert_eq!((p.alloc(), p.alloc(), p.alloc()), (Some(0), Some(1), None));
-        let mut q = IdPool::new(10);
-        q.reserve(3);
-        let got: Vec<_> = std::iter::from_fn(|| q.alloc()).collect();
-        assert_eq!(got.len(), 9);
-        assert!(!got.contains(&3));
     }
 
     #[test]
-    fn regions_split_merge_and_reserve() {
+    fn regions_split_and_merge() {
         let mut p = RegionPool::new(100);
         let a = p.alloc(30).unwrap();
         let b = p.alloc(30).unwrap();
@@ -128,10 +101,10 @@ mod tests {
         assert_eq!(p.alloc(60), Some(0), "freed neighbours merge");
         p.free(0, 60);
         p.free(c, 40);
-        assert_eq!(p.free_total(), 100);
-        assert!(p.reserve(10, 20));
-        assert!(!p.reserve(15, 2));
-        assert_eq!(p.alloc(10), Some(0));
-        assert_eq!(p.alloc(10), Some(30));
+        assert_eq!(
+            p.alloc(100),
+            Some(0),
+            "everything merged back into one range"
+        );
     }
 }

@@ -48,12 +48,20 @@ impl MaglevPool {
             return Err(io::Error::last_os_error());
         }
         let base = NonNull::new(p.cast::<u32>()).ok_or_else(io::Error::last_os_error)?;
-        Ok(Self { _map: map, base, entries, len })
+        Ok(Self {
+            _map: map,
+            base,
+            entries,
+            len,
+        })
     }
 
     /// Writes `values` starting at entry `start`.
     pub fn write(&mut self, start: u32, values: impl ExactSizeIterator<Item = u32>) {
-        assert!(start as usize + values.len() <= self.entries as usize, "Maglev write past the pool");
+        assert!(
+            start as usize + values.len() <= self.entries as usize,
+            "Maglev write past the pool"
+        );
         for (i, v) in values.enumerate() {
             // SAFETY: in bounds (asserted above); volatile because the kernel reads it.
             unsafe { self.slot(start as usize + i).write_volatile(v) };
@@ -62,7 +70,10 @@ impl MaglevPool {
 
     /// Reads `len` entries starting at `start`.
     pub fn read(&self, start: u32, len: u32) -> Vec<u32> {
-        assert!(start as u64 + len as u64 <= self.entries as u64, "Maglev read past the pool");
+        assert!(
+            start as u64 + len as u64 <= self.entries as u64,
+            "Maglev read past the pool"
+        );
         (0..len as usize)
             // SAFETY: in bounds (asserted above).
             .map(|i| unsafe { self.slot(start as usize + i).read_volatile() })
@@ -74,7 +85,13 @@ impl MaglevPool {
     /// Address of entry `i`; the caller checks `i < entries`.
     fn slot(&self, i: usize) -> *mut u32 {
         // SAFETY: within the mapping for i < entries (STRIDE * entries <= len).
-        unsafe { self.base.as_ptr().cast::<u8>().add(i * STRIDE).cast::<u32>() }
+        unsafe {
+            self.base
+                .as_ptr()
+                .cast::<u8>()
+                .add(i * STRIDE)
+                .cast::<u32>()
+        }
     }
 }
 

@@ -14,15 +14,17 @@ use std::{
 
 use aya::{
     maps::{
-        Array, DevMapHash, HashMap, Map, MapData, MapError, PerCpuArray, PerCpuHashMap, PerCpuValues,
+        Array, DevMapHash, HashMap, Map, MapData, MapError, PerCpuArray, PerCpuHashMap,
+        PerCpuValues,
     },
     programs::{ProgramError, Xdp, XdpMode},
     Ebpf, EbpfLoader,
 };
 use lb_common::{
-    addr_from_v4, addr_from_v6, maglev, map_names as names, Backend, Config, Flow, FlowKey, Reason, ReplyNat,
-    ServiceInfo, ServiceKey, TrafficStats, FAMILY_V4, FAMILY_V6, MAGLEV_POOL_ENTRIES, MAX_BACKENDS, MAX_SERVICES,
-    PORT_F_BACKEND, PORT_F_SERVICE, PROTO_ICMP, PROTO_ICMPV6, PROTO_TCP, PROTO_UDP, REASON_COUNT, SERVICE_F_SNAT,
+    addr_from_v4, addr_from_v6, maglev, map_names as names, Backend, Config, Flow, FlowKey, Reason,
+    ReplyNat, ServiceInfo, ServiceKey, TrafficStats, FAMILY_V4, FAMILY_V6, MAGLEV_POOL_ENTRIES,
+    MAX_BACKENDS, MAX_SERVICES, PORT_F_BACKEND, PORT_F_SERVICE, PROTO_ICMP, PROTO_ICMPV6,
+    PROTO_TCP, PROTO_UDP, REASON_COUNT, SERVICE_F_SNAT,
 };
 
 use self::{
@@ -46,7 +48,10 @@ pub enum DataplaneError {
     #[error("loading the XDP object: {0}")]
     Load(#[from] aya::EbpfError),
     #[error("map {name}: {source}")]
-    Map { name: &'static str, source: MapError },
+    Map {
+        name: &'static str,
+        source: MapError,
+    },
     #[error("map TX_PORTS: {0}")]
     TxPorts(aya::maps::xdp::XdpMapError),
     #[error("map {0} is missing from the object")]
@@ -116,15 +121,23 @@ impl ServiceSpec {
 
     /// Checks what the data plane relies on; the config layer checks more.
     pub fn validate(&self) -> Result<()> {
-        let bad = |reason: String| DataplaneError::InvalidService { service: self.name(), reason };
+        let bad = |reason: String| DataplaneError::InvalidService {
+            service: self.name(),
+            reason,
+        };
         for b in &self.backends {
             if b.addr.is_ipv4() != self.vip.is_ipv4() {
-                return Err(bad(format!("backend {} is not of the VIP's address family", b.addr)));
+                return Err(bad(format!(
+                    "backend {} is not of the VIP's address family",
+                    b.addr
+                )));
             }
         }
         if let Some(snat) = self.snat {
             if snat.is_ipv4() != self.vip.is_ipv4() {
-                return Err(bad(format!("SNAT address {snat} is not of the VIP's address family")));
+                return Err(bad(format!(
+                    "SNAT address {snat} is not of the VIP's address family"
+                )));
             }
         }
         let m = self.table_size();
@@ -133,7 +146,8 @@ impl ServiceSpec {
     }
 
     pub fn table_size(&self) -> u32 {
-        self.table_size.unwrap_or_else(|| maglev::default_table_size(self.backends.len()))
+        self.table_size
+            .unwrap_or_else(|| maglev::default_table_size(self.backends.len()))
     }
 }
 
@@ -153,11 +167,24 @@ pub fn family(ip: IpAddr) -> u8 {
 }
 
 pub fn service_key(vip: IpAddr, port: u16, proto: u8) -> ServiceKey {
-    ServiceKey { addr: ip_words(vip), port: port.to_be(), proto, family: family(vip) }
+    ServiceKey {
+        addr: ip_words(vip),
+        port: port.to_be(),
+        proto,
+        family: family(vip),
+    }
 }
 
 fn echo_key(vip: IpAddr) -> ServiceKey {
-    service_key(vip, 0, if vip.is_ipv4() { PROTO_ICMP } else { PROTO_ICMPV6 })
+    service_key(
+        vip,
+        0,
+        if vip.is_ipv4() {
+            PROTO_ICMP
+        } else {
+            PROTO_ICMPV6
+        },
+    )
 }
 
 /// What the driver remembers of a service it programmed.
@@ -214,15 +241,22 @@ impl Dataplane {
             _ => return Err(DataplaneError::MissingMap(names::MAGLEV)),
         };
         let mut dp = Self {
-            services: HashMap::try_from(take(&mut ebpf, names::SERVICES)?).map_err(map_err(names::SERVICES))?,
-            backends: Array::try_from(take(&mut ebpf, names::BACKENDS)?).map_err(map_err(names::BACKENDS))?,
-            maglev: MaglevPool::new(maglev_data, MAGLEV_POOL_ENTRIES).map_err(DataplaneError::Mmap)?,
-            port_flags: Array::try_from(take(&mut ebpf, names::PORT_FLAGS)?).map_err(map_err(names::PORT_FLAGS))?,
-            config: Array::try_from(take(&mut ebpf, names::CONFIG)?).map_err(map_err(names::CONFIG))?,
-            tx_ports: DevMapHash::try_from(take(&mut ebpf, names::TX_PORTS)?).map_err(map_err(names::TX_PORTS))?,
+            services: HashMap::try_from(take(&mut ebpf, names::SERVICES)?)
+                .map_err(map_err(names::SERVICES))?,
+            backends: Array::try_from(take(&mut ebpf, names::BACKENDS)?)
+                .map_err(map_err(names::BACKENDS))?,
+            maglev: MaglevPool::new(maglev_data, MAGLEV_POOL_ENTRIES)
+                .map_err(DataplaneError::Mmap)?,
+            port_flags: Array::try_from(take(&mut ebpf, names::PORT_FLAGS)?)
+                .map_err(map_err(names::PORT_FLAGS))?,
+            config: Array::try_from(take(&mut ebpf, names::CONFIG)?)
+                .map_err(map_err(names::CONFIG))?,
+            tx_ports: DevMapHash::try_from(take(&mut ebpf, names::TX_PORTS)?)
+                .map_err(map_err(names::TX_PORTS))?,
             conntrack: PerCpuHashMap::try_from(take(&mut ebpf, names::CONNTRACK)?)
                 .map_err(map_err(names::CONNTRACK))?,
-            reply_nat: HashMap::try_from(take(&mut ebpf, names::REPLY_NAT)?).map_err(map_err(names::REPLY_NAT))?,
+            reply_nat: HashMap::try_from(take(&mut ebpf, names::REPLY_NAT)?)
+                .map_err(map_err(names::REPLY_NAT))?,
             service_stats: PerCpuArray::try_from(take(&mut ebpf, names::SERVICE_STATS)?)
                 .map_err(map_err(names::SERVICE_STATS))?,
             backend_stats: PerCpuArray::try_from(take(&mut ebpf, names::BACKEND_STATS)?)
@@ -296,7 +330,12 @@ impl Dataplane {
         let mut ids = Vec::with_capacity(spec.backends.len());
         let mut fresh = Vec::new();
         for b in &spec.backends {
-            let kept = old.as_ref().and_then(|o| o.backend_ids.iter().find(|(a, _)| *a == b.addr).map(|x| x.1));
+            let kept = old.as_ref().and_then(|o| {
+                o.backend_ids
+                    .iter()
+                    .find(|(a, _)| *a == b.addr)
+                    .map(|x| x.1)
+            });
             let id = match kept {
                 Some(id) => id,
                 None => match self.backend_ids.alloc() {
@@ -352,11 +391,25 @@ impl Dataplane {
                 dp.service_ids.free(service_id);
             }
         };
-        match self.write_service(spec, &key, service_id, &ids, &fresh, base, active, m, old.is_none()) {
+        match self.write_service(
+            spec,
+            &key,
+            service_id,
+            &ids,
+            &fresh,
+            base,
+            active,
+            m,
+            old.is_none(),
+        ) {
             Ok(info) => {
                 if let Some(o) = &old {
                     if new_region {
-                        self.quarantined.push((Instant::now(), o.info.table_base, 2 * o.info.table_size));
+                        self.quarantined.push((
+                            Instant::now(),
+                            o.info.table_base,
+                            2 * o.info.table_size,
+                        ));
                     }
                     for (addr, id) in &o.backend_ids {
                         if !ids.iter().any(|(a, _)| a == addr) {
@@ -366,7 +419,12 @@ impl Dataplane {
                 }
                 self.state.insert(
                     key,
-                    Programmed { spec: spec.clone(), info, backend_ids: ids, flipped: Instant::now() },
+                    Programmed {
+                        spec: spec.clone(),
+                        info,
+                        backend_ids: ids,
+                        flipped: Instant::now(),
+                    },
                 );
                 self.sync_echo_markers(spec.vip)?;
                 self.sync_port_flags()
@@ -392,14 +450,22 @@ impl Dataplane {
         new_service: bool,
     ) -> Result<ServiceInfo> {
         for (b, (_, id)) in spec.backends.iter().zip(ids) {
-            let value = Backend { addr: ip_words(b.addr.ip()), port: b.addr.port().to_be(), family: family(b.addr.ip()), _pad: 0 };
-            self.backends.set(*id, value, 0).map_err(map_err(names::BACKENDS))?;
+            let value = Backend {
+                addr: ip_words(b.addr.ip()),
+                port: b.addr.port().to_be(),
+                family: family(b.addr.ip()),
+                _pad: 0,
+            };
+            self.backends
+                .set(*id, value, 0)
+                .map_err(map_err(names::BACKENDS))?;
         }
         for &id in fresh {
             zero_stats(&mut self.backend_stats, id).map_err(map_err(names::BACKEND_STATS))?;
         }
         if new_service {
-            zero_stats(&mut self.service_stats, service_id).map_err(map_err(names::SERVICE_STATS))?;
+            zero_stats(&mut self.service_stats, service_id)
+                .map_err(map_err(names::SERVICE_STATS))?;
         }
         let mb: Vec<_> = spec
             .backends
@@ -410,7 +476,11 @@ impl Dataplane {
                     IpAddr::V4(a) => addr[..4].copy_from_slice(&a.octets()),
                     IpAddr::V6(a) => addr = a.octets(),
                 }
-                maglev::MaglevBackend { addr, port: b.addr.port(), weight: b.weight }
+                maglev::MaglevBackend {
+                    addr,
+                    port: b.addr.port(),
+                    weight: b.weight,
+                }
             })
             .collect();
         let table = maglev::build_table(&mb, m).map_err(|e| DataplaneError::InvalidService {
@@ -420,19 +490,30 @@ impl Dataplane {
         let live = !table.is_empty();
         if live {
             let slot = base + active * m;
-            self.maglev.write(slot, table.iter().map(|&i| ids[i as usize].1));
+            self.maglev
+                .write(slot, table.iter().map(|&i| ids[i as usize].1));
         }
         let info = ServiceInfo {
             id: service_id,
-            flags: if spec.snat.is_some() { SERVICE_F_SNAT } else { 0 },
+            flags: if spec.snat.is_some() {
+                SERVICE_F_SNAT
+            } else {
+                0
+            },
             table_base: base,
             table_size: m,
             active,
-            backend_count: if live { mb.iter().filter(|b| b.weight > 0).count() as u32 } else { 0 },
+            backend_count: if live {
+                mb.iter().filter(|b| b.weight > 0).count() as u32
+            } else {
+                0
+            },
             snat_addr: spec.snat.map(ip_words).unwrap_or_default(),
         };
         // The flip: one whole-value replacement of the service entry.
-        self.services.insert(key, info, 0).map_err(map_err(names::SERVICES))?;
+        self.services
+            .insert(key, info, 0)
+            .map_err(map_err(names::SERVICES))?;
         Ok(info)
     }
 
@@ -445,8 +526,11 @@ impl Dataplane {
             self.state.insert(*key, p);
             return Err(map_err(names::SERVICES)(e));
         }
-        self.quarantined.push((Instant::now(), p.info.table_base, 2 * p.info.table_size));
-        p.backend_ids.iter().for_each(|(_, id)| self.backend_ids.free(*id));
+        self.quarantined
+            .push((Instant::now(), p.info.table_base, 2 * p.info.table_size));
+        p.backend_ids
+            .iter()
+            .for_each(|(_, id)| self.backend_ids.free(*id));
         self.service_ids.free(p.info.id);
         self.sync_echo_markers(p.spec.vip)?;
         self.sync_port_flags()
@@ -454,8 +538,10 @@ impl Dataplane {
 
     fn release_quarantine(&mut self) {
         let now = Instant::now();
-        let (due, keep): (Vec<_>, Vec<_>) =
-            self.quarantined.drain(..).partition(|(t, _, _)| now.duration_since(*t) >= TABLE_QUARANTINE);
+        let (due, keep): (Vec<_>, Vec<_>) = self
+            .quarantined
+            .drain(..)
+            .partition(|(t, _, _)| now.duration_since(*t) >= TABLE_QUARANTINE);
         self.quarantined = keep;
         for (_, start, len) in due {
             self.regions.free(start, len);
@@ -465,11 +551,20 @@ impl Dataplane {
     /// The echo marker of a VIP exists while any service uses the VIP.
     fn sync_echo_markers(&mut self, vip: IpAddr) -> Result<()> {
         let key = echo_key(vip);
-        let first = self.state.values().find(|p| p.spec.vip == vip).map(|p| p.info.id);
+        let first = self
+            .state
+            .values()
+            .find(|p| p.spec.vip == vip)
+            .map(|p| p.info.id);
         match first {
             Some(id) => {
-                let marker = ServiceInfo { id, ..Default::default() };
-                self.services.insert(key, marker, 0).map_err(map_err(names::SERVICES))
+                let marker = ServiceInfo {
+                    id,
+                    ..Default::default()
+                };
+                self.services
+                    .insert(key, marker, 0)
+                    .map_err(map_err(names::SERVICES))
             }
             None => match self.services.remove(&key) {
                 Ok(()) | Err(MapError::KeyNotFound) => Ok(()),
@@ -488,7 +583,9 @@ impl Dataplane {
         }
         for (port, (&w, have)) in want.iter().zip(self.ports.iter_mut()).enumerate() {
             if w != *have {
-                self.port_flags.set(port as u32, w, 0).map_err(map_err(names::PORT_FLAGS))?;
+                self.port_flags
+                    .set(port as u32, w, 0)
+                    .map_err(map_err(names::PORT_FLAGS))?;
                 *have = w;
             }
         }
@@ -506,14 +603,22 @@ impl Dataplane {
 
     /// Id of a backend of a programmed service.
     pub fn backend_id(&self, key: &ServiceKey, addr: SocketAddr) -> Option<u32> {
-        self.state.get(key)?.backend_ids.iter().find(|(a, _)| *a == addr).map(|x| x.1)
+        self.state
+            .get(key)?
+            .backend_ids
+            .iter()
+            .find(|(a, _)| *a == addr)
+            .map(|x| x.1)
     }
 
     /// Packets per reason, summed over CPUs.
     pub fn reason_counts(&self) -> Result<[u64; REASON_COUNT as usize]> {
         let mut out = [0u64; REASON_COUNT as usize];
         for (i, slot) in out.iter_mut().enumerate() {
-            let v = self.reason_stats.get(&(i as u32), 0).map_err(map_err(names::REASON_STATS))?;
+            let v = self
+                .reason_stats
+                .get(&(i as u32), 0)
+                .map_err(map_err(names::REASON_STATS))?;
             *slot = v.iter().sum();
         }
         Ok(out)
@@ -523,7 +628,10 @@ impl Dataplane {
     pub fn reason_counts_per_cpu(&self) -> Result<Vec<[u64; REASON_COUNT as usize]>> {
         let mut out: Vec<[u64; REASON_COUNT as usize]> = Vec::new();
         for r in Reason::ALL {
-            let v = self.reason_stats.get(&(r as u32), 0).map_err(map_err(names::REASON_STATS))?;
+            let v = self
+                .reason_stats
+                .get(&(r as u32), 0)
+                .map_err(map_err(names::REASON_STATS))?;
             if out.is_empty() {
                 out = vec![[0; REASON_COUNT as usize]; v.len()];
             }
@@ -557,16 +665,27 @@ impl Dataplane {
     }
 
     pub fn reply_entries(&self) -> Result<Vec<(FlowKey, ReplyNat)>> {
-        self.reply_nat.iter().map(|r| r.map_err(map_err(names::REPLY_NAT))).collect()
+        self.reply_nat
+            .iter()
+            .map(|r| r.map_err(map_err(names::REPLY_NAT)))
+            .collect()
     }
 
     /// Clears flows, reply translations and counters (between test cases).
     pub fn clear_dynamic_state(&mut self) -> Result<()> {
-        let keys: Vec<_> = self.conntrack.keys().collect::<Result<_, _>>().map_err(map_err(names::CONNTRACK))?;
+        let keys: Vec<_> = self
+            .conntrack
+            .keys()
+            .collect::<Result<_, _>>()
+            .map_err(map_err(names::CONNTRACK))?;
         for k in keys {
             let _ = self.conntrack.remove(&k);
         }
-        let keys: Vec<_> = self.reply_nat.keys().collect::<Result<_, _>>().map_err(map_err(names::REPLY_NAT))?;
+        let keys: Vec<_> = self
+            .reply_nat
+            .keys()
+            .collect::<Result<_, _>>()
+            .map_err(map_err(names::REPLY_NAT))?;
         for k in keys {
             let _ = self.reply_nat.remove(&k);
         }
@@ -577,7 +696,11 @@ impl Dataplane {
         for id in services {
             zero_stats(&mut self.service_stats, id).map_err(map_err(names::SERVICE_STATS))?;
         }
-        let backends: BTreeSet<u32> = self.state.values().flat_map(|p| p.backend_ids.iter().map(|x| x.1)).collect();
+        let backends: BTreeSet<u32> = self
+            .state
+            .values()
+            .flat_map(|p| p.backend_ids.iter().map(|x| x.1))
+            .collect();
         for id in backends {
             zero_stats(&mut self.backend_stats, id).map_err(map_err(names::BACKEND_STATS))?;
         }
@@ -586,7 +709,9 @@ impl Dataplane {
 
     /// Inserts a reply translation directly (tests of reply handling).
     pub fn insert_reply(&mut self, key: &FlowKey, value: &ReplyNat) -> Result<()> {
-        self.reply_nat.insert(key, value, 0).map_err(map_err(names::REPLY_NAT))
+        self.reply_nat
+            .insert(key, value, 0)
+            .map_err(map_err(names::REPLY_NAT))
     }
 
     /// The live Maglev table of a service (backend ids).
@@ -595,7 +720,10 @@ impl Dataplane {
         if info.backend_count == 0 {
             return Ok(Vec::new());
         }
-        Ok(self.maglev.read(info.table_base + info.active * info.table_size, info.table_size))
+        Ok(self.maglev.read(
+            info.table_base + info.active * info.table_size,
+            info.table_size,
+        ))
     }
 }
 
@@ -615,7 +743,10 @@ pub fn possible_cpus() -> usize {
     aya::util::nr_cpus().unwrap_or(1)
 }
 
-fn zero_stats<T: aya::Pod + Default>(map: &mut PerCpuArray<MapData, T>, id: u32) -> Result<(), MapError> {
+fn zero_stats<T: aya::Pod + Default>(
+    map: &mut PerCpuArray<MapData, T>,
+    id: u32,
+) -> Result<(), MapError> {
     let values = PerCpuValues::try_from(vec![T::default(); possible_cpus()])
         .expect("one value per possible CPU is what the kernel expects");
     map.set(id, values, 0)
