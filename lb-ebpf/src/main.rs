@@ -268,3 +268,10 @@ fn panic(_info: &core::panic::PanicInfo) -> ! {
 #[unsafe(link_section = "license")]
 #[unsafe(no_mangle)]
 static LICENSE: [u8; 13] = *b"Dual MIT/GPL\0";
+
+/// The measurement floor of `cargo xtask bench`: an XDP program that only
+/// returns XDP_PASS. The agent never attaches it.
+#[xdp]
+pub fn xlb_floor(_ctx: XdpContext) -> u32 {
+    xdp_action::XDP_PASS
+}

@@ -61,3 +61,34 @@ impl Drop for Netns {
             .output();
     }
 }
+
+/// The namespace of the packet fixtures and the per-packet benchmark:
+/// `cl0` faces clients (10.0.0.0/24, fd00::/64, a router 10.0.0.254 for
+/// 198.51.100.0/24), `be0` faces backends (10.2.0.0/24, fd02::/64). Static
+/// neighbours make `bpf_fib_lookup` answer without any traffic.
+pub fn fixture_namespace() -> Netns {
+    let ns = Netns::new("xlb-fixtures");
+    for cmd in [
+        "ip link add cl0 type veth peer name cl1",
+        "ip link add be0 type veth peer name be1",
+        "ip link set cl0 address 02:00:00:00:01:00",
+        "ip link set be0 address 02:00:00:00:02:00",
+        "ip link set cl0 up && ip link set cl1 up && ip link set be0 up && ip link set be1 up",
+        "ip addr add 10.0.0.1/24 dev cl0 && ip addr add fd00::1/64 dev cl0 nodad",
+        "ip addr add 10.2.0.1/24 dev be0 && ip addr add fd02::1/64 dev be0 nodad",
+        "ip neigh add 10.0.0.2 lladdr 02:00:00:00:01:02 dev cl0 nud permanent",
+        "ip neigh add 10.0.0.254 lladdr 02:00:00:00:01:fe dev cl0 nud permanent",
+        "ip neigh add fd00::2 lladdr 02:00:00:00:01:02 dev cl0 nud permanent",
+        "ip neigh add 10.2.0.2 lladdr 02:00:00:00:02:02 dev be0 nud permanent",
+        "ip neigh add 10.2.0.3 lladdr 02:00:00:00:02:03 dev be0 nud permanent",
+        "ip neigh add 10.2.0.4 lladdr 02:00:00:00:02:04 dev be0 nud permanent",
+        "ip neigh add fd02::2 lladdr 02:00:00:00:02:02 dev be0 nud permanent",
+        "ip neigh add fd02::3 lladdr 02:00:00:00:02:03 dev be0 nud permanent",
+        "ip route add 198.51.100.0/24 via 10.0.0.254",
+        "sysctl -qw net.ipv4.ip_forward=1 net.ipv6.conf.all.forwarding=1",
+    ] {
+        ns.run(cmd);
+    }
+    ns
+}
+

@@ -13,7 +13,7 @@ use aya::programs::{TestRun, TestRunOptions};
 use lb_agent::dataplane::{ifindex, BackendSpec, Dataplane, Protocol, ServiceSpec};
 use lb_common::{Reason, REASON_COUNT};
 use xlb_tests::{
-    netns::Netns,
+    netns::fixture_namespace,
     packet::{
         hexdump_diff, tcp_flags, verify_checksums, ExtHeader, Icmpv4, Icmpv6, Ipv4, Ipv6, Mac,
         PacketBuilder, Quote, Tcp, Udp,
@@ -64,33 +64,6 @@ fn b6_3() -> Ipv6Addr {
 }
 fn snat6() -> Ipv6Addr {
     v6("fd02::1")
-}
-
-/// The namespace: `cl0` faces clients, `be0` faces backends.
-fn build_namespace() -> Netns {
-    let ns = Netns::new("xlb-fixtures");
-    for cmd in [
-        "ip link add cl0 type veth peer name cl1",
-        "ip link add be0 type veth peer name be1",
-        "ip link set cl0 address 02:00:00:00:01:00",
-        "ip link set be0 address 02:00:00:00:02:00",
-        "ip link set cl0 up && ip link set cl1 up && ip link set be0 up && ip link set be1 up",
-        "ip addr add 10.0.0.1/24 dev cl0 && ip addr add fd00::1/64 dev cl0 nodad",
-        "ip addr add 10.2.0.1/24 dev be0 && ip addr add fd02::1/64 dev be0 nodad",
-        "ip neigh add 10.0.0.2 lladdr 02:00:00:00:01:02 dev cl0 nud permanent",
-        "ip neigh add 10.0.0.254 lladdr 02:00:00:00:01:fe dev cl0 nud permanent",
-        "ip neigh add fd00::2 lladdr 02:00:00:00:01:02 dev cl0 nud permanent",
-        "ip neigh add 10.2.0.2 lladdr 02:00:00:00:02:02 dev be0 nud permanent",
-        "ip neigh add 10.2.0.3 lladdr 02:00:00:00:02:03 dev be0 nud permanent",
-        "ip neigh add 10.2.0.4 lladdr 02:00:00:00:02:04 dev be0 nud permanent",
-        "ip neigh add fd02::2 lladdr 02:00:00:00:02:02 dev be0 nud permanent",
-        "ip neigh add fd02::3 lladdr 02:00:00:00:02:03 dev be0 nud permanent",
-        "ip route add 198.51.100.0/24 via 10.0.0.254",
-        "sysctl -qw net.ipv4.ip_forward=1 net.ipv6.conf.all.forwarding=1",
-    ] {
-        ns.run(cmd);
-    }
-    ns
 }
 
 fn backends(list: &[(IpAddr, u16)]) -> Vec<BackendSpec> {
@@ -1266,7 +1239,7 @@ fn snapshot(dp: &Dataplane) -> Snapshot {
 
 #[test]
 fn packet_fixtures_need_root() {
-    let ns = build_namespace();
+    let ns = fixture_namespace();
     ns.enter();
     let cl0 = ifindex("cl0").unwrap();
     let be0 = ifindex("be0").unwrap();

@@ -37,6 +37,8 @@ pub static OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), 
 
 /// Name of the XDP program in the object.
 pub const PROGRAM: &str = "xlb";
+/// An XDP program that only passes: the benchmarks' floor.
+pub const FLOOR_PROGRAM: &str = "xlb_floor";
 
 /// A table region freed less than this long ago is not written again:
 /// a packet that read the old `ServiceInfo` may still be reading its table.
@@ -280,6 +282,19 @@ impl Dataplane {
             .program(PROGRAM)
             .and_then(|p| <&Xdp>::try_from(p).ok())
             .expect("the object always has the xlb XDP program")
+    }
+
+    /// Loads and returns the benchmark floor program (`xlb_floor`).
+    pub fn floor_program(&mut self) -> Result<&Xdp> {
+        let p: &mut Xdp = self
+            .ebpf
+            .program_mut(FLOOR_PROGRAM)
+            .ok_or(DataplaneError::MissingMap("program xlb_floor"))?
+            .try_into()?;
+        if p.fd().is_err() {
+            p.load()?;
+        }
+        Ok(p)
     }
 
     fn program_mut(&mut self) -> &mut Xdp {
