@@ -37,7 +37,12 @@ const TCP_ACK: u8 = 0x10;
 #[xdp]
 pub fn xlb(ctx: XdpContext) -> u32 {
     let v = process(&ctx);
-    stats::count_reason(v.reason());
+    let reason = v.reason();
+    stats::count_reason(reason);
+    if reason == Reason::DropTableError as u32 || reason == Reason::DropSnatExhausted as u32 {
+        // Rare, and a sign of a full table or an agent bug: worth a log line.
+        aya_log_ebpf::warn!(&ctx, "xlb: dropped a packet, reason {}", reason);
+    }
     v.action()
 }
 

@@ -91,4 +91,3 @@ pub fn fixture_namespace() -> Netns {
     }
     ns
 }
-

@@ -33,7 +33,12 @@ fn run(prog: &Xdp, ingress: u32, input: &[u8], out: &mut [u8]) -> (u32, u64) {
     ctx[3] = ingress;
     let ctx_bytes: Vec<u8> = ctx.iter().flat_map(|w| w.to_ne_bytes()).collect();
     let r = prog
-        .test_run(TestRunOptions { data_in: Some(input), data_out: Some(out), ctx_in: Some(&ctx_bytes), ..Default::default() })
+        .test_run(TestRunOptions {
+            data_in: Some(input),
+            data_out: Some(out),
+            ctx_in: Some(&ctx_bytes),
+            ..Default::default()
+        })
         .expect("BPF_PROG_TEST_RUN");
     (r.return_value, r.duration.as_nanos() as u64)
 }
@@ -64,15 +69,29 @@ fn main() {
             protocol,
             snat: None,
             table_size: None,
-            backends: vec![BackendSpec { addr: SocketAddr::new(B2.into(), bport), weight: 1 }],
+            backends: vec![BackendSpec {
+                addr: SocketAddr::new(B2.into(), bport),
+                weight: 1,
+            }],
         })
         .unwrap();
     }
-    let tcp = |src: Ipv4Addr, dst: Ipv4Addr, sport: u16, dport: u16, flags: u8, macs: ([u8; 6], [u8; 6])| {
+    let tcp = |src: Ipv4Addr,
+               dst: Ipv4Addr,
+               sport: u16,
+               dport: u16,
+               flags: u8,
+               macs: ([u8; 6], [u8; 6])| {
         PacketBuilder::new()
             .eth(macs.0, macs.1)
             .ipv4(Ipv4::new(src, dst))
-            .tcp(Tcp::new(sport, dport).seq(1).ack(1).flags(flags).payload(&[0u8; 20]))
+            .tcp(
+                Tcp::new(sport, dport)
+                    .seq(1)
+                    .ack(1)
+                    .flags(flags)
+                    .payload(&[0u8; 20]),
+            )
             .build()
     };
     let client = (CLIENT_MAC, CL0_MAC);
@@ -85,17 +104,60 @@ fn main() {
     // Establish the flows the "established" and "reply" cases use.
     let mut out = vec![0u8; 2048];
     let prog = dp.program();
-    assert_eq!(run(prog, cl0, &tcp(CLIENT, VIP, 40000, 80, tcp_flags::SYN, client), &mut out).0, XDP_REDIRECT);
+    assert_eq!(
+        run(
+            prog,
+            cl0,
+            &tcp(CLIENT, VIP, 40000, 80, tcp_flags::SYN, client),
+            &mut out
+        )
+        .0,
+        XDP_REDIRECT
+    );
     assert_eq!(run(prog, cl0, &udp, &mut out).0, XDP_REDIRECT);
 
     let est = tcp(CLIENT, VIP, 40000, 80, tcp_flags::ACK, client);
     let reply = tcp(B2, CLIENT, 8080, 40000, tcp_flags::ACK, backend);
-    let nonvip = tcp(CLIENT, Ipv4Addr::new(10, 0, 0, 1), 40000, 22, tcp_flags::ACK, client);
+    let nonvip = tcp(
+        CLIENT,
+        Ipv4Addr::new(10, 0, 0, 1),
+        40000,
+        22,
+        tcp_flags::ACK,
+        client,
+    );
     let udp_est = udp.clone();
-    let mut cases = vec![
-        Case { name: "floor (XDP_PASS only)", katran: Some(7), ingress: cl0, verdict: XDP_PASS, packet: Box::new(move |_| est.clone()), floor: true, samples: vec![] },
-        Case { name: "TCP established flow", katran: Some(69), ingress: cl0, verdict: XDP_REDIRECT, packet: Box::new({ let p = tcp(CLIENT, VIP, 40000, 80, tcp_flags::ACK, client); move |_| p.clone() }), floor: false, samples: vec![] },
-        Case { name: "UDP established flow", katran: Some(102), ingress: cl0, verdict: XDP_REDIRECT, packet: Box::new(move |_| udp_est.clone()), floor: false, samples: vec![] },
+    let mut cases = [
+        Case {
+            name: "floor (XDP_PASS only)",
+            katran: Some(7),
+            ingress: cl0,
+            verdict: XDP_PASS,
+            packet: Box::new(move |_| est.clone()),
+            floor: true,
+            samples: vec![],
+        },
+        Case {
+            name: "TCP established flow",
+            katran: Some(69),
+            ingress: cl0,
+            verdict: XDP_REDIRECT,
+            packet: Box::new({
+                let p = tcp(CLIENT, VIP, 40000, 80, tcp_flags::ACK, client);
+                move |_| p.clone()
+            }),
+            floor: false,
+            samples: vec![],
+        },
+        Case {
+            name: "UDP established flow",
+            katran: Some(102),
+            ingress: cl0,
+            verdict: XDP_REDIRECT,
+            packet: Box::new(move |_| udp_est.clone()),
+            floor: false,
+            samples: vec![],
+        },
         Case {
             name: "TCP SYN, new flow",
             katran: Some(195),
@@ -104,18 +166,45 @@ fn main() {
             // A new source address and port each call: a flow never seen before.
             packet: Box::new(move |i| {
                 let src = Ipv4Addr::from(0x0a01_0000 + (i as u32 / 50_000));
-                tcp(src, VIP, 1024 + (i % 50_000) as u16, 80, tcp_flags::SYN, client)
+                tcp(
+                    src,
+                    VIP,
+                    1024 + (i % 50_000) as u16,
+                    80,
+                    tcp_flags::SYN,
+                    client,
+                )
             }),
             floor: false,
             samples: vec![],
         },
-        Case { name: "reply translation", katran: None, ingress: be0, verdict: XDP_REDIRECT, packet: Box::new(move |_| reply.clone()), floor: false, samples: vec![] },
-        Case { name: "non-VIP pass", katran: Some(32), ingress: cl0, verdict: XDP_PASS, packet: Box::new(move |_| nonvip.clone()), floor: false, samples: vec![] },
+        Case {
+            name: "reply translation",
+            katran: None,
+            ingress: be0,
+            verdict: XDP_REDIRECT,
+            packet: Box::new(move |_| reply.clone()),
+            floor: false,
+            samples: vec![],
+        },
+        Case {
+            name: "non-VIP pass",
+            katran: Some(32),
+            ingress: cl0,
+            verdict: XDP_PASS,
+            packet: Box::new(move |_| nonvip.clone()),
+            floor: false,
+            samples: vec![],
+        },
     ];
     let mut call = 0usize;
     for _ in 0..ROUNDS {
         for c in cases.iter_mut() {
-            let prog: &Xdp = if c.floor { dp.floor_program().unwrap() } else { dp.program() };
+            let prog: &Xdp = if c.floor {
+                dp.floor_program().unwrap()
+            } else {
+                dp.program()
+            };
             for _ in 0..CALLS_PER_ROUND {
                 let pkt = (c.packet)(call);
                 call += 1;
@@ -132,12 +221,22 @@ fn main() {
     let floor = median(&mut cases[0].samples);
     println!("xlb per-packet cost, BPF_PROG_TEST_RUN, repeat=1, {} calls per case, {} interleaved rounds", ROUNDS * CALLS_PER_ROUND, ROUNDS);
     println!();
-    println!("| case | median ns | p90 ns | median - floor | Katran (reference) | ratio to floor |");
+    println!(
+        "| case | median ns | p90 ns | median - floor | Katran (reference) | ratio to floor |"
+    );
     println!("|---|---:|---:|---:|---:|---:|");
     for c in cases.iter_mut() {
         let m = median(&mut c.samples);
         let p90 = c.samples[c.samples.len() * 9 / 10];
-        let k = c.katran.map(|k| format!("{k} ns")).unwrap_or_else(|| "-".into());
-        println!("| {} | {m} | {p90} | {} | {k} | {:.1}x |", c.name, m.saturating_sub(floor), m as f64 / floor.max(1) as f64);
+        let k = c
+            .katran
+            .map(|k| format!("{k} ns"))
+            .unwrap_or_else(|| "-".into());
+        println!(
+            "| {} | {m} | {p90} | {} | {k} | {:.1}x |",
+            c.name,
+            m.saturating_sub(floor),
+            m as f64 / floor.max(1) as f64
+        );
     }
 }
