@@ -1,3 +1,4 @@
-//! lb-agent's library: the data-plane driver shared by the daemon, lbctl,
-//! the tests and the benchmarks.
+//! lb-agent's library: the data-plane driver, the configuration, health
+//! checks and metrics, shared by the daemon, lbctl, the tests and the benchmarks.
+pub mod config;
 pub mod dataplane;
