@@ -1,1 +1,97 @@
-fn main() {}
+//! lb-agent: owns the XDP program and its maps, keeps them equal to the
+//! desired state (a config file in standalone mode), health-checks backends
+//! and serves Prometheus metrics.
+
+use std::{path::PathBuf, process::ExitCode};
+
+use clap::Parser;
+use lb_agent::{
+    agent::{Agent, AgentOptions},
+    config::AgentConfig,
+    dataplane::Dataplane,
+};
+use tracing::{error, info};
+
+#[derive(Parser, Debug)]
+#[command(
+    name = "lb-agent",
+    version,
+    about = "xlb's node agent: XDP load balancing from a config file"
+)]
+struct Cli {
+    /// The configuration file (YAML, see docs/config.md).
+    #[arg(long, short, required_unless_present_any = ["cleanup", "check"])]
+    config: Option<PathBuf>,
+    /// Where the program's maps and links are pinned.
+    #[arg(long, default_value = "/sys/fs/bpf/xlb")]
+    pin_dir: PathBuf,
+    /// Detach the program from every interface, unpin everything, and exit.
+    #[arg(long)]
+    cleanup: bool,
+    /// Only check the configuration file and exit (0 if valid).
+    #[arg(long, value_name = "FILE")]
+    check: Option<PathBuf>,
+    /// Log filter (tracing's EnvFilter syntax), also from RUST_LOG.
+    #[arg(long, default_value = "info")]
+    log: String,
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let filter = std::env::var("RUST_LOG").unwrap_or_else(|_| cli.log.clone());
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_target(false)
+        .init();
+
+    if let Some(path) = &cli.check {
+        return match AgentConfig::load(path) {
+            Ok(_) => {
+                println!("{}: ok", path.display());
+                ExitCode::SUCCESS
+            }
+            Err(e) => {
+                eprintln!("{}: {e}", path.display());
+                ExitCode::FAILURE
+            }
+        };
+    }
+    if cli.cleanup {
+        return match Dataplane::cleanup(&cli.pin_dir) {
+            Ok(removed) => {
+                info!(dir = %cli.pin_dir.display(), ?removed, "detached and unpinned");
+                ExitCode::SUCCESS
+            }
+            Err(e) => {
+                error!("cleanup failed: {e}");
+                ExitCode::FAILURE
+            }
+        };
+    }
+    let path = cli.config.expect("clap requires --config");
+    // Invalid config at start: say why and exit before touching anything.
+    let config = match AgentConfig::load(&path) {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("lb-agent: {}: {e}", path.display());
+            return ExitCode::from(2);
+        }
+    };
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .expect("tokio runtime");
+    let opts = AgentOptions {
+        config_path: path,
+        pin_dir: cli.pin_dir,
+    };
+    match runtime.block_on(async move { Agent::start(opts, config).await?.run().await }) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            error!("{e:#}");
+            eprintln!("lb-agent: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}

@@ -32,6 +32,20 @@ impl IdPool {
     pub fn free(&mut self, id: u32) {
         self.free.push_back(id);
     }
+
+    /// Marks `id` as used (adopting pinned state). False if it already was.
+    pub fn reserve(&mut self, id: u32) -> bool {
+        if id >= self.max {
+            return false;
+        }
+        while self.next <= id {
+            self.free.push_back(self.next);
+            self.next += 1;
+        }
+        let before = self.free.len();
+        self.free.retain(|&f| f != id);
+        before != self.free.len()
+    }
 }
 
 /// First-fit allocator of `[start, start + len)` ranges in the Maglev pool.
@@ -74,6 +88,27 @@ impl RegionPool {
     }
 }
 
+impl RegionPool {
+    /// Marks a range as used (adopting pinned state). False if any of it is taken.
+    pub fn reserve(&mut self, start: u32, len: u32) -> bool {
+        let Some(i) = self
+            .free
+            .iter()
+            .position(|&(s, l)| s <= start && start + len <= s + l)
+        else {
+            return false;
+        };
+        let (s, l) = self.free.remove(i);
+        if start + len < s + l {
+            self.free.insert(i, (start + len, s + l - start - len));
+        }
+        if s < start {
+            self.free.insert(i, (s, start - s));
+        }
+        true
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -86,6 +121,21 @@ mod tests {
         assert_eq!(p.alloc(), Some(2));
         p.free(1);
         assert_eq!((p.alloc(), p.alloc(), p.alloc()), (Some(0), Some(1), None));
+    }
+
+    #[test]
+    fn reserving_marks_ids_and_ranges_taken() {
+        let mut ids = IdPool::new(10);
+        assert!(ids.reserve(3));
+        assert!(!ids.reserve(3), "already taken");
+        let got: Vec<_> = std::iter::from_fn(|| ids.alloc()).collect();
+        assert_eq!(got.len(), 9);
+        assert!(!got.contains(&3));
+        let mut r = RegionPool::new(100);
+        assert!(r.reserve(10, 20));
+        assert!(!r.reserve(15, 2), "overlaps a reserved range");
+        assert_eq!(r.alloc(10), Some(0));
+        assert_eq!(r.alloc(10), Some(30));
     }
 
     #[test]

@@ -8,7 +8,8 @@ mod maglev_pool;
 
 use std::{
     collections::{BTreeMap, BTreeSet},
-    net::{IpAddr, SocketAddr},
+    net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr},
+    path::{Path, PathBuf},
     time::{Duration, Instant},
 };
 
@@ -17,7 +18,11 @@ use aya::{
         Array, DevMapHash, HashMap, Map, MapData, MapError, PerCpuArray, PerCpuHashMap,
         PerCpuValues,
     },
-    programs::{ProgramError, Xdp, XdpMode},
+    programs::{
+        links::{FdLink, PinnedLink},
+        xdp::XdpLink,
+        ProgramError, Xdp, XdpMode,
+    },
     Ebpf, EbpfLoader,
 };
 use lb_common::{
@@ -66,6 +71,14 @@ pub enum DataplaneError {
     Full(&'static str),
     #[error("mapping MAGLEV into memory: {0}")]
     Mmap(std::io::Error),
+    #[error("no interface named {0}")]
+    NoInterface(String),
+    #[error("XDP link on {0}: {1}")]
+    Link(String, String),
+    #[error("pin path {0}: {1}")]
+    Pin(PathBuf, std::io::Error),
+    #[error("pinned state is inconsistent: {0} (run `lb-agent --cleanup` to start afresh)")]
+    Adopt(String),
 }
 
 type Result<T, E = DataplaneError> = std::result::Result<T, E>;
@@ -220,21 +233,44 @@ pub struct Dataplane {
     /// Regions freed recently, released to `regions` after the quarantine.
     quarantined: Vec<(Instant, u32, u32)>,
     ports: Vec<u8>,
+    pin_dir: Option<PathBuf>,
 }
 
 impl Dataplane {
-    /// Loads the program and creates fresh maps (nothing attached yet).
+    /// Loads the program with fresh, unpinned maps (tests, benchmarks).
     pub fn load() -> Result<Self> {
-        let mut ebpf = EbpfLoader::new().load(OBJECT)?;
+        Self::open(None)
+    }
+
+    /// Loads the program. With `pin_dir`, every map is pinned there (BTF
+    /// included, so `bpftool map dump pinned DIR/MAP` names the fields), and
+    /// maps already pinned there are reused: a restarted agent adopts the
+    /// running state (services, flows, counters) instead of starting empty.
+    pub fn open(pin_dir: Option<&Path>) -> Result<Self> {
+        let mut loader = EbpfLoader::new();
+        let paths: Vec<(&str, PathBuf)> = match pin_dir {
+            Some(dir) => {
+                std::fs::create_dir_all(dir)
+                    .map_err(|e| DataplaneError::Pin(dir.to_path_buf(), e))?;
+                names::ALL.iter().map(|n| (*n, dir.join(n))).collect()
+            }
+            None => Vec::new(),
+        };
+        for (name, path) in &paths {
+            loader.map_pin_path(name, path.as_path());
+        }
+        let mut ebpf = loader.load(OBJECT)?;
         let xdp: &mut Xdp = ebpf
             .program_mut(PROGRAM)
             .ok_or(DataplaneError::MissingMap("program xlb"))?
             .try_into()?;
         xdp.load()?;
-        Self::from_ebpf(ebpf)
+        let mut dp = Self::from_ebpf(ebpf, pin_dir.map(Path::to_path_buf))?;
+        dp.adopt()?;
+        Ok(dp)
     }
 
-    fn from_ebpf(mut ebpf: Ebpf) -> Result<Self> {
+    fn from_ebpf(mut ebpf: Ebpf, pin_dir: Option<PathBuf>) -> Result<Self> {
         fn take(ebpf: &mut Ebpf, name: &'static str) -> Result<Map> {
             ebpf.take_map(name).ok_or(DataplaneError::MissingMap(name))
         }
@@ -272,8 +308,17 @@ impl Dataplane {
             regions: RegionPool::new(MAGLEV_POOL_ENTRIES),
             quarantined: Vec::new(),
             ports: vec![0; 65536],
+            pin_dir,
         };
-        dp.set_config(Config::default())?;
+        if dp
+            .config
+            .get(&0, 0)
+            .map_err(map_err(names::CONFIG))?
+            .snat_port_max
+            == 0
+        {
+            dp.set_config(Config::default())?;
+        }
         Ok(dp)
     }
 
@@ -304,15 +349,66 @@ impl Dataplane {
             .expect("the object always has the xlb XDP program")
     }
 
-    /// Attaches to an interface (native mode unless `mode` says otherwise)
-    /// and allows redirects to it.
+    /// Attaches to an interface and allows redirects to it. With a pin
+    /// directory the attachment is a BPF link pinned as `link_<iface>`: it
+    /// outlives the agent (forwarding goes on while it restarts), and a new
+    /// agent swaps its program in atomically (`BPF_LINK_UPDATE`).
     pub fn attach(&mut self, iface: &str, mode: XdpMode) -> Result<()> {
-        self.program_mut().attach(iface, mode)?;
-        let ifindex = ifindex(iface).ok_or_else(|| DataplaneError::InvalidService {
-            service: iface.to_string(),
-            reason: "no such interface".into(),
-        })?;
+        let ifindex =
+            ifindex(iface).ok_or_else(|| DataplaneError::NoInterface(iface.to_string()))?;
+        let link_pin = self
+            .pin_dir
+            .as_ref()
+            .map(|d| d.join(format!("link_{iface}")));
+        match &link_pin {
+            Some(pin) if pin.exists() => {
+                let pinned = PinnedLink::from_pin(pin)
+                    .map_err(|e| DataplaneError::Link(iface.to_string(), e.to_string()))?;
+                let link = XdpLink::try_from(FdLink::from(pinned))
+                    .map_err(|e| DataplaneError::Link(iface.to_string(), e.to_string()))?;
+                let id = self.program_mut().attach_to_link(link)?;
+                // The pin keeps the link; our handle must not detach it on drop.
+                let _ = self.program_mut().take_link(id)?;
+            }
+            Some(pin) => {
+                let id = self.program_mut().attach(iface, mode)?;
+                let link = self.program_mut().take_link(id)?;
+                let fd_link = FdLink::try_from(link)
+                    .map_err(|e| DataplaneError::Link(iface.to_string(), e.to_string()))?;
+                fd_link
+                    .pin(pin)
+                    .map_err(|e| DataplaneError::Link(iface.to_string(), e.to_string()))?;
+            }
+            None => {
+                self.program_mut().attach(iface, mode)?;
+            }
+        }
         self.allow_redirect(ifindex)
+    }
+
+    /// Detaches every pinned link and removes every pin under `pin_dir`.
+    pub fn cleanup(pin_dir: &Path) -> Result<Vec<String>> {
+        let mut removed = Vec::new();
+        let Ok(entries) = std::fs::read_dir(pin_dir) else {
+            return Ok(removed);
+        };
+        for entry in entries.flatten() {
+            let path = entry.path();
+            let name = entry.file_name().to_string_lossy().into_owned();
+            if name.starts_with("link_") {
+                // Unpinning drops the last reference: the program detaches.
+                if let Ok(link) = PinnedLink::from_pin(&path) {
+                    let _ = link.unpin();
+                }
+            }
+            if path.exists() {
+                std::fs::remove_file(&path).map_err(|e| DataplaneError::Pin(path.clone(), e))?;
+            }
+            removed.push(name);
+        }
+        std::fs::remove_dir(pin_dir).map_err(|e| DataplaneError::Pin(pin_dir.to_path_buf(), e))?;
+        removed.sort();
+        Ok(removed)
     }
 
     /// Lets the program redirect to `ifindex` (it must be able to take XDP frames).
@@ -626,6 +722,110 @@ impl Dataplane {
             .map(|x| x.1)
     }
 
+    /// Rebuilds the driver's bookkeeping from maps a previous agent pinned:
+    /// services (with their table regions and ids) and backends. Weights are
+    /// not stored in the maps; adopted backends get weight 0, so the first
+    /// `set_service` with the real spec rewrites the (identical) table.
+    fn adopt(&mut self) -> Result<()> {
+        let entries: Vec<(ServiceKey, ServiceInfo)> = self
+            .services
+            .iter()
+            .collect::<Result<_, _>>()
+            .map_err(map_err(names::SERVICES))?;
+        let mut markers = Vec::new();
+        for (key, info) in entries {
+            let Some(vip) = key_ip(&key) else { continue };
+            if key.port == 0 {
+                markers.push((key, vip));
+                continue;
+            }
+            let protocol = match key.proto {
+                PROTO_TCP => Protocol::Tcp,
+                PROTO_UDP => Protocol::Udp,
+                _ => continue,
+            };
+            let m = info.table_size;
+            if !self.regions.reserve(info.table_base, 2 * m) || !self.service_ids.reserve(info.id) {
+                return Err(DataplaneError::Adopt(format!(
+                    "service id {} or its table overlaps another",
+                    info.id
+                )));
+            }
+            let mut backend_ids: Vec<(SocketAddr, u32)> = Vec::new();
+            if info.backend_count > 0 {
+                let table = self.maglev.read(info.table_base + info.active * m, m);
+                let ids: BTreeSet<u32> = table.into_iter().collect();
+                for id in ids {
+                    let b = self
+                        .backends
+                        .get(&id, 0)
+                        .map_err(map_err(names::BACKENDS))?;
+                    let ip = words_ip(&b.addr, b.family);
+                    backend_ids.push((SocketAddr::new(ip, u16::from_be(b.port)), id));
+                    self.backend_ids.reserve(id);
+                }
+            }
+            let spec = ServiceSpec {
+                vip,
+                port: u16::from_be(key.port),
+                protocol,
+                snat: (info.flags & SERVICE_F_SNAT != 0)
+                    .then(|| words_ip(&info.snat_addr, key.family)),
+                table_size: Some(m),
+                backends: backend_ids
+                    .iter()
+                    .map(|(a, _)| BackendSpec {
+                        addr: *a,
+                        weight: 0,
+                    })
+                    .collect(),
+            };
+            self.state.insert(
+                key,
+                Programmed {
+                    spec,
+                    info,
+                    backend_ids,
+                    flipped: Instant::now(),
+                },
+            );
+        }
+        for (key, vip) in markers {
+            if !self.state.values().any(|p| p.spec.vip == vip) {
+                let _ = self.services.remove(&key);
+            }
+        }
+        for (port, have) in self.ports.iter_mut().enumerate() {
+            *have = self
+                .port_flags
+                .get(&(port as u32), 0)
+                .map_err(map_err(names::PORT_FLAGS))?;
+        }
+        Ok(())
+    }
+
+    /// Deletes the flows (and their reply translations) that go to `backend`:
+    /// their next packet picks a backend afresh. Returns how many flows.
+    pub fn reset_flows_to(&mut self, backend: SocketAddr) -> Result<usize> {
+        let addr = ip_words(backend.ip());
+        let port = backend.port().to_be();
+        let mut keys = BTreeSet::new();
+        for (k, _, f) in self.conntrack()? {
+            if f.backend_addr == addr && f.backend_port == port {
+                keys.insert(FlowKeyOrd(k));
+            }
+        }
+        for k in &keys {
+            let _ = self.conntrack.remove(&k.0);
+        }
+        for (k, _) in self.reply_entries()? {
+            if k.src == addr && k.sport == port {
+                let _ = self.reply_nat.remove(&k);
+            }
+        }
+        Ok(keys.len())
+    }
+
     /// Packets per reason, summed over CPUs.
     pub fn reason_counts(&self) -> Result<[u64; REASON_COUNT as usize]> {
         let mut out = [0u64; REASON_COUNT as usize];
@@ -740,6 +940,37 @@ impl Dataplane {
             info.table_size,
         ))
     }
+}
+
+/// FlowKey ordered by its bytes, for sets.
+#[derive(PartialEq, Eq)]
+struct FlowKeyOrd(FlowKey);
+
+impl PartialOrd for FlowKeyOrd {
+    fn partial_cmp(&self, other: &Self) -> Option<std::cmp::Ordering> {
+        Some(self.cmp(other))
+    }
+}
+
+impl Ord for FlowKeyOrd {
+    fn cmp(&self, other: &Self) -> std::cmp::Ordering {
+        let k = |f: &FlowKey| (f.src, f.dst, f.sport, f.dport, f.proto, f.family);
+        k(&self.0).cmp(&k(&other.0))
+    }
+}
+
+/// The address a key or value holds, as an `IpAddr` of `family`.
+pub fn words_ip(words: &[u32; 4], family: u8) -> IpAddr {
+    let o = lb_common::addr_octets(words);
+    if family == FAMILY_V6 {
+        IpAddr::V6(Ipv6Addr::from(o))
+    } else {
+        IpAddr::V4(Ipv4Addr::new(o[0], o[1], o[2], o[3]))
+    }
+}
+
+fn key_ip(key: &ServiceKey) -> Option<IpAddr> {
+    (key.family == FAMILY_V4 || key.family == FAMILY_V6).then(|| words_ip(&key.addr, key.family))
 }
 
 fn sum_stats(map: &PerCpuArray<MapData, TrafficStats>, id: u32) -> Result<TrafficStats, MapError> {

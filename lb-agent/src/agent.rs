@@ -1,0 +1,326 @@
+//! The standalone agent: config file -> desired state -> data plane, with
+//! health checks, metrics, reload on SIGHUP or file change.
+//!
+//! Reconciling always computes the full desired state and applies only the
+//! difference; a config that does not validate changes nothing.
+
+use std::{
+    collections::{BTreeMap, BTreeSet},
+    net::SocketAddr,
+    path::PathBuf,
+    sync::{
+        atomic::{AtomicBool, Ordering},
+        Arc, Mutex,
+    },
+    time::{Duration, Instant},
+};
+
+use anyhow::Context as _;
+use aya::programs::XdpMode;
+use lb_common::{ServiceKey, CONNTRACK_ENTRIES};
+use tokio::{
+    signal::unix::{signal, SignalKind},
+    sync::watch,
+};
+use tracing::{error, info, warn};
+
+use crate::{
+    config::{AgentConfig, RemovedBackendFlows, XdpAttachMode},
+    dataplane::{Dataplane, Protocol, ServiceSpec},
+    health::{HealthChecker, HealthSnapshot},
+    metrics::{self, BackendSample, DataplaneSnapshot, Metrics, ServiceSample},
+};
+
+pub struct AgentOptions {
+    pub config_path: PathBuf,
+    pub pin_dir: PathBuf,
+}
+
+pub struct Agent {
+    opts: AgentOptions,
+    config: AgentConfig,
+    /// The config file's bytes last loaded (change detection).
+    config_bytes: Vec<u8>,
+    dp: Arc<Mutex<Dataplane>>,
+    health: HealthChecker,
+    health_rx: watch::Receiver<HealthSnapshot>,
+    metrics: Arc<Metrics>,
+    ready: Arc<AtomicBool>,
+    /// Service names and health by key, read by the metrics snapshot.
+    labels: Arc<Mutex<Labels>>,
+    attached: BTreeSet<String>,
+}
+
+#[derive(Default)]
+struct Labels {
+    names: BTreeMap<ServiceKey, String>,
+    health: HealthSnapshot,
+}
+
+fn xdp_mode(m: XdpAttachMode) -> XdpMode {
+    match m {
+        XdpAttachMode::Native => XdpMode::Driver,
+        XdpAttachMode::Generic => XdpMode::Skb,
+    }
+}
+
+impl Agent {
+    /// Loads (or adopts) the data plane, attaches, starts health checks and
+    /// the metrics endpoint, and applies the config once.
+    pub async fn start(opts: AgentOptions, config: AgentConfig) -> anyhow::Result<Self> {
+        let config_bytes = std::fs::read(&opts.config_path).unwrap_or_default();
+        let mut dp = Dataplane::open(Some(&opts.pin_dir)).context("loading the XDP program")?;
+        let adopted = dp.services().count();
+        if adopted > 0 {
+            info!(
+                services = adopted,
+                "adopted the running data plane from {}",
+                opts.pin_dir.display()
+            );
+        }
+        dp.set_config(config.dataplane_config())?;
+        let dp = Arc::new(Mutex::new(dp));
+        let metrics = Arc::new(Metrics::new());
+        let ready = Arc::new(AtomicBool::new(false));
+        let labels = Arc::new(Mutex::new(Labels::default()));
+        {
+            let (dp, labels) = (dp.clone(), labels.clone());
+            metrics.set_snapshot_source(move || snapshot(&dp, &labels));
+        }
+        let listener = tokio::net::TcpListener::bind(config.metrics_addr)
+            .await
+            .with_context(|| format!("binding the metrics endpoint {}", config.metrics_addr))?;
+        {
+            let ready = ready.clone();
+            let probe: Arc<dyn Fn() -> (bool, bool) + Send + Sync> =
+                Arc::new(move || (true, ready.load(Ordering::Relaxed)));
+            tokio::spawn(metrics::serve(listener, metrics.clone(), probe));
+        }
+        let (health, health_rx) = HealthChecker::new();
+        let mut agent = Self {
+            opts,
+            config,
+            config_bytes,
+            dp,
+            health,
+            health_rx,
+            metrics,
+            ready,
+            labels,
+            attached: BTreeSet::new(),
+        };
+        agent.apply_config()?;
+        agent.ready.store(true, Ordering::Relaxed);
+        agent.metrics.set_ready(true);
+        info!("ready");
+        Ok(agent)
+    }
+
+    /// Serves until SIGTERM/SIGINT. The program stays attached on exit.
+    pub async fn run(mut self) -> anyhow::Result<()> {
+        let mut hup = signal(SignalKind::hangup())?;
+        let mut term = signal(SignalKind::terminate())?;
+        let mut int = signal(SignalKind::interrupt())?;
+        let mut poll = tokio::time::interval(Duration::from_millis(500));
+        poll.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tokio::select! {
+                _ = hup.recv() => self.reload("SIGHUP"),
+                _ = poll.tick() => {
+                    if std::fs::read(&self.opts.config_path).is_ok_and(|b| b != self.config_bytes) {
+                        self.reload("the file changed");
+                    }
+                }
+                changed = self.health_rx.changed() => {
+                    if changed.is_ok() {
+                        if let Err(e) = self.reconcile() {
+                            error!("applying a health change: {e:#}");
+                        }
+                    }
+                }
+                _ = term.recv() => break,
+                _ = int.recv() => break,
+            }
+        }
+        info!("exiting; the XDP program stays attached and keeps forwarding (lb-agent --cleanup detaches it)");
+        Ok(())
+    }
+
+    /// Re-reads the config file; on any error the running state stays as it was.
+    fn reload(&mut self, why: &str) {
+        let started = Instant::now();
+        let bytes = std::fs::read(&self.opts.config_path).unwrap_or_default();
+        self.config_bytes = bytes;
+        let result = AgentConfig::load(&self.opts.config_path)
+            .map_err(anyhow::Error::from)
+            .and_then(|c| {
+                let old = std::mem::replace(&mut self.config, c);
+                self.apply_config().inspect_err(|_| self.config = old)
+            });
+        let ok = result.is_ok();
+        match result {
+            Ok(()) => info!(reason = why, took = ?started.elapsed(), "config reloaded"),
+            Err(e) => error!(
+                reason = why,
+                "config rejected, running state unchanged: {e:#}"
+            ),
+        }
+        self.metrics.record_reload(ok, started.elapsed());
+    }
+
+    /// Interfaces, data-plane settings, health targets, then services.
+    fn apply_config(&mut self) -> anyhow::Result<()> {
+        {
+            let mut dp = self.dp.lock().expect("data plane lock");
+            for iface in &self.config.interfaces {
+                if !self.attached.contains(iface) {
+                    dp.attach(iface, xdp_mode(self.config.xdp_mode))
+                        .with_context(|| format!("attaching to {iface}"))?;
+                    info!(interface = %iface, "XDP program attached");
+                    self.attached.insert(iface.clone());
+                }
+            }
+            dp.set_config(self.config.dataplane_config())?;
+        }
+        let mut targets = Vec::new();
+        for s in &self.config.services {
+            if let Some(hc) = &s.health_check {
+                for b in &s.backends {
+                    targets.push((b.addr(), hc.clone()));
+                }
+            }
+        }
+        targets.sort_by_key(|t| t.0);
+        targets.dedup_by_key(|t| t.0);
+        self.health.set_targets(targets);
+        self.reconcile()
+    }
+
+    /// Desired = config services minus unhealthy backends; apply the difference.
+    fn reconcile(&mut self) -> anyhow::Result<()> {
+        let health = self.health_rx.borrow().clone();
+        let unhealthy: BTreeSet<SocketAddr> = health
+            .iter()
+            .filter(|(_, h)| !h.healthy)
+            .map(|(a, _)| *a)
+            .collect();
+        let mut desired: BTreeMap<ServiceKey, (ServiceSpec, RemovedBackendFlows, String)> =
+            BTreeMap::new();
+        for (svc, mut spec) in self.config.services.iter().zip(self.config.service_specs()) {
+            let checked = svc.health_check.is_some();
+            spec.backends
+                .retain(|b| !(checked && unhealthy.contains(&b.addr)));
+            desired.insert(
+                spec.key(),
+                (spec, svc.removed_backend_flows, svc.name.clone()),
+            );
+        }
+        let mut dp = self.dp.lock().expect("data plane lock");
+        let current: BTreeMap<ServiceKey, ServiceSpec> =
+            dp.services().map(|(k, s)| (*k, s.clone())).collect();
+        let mut errors = Vec::new();
+        for (key, (spec, removed_flows, name)) in &desired {
+            if current.get(key) == Some(spec) {
+                continue;
+            }
+            let gone: Vec<SocketAddr> = current
+                .get(key)
+                .map(|old| {
+                    old.backends
+                        .iter()
+                        .filter(|b| !spec.backends.iter().any(|n| n.addr == b.addr))
+                        .map(|b| b.addr)
+                        .collect()
+                })
+                .unwrap_or_default();
+            match dp.set_service(spec) {
+                Ok(()) => {
+                    info!(service = %name, backends = spec.backends.len(), "service programmed");
+                    if *removed_flows == RemovedBackendFlows::Reset {
+                        for b in gone {
+                            match dp.reset_flows_to(b) {
+                                Ok(n) => {
+                                    info!(service = %name, backend = %b, flows = n, "flows reset")
+                                }
+                                Err(e) => {
+                                    warn!(service = %name, backend = %b, "resetting flows: {e}")
+                                }
+                            }
+                        }
+                    }
+                }
+                Err(e) => errors.push(format!("{name}: {e}")),
+            }
+        }
+        for key in current.keys() {
+            if !desired.contains_key(key) {
+                if let Err(e) = dp.remove_service(key) {
+                    errors.push(format!("removing a service: {e}"));
+                }
+            }
+        }
+        drop(dp);
+        let mut labels = self.labels.lock().expect("labels lock");
+        labels.names = desired
+            .iter()
+            .map(|(k, (_, _, n))| (*k, n.clone()))
+            .collect();
+        labels.health = health;
+        if errors.is_empty() {
+            Ok(())
+        } else {
+            anyhow::bail!("{}", errors.join("; "))
+        }
+    }
+}
+
+fn protocol_name(p: Protocol) -> &'static str {
+    match p {
+        Protocol::Tcp => "tcp",
+        Protocol::Udp => "udp",
+    }
+}
+
+/// What /metrics shows, read from the maps at scrape time.
+fn snapshot(dp: &Mutex<Dataplane>, labels: &Mutex<Labels>) -> DataplaneSnapshot {
+    let dp = dp.lock().expect("data plane lock");
+    let labels = labels.lock().expect("labels lock");
+    let mut snap = DataplaneSnapshot {
+        // The table is per CPU: each CPU has this many entries of its own.
+        conntrack_capacity: CONNTRACK_ENTRIES as u64 * crate::dataplane::possible_cpus() as u64,
+        ..Default::default()
+    };
+    for (key, spec) in dp.services() {
+        let name = labels
+            .names
+            .get(key)
+            .cloned()
+            .unwrap_or_else(|| "(adopted)".into());
+        let Some(id) = dp.service_id(key) else {
+            continue;
+        };
+        snap.services.push(ServiceSample {
+            name: name.clone(),
+            vip: spec.vip,
+            port: spec.port,
+            protocol: protocol_name(spec.protocol).into(),
+            stats: dp.service_stats(id).unwrap_or_default(),
+        });
+        for b in &spec.backends {
+            let stats = dp
+                .backend_id(key, b.addr)
+                .and_then(|bid| dp.backend_stats(bid).ok());
+            snap.backends.push(BackendSample {
+                service: name.clone(),
+                backend: b.addr.to_string(),
+                healthy: labels.health.get(&b.addr).is_none_or(|h| h.healthy),
+                stats: stats.unwrap_or_default(),
+            });
+        }
+    }
+    if let Ok(reasons) = dp.reason_counts() {
+        snap.reasons = DataplaneSnapshot::reasons_from_counts(&reasons);
+    }
+    snap.conntrack_entries = dp.conntrack().map(|c| c.len() as u64).unwrap_or(0);
+    snap
+}

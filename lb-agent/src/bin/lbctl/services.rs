@@ -1,0 +1,291 @@
+//! `lbctl services`, and the service naming shared by the other commands:
+//! `VIP:PORT/PROTO` (`192.0.2.10:80/tcp`, `[2001:db8::10]:80/udp`).
+
+use std::{
+    fmt,
+    net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr},
+    str::FromStr,
+};
+
+use anyhow::Result;
+use lb_agent::dataplane::service_key;
+use lb_common::{
+    addr_octets, map_names as names, ServiceInfo, ServiceKey, FAMILY_V4, PROTO_ICMP, PROTO_ICMPV6,
+    PROTO_TCP, PROTO_UDP, SERVICE_F_SNAT,
+};
+use serde::Serialize;
+
+use crate::{
+    maps::{self, Maps},
+    table::{self, Align, Table},
+    Render,
+};
+
+/// A service named on the command line.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ServiceArg {
+    pub vip: IpAddr,
+    pub port: u16,
+    pub proto: u8,
+}
+
+impl ServiceArg {
+    pub fn key(&self) -> ServiceKey {
+        service_key(self.vip, self.port, self.proto)
+    }
+}
+
+impl FromStr for ServiceArg {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        let bad = |why: &str| {
+            format!(
+                "invalid service {s:?}: {why} (expected VIP:PORT/PROTO, e.g. \
+                 192.0.2.10:80/tcp or [2001:db8::10]:80/tcp)"
+            )
+        };
+        let (addr, proto) = s.rsplit_once('/').ok_or_else(|| bad("no /PROTO"))?;
+        let proto = parse_proto(proto).ok_or_else(|| bad("PROTO must be tcp or udp"))?;
+        let sa: SocketAddr = addr
+            .parse()
+            .map_err(|_| bad("VIP:PORT is not an address and port (IPv6 needs brackets)"))?;
+        Ok(Self {
+            vip: sa.ip(),
+            port: sa.port(),
+            proto,
+        })
+    }
+}
+
+impl fmt::Display for ServiceArg {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "{}/{}",
+            SocketAddr::new(self.vip, self.port),
+            proto_name(self.proto)
+        )
+    }
+}
+
+pub fn parse_proto(s: &str) -> Option<u8> {
+    match s.to_ascii_lowercase().as_str() {
+        "tcp" => Some(PROTO_TCP),
+        "udp" => Some(PROTO_UDP),
+        _ => None,
+    }
+}
+
+pub fn proto_name(proto: u8) -> String {
+    match proto {
+        PROTO_TCP => "tcp".into(),
+        PROTO_UDP => "udp".into(),
+        PROTO_ICMP => "icmp".into(),
+        PROTO_ICMPV6 => "icmpv6".into(),
+        n => format!("proto-{n}"),
+    }
+}
+
+/// The address stored in a key or value, read back.
+pub fn ip_of(words: &[u32; 4], family: u8) -> IpAddr {
+    let o = addr_octets(words);
+    if family == FAMILY_V4 {
+        IpAddr::V4(Ipv4Addr::new(o[0], o[1], o[2], o[3]))
+    } else {
+        IpAddr::V6(Ipv6Addr::from(o))
+    }
+}
+
+/// An address and a network-order port, as `ip:port` / `[ip]:port`.
+pub fn socket_of(words: &[u32; 4], port_be: u16, family: u8) -> SocketAddr {
+    SocketAddr::new(ip_of(words, family), u16::from_be(port_be))
+}
+
+pub fn service_arg(key: &ServiceKey) -> ServiceArg {
+    ServiceArg {
+        vip: ip_of(&key.addr, key.family),
+        port: u16::from_be(key.port),
+        proto: key.proto,
+    }
+}
+
+pub fn service_name(key: &ServiceKey) -> String {
+    service_arg(key).to_string()
+}
+
+/// Listing order: IPv4 before IPv6, then address, port, protocol.
+pub fn sort_key(key: &ServiceKey) -> (u8, IpAddr, u16, u8) {
+    let a = service_arg(key);
+    (key.family, a.vip, a.port, a.proto)
+}
+
+pub fn is_snat(info: &ServiceInfo) -> bool {
+    info.flags & SERVICE_F_SNAT != 0
+}
+
+/// `nat`, or `snat <address>`.
+pub fn mode(key: &ServiceKey, info: &ServiceInfo) -> String {
+    if is_snat(info) {
+        format!("snat {}", ip_of(&info.snat_addr, key.family))
+    } else {
+        "nat".into()
+    }
+}
+
+#[derive(Serialize)]
+pub struct ServiceRow {
+    pub service: String,
+    pub vip: IpAddr,
+    pub port: u16,
+    pub protocol: String,
+    /// `nat` or `snat`.
+    pub mode: &'static str,
+    pub snat_addr: Option<IpAddr>,
+    pub service_id: u32,
+    pub table_size: u32,
+    /// Backends in the live Maglev table (0: new flows are dropped).
+    pub backends: u32,
+    pub packets: u64,
+    pub bytes: u64,
+    pub new_flows: u64,
+    pub reply_packets: u64,
+    pub reply_bytes: u64,
+}
+
+#[derive(Serialize)]
+pub struct ServicesReport {
+    pub services: Vec<ServiceRow>,
+}
+
+pub fn run(maps: &Maps) -> Result<ServicesReport> {
+    let services = maps.services()?;
+    let stats = maps.service_stats()?;
+    let mut rows = Vec::new();
+    for (key, info) in maps::list_services(&services)? {
+        let a = service_arg(&key);
+        let t = maps::read_stats(&stats, info.id, names::SERVICE_STATS)?;
+        rows.push(ServiceRow {
+            service: a.to_string(),
+            vip: a.vip,
+            port: a.port,
+            protocol: proto_name(a.proto),
+            mode: if is_snat(&info) { "snat" } else { "nat" },
+            snat_addr: is_snat(&info).then(|| ip_of(&info.snat_addr, key.family)),
+            service_id: info.id,
+            table_size: info.table_size,
+            backends: info.backend_count,
+            packets: t.packets,
+            bytes: t.bytes,
+            new_flows: t.new_flows,
+            reply_packets: t.reply_packets,
+            reply_bytes: t.reply_bytes,
+        });
+    }
+    Ok(ServicesReport { services: rows })
+}
+
+impl Render for ServicesReport {
+    fn human(&self) -> String {
+        if self.services.is_empty() {
+            return "no services\n".into();
+        }
+        let mut t = Table::new(&[
+            ("VIP", Align::Left),
+            ("PORT", Align::Right),
+            ("PROTO", Align::Left),
+            ("MODE", Align::Left),
+            ("TABLE", Align::Right),
+            ("BACKENDS", Align::Right),
+            ("ID", Align::Right),
+            ("PACKETS", Align::Right),
+            ("BYTES", Align::Right),
+            ("NEW FLOWS", Align::Right),
+            ("REPLY PKTS", Align::Right),
+        ]);
+        for s in &self.services {
+            let mode = match s.snat_addr {
+                Some(a) => format!("snat {a}"),
+                None => "nat".into(),
+            };
+            t.row(vec![
+                s.vip.to_string(),
+                s.port.to_string(),
+                s.protocol.clone(),
+                mode,
+                s.table_size.to_string(),
+                s.backends.to_string(),
+                s.service_id.to_string(),
+                s.packets.to_string(),
+                table::bytes(s.bytes),
+                s.new_flows.to_string(),
+                s.reply_packets.to_string(),
+            ]);
+        }
+        t.render()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use lb_common::FAMILY_V6;
+
+    #[test]
+    fn parses_v4_and_v6_services() {
+        let s: ServiceArg = "192.0.2.10:80/tcp".parse().unwrap();
+        assert_eq!(s.vip, "192.0.2.10".parse::<IpAddr>().unwrap());
+        assert_eq!((s.port, s.proto), (80, PROTO_TCP));
+        let s: ServiceArg = "[2001:db8::10]:53/UDP".parse().unwrap();
+        assert_eq!(s.vip, "2001:db8::10".parse::<IpAddr>().unwrap());
+        assert_eq!((s.port, s.proto), (53, PROTO_UDP));
+        assert_eq!(s.to_string(), "[2001:db8::10]:53/udp");
+    }
+
+    #[test]
+    fn rejects_bad_services() {
+        for bad in [
+            "192.0.2.10:80",
+            "192.0.2.10/tcp",
+            "192.0.2.10:80/icmp",
+            "2001:db8::10:80/tcp",
+            "host:80/tcp",
+            "192.0.2.10:99999/tcp",
+        ] {
+            assert!(bad.parse::<ServiceArg>().is_err(), "{bad} parsed");
+        }
+    }
+
+    #[test]
+    fn key_round_trips() {
+        for s in ["192.0.2.10:8080/tcp", "[2001:db8::10]:443/udp"] {
+            let a: ServiceArg = s.parse().unwrap();
+            let k = a.key();
+            assert_eq!(k.port, a.port.to_be());
+            assert_eq!(service_name(&k), s);
+        }
+        let k = "[2001:db8::10]:443/udp"
+            .parse::<ServiceArg>()
+            .unwrap()
+            .key();
+        assert_eq!(k.family, FAMILY_V6);
+    }
+
+    #[test]
+    fn socket_of_reads_network_order() {
+        let words = lb_common::addr_from_v4([10, 0, 0, 1]);
+        assert_eq!(
+            socket_of(&words, 8080u16.to_be(), FAMILY_V4).to_string(),
+            "10.0.0.1:8080"
+        );
+    }
+
+    #[test]
+    fn echo_markers_are_not_services() {
+        let ip: IpAddr = "192.0.2.10".parse().unwrap();
+        assert!(maps::is_echo_marker(&service_key(ip, 0, PROTO_ICMP)));
+        assert!(!maps::is_echo_marker(&service_key(ip, 80, PROTO_TCP)));
+        let ip6: IpAddr = "2001:db8::1".parse().unwrap();
+        assert!(maps::is_echo_marker(&service_key(ip6, 0, PROTO_ICMPV6)));
+    }
+}

@@ -1,0 +1,580 @@
+//! `lbctl trace SRC DST SPORT DPORT PROTO`: where a client flow goes now,
+//! worked out from the live maps the way the XDP program does it
+//! (lb-ebpf/src/conntrack.rs: `lookup_or_create`, `pick`,
+//! `claim_snat_port`): this CPU's CONNTRACK entry if there is one, else
+//! `MAGLEV[table_base + active * M + flow_hash(key) % M]`.
+
+use std::net::{IpAddr, SocketAddr};
+
+use anyhow::{bail, Context, Result};
+use lb_agent::dataplane::{family, ip_words, service_key};
+use lb_common::{
+    hash::{flow_hash, snat_port_candidate},
+    Config, Flow, FlowKey, ReplyNat, ServiceInfo, PORT_F_SERVICE, PROTO_TCP, PROTO_UDP,
+    SNAT_PROBES,
+};
+use serde::Serialize;
+
+use crate::{
+    maps::{self, Maps},
+    services::{self, ServiceArg},
+    table, Render,
+};
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum Proto {
+    Tcp,
+    Udp,
+}
+
+impl Proto {
+    pub fn number(self) -> u8 {
+        match self {
+            Proto::Tcp => PROTO_TCP,
+            Proto::Udp => PROTO_UDP,
+        }
+    }
+}
+
+#[derive(clap::Args)]
+pub struct Args {
+    /// Client address.
+    pub src: IpAddr,
+    /// VIP.
+    pub dst: IpAddr,
+    /// Client port.
+    pub sport: u16,
+    /// Service port.
+    pub dport: u16,
+    #[arg(value_enum)]
+    pub proto: Proto,
+}
+
+/// The flow's key exactly as the XDP program builds it from a packet:
+/// addresses as stored words, ports in network order, padding zero.
+pub fn flow_key(src: IpAddr, dst: IpAddr, sport: u16, dport: u16, proto: u8) -> Result<FlowKey> {
+    if src.is_ipv4() != dst.is_ipv4() {
+        bail!("SRC {src} and DST {dst} are not of the same address family");
+    }
+    Ok(FlowKey {
+        src: ip_words(src),
+        dst: ip_words(dst),
+        sport: sport.to_be(),
+        dport: dport.to_be(),
+        proto,
+        family: family(src),
+        _pad: [0; 2],
+    })
+}
+
+/// Where a flow hash lands in a service's live table.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub struct TableIndex {
+    /// Entry within the table (`hash % M`).
+    pub entry: u32,
+    /// Index in the `MAGLEV` pool (`table_base + active * M + entry`).
+    pub pool_index: u32,
+}
+
+/// `None` when the service has no live table (new flows are dropped).
+pub fn table_index(info: &ServiceInfo, hash: u32) -> Option<TableIndex> {
+    if info.backend_count == 0 || info.table_size == 0 {
+        return None;
+    }
+    let m = info.table_size;
+    let entry = hash % m;
+    Some(TableIndex {
+        entry,
+        pool_index: info.table_base + info.active * m + entry,
+    })
+}
+
+/// Idle time after which the data plane no longer trusts an SNAT flow's
+/// CONNTRACK entry (its port may have gone to another flow) and re-picks.
+pub fn snat_flow_lifetime_ns(cfg: &Config, proto: u8) -> u64 {
+    let s = if proto == PROTO_TCP {
+        cfg.tcp_timeout_s
+    } else {
+        cfg.udp_timeout_s
+    };
+    s as u64 * 1_000_000_000
+}
+
+/// The reply-direction key of an SNAT flow using `port_be`.
+pub fn snat_reply_key(
+    key: &FlowKey,
+    snat_addr: [u32; 4],
+    backend: &lb_common::Backend,
+    port_be: u16,
+) -> FlowKey {
+    FlowKey {
+        src: backend.addr,
+        dst: snat_addr,
+        sport: backend.port,
+        dport: port_be,
+        proto: key.proto,
+        family: key.family,
+        _pad: [0; 2],
+    }
+}
+
+fn same_client(r: &ReplyNat, key: &FlowKey) -> bool {
+    r.client == key.src && r.cport == key.sport && r.vip == key.dst && r.vport == key.dport
+}
+
+#[derive(Serialize)]
+pub struct MaglevPick {
+    pub flow_hash: u32,
+    pub table_size: u32,
+    #[serde(flatten)]
+    pub index: TableIndex,
+    pub backend_id: u32,
+    pub backend: Option<SocketAddr>,
+    /// Set when the data plane would fail here (`drop_table_error`).
+    pub error: Option<String>,
+}
+
+#[derive(Serialize)]
+pub struct ConntrackHit {
+    pub cpu: usize,
+    pub backend: SocketAddr,
+    pub backend_id: u32,
+    pub snat_port: Option<u16>,
+    pub age_ns: u64,
+    pub idle_ns: u64,
+    /// SNAT flow idle past its lifetime: the data plane ignores the entry
+    /// and picks again.
+    pub stale: bool,
+}
+
+#[derive(Serialize)]
+pub struct SnatInfo {
+    pub snat_addr: IpAddr,
+    pub port_min: u16,
+    pub port_max: u16,
+    /// The first port the data plane tries for this flow (probe 0); a taken
+    /// port moves it to the next probe, up to `SNAT_PROBES`.
+    pub first_candidate: u16,
+    /// The port a REPLY_NAT entry of this flow holds now, and its probe.
+    pub port_in_use: Option<u16>,
+    pub probe: Option<u32>,
+}
+
+#[derive(Serialize)]
+pub struct TraceReport {
+    pub flow: String,
+    pub protocol: String,
+    pub service: String,
+    /// Whether a service matches the flow's destination.
+    pub matched: bool,
+    pub service_id: Option<u32>,
+    pub mode: Option<String>,
+    /// Whether PORT_FLAGS marks DPORT as a service port (without it the
+    /// data plane never looks the service up).
+    pub port_flag_set: Option<bool>,
+    /// CONNTRACK entries of this flow, per CPU that holds one.
+    pub conntrack: Vec<ConntrackHit>,
+    pub maglev: Option<MaglevPick>,
+    /// `conntrack`, `maglev`, or `none` (the flow is dropped or passed).
+    pub decided_by: &'static str,
+    pub backend: Option<SocketAddr>,
+    pub backend_id: Option<u32>,
+    pub snat: Option<SnatInfo>,
+    pub note: Option<String>,
+}
+
+pub fn run(maps: &Maps, args: &Args) -> Result<TraceReport> {
+    let proto = args.proto.number();
+    let key = flow_key(args.src, args.dst, args.sport, args.dport, proto)?;
+    let svc_arg = ServiceArg {
+        vip: args.dst,
+        port: args.dport,
+        proto,
+    };
+    let mut report = TraceReport {
+        flow: format!(
+            "{} -> {}/{}",
+            SocketAddr::new(args.src, args.sport),
+            SocketAddr::new(args.dst, args.dport),
+            services::proto_name(proto)
+        ),
+        protocol: services::proto_name(proto),
+        service: svc_arg.to_string(),
+        matched: false,
+        service_id: None,
+        mode: None,
+        port_flag_set: None,
+        conntrack: Vec::new(),
+        maglev: None,
+        decided_by: "none",
+        backend: None,
+        backend_id: None,
+        snat: None,
+        note: None,
+    };
+    let svc_key = service_key(args.dst, args.dport, proto);
+    let Some(info) = maps::get_service(&maps.services()?, &svc_key)? else {
+        report.note = Some(format!(
+            "no service matches {svc_arg}: the data plane passes the packet on (pass_no_service)"
+        ));
+        return Ok(report);
+    };
+    report.matched = true;
+    report.service_id = Some(info.id);
+    report.mode = Some(services::mode(&svc_key, &info));
+    let flags = maps.port_flags()?.get(&(args.dport as u32), 0).ok();
+    report.port_flag_set = flags.map(|f| f & PORT_F_SERVICE != 0);
+
+    let cfg = maps.config()?;
+    let snat = services::is_snat(&info);
+    let backends = maps.backends()?;
+
+    // CONNTRACK first, as the data plane does.
+    let now = maps::coarse_now_ns();
+    let flows: Vec<(usize, Flow)> = match maps.conntrack()?.get(&key, 0) {
+        Ok(v) => v
+            .iter()
+            .enumerate()
+            .filter(|(_, f)| f.created_ns != 0)
+            .map(|(c, f)| (c, *f))
+            .collect(),
+        Err(aya::maps::MapError::KeyNotFound) => Vec::new(),
+        Err(e) => return Err(e).context("reading CONNTRACK"),
+    };
+    for (cpu, f) in flows {
+        let e = crate::conntrack::entry(&key, cpu, &f, now);
+        report.conntrack.push(ConntrackHit {
+            cpu,
+            backend: e.backend,
+            backend_id: f.backend_id,
+            snat_port: e.snat_port,
+            age_ns: e.age_ns,
+            idle_ns: e.idle_ns,
+            stale: snat && e.idle_ns > snat_flow_lifetime_ns(&cfg, proto),
+        });
+    }
+
+    // The Maglev pick, which a new flow (or a packet on a CPU without the
+    // entry, or a TCP SYN) gets.
+    let hash = flow_hash(&key);
+    let mut picked = None;
+    if let Some(index) = table_index(&info, hash) {
+        let id = maps.maglev()?.get(index.pool_index)?;
+        let (backend, error) = match backends.get(&id, 0) {
+            Ok(b) if b.family == key.family => (Some(b), None),
+            Ok(_) => (
+                None,
+                Some(format!(
+                    "BACKENDS[{id}] is not of the flow's address family: \
+                     the data plane drops the packet (drop_table_error)"
+                )),
+            ),
+            Err(e) => (
+                None,
+                Some(format!(
+                    "BACKENDS[{id}] unreadable ({e}): the data plane drops the packet \
+                     (drop_table_error)"
+                )),
+            ),
+        };
+        report.maglev = Some(MaglevPick {
+            flow_hash: hash,
+            table_size: info.table_size,
+            index,
+            backend_id: id,
+            backend: backend.map(|b| services::socket_of(&b.addr, b.port, b.family)),
+            error,
+        });
+        picked = backend.map(|b| (id, b));
+    }
+
+    let live = report.conntrack.iter().find(|h| !h.stale);
+    let chosen = if let Some(h) = live {
+        report.decided_by = "conntrack";
+        report.backend = Some(h.backend);
+        report.backend_id = Some(h.backend_id);
+        backends
+            .get(&h.backend_id, 0)
+            .ok()
+            .map(|b| (h.backend_id, b))
+    } else if let Some((id, b)) = picked {
+        report.decided_by = "maglev";
+        report.backend = Some(services::socket_of(&b.addr, b.port, b.family));
+        report.backend_id = Some(id);
+        Some((id, b))
+    } else {
+        if table_index(&info, hash).is_none() {
+            report.note =
+                Some("the service has no backends: new flows are dropped (drop_no_backend)".into());
+        }
+        None
+    };
+    let mut live_ids: Vec<u32> = report
+        .conntrack
+        .iter()
+        .filter(|h| !h.stale)
+        .map(|h| h.backend_id)
+        .collect();
+    live_ids.sort_unstable();
+    live_ids.dedup();
+    if live_ids.len() > 1 {
+        report.note = Some(
+            "CPUs hold entries naming different backends for this flow: the backend \
+             depends on the CPU the packet lands on"
+                .into(),
+        );
+    }
+
+    if snat {
+        let mut s = SnatInfo {
+            snat_addr: services::ip_of(&info.snat_addr, key.family),
+            port_min: cfg.snat_port_min,
+            port_max: cfg.snat_port_max,
+            first_candidate: snat_port_candidate(hash, 0, cfg.snat_port_min, cfg.snat_port_max),
+            port_in_use: None,
+            probe: None,
+        };
+        if let Some((_, b)) = chosen {
+            let reply = maps.reply_nat()?;
+            for probe in 0..SNAT_PROBES {
+                let port = snat_port_candidate(hash, probe, cfg.snat_port_min, cfg.snat_port_max);
+                let rk = snat_reply_key(&key, info.snat_addr, &b, port.to_be());
+                if let Ok(r) = reply.get(&rk, 0) {
+                    if same_client(&r, &key) {
+                        s.port_in_use = Some(port);
+                        s.probe = Some(probe);
+                        break;
+                    }
+                }
+            }
+        }
+        report.snat = Some(s);
+    }
+    Ok(report)
+}
+
+impl Render for TraceReport {
+    fn human(&self) -> String {
+        let mut s = format!("flow      {}\n", self.flow);
+        if !self.matched {
+            if let Some(n) = &self.note {
+                s.push_str(&format!("result    {n}\n"));
+            }
+            return s;
+        }
+        s.push_str(&format!(
+            "service   {} (id {}, {})\n",
+            self.service,
+            self.service_id.unwrap_or_default(),
+            self.mode.as_deref().unwrap_or("?")
+        ));
+        if self.port_flag_set == Some(false) {
+            s.push_str(
+                "WARNING: PORT_FLAGS does not mark the port as a service port: \
+                 the data plane skips the service lookup\n",
+            );
+        }
+        if self.conntrack.is_empty() {
+            s.push_str("conntrack not in CONNTRACK on any CPU\n");
+        }
+        for h in &self.conntrack {
+            s.push_str(&format!(
+                "conntrack CPU {}: backend {} (id {}){}, age {}, idle {}{}\n",
+                h.cpu,
+                h.backend,
+                h.backend_id,
+                h.snat_port
+                    .map(|p| format!(", snat port {p}"))
+                    .unwrap_or_default(),
+                table::duration_ns(h.age_ns),
+                table::duration_ns(h.idle_ns),
+                if h.stale {
+                    " (stale: idle past the SNAT lifetime, ignored)"
+                } else {
+                    ""
+                }
+            ));
+        }
+        if let Some(m) = &self.maglev {
+            s.push_str(&format!(
+                "maglev    hash {:#010x}: entry {} of {} (MAGLEV[{}]) -> {} (id {})\n",
+                m.flow_hash,
+                m.index.entry,
+                m.table_size,
+                m.index.pool_index,
+                m.backend
+                    .map(|b| b.to_string())
+                    .unwrap_or_else(|| "?".into()),
+                m.backend_id
+            ));
+            if let Some(e) = &m.error {
+                s.push_str(&format!("ERROR: {e}\n"));
+            }
+        }
+        if let Some(sn) = &self.snat {
+            s.push_str(&format!(
+                "snat      source {}, first port candidate {} (range {}-{})",
+                sn.snat_addr, sn.first_candidate, sn.port_min, sn.port_max
+            ));
+            if let (Some(p), Some(probe)) = (sn.port_in_use, sn.probe) {
+                s.push_str(&format!("; REPLY_NAT holds port {p} (probe {probe})"));
+            }
+            s.push('\n');
+        }
+        match (self.backend, self.backend_id) {
+            (Some(b), Some(id)) => {
+                s.push_str(&format!(
+                    "backend   {b} (id {id}, by {})\n",
+                    self.decided_by
+                ));
+                if self.decided_by == "conntrack" {
+                    if let Some(m) = self.maglev.as_ref().and_then(|m| m.backend) {
+                        let tcp = self.protocol == "tcp";
+                        if Some(m) != self.backend || tcp {
+                            s.push_str(&format!(
+                                "          (a new flow{} would go to {m} by Maglev)\n",
+                                if tcp {
+                                    ", or a TCP SYN without ACK,"
+                                } else {
+                                    ""
+                                }
+                            ));
+                        }
+                    }
+                }
+            }
+            _ => s.push_str("backend   none\n"),
+        }
+        if let Some(n) = &self.note {
+            s.push_str(&format!("note      {n}\n"));
+        }
+        s
+    }
+
+    fn exit_code(&self) -> u8 {
+        if self.matched {
+            0
+        } else {
+            2
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use lb_common::{addr_from_v4, addr_from_v6, FAMILY_V4, FAMILY_V6};
+
+    #[test]
+    fn key_is_built_like_the_data_plane() {
+        let k = flow_key(
+            "198.51.100.7".parse().unwrap(),
+            "192.0.2.10".parse().unwrap(),
+            40000,
+            80,
+            PROTO_TCP,
+        )
+        .unwrap();
+        assert_eq!(k.src, addr_from_v4([198, 51, 100, 7]));
+        assert_eq!(k.dst, addr_from_v4([192, 0, 2, 10]));
+        // Network order, as read from the packet.
+        assert_eq!(k.sport.to_ne_bytes(), 40000u16.to_be_bytes());
+        assert_eq!(k.dport.to_ne_bytes(), 80u16.to_be_bytes());
+        assert_eq!((k.proto, k.family, k._pad), (PROTO_TCP, FAMILY_V4, [0, 0]));
+
+        let k = flow_key(
+            "2001:db8::7".parse().unwrap(),
+            "2001:db8::10".parse().unwrap(),
+            1,
+            2,
+            PROTO_UDP,
+        )
+        .unwrap();
+        let o: std::net::Ipv6Addr = "2001:db8::10".parse().unwrap();
+        assert_eq!(k.dst, addr_from_v6(o.octets()));
+        assert_eq!(k.family, FAMILY_V6);
+
+        assert!(flow_key(
+            "10.0.0.1".parse().unwrap(),
+            "2001:db8::10".parse().unwrap(),
+            1,
+            2,
+            PROTO_TCP
+        )
+        .is_err());
+    }
+
+    #[test]
+    fn index_uses_the_live_half() {
+        let info = ServiceInfo {
+            table_base: 1000,
+            table_size: 13,
+            active: 1,
+            backend_count: 2,
+            ..Default::default()
+        };
+        assert_eq!(
+            table_index(&info, 100),
+            Some(TableIndex {
+                entry: 100 % 13,
+                pool_index: 1000 + 13 + 100 % 13
+            })
+        );
+        let info0 = ServiceInfo { active: 0, ..info };
+        assert_eq!(table_index(&info0, 13).unwrap().pool_index, 1000);
+        assert_eq!(
+            table_index(
+                &ServiceInfo {
+                    backend_count: 0,
+                    ..info
+                },
+                5
+            ),
+            None
+        );
+    }
+
+    #[test]
+    fn snat_lifetime_by_protocol() {
+        let cfg = Config::default();
+        assert_eq!(
+            snat_flow_lifetime_ns(&cfg, PROTO_TCP),
+            cfg.tcp_timeout_s as u64 * 1_000_000_000
+        );
+        assert_eq!(
+            snat_flow_lifetime_ns(&cfg, PROTO_UDP),
+            cfg.udp_timeout_s as u64 * 1_000_000_000
+        );
+    }
+
+    #[test]
+    fn reply_key_points_back_at_the_snat_address() {
+        let k = flow_key(
+            "198.51.100.7".parse().unwrap(),
+            "192.0.2.10".parse().unwrap(),
+            40000,
+            80,
+            PROTO_TCP,
+        )
+        .unwrap();
+        let b = lb_common::Backend {
+            addr: addr_from_v4([10, 2, 0, 3]),
+            port: 8080u16.to_be(),
+            family: FAMILY_V4,
+            _pad: 0,
+        };
+        let snat = addr_from_v4([10, 2, 0, 1]);
+        let rk = snat_reply_key(&k, snat, &b, 12345u16.to_be());
+        assert_eq!((rk.src, rk.dst), (b.addr, snat));
+        assert_eq!((rk.sport, rk.dport), (b.port, 12345u16.to_be()));
+        let r = ReplyNat {
+            vip: k.dst,
+            client: k.src,
+            vport: k.dport,
+            cport: k.sport,
+            ..Default::default()
+        };
+        assert!(same_client(&r, &k));
+        assert!(!same_client(&ReplyNat { cport: 1, ..r }, &k));
+    }
+}
