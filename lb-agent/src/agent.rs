@@ -69,7 +69,8 @@ impl Agent {
     /// the metrics endpoint, and applies the config once.
     pub async fn start(opts: AgentOptions, config: AgentConfig) -> anyhow::Result<Self> {
         let config_bytes = std::fs::read(&opts.config_path).unwrap_or_default();
-        let mut dp = Dataplane::open(Some(&opts.pin_dir)).context("loading the XDP program")?;
+        let mut dp = Dataplane::open_with(Some(&opts.pin_dir), config.maglev_pool_entries)
+            .context("loading the XDP program")?;
         let adopted = dp.services().count();
         if adopted > 0 {
             info!(

@@ -39,6 +39,9 @@ pub struct AgentConfig {
     pub tcp_timeout: Duration,
     pub tcp_closing_timeout: Duration,
     pub udp_timeout: Duration,
+    /// Size of the kernel's Maglev pool (entries; two tables per service).
+    /// Takes effect when the maps are created (first start or after cleanup).
+    pub maglev_pool_entries: u32,
     pub services: Vec<ServiceConfig>,
 }
 
@@ -200,6 +203,7 @@ struct RawConfig {
     metrics_addr: Option<String>,
     xdp_mode: Option<RawXdpMode>,
     timeouts: Option<RawTimeouts>,
+    maglev_pool_entries: Option<u32>,
     #[serde(default)]
     services: Vec<RawService>,
 }
@@ -634,6 +638,20 @@ impl Validator<'_> {
             timeout(&t.tcp_closing, "tcp_closing", DEFAULT_TCP_CLOSING_TIMEOUT)?;
         let udp_timeout = timeout(&t.udp, "udp", DEFAULT_UDP_TIMEOUT)?;
 
+        let maglev_pool_entries = match raw.maglev_pool_entries {
+            None => lb_common::MAGLEV_POOL_ENTRIES,
+            Some(n) if (2 * lb_common::MAX_MAGLEV_SIZE..=1 << 28).contains(&n) => n,
+            Some(n) => {
+                return Err(self.err(
+                    root().key("maglev_pool_entries"),
+                    format!(
+                        "{n} is outside {}..={}",
+                        2 * lb_common::MAX_MAGLEV_SIZE,
+                        1u32 << 28
+                    ),
+                ))
+            }
+        };
         let mut services: Vec<ServiceConfig> = Vec::with_capacity(raw.services.len());
         // name -> index; (vip, port, protocol) -> index
         let mut names: HashMap<String, usize> = HashMap::with_capacity(raw.services.len());
@@ -695,6 +713,7 @@ impl Validator<'_> {
             tcp_timeout,
             tcp_closing_timeout,
             udp_timeout,
+            maglev_pool_entries,
             services,
         })
     }
@@ -1110,6 +1129,7 @@ services:
             tcp_timeout: Duration::from_secs(900),
             tcp_closing_timeout: Duration::from_secs(10),
             udp_timeout: Duration::from_secs(60),
+            maglev_pool_entries: lb_common::MAGLEV_POOL_ENTRIES,
             services: vec![
                 ServiceConfig {
                     name: "web".into(),

@@ -2,3 +2,4 @@
 
 pub mod netns;
 pub mod packet;
+pub mod topology;

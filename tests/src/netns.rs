@@ -47,7 +47,12 @@ impl Netns {
     /// Moves the calling thread into the namespace (for BPF_PROG_TEST_RUN,
     /// which resolves interfaces and routes in the caller's namespace).
     pub fn enter(&self) {
-        let f = File::open(format!("/var/run/netns/{}", self.name)).expect("open netns");
+        Self::enter_by_name(&self.name);
+    }
+
+    /// Moves the calling thread into the namespace called `name`.
+    pub fn enter_by_name(name: &str) {
+        let f = File::open(format!("/var/run/netns/{name}")).expect("open netns");
         // SAFETY: setns on a valid namespace fd affects only this thread.
         let rc = unsafe { libc::setns(f.as_raw_fd(), libc::CLONE_NEWNET) };
         assert_eq!(rc, 0, "setns: {}", std::io::Error::last_os_error());

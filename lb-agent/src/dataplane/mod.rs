@@ -247,7 +247,15 @@ impl Dataplane {
     /// maps already pinned there are reused: a restarted agent adopts the
     /// running state (services, flows, counters) instead of starting empty.
     pub fn open(pin_dir: Option<&Path>) -> Result<Self> {
+        Self::open_with(pin_dir, MAGLEV_POOL_ENTRIES)
+    }
+
+    /// As [`Dataplane::open`], with the Maglev pool sized to `pool_entries`
+    /// (two tables of M entries per service; 8 bytes each in the kernel).
+    /// Pinned maps keep the size they were created with.
+    pub fn open_with(pin_dir: Option<&Path>, pool_entries: u32) -> Result<Self> {
         let mut loader = EbpfLoader::new();
+        loader.map_max_entries(names::MAGLEV, pool_entries);
         let paths: Vec<(&str, PathBuf)> = match pin_dir {
             Some(dir) => {
                 std::fs::create_dir_all(dir)
@@ -278,13 +286,17 @@ impl Dataplane {
             Map::Array(data) => data,
             _ => return Err(DataplaneError::MissingMap(names::MAGLEV)),
         };
+        // A pinned pool keeps its size: use the kernel's, not the requested one.
+        let pool_entries = maglev_data
+            .info()
+            .map_err(map_err(names::MAGLEV))?
+            .max_entries();
         let mut dp = Self {
             services: HashMap::try_from(take(&mut ebpf, names::SERVICES)?)
                 .map_err(map_err(names::SERVICES))?,
             backends: Array::try_from(take(&mut ebpf, names::BACKENDS)?)
                 .map_err(map_err(names::BACKENDS))?,
-            maglev: MaglevPool::new(maglev_data, MAGLEV_POOL_ENTRIES)
-                .map_err(DataplaneError::Mmap)?,
+            maglev: MaglevPool::new(maglev_data, pool_entries).map_err(DataplaneError::Mmap)?,
             port_flags: Array::try_from(take(&mut ebpf, names::PORT_FLAGS)?)
                 .map_err(map_err(names::PORT_FLAGS))?,
             config: Array::try_from(take(&mut ebpf, names::CONFIG)?)
@@ -305,7 +317,7 @@ impl Dataplane {
             state: BTreeMap::new(),
             service_ids: IdPool::new(MAX_SERVICES),
             backend_ids: IdPool::new(MAX_BACKENDS),
-            regions: RegionPool::new(MAGLEV_POOL_ENTRIES),
+            regions: RegionPool::new(pool_entries),
             quarantined: Vec::new(),
             ports: vec![0; 65536],
             pin_dir,
