@@ -1,0 +1,104 @@
+//! Pinned maps survive the driver and are adopted by the next one (root:
+//! loads the real program and pins under /sys/fs/bpf).
+
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+
+use lb_agent::dataplane::{BackendSpec, Dataplane, Protocol, ServiceSpec};
+
+struct PinDir(std::path::PathBuf);
+
+impl Drop for PinDir {
+    fn drop(&mut self) {
+        let _ = Dataplane::cleanup(&self.0);
+    }
+}
+
+fn spec(port: u16, snat: Option<IpAddr>, backends: &[u8]) -> ServiceSpec {
+    ServiceSpec {
+        vip: Ipv4Addr::new(192, 0, 2, 50).into(),
+        port,
+        protocol: Protocol::Tcp,
+        snat,
+        table_size: None,
+        backends: backends
+            .iter()
+            .map(|&n| BackendSpec {
+                addr: SocketAddr::new(Ipv4Addr::new(10, 9, 0, n).into(), 8080),
+                weight: 1,
+            })
+            .collect(),
+    }
+}
+
+#[test]
+fn a_new_driver_adopts_pinned_services_and_tables() {
+    let dir = PinDir(format!("/sys/fs/bpf/xlb-test-adopt-{}", std::process::id()).into());
+    let web = spec(80, None, &[1, 2, 3]);
+    let api = spec(443, Some(Ipv4Addr::new(10, 9, 0, 254).into()), &[4, 5]);
+    let (web_table, web_info, api_table) = {
+        let mut dp = Dataplane::open(Some(&dir.0)).expect("open (root needed)");
+        dp.set_service(&web).unwrap();
+        dp.set_service(&api).unwrap();
+        (
+            dp.live_table(&web.key()).unwrap(),
+            dp.service_info(&web.key()).unwrap(),
+            dp.live_table(&api.key()).unwrap(),
+        )
+    };
+    for map in lb_common::map_names::ALL {
+        assert!(dir.0.join(map).exists(), "{map} is pinned");
+    }
+
+    let mut dp = Dataplane::open(Some(&dir.0)).unwrap();
+    let adopted: Vec<_> = dp.services().map(|(k, s)| (*k, s.clone())).collect();
+    assert_eq!(adopted.len(), 2, "both services adopted: {adopted:?}");
+    let adopted_web = &adopted.iter().find(|(k, _)| *k == web.key()).unwrap().1;
+    let mut addrs: Vec<_> = adopted_web.backends.iter().map(|b| b.addr).collect();
+    addrs.sort();
+    assert_eq!(
+        addrs,
+        web.backends.iter().map(|b| b.addr).collect::<Vec<_>>()
+    );
+    let adopted_api = &adopted.iter().find(|(k, _)| *k == api.key()).unwrap().1;
+    assert_eq!(
+        adopted_api.snat, api.snat,
+        "snat address recovered from the map"
+    );
+    assert_eq!(dp.live_table(&web.key()).unwrap(), web_table);
+    assert_eq!(dp.live_table(&api.key()).unwrap(), api_table);
+
+    // Applying the same spec again: same service id, same table contents
+    // (Maglev is deterministic), flipped to the other half.
+    dp.set_service(&web).unwrap();
+    let info = dp.service_info(&web.key()).unwrap();
+    assert_eq!(info.id, web_info.id);
+    assert_ne!(
+        info.active, web_info.active,
+        "the update went to the inactive table"
+    );
+    assert_eq!(dp.live_table(&web.key()).unwrap(), web_table);
+
+    // A new service does not collide with adopted ids or table regions.
+    let other = spec(8443, None, &[6]);
+    dp.set_service(&other).unwrap();
+    let oi = dp.service_info(&other.key()).unwrap();
+    assert_ne!(oi.id, info.id);
+    let ranges = [
+        (info.table_base, 2 * info.table_size),
+        (oi.table_base, 2 * oi.table_size),
+    ];
+    assert!(
+        ranges[0].0 + ranges[0].1 <= ranges[1].0 || ranges[1].0 + ranges[1].1 <= ranges[0].0,
+        "{ranges:?}"
+    );
+
+    dp.remove_service(&api.key()).unwrap();
+    assert!(
+        dp.service_info(&api.key()).is_err(),
+        "removed from the kernel map"
+    );
+    drop(dp);
+    let removed = Dataplane::cleanup(&dir.0).unwrap();
+    assert!(removed.contains(&"SERVICES".to_string()));
+    assert!(!dir.0.exists());
+}
