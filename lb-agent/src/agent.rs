@@ -128,6 +128,7 @@ impl Agent {
             tokio::select! {
                 _ = hup.recv() => self.reload("SIGHUP"),
                 _ = poll.tick() => {
+                    self.dp.lock().expect("data plane lock").flush_logs();
                     if std::fs::read(&self.opts.config_path).is_ok_and(|b| b != self.config_bytes) {
                         self.reload("the file changed");
                     }

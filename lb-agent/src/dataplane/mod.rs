@@ -234,6 +234,7 @@ pub struct Dataplane {
     quarantined: Vec<(Instant, u32, u32)>,
     ports: Vec<u8>,
     pin_dir: Option<PathBuf>,
+    logger: Option<aya_log::EbpfLogger<&'static dyn log::Log>>,
 }
 
 impl Dataplane {
@@ -268,12 +269,22 @@ impl Dataplane {
             loader.map_pin_path(name, path.as_path());
         }
         let mut ebpf = loader.load(OBJECT)?;
+        // The program's aya-log events go to the `log` facade (and from there
+        // to tracing). Taken before the program loads: it owns the log map.
+        let logger = match aya_log::EbpfLogger::init(&mut ebpf) {
+            Ok(l) => Some(l),
+            Err(e) => {
+                log::warn!("eBPF logs unavailable: {e}");
+                None
+            }
+        };
         let xdp: &mut Xdp = ebpf
             .program_mut(PROGRAM)
             .ok_or(DataplaneError::MissingMap("program xlb"))?
             .try_into()?;
         xdp.load()?;
         let mut dp = Self::from_ebpf(ebpf, pin_dir.map(Path::to_path_buf))?;
+        dp.logger = logger;
         dp.adopt()?;
         Ok(dp)
     }
@@ -321,6 +332,7 @@ impl Dataplane {
             quarantined: Vec::new(),
             ports: vec![0; 65536],
             pin_dir,
+            logger: None,
         };
         if dp
             .config
@@ -339,6 +351,13 @@ impl Dataplane {
             .program(PROGRAM)
             .and_then(|p| <&Xdp>::try_from(p).ok())
             .expect("the object always has the xlb XDP program")
+    }
+
+    /// Emits the program's pending aya-log events through the `log` facade.
+    pub fn flush_logs(&mut self) {
+        if let Some(l) = &mut self.logger {
+            l.flush();
+        }
     }
 
     /// Loads and returns the benchmark floor program (`xlb_floor`).
