@@ -158,9 +158,25 @@ pub struct Flow {
     pub backend_id: u32,
     pub service_id: u32,
     pub _pad: u32,
-    /// `bpf_ktime_get_ns` of the flow's creation and of its latest packet.
+    /// `bpf_ktime_get_coarse_ns` of the flow's creation and of its latest
+    /// packet (updated at most once a second).
     pub created_ns: u64,
     pub last_seen_ns: u64,
+    /// Where the flow's packets go (client -> backend direction).
+    pub fib: FibCache,
+}
+
+/// The FIB's answer for one direction of a flow, kept with the flow so that
+/// its packets skip `bpf_fib_lookup` (which costs more than the rest of the
+/// path). Looked up again when older than a second, so route and neighbour
+/// changes take effect within a second. `ifindex` 0: nothing cached.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct FibCache {
+    pub dmac: [u8; 6],
+    pub smac: [u8; 6],
+    pub ifindex: u32,
+    pub checked_ns: u64,
 }
 
 /// Value of `REPLY_NAT` (shared by all CPUs): how to translate a reply back.
@@ -181,6 +197,8 @@ pub struct ReplyNat {
     /// `bpf_ktime_get_coarse_ns` after which the entry (and in SNAT mode its
     /// port) may be taken by a new flow.
     pub expires_ns: u64,
+    /// Where replies go (backend -> client direction).
+    pub fib: FibCache,
 }
 
 /// `ReplyNat::flags`: a TCP FIN or RST was seen; the short lifetime applies.
@@ -356,6 +374,7 @@ mod pod {
     unsafe impl aya::Pod for ReplyNat {}
     unsafe impl aya::Pod for Config {}
     unsafe impl aya::Pod for TrafficStats {}
+    unsafe impl aya::Pod for FibCache {}
 }
 
 // Layouts are part of the pinned-map ABI: a change here needs a new map name.
@@ -364,8 +383,9 @@ const _: () = {
     assert!(core::mem::size_of::<ServiceInfo>() == 40);
     assert!(core::mem::size_of::<Backend>() == 20);
     assert!(core::mem::size_of::<FlowKey>() == 40);
-    assert!(core::mem::size_of::<Flow>() == 48);
-    assert!(core::mem::size_of::<ReplyNat>() == 56);
+    assert!(core::mem::size_of::<Flow>() == 72);
+    assert!(core::mem::size_of::<ReplyNat>() == 80);
     assert!(core::mem::size_of::<Config>() == 16);
+    assert!(core::mem::size_of::<FibCache>() == 24);
     assert!(core::mem::size_of::<TrafficStats>() == 40);
 };

@@ -4,7 +4,7 @@
 use aya_ebpf::{bindings::BPF_NOEXIST, helpers::bpf_ktime_get_coarse_ns};
 use lb_common::{
     hash::{flow_hash, snat_port_candidate},
-    Backend, Config, Flow, FlowKey, Reason, ReplyNat, ServiceInfo, PROTO_TCP, REPLY_F_CLOSING,
+    Backend, Config, FibCache, Flow, FlowKey, Reason, ReplyNat, ServiceInfo, PROTO_TCP, REPLY_F_CLOSING,
     SERVICE_F_SNAT, SNAT_PROBES,
 };
 
@@ -93,6 +93,7 @@ fn set_reply_value(
     r.backend_id = backend_id;
     r.flags = if closing { REPLY_F_CLOSING } else { 0 };
     r.expires_ns = expires_ns;
+    r.fib = FibCache::default();
 }
 
 #[inline(always)]
@@ -122,6 +123,8 @@ pub fn pick(key: &FlowKey, svc: &ServiceInfo) -> Result<(u32, Backend), Reason> 
 pub struct Scratch {
     /// The packet's flow (client -> VIP, or backend -> client for replies).
     pub key: FlowKey,
+    /// The flow's cached FIB answer, handed to `forward`.
+    pub fib: FibCache,
     pub target: Target,
     pub reply_key: FlowKey,
     pub reply: ReplyNat,
@@ -156,6 +159,7 @@ pub fn lookup_or_create(svc: &ServiceInfo, closing: bool, syn: bool, s: &mut Scr
             s.target.backend_id = flow.backend_id;
             s.target.snat_port = flow.snat_port;
             s.target.new_flow = 0;
+            s.fib = flow.fib;
             if idle > REFRESH_NS || closing {
                 flow.last_seen_ns = t;
                 set_reply_key(
@@ -208,6 +212,8 @@ fn create(svc: &ServiceInfo, closing: bool, s: &mut Scratch) -> u32 {
     s.flow._pad = 0;
     s.flow.created_ns = t;
     s.flow.last_seen_ns = t;
+    s.flow.fib = FibCache::default();
+    s.fib = FibCache::default();
     // A full LRU evicts its oldest entry; failure here only costs a re-pick later.
     let _ = CONNTRACK.insert(&s.key, &s.flow, 0);
     s.target.backend.addr = backend.addr;
@@ -325,7 +331,7 @@ pub fn find(svc: &ServiceInfo, s: &mut Scratch) -> Option<()> {
 /// Reply translation for a packet from a backend, if it belongs to a flow.
 /// Refreshes the entry's lifetime when it is due (or on FIN/RST).
 #[inline(always)]
-pub fn reply_lookup(key: &FlowKey, closing: bool) -> Option<&ReplyNat> {
+pub fn reply_lookup(key: &FlowKey, closing: bool) -> Option<&mut ReplyNat> {
     let r = REPLY_NAT.get_ptr_mut(key)?;
     // SAFETY: shared entry; plain stores, a racing CPU writes similar values.
     let r = unsafe { &mut *r };

@@ -5,13 +5,18 @@ use aya_ebpf::{
         bpf_fib_lookup as FibParams, xdp_action, BPF_FIB_LKUP_RET_NO_NEIGH,
         BPF_FIB_LKUP_RET_SUCCESS,
     },
-    helpers::bpf_fib_lookup,
+    helpers::{bpf_fib_lookup, bpf_redirect},
     programs::XdpContext,
     EbpfContext,
 };
-use lb_common::Reason;
+use lb_common::{FibCache, Reason};
+
+/// Age after which a cached FIB answer is looked up again: route and
+/// neighbour changes reach established flows within this time.
+const FIB_REFRESH_NS: u64 = 1_000_000_000;
 
 use crate::{
+    conntrack::now,
     csum::Delta,
     maps::TX_PORTS,
     parse::{load16, load8, ptr_at, store16, store32, store8, Headers},
@@ -25,57 +30,73 @@ pub fn ttl(ctx: &XdpContext, h: &Headers) -> u8 {
     ptr_at(ctx, h.l3 + off, 1).map(load8).unwrap_or(0)
 }
 
-/// Routes the (already rewritten) packet to `dst`. Returns the action and its reason.
+/// Routes the (already rewritten) packet to `dst`, using `cache` when it
+/// holds a FIB answer younger than a second and refreshing it otherwise.
+/// Returns the action and its reason.
 #[inline(never)]
-pub fn forward(ctx: &XdpContext, h: &Headers, src: &[u32; 4], dst: &[u32; 4]) -> Verdict {
+pub fn forward(
+    ctx: &XdpContext,
+    h: &Headers,
+    src: &[u32; 4],
+    dst: &[u32; 4],
+    cache: &mut FibCache,
+) -> Verdict {
     let ingress = ctx.ingress_ifindex() as u32;
-    let len = (ctx.data_end() - ctx.data()).saturating_sub(h.l3) as u16;
-    // SAFETY: plain-data bindgen struct; all-zero is a valid value.
-    let mut p: FibParams = unsafe { core::mem::zeroed() };
-    p.family = h.family;
-    p.l4_protocol = h.proto;
-    p.ifindex = ingress;
-    p.__bindgen_anon_1.tot_len = len;
-    if h.v6() {
-        p.__bindgen_anon_3.ipv6_src = *src;
-        p.__bindgen_anon_4.ipv6_dst = *dst;
-    } else {
-        p.__bindgen_anon_3.ipv4_src = src[0];
-        p.__bindgen_anon_4.ipv4_dst = dst[0];
+    let t = now();
+    if cache.ifindex == 0 || t.saturating_sub(cache.checked_ns) > FIB_REFRESH_NS {
+        let len = (ctx.data_end() - ctx.data()).saturating_sub(h.l3) as u16;
+        // SAFETY: plain-data bindgen struct; all-zero is a valid value.
+        let mut p: FibParams = unsafe { core::mem::zeroed() };
+        p.family = h.family;
+        p.l4_protocol = h.proto;
+        p.ifindex = ingress;
+        p.__bindgen_anon_1.tot_len = len;
+        if h.v6() {
+            p.__bindgen_anon_3.ipv6_src = *src;
+            p.__bindgen_anon_4.ipv6_dst = *dst;
+        } else {
+            p.__bindgen_anon_3.ipv4_src = src[0];
+            p.__bindgen_anon_4.ipv4_dst = dst[0];
+        }
+        // SAFETY: `p` is a valid, fully initialised parameter block of the size given.
+        let rc = unsafe {
+            bpf_fib_lookup(ctx.as_ptr(), &mut p, core::mem::size_of::<FibParams>() as i32, 0)
+        };
+        if rc == BPF_FIB_LKUP_RET_NO_NEIGH as i64 {
+            cache.ifindex = 0;
+            return Verdict::new(xdp_action::XDP_PASS, Reason::PassNoNeigh);
+        }
+        if rc != BPF_FIB_LKUP_RET_SUCCESS as i64 {
+            cache.ifindex = 0;
+            return Verdict::new(xdp_action::XDP_PASS, Reason::PassFibFailed);
+        }
+        // Only interfaces the agent listed take redirects (the ingress one
+        // always does): anything else goes through the kernel.
+        if p.ifindex != ingress && TX_PORTS.get_ifindex(p.ifindex).is_none() {
+            cache.ifindex = 0;
+            return Verdict::new(xdp_action::XDP_PASS, Reason::PassFibFailed);
+        }
+        cache.ifindex = p.ifindex;
+        cache.dmac = p.dmac;
+        cache.smac = p.smac;
+        cache.checked_ns = t;
     }
-    // SAFETY: `p` is a valid, fully initialised parameter block of the size given.
-    let rc = unsafe {
-        bpf_fib_lookup(
-            ctx.as_ptr(),
-            &mut p,
-            core::mem::size_of::<FibParams>() as i32,
-            0,
-        )
-    };
-    if rc == BPF_FIB_LKUP_RET_NO_NEIGH as i64 {
-        return Verdict::new(xdp_action::XDP_PASS, Reason::PassNoNeigh);
-    }
-    if rc != BPF_FIB_LKUP_RET_SUCCESS as i64 {
-        return Verdict::new(xdp_action::XDP_PASS, Reason::PassFibFailed);
-    }
-    let (action, reason) = if p.ifindex == ingress {
+    let (action, reason) = if cache.ifindex == ingress {
         (xdp_action::XDP_TX, Reason::Tx)
     } else if h.vlan {
         // We cannot know the egress VLAN; the kernel's VLAN device does.
         return Verdict::new(xdp_action::XDP_PASS, Reason::PassFibFailed);
     } else {
-        // Only interfaces the agent listed accept redirects; a miss returns
-        // XDP_PASS and nothing is changed yet, so the kernel forwards it.
-        match TX_PORTS.redirect(p.ifindex, xdp_action::XDP_PASS as u64) {
-            Ok(a) => (a, Reason::Redirect),
-            Err(_) => return Verdict::new(xdp_action::XDP_PASS, Reason::PassFibFailed),
-        }
+        // Checked against TX_PORTS when cached; no map lookup per packet.
+        // SAFETY: plain helper call.
+        let a = unsafe { bpf_redirect(cache.ifindex, 0) } as u32;
+        (a, Reason::Redirect)
     };
     let Some(eth) = ptr_at(ctx, 0, 12) else {
         return Verdict::new(xdp_action::XDP_ABORTED, Reason::DropMalformed);
     };
-    write_mac(eth, &p.dmac);
-    write_mac(eth + 6, &p.smac);
+    write_mac(eth, &cache.dmac);
+    write_mac(eth + 6, &cache.smac);
     decrement_ttl(ctx, h);
     Verdict::new(action, reason)
 }

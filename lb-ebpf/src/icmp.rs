@@ -193,7 +193,9 @@ fn too_big_to_backend(ctx: &XdpContext, h: &Headers) -> Option<Verdict> {
         wr16(ctx, h.l3 + 10, outer.apply(rd16(ctx, h.l3 + 10)?))?;
     }
     wr16(ctx, h.l4 + 2, icmp_d.apply(rd16(ctx, h.l4 + 2)?))?;
-    let v = forward(ctx, h, &h.src, &t.backend.addr);
+    // ICMP errors are rare: no cache, a fresh FIB lookup each time.
+    s.fib = lb_common::FibCache::default();
+    let v = forward(ctx, h, &h.src, &s.target.backend.addr, &mut s.fib);
     if v.action() == xdp_action::XDP_PASS {
         return Some(v);
     }

@@ -24,7 +24,7 @@ use lb_common::{
 
 use crate::{
     forward::{forward, ttl},
-    maps::{PORT_FLAGS, SCRATCH, SERVICES},
+    maps::{CONNTRACK, PORT_FLAGS, SCRATCH, SERVICES},
     nat::{l4_min_len, rewrite},
     parse::{load8, parse, ports, ptr_at, Headers, ParseError},
 };
@@ -221,12 +221,22 @@ fn to_backend(ctx: &XdpContext, h: &Headers, svc: &lb_common::ServiceInfo) -> Ve
     }
     let bytes = (ctx.data_end() - ctx.data()) as u64;
     stats::count_traffic(svc.id, t.backend_id, bytes, t.new_flow != 0, false);
-    forward(
+    let checked = scratch.fib.checked_ns;
+    let v = forward(
         ctx,
         h,
         if snat { &svc.snat_addr } else { &h.src },
-        &t.backend.addr,
-    )
+        &scratch.target.backend.addr,
+        &mut scratch.fib,
+    );
+    // A fresh FIB answer goes back to the flow (once a second per flow).
+    if scratch.fib.checked_ns != checked {
+        if let Some(flow) = CONNTRACK.get_ptr_mut(&scratch.key) {
+            // SAFETY: per-CPU value, only this CPU touches it while we run.
+            unsafe { (*flow).fib = scratch.fib };
+        }
+    }
+    v
 }
 
 /// A packet that may be a backend's reply; `Verdict::NONE` if it is not.
@@ -261,7 +271,8 @@ fn from_backend_inner(ctx: &XdpContext, h: &Headers) -> Option<Verdict> {
     rewrite(ctx, h, Some((&r.vip, r.vport)), dst)?;
     let bytes = (ctx.data_end() - ctx.data()) as u64;
     stats::count_traffic(r.service_id, r.backend_id, bytes, false, true);
-    Some(forward(ctx, h, &r.vip, &r.client))
+    // The cache lives in the shared entry: any CPU may refresh it.
+    Some(forward(ctx, h, &r.vip, &r.client, &mut r.fib))
 }
 
 #[cfg(not(test))]
