@@ -214,8 +214,8 @@ fn create(svc: &ServiceInfo, closing: bool, s: &mut Scratch) -> u32 {
     s.flow.last_seen_ns = t;
     s.flow.fib = FibCache::default();
     s.fib = FibCache::default();
-    // A full LRU evicts its oldest entry; failure here only costs a re-pick later.
-    let _ = CONNTRACK.insert(&s.key, &s.flow, 0);
+    // The caller inserts `s.flow` into CONNTRACK once `forward` has filled
+    // in the FIB answer: one map update instead of an insert and a rewrite.
     s.target.backend.addr = backend.addr;
     s.target.backend.port = backend.port;
     s.target.backend.family = backend.family;

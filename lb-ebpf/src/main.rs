@@ -229,8 +229,12 @@ fn to_backend(ctx: &XdpContext, h: &Headers, svc: &lb_common::ServiceInfo) -> Ve
         &scratch.target.backend.addr,
         &mut scratch.fib,
     );
-    // A fresh FIB answer goes back to the flow (once a second per flow).
-    if scratch.fib.checked_ns != checked {
+    if scratch.target.new_flow != 0 {
+        // A full LRU evicts its oldest entry; failure only costs a re-pick later.
+        scratch.flow.fib = scratch.fib;
+        let _ = CONNTRACK.insert(&scratch.key, &scratch.flow, 0);
+    } else if scratch.fib.checked_ns != checked {
+        // A fresh FIB answer goes back to the flow (once a second per flow).
         if let Some(flow) = CONNTRACK.get_ptr_mut(&scratch.key) {
             // SAFETY: per-CPU value, only this CPU touches it while we run.
             unsafe { (*flow).fib = scratch.fib };
