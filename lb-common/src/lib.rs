@@ -118,8 +118,7 @@ pub struct ServiceInfo {
     pub snat_addr: [u32; 4],
 }
 
-/// Value of `BACKENDS`, indexed by backend id. Written by the agent before
-/// any table that names the id goes live.
+/// A backend's address; part of `BackendEntry` (the value of `BACKENDS`).
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Backend {
@@ -162,12 +161,21 @@ pub struct Flow {
     /// packet (updated at most once a second).
     pub created_ns: u64,
     pub last_seen_ns: u64,
-    /// Where the flow's packets go (client -> backend direction).
+}
+
+/// Value of `BACKENDS`, indexed by backend id: the backend, written by the
+/// agent before any table names the id, and the FIB's answer for it, which
+/// the data path caches there (the agent's writes reset it).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct BackendEntry {
+    pub backend: Backend,
+    pub _pad: u32,
     pub fib: FibCache,
 }
 
-/// The FIB's answer for one direction of a flow, kept with the flow so that
-/// its packets skip `bpf_fib_lookup` (which costs more than the rest of the
+/// The FIB's answer for a destination (a backend, or a reply's client),
+/// kept so that packets skip `bpf_fib_lookup` (which costs more than the rest of the
 /// path). Looked up again when older than a second, so route and neighbour
 /// changes take effect within a second. `ifindex` 0: nothing cached.
 #[repr(C)]
@@ -375,6 +383,7 @@ mod pod {
     unsafe impl aya::Pod for Config {}
     unsafe impl aya::Pod for TrafficStats {}
     unsafe impl aya::Pod for FibCache {}
+    unsafe impl aya::Pod for BackendEntry {}
 }
 
 // Layouts are part of the pinned-map ABI: a change here needs a new map name.
@@ -383,9 +392,10 @@ const _: () = {
     assert!(core::mem::size_of::<ServiceInfo>() == 40);
     assert!(core::mem::size_of::<Backend>() == 20);
     assert!(core::mem::size_of::<FlowKey>() == 40);
-    assert!(core::mem::size_of::<Flow>() == 72);
+    assert!(core::mem::size_of::<Flow>() == 48);
     assert!(core::mem::size_of::<ReplyNat>() == 80);
     assert!(core::mem::size_of::<Config>() == 16);
     assert!(core::mem::size_of::<FibCache>() == 24);
+    assert!(core::mem::size_of::<BackendEntry>() == 48);
     assert!(core::mem::size_of::<TrafficStats>() == 40);
 };

@@ -110,7 +110,7 @@ pub fn pick(key: &FlowKey, svc: &ServiceInfo) -> Result<(u32, Backend), Reason> 
     let m = svc.table_size;
     let idx = svc.table_base + svc.active * m + flow_hash(key) % m;
     let id = *MAGLEV.get(idx).ok_or(Reason::DropTableError)?;
-    let backend = *BACKENDS.get(id).ok_or(Reason::DropTableError)?;
+    let backend = BACKENDS.get(id).ok_or(Reason::DropTableError)?.backend;
     if backend.family != key.family {
         return Err(Reason::DropTableError);
     }
@@ -159,7 +159,6 @@ pub fn lookup_or_create(svc: &ServiceInfo, closing: bool, syn: bool, s: &mut Scr
             s.target.backend_id = flow.backend_id;
             s.target.snat_port = flow.snat_port;
             s.target.new_flow = 0;
-            s.fib = flow.fib;
             if idle > REFRESH_NS || closing {
                 flow.last_seen_ns = t;
                 set_reply_key(
@@ -212,8 +211,6 @@ fn create(svc: &ServiceInfo, closing: bool, s: &mut Scratch) -> u32 {
     s.flow._pad = 0;
     s.flow.created_ns = t;
     s.flow.last_seen_ns = t;
-    s.flow.fib = FibCache::default();
-    s.fib = FibCache::default();
     // The caller inserts `s.flow` into CONNTRACK once `forward` has filled
     // in the FIB answer: one map update instead of an insert and a rewrite.
     s.target.backend.addr = backend.addr;

@@ -18,13 +18,14 @@ mod stats;
 
 use aya_ebpf::{bindings::xdp_action, macros::xdp, programs::XdpContext};
 use lb_common::{
+    FibCache,
     Reason, ServiceKey, PORT_F_BACKEND, PORT_F_SERVICE, PROTO_ICMP, PROTO_ICMPV6, PROTO_TCP,
     PROTO_UDP, SERVICE_F_SNAT,
 };
 
 use crate::{
     forward::{forward, ttl},
-    maps::{CONNTRACK, PORT_FLAGS, SCRATCH, SERVICES},
+    maps::{BACKENDS, CONNTRACK, PORT_FLAGS, SCRATCH, SERVICES},
     nat::{l4_min_len, rewrite},
     parse::{load8, parse, ports, ptr_at, Headers, ParseError},
 };
@@ -221,24 +222,27 @@ fn to_backend(ctx: &XdpContext, h: &Headers, svc: &lb_common::ServiceInfo) -> Ve
     }
     let bytes = (ctx.data_end() - ctx.data()) as u64;
     stats::count_traffic(svc.id, t.backend_id, bytes, t.new_flow != 0, false);
-    let checked = scratch.fib.checked_ns;
+    // The route to a backend is cached in its BACKENDS entry, shared by
+    // all its flows. A flow whose backend id has since been given to another
+    // backend (it left the service, its flows stay) looks its route up itself.
+    scratch.fib = FibCache::default();
+    let cache = match BACKENDS.get_ptr_mut(t.backend_id) {
+        // SAFETY: array value; racing CPUs write the same answer.
+        Some(e) if unsafe { (*e).backend.addr == t.backend.addr && (*e).backend.port == t.backend.port } => unsafe {
+            &mut (*e).fib
+        },
+        _ => &mut scratch.fib,
+    };
     let v = forward(
         ctx,
         h,
         if snat { &svc.snat_addr } else { &h.src },
         &scratch.target.backend.addr,
-        &mut scratch.fib,
+        cache,
     );
     if scratch.target.new_flow != 0 {
         // A full LRU evicts its oldest entry; failure only costs a re-pick later.
-        scratch.flow.fib = scratch.fib;
         let _ = CONNTRACK.insert(&scratch.key, &scratch.flow, 0);
-    } else if scratch.fib.checked_ns != checked {
-        // A fresh FIB answer goes back to the flow (once a second per flow).
-        if let Some(flow) = CONNTRACK.get_ptr_mut(&scratch.key) {
-            // SAFETY: per-CPU value, only this CPU touches it while we run.
-            unsafe { (*flow).fib = scratch.fib };
-        }
     }
     v
 }

@@ -7,7 +7,7 @@ use aya_ebpf::{
     macros::btf_map,
 };
 use lb_common::{
-    Backend, Config, Flow, FlowKey, ReplyNat, ServiceInfo, ServiceKey, TrafficStats,
+    BackendEntry, Config, Flow, FlowKey, ReplyNat, ServiceInfo, ServiceKey, TrafficStats,
     CONNTRACK_ENTRIES, MAGLEV_POOL_ENTRIES, MAX_BACKENDS, MAX_SERVICES, MAX_TX_PORTS,
     PORT_FLAGS_ENTRIES, REASON_COUNT, REPLY_NAT_ENTRIES,
 };
@@ -25,7 +25,7 @@ pub static SERVICES: HashMap<ServiceKey, ServiceInfo, { MAX_SERVICES as usize },
 
 /// Backend id -> address. Filled before any Maglev table names the id.
 #[btf_map]
-pub static BACKENDS: Array<Backend, { MAX_BACKENDS as usize }> = Array::new();
+pub static BACKENDS: Array<BackendEntry, { MAX_BACKENDS as usize }> = Array::new();
 
 /// Pool of Maglev entries (backend ids). Each service owns two tables of its
 /// size M here and flips between them, see `ServiceInfo::active`.

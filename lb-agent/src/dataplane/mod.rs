@@ -26,7 +26,7 @@ use aya::{
     Ebpf, EbpfLoader,
 };
 use lb_common::{
-    addr_from_v4, addr_from_v6, maglev, map_names as names, Backend, Config, Flow, FlowKey, Reason,
+    addr_from_v4, addr_from_v6, maglev, map_names as names, Backend, BackendEntry, Config, Flow, FlowKey, Reason,
     ReplyNat, ServiceInfo, ServiceKey, TrafficStats, FAMILY_V4, FAMILY_V6, MAGLEV_POOL_ENTRIES,
     MAX_BACKENDS, MAX_SERVICES, PORT_F_BACKEND, PORT_F_SERVICE, PROTO_ICMP, PROTO_ICMPV6,
     PROTO_TCP, PROTO_UDP, REASON_COUNT, SERVICE_F_SNAT,
@@ -216,7 +216,7 @@ struct Programmed {
 pub struct Dataplane {
     ebpf: Ebpf,
     services: HashMap<MapData, ServiceKey, ServiceInfo>,
-    backends: Array<MapData, Backend>,
+    backends: Array<MapData, BackendEntry>,
     maglev: MaglevPool,
     port_flags: Array<MapData, u8>,
     config: Array<MapData, Config>,
@@ -598,8 +598,10 @@ impl Dataplane {
                 family: family(b.addr.ip()),
                 _pad: 0,
             };
+            // A fresh entry: the data path looks the route up again.
+            let entry = BackendEntry { backend: value, ..Default::default() };
             self.backends
-                .set(*id, value, 0)
+                .set(*id, entry, 0)
                 .map_err(map_err(names::BACKENDS))?;
         }
         for &id in fresh {
@@ -790,7 +792,8 @@ impl Dataplane {
                     let b = self
                         .backends
                         .get(&id, 0)
-                        .map_err(map_err(names::BACKENDS))?;
+                        .map_err(map_err(names::BACKENDS))?
+                        .backend;
                     let ip = words_ip(&b.addr, b.family);
                     backend_ids.push((SocketAddr::new(ip, u16::from_be(b.port)), id));
                     self.backend_ids.reserve(id);

@@ -68,7 +68,8 @@ pub fn run(maps: &Maps, args: &Args) -> Result<BackendsReport> {
         for s in shares(&table) {
             let b = backends
                 .get(&s.backend_id, 0)
-                .with_context(|| format!("reading BACKENDS[{}]", s.backend_id))?;
+                .with_context(|| format!("reading BACKENDS[{}]", s.backend_id))?
+                .backend;
             let t = maps::read_stats(&stats, s.backend_id, names::BACKEND_STATS)?;
             rows.push(BackendRow {
                 address: services::socket_of(&b.addr, b.port, b.family),

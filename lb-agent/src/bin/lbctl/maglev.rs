@@ -75,7 +75,8 @@ pub fn run(maps: &Maps, args: &Args) -> Result<MaglevReport> {
     for s in shares(&table) {
         let b = backends
             .get(&s.backend_id, 0)
-            .with_context(|| format!("reading BACKENDS[{}]", s.backend_id))?;
+            .with_context(|| format!("reading BACKENDS[{}]", s.backend_id))?
+            .backend;
         out.push(MaglevBackend {
             backend_id: s.backend_id,
             address: services::socket_of(&b.addr, b.port, b.family),

@@ -12,7 +12,7 @@ use std::{
 use anyhow::{anyhow, bail, Context, Result};
 use aya::maps::{Array, HashMap, Map, MapData, MapError, PerCpuArray, PerCpuHashMap, PerCpuValues};
 use lb_common::{
-    map_names as names, Backend, Config, Flow, FlowKey, ReplyNat, ServiceInfo, ServiceKey,
+    map_names as names, BackendEntry, Config, Flow, FlowKey, ReplyNat, ServiceInfo, ServiceKey,
     TrafficStats, PROTO_ICMP, PROTO_ICMPV6, REASON_COUNT,
 };
 
@@ -107,7 +107,7 @@ impl Maps {
         self.typed(names::SERVICES)
     }
 
-    pub fn backends(&self) -> Result<Array<MapData, Backend>> {
+    pub fn backends(&self) -> Result<Array<MapData, BackendEntry>> {
         self.typed(names::BACKENDS)
     }
 

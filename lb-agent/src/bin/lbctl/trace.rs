@@ -260,7 +260,7 @@ pub fn run(maps: &Maps, args: &Args) -> Result<TraceReport> {
     let mut picked = None;
     if let Some(index) = table_index(&info, hash) {
         let id = maps.maglev()?.get(index.pool_index)?;
-        let (backend, error) = match backends.get(&id, 0) {
+        let (backend, error) = match backends.get(&id, 0).map(|e| e.backend) {
             Ok(b) if b.family == key.family => (Some(b), None),
             Ok(_) => (
                 None,
@@ -296,7 +296,7 @@ pub fn run(maps: &Maps, args: &Args) -> Result<TraceReport> {
         backends
             .get(&h.backend_id, 0)
             .ok()
-            .map(|b| (h.backend_id, b))
+            .map(|e| (h.backend_id, e.backend))
     } else if let Some((id, b)) = picked {
         report.decided_by = "maglev";
         report.backend = Some(services::socket_of(&b.addr, b.port, b.family));
