@@ -2,7 +2,7 @@
 //! field names. Sizes come from lb-common; docs/maps.md lists their memory.
 
 use aya_ebpf::{
-    bindings::{BPF_F_MMAPABLE, BPF_F_NO_PREALLOC},
+    bindings::{BPF_F_MMAPABLE, BPF_F_NO_COMMON_LRU, BPF_F_NO_PREALLOC},
     btf_maps::{Array, DevMapHash, HashMap, LruHashMap, LruPerCpuHashMap, PerCpuArray},
     macros::btf_map,
 };
@@ -13,6 +13,9 @@ use lb_common::{
 };
 
 const NO_PREALLOC: usize = BPF_F_NO_PREALLOC as usize;
+/// LRU lists per CPU instead of one locked global list: inserts on
+/// different CPUs do not contend (each CPU gets max_entries / CPUs of them).
+const NO_COMMON_LRU: usize = BPF_F_NO_COMMON_LRU as usize;
 /// The agent writes Maglev tables through a memory mapping: one store per
 /// entry instead of one syscall.
 const MMAPABLE: usize = BPF_F_MMAPABLE as usize;
@@ -34,7 +37,7 @@ pub static MAGLEV: Array<u32, { MAGLEV_POOL_ENTRIES as usize }, MMAPABLE> = Arra
 
 /// Client flow -> chosen backend, per CPU (RSS keeps a flow on one CPU).
 #[btf_map]
-pub static CONNTRACK: LruPerCpuHashMap<FlowKey, Flow, { CONNTRACK_ENTRIES as usize }> =
+pub static CONNTRACK: LruPerCpuHashMap<FlowKey, Flow, { CONNTRACK_ENTRIES as usize }, NO_COMMON_LRU> =
     LruPerCpuHashMap::new();
 
 /// Reply flow -> how to translate it back. Shared by all CPUs: replies hash
