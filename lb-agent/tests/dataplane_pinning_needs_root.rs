@@ -102,3 +102,31 @@ fn a_new_driver_adopts_pinned_services_and_tables() {
     assert!(removed.contains(&"SERVICES".to_string()));
     assert!(!dir.0.exists());
 }
+
+#[test]
+fn pinned_maps_of_another_layout_are_refused() {
+    let dir = PinDir(format!("/sys/fs/bpf/xlb-test-layout-{}", std::process::id()).into());
+    std::fs::create_dir_all(&dir.0).unwrap();
+    // A SERVICES map with a layout no xlb version uses.
+    let out = std::process::Command::new("bpftool")
+        .args(["map", "create"])
+        .arg(dir.0.join("SERVICES"))
+        .args([
+            "type", "hash", "key", "4", "value", "4", "entries", "16", "name", "SERVICES",
+        ])
+        .output()
+        .expect("bpftool");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let err = match Dataplane::open(Some(&dir.0)) {
+        Ok(_) => panic!("a foreign SERVICES map must not be adopted"),
+        Err(e) => e.to_string(),
+    };
+    assert!(
+        err.contains("SERVICES") && err.contains("--cleanup"),
+        "{err}"
+    );
+}

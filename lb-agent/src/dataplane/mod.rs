@@ -26,10 +26,10 @@ use aya::{
     Ebpf, EbpfLoader,
 };
 use lb_common::{
-    addr_from_v4, addr_from_v6, maglev, map_names as names, Backend, BackendEntry, Config, Flow, FlowKey, Reason,
-    ReplyNat, ServiceInfo, ServiceKey, TrafficStats, FAMILY_V4, FAMILY_V6, MAGLEV_POOL_ENTRIES,
-    MAX_BACKENDS, MAX_SERVICES, PORT_F_BACKEND, PORT_F_SERVICE, PROTO_ICMP, PROTO_ICMPV6,
-    PROTO_TCP, PROTO_UDP, REASON_COUNT, SERVICE_F_SNAT,
+    addr_from_v4, addr_from_v6, maglev, map_names as names, Backend, BackendEntry, Config, Flow,
+    FlowKey, Reason, ReplyNat, ServiceInfo, ServiceKey, TrafficStats, FAMILY_V4, FAMILY_V6,
+    MAGLEV_POOL_ENTRIES, MAX_BACKENDS, MAX_SERVICES, PORT_F_BACKEND, PORT_F_SERVICE, PROTO_ICMP,
+    PROTO_ICMPV6, PROTO_TCP, PROTO_UDP, REASON_COUNT, SERVICE_F_SNAT,
 };
 
 use self::{
@@ -266,6 +266,9 @@ impl Dataplane {
             None => Vec::new(),
         };
         for (name, path) in &paths {
+            if path.exists() {
+                check_pinned_layout(name, path)?;
+            }
             loader.map_pin_path(name, path.as_path());
         }
         let mut ebpf = loader.load(OBJECT)?;
@@ -599,7 +602,10 @@ impl Dataplane {
                 _pad: 0,
             };
             // A fresh entry: the data path looks the route up again.
-            let entry = BackendEntry { backend: value, ..Default::default() };
+            let entry = BackendEntry {
+                backend: value,
+                ..Default::default()
+            };
             self.backends
                 .set(*id, entry, 0)
                 .map_err(map_err(names::BACKENDS))?;
@@ -974,6 +980,41 @@ impl Dataplane {
             info.table_size,
         ))
     }
+}
+
+/// Key and value sizes of each pinned map, as this build lays them out.
+fn expected_layout(name: &str) -> Option<(usize, usize)> {
+    use std::mem::size_of;
+    Some(match name {
+        names::SERVICES => (size_of::<ServiceKey>(), size_of::<ServiceInfo>()),
+        names::BACKENDS => (4, size_of::<BackendEntry>()),
+        names::MAGLEV => (4, 4),
+        names::CONNTRACK => (size_of::<FlowKey>(), size_of::<Flow>()),
+        names::REPLY_NAT => (size_of::<FlowKey>(), size_of::<ReplyNat>()),
+        names::PORT_FLAGS => (4, 1),
+        names::CONFIG => (4, size_of::<Config>()),
+        names::SERVICE_STATS | names::BACKEND_STATS => (4, size_of::<TrafficStats>()),
+        names::REASON_STATS => (4, 8),
+        _ => return None,
+    })
+}
+
+/// Refuses to adopt a pinned map laid out by another xlb version: reusing
+/// it would make the program read garbage.
+fn check_pinned_layout(name: &'static str, path: &Path) -> Result<()> {
+    let Some((key, value)) = expected_layout(name) else {
+        return Ok(());
+    };
+    let info = aya::maps::MapInfo::from_pin(path).map_err(map_err(name))?;
+    if info.key_size() as usize != key || info.value_size() as usize != value {
+        return Err(DataplaneError::Adopt(format!(
+            "{} has key/value sizes {}/{}, this version expects {key}/{value}",
+            path.display(),
+            info.key_size(),
+            info.value_size()
+        )));
+    }
+    Ok(())
 }
 
 /// FlowKey ordered by its bytes, for sets.
