@@ -4,8 +4,8 @@
 use aya_ebpf::{bindings::BPF_NOEXIST, helpers::bpf_ktime_get_coarse_ns};
 use lb_common::{
     hash::{flow_hash, snat_port_candidate},
-    Backend, Config, FibCache, Flow, FlowKey, Reason, ReplyNat, ServiceInfo, PROTO_TCP, REPLY_F_CLOSING,
-    SERVICE_F_SNAT, SNAT_PROBES,
+    Backend, Config, FibCache, Flow, FlowKey, Reason, ReplyNat, ServiceInfo, PROTO_TCP,
+    REPLY_F_CLOSING, SERVICE_F_SNAT, SNAT_PROBES,
 };
 
 use crate::maps::{BACKENDS, CONFIG, CONNTRACK, MAGLEV, REPLY_NAT};
@@ -151,8 +151,10 @@ pub fn lookup_or_create(svc: &ServiceInfo, closing: bool, syn: bool, s: &mut Scr
         let flow = unsafe { &mut *flow };
         let idle = t.saturating_sub(flow.last_seen_ns);
         let cfg = config();
+        // A per-CPU hash key inserted by one CPU exists on all of them, with
+        // zeroed values elsewhere: created_ns 0 means "not seen on this CPU".
         // An SNAT flow idle past its lifetime may have lost its port to another flow.
-        if !(snat && idle > lifetime_ns(&cfg, s.key.proto, false)) {
+        if flow.created_ns != 0 && !(snat && idle > lifetime_ns(&cfg, s.key.proto, false)) {
             s.target.backend.addr = flow.backend_addr;
             s.target.backend.port = flow.backend_port;
             s.target.backend.family = s.key.family;
@@ -288,7 +290,11 @@ fn claim_snat_port(svc: &ServiceInfo, backend: &Backend, cfg: &Config, s: &mut S
 /// fills `s.target`.
 #[inline(always)]
 pub fn find(svc: &ServiceInfo, s: &mut Scratch) -> Option<()> {
-    if let Some(flow) = CONNTRACK.get_ptr(&s.key) {
+    // A zeroed per-CPU value (created_ns 0) is another CPU's flow: fall through.
+    if let Some(flow) = CONNTRACK
+        .get_ptr(&s.key)
+        .filter(|f| unsafe { (**f).created_ns } != 0)
+    {
         // SAFETY: per-CPU value.
         let flow = unsafe { &*flow };
         s.target.backend.addr = flow.backend_addr;

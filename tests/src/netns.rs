@@ -72,7 +72,12 @@ impl Drop for Netns {
 /// 198.51.100.0/24), `be0` faces backends (10.2.0.0/24, fd02::/64). Static
 /// neighbours make `bpf_fib_lookup` answer without any traffic.
 pub fn fixture_namespace() -> Netns {
-    let ns = Netns::new("xlb-fixtures");
+    fixture_namespace_named("xlb-fixtures")
+}
+
+/// [`fixture_namespace`] under another name (tests that run in parallel).
+pub fn fixture_namespace_named(name: &str) -> Netns {
+    let ns = Netns::new(name);
     for cmd in [
         "ip link add cl0 type veth peer name cl1",
         "ip link add be0 type veth peer name be1",

@@ -13,7 +13,7 @@ use aya::programs::{TestRun, TestRunOptions};
 use lb_agent::dataplane::{ifindex, BackendSpec, Dataplane, Protocol, ServiceSpec};
 use lb_common::{Reason, REASON_COUNT};
 use xlb_tests::{
-    netns::fixture_namespace,
+    netns::{fixture_namespace, fixture_namespace_named},
     packet::{
         hexdump_diff, tcp_flags, verify_checksums, ExtHeader, Icmpv4, Icmpv6, Ipv4, Ipv6, Mac,
         PacketBuilder, Quote, Tcp, Udp,
@@ -1416,4 +1416,66 @@ fn check_counters(
             errs.push(format!("backend {id} stats moved by {d:?}, want {w:?}"));
         }
     }
+}
+
+/// Pins the calling thread to one CPU (BPF_PROG_TEST_RUN runs the program
+/// on the caller's CPU).
+fn pin_to_cpu(cpu: usize) {
+    // SAFETY: a zeroed cpu_set_t is valid; we set one bit and apply it to this thread.
+    unsafe {
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        libc::CPU_SET(cpu, &mut set);
+        assert_eq!(
+            libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set),
+            0
+        );
+    }
+}
+
+/// The connection table is per CPU: a flow's packets that land on another
+/// CPU than its first one (RSS changes, IRQ moves) find a zeroed value there
+/// and must be treated as a miss, not as a flow to 0.0.0.0.
+#[test]
+fn a_flow_continues_on_another_cpu_needs_root() {
+    let cpus = std::thread::available_parallelism()
+        .map(|n| n.get())
+        .unwrap_or(1);
+    assert!(
+        cpus >= 2,
+        "this test needs two CPUs to move a flow between them (found {cpus})"
+    );
+    let ns = fixture_namespace_named("xlb-fix-cpu");
+    ns.enter();
+    let cl0 = ifindex("cl0").unwrap();
+    let be0 = ifindex("be0").unwrap();
+    let mut dp = Dataplane::load().expect("load the XDP program (root needed)");
+    dp.allow_redirect(cl0).unwrap();
+    dp.allow_redirect(be0).unwrap();
+    for s in base_services() {
+        dp.set_service(&s).unwrap();
+    }
+    let c4 = |t: Tcp| from_client().ipv4(ip4(CLIENT, VIP, 64)).tcp(t).build();
+    pin_to_cpu(0);
+    let (v, _) = run(&dp, cl0, &c4(syn(45000, 80)));
+    assert_eq!(v, XDP_REDIRECT);
+    // SNAT flow too: the other CPU must find the same source port again.
+    let (v, first) = run(&dp, cl0, &c4(syn(45001, 443)));
+    assert_eq!(v, XDP_REDIRECT);
+    pin_to_cpu(1);
+    let (v, out) = run(&dp, cl0, &c4(ack(45000, 80)));
+    assert_eq!(v, XDP_REDIRECT, "established packet on the other CPU");
+    let want = to_backend(B2_MAC)
+        .ipv4(ip4(CLIENT, B2, 63))
+        .tcp(ack(45000, 8080))
+        .build();
+    assert!(out == want, "{}", hexdump_diff(&want, &out));
+    let (v, out) = run(&dp, cl0, &c4(ack(45001, 443)));
+    assert_eq!(v, XDP_REDIRECT);
+    let p = first_snat_port(CLIENT.into(), VIP.into(), 45001, 443, 6);
+    let want = to_backend(B3_MAC)
+        .ipv4(ip4(SNAT4, B3, 63))
+        .tcp(ack(p, 8443))
+        .build();
+    assert!(out == want, "{}", hexdump_diff(&want, &out));
+    assert_eq!(xlb_tests::packet::parse(&first).unwrap().sport, Some(p));
 }
