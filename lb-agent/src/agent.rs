@@ -110,7 +110,14 @@ impl Agent {
             labels,
             attached: BTreeSet::new(),
         };
-        agent.apply_config()?;
+        if let Err(e) = agent.apply_config() {
+            // Without its interfaces the agent is useless: stop. A service the
+            // data plane refuses (a full table) must not take the others down.
+            if agent.attached.len() < agent.config.interfaces.len() {
+                return Err(e);
+            }
+            error!("some services could not be programmed: {e:#}");
+        }
         agent.ready.store(true, Ordering::Relaxed);
         agent.metrics.set_ready(true);
         info!("ready");

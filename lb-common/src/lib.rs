@@ -27,8 +27,9 @@ pub const PROTO_ICMPV6: u8 = 58;
 
 /// `SERVICES`: (VIP, port, protocol) entries, including the echo markers.
 pub const MAX_SERVICES: u32 = 4096;
-/// `BACKENDS` and `BACKEND_STATS`: backend slots, indexed by backend id.
-pub const MAX_BACKENDS: u32 = 65536;
+/// `BACKENDS` and `BACKEND_STATS`: backend slots, indexed by backend id (one
+/// per service and backend: 1000 services of 100 backends fit).
+pub const MAX_BACKENDS: u32 = 131072;
 /// `MAGLEV`: one pool of u32 backend ids holding every service's two tables.
 /// 2^22 entries (32 MiB: the kernel spaces array elements 8 bytes apart)
 /// hold 128 services at the default table size.

@@ -1,103 +1,114 @@
-//! The `MAGLEV` map, written through a shared memory mapping (the map is
+//! The `MAGLEV` map, written through shared memory mappings (the map is
 //! created with BPF_F_MMAPABLE): filling a 65537-entry table is 65537 stores,
 //! not 65537 syscalls. The caller publishes a table only afterwards, with a
 //! `SERVICES` update, and that syscall orders the stores before it.
 //!
+//! Only the pages a write or read touches are mapped, and only while it
+//! runs: the pool can be hundreds of megabytes, and a mapping kept open would
+//! count all of it in the agent's resident memory.
+//!
 //! The kernel lays array elements out 8 bytes apart (`round_up(value_size,
-//! 8)`), so entry i of our u32 values sits at byte 8 * i of the mapping.
+//! 8)`), so entry i of our u32 values sits at byte 8 * i of the map.
 
 use std::{
     io,
     os::fd::{AsFd, AsRawFd},
-    ptr::NonNull,
 };
 
 use aya::maps::MapData;
 
 /// Bytes between two array elements in the mapping.
 const STRIDE: usize = 8;
+const PAGE: usize = 4096;
 
 pub struct MaglevPool {
-    // Keeps the map (and so the mapping's backing) alive.
-    _map: MapData,
-    base: NonNull<u32>,
-
+    map: MapData,
     entries: u32,
-    len: usize,
 }
 
-// SAFETY: the mapping is owned by this value and only written through `&mut self`.
-unsafe impl Send for MaglevPool {}
+/// A mapping of part of the pool, unmapped on drop.
+struct Window {
+    base: *mut u8,
+    len: usize,
+    /// Byte offset in the map of `base`.
+    offset: usize,
+}
+
+impl Window {
+    fn slot(&self, entry: usize) -> *mut u32 {
+        let at = entry * STRIDE - self.offset;
+        assert!(at + 4 <= self.len, "Maglev entry outside its window");
+        // SAFETY: within the mapping (asserted above).
+        unsafe { self.base.add(at).cast::<u32>() }
+    }
+}
+
+impl Drop for Window {
+    fn drop(&mut self) {
+        // SAFETY: unmapping exactly what `MaglevPool::window` mapped.
+        unsafe { libc::munmap(self.base.cast(), self.len) };
+    }
+}
 
 impl MaglevPool {
     pub fn new(map: MapData, entries: u32) -> io::Result<Self> {
-        let page = 4096usize;
-        let len = (entries as usize * STRIDE).div_ceil(page) * page;
-        // SAFETY: mapping a BPF array map fd as its documented shared memory.
+        let pool = Self { map, entries };
+        // Fail early if the map cannot be mapped at all.
+        drop(pool.window(0, 1)?);
+        Ok(pool)
+    }
+
+    /// Maps the pages holding entries `start..start + len`.
+    fn window(&self, start: u32, len: u32) -> io::Result<Window> {
+        assert!(
+            start as u64 + len as u64 <= self.entries as u64,
+            "Maglev access past the pool"
+        );
+        let first = start as usize * STRIDE;
+        let end = (start as usize + len as usize) * STRIDE;
+        let offset = first / PAGE * PAGE;
+        let map_len = (end - offset).div_ceil(PAGE) * PAGE;
+        // SAFETY: mapping a page-aligned range of a BPF array map fd.
         let p = unsafe {
             libc::mmap(
                 std::ptr::null_mut(),
-                len,
+                map_len,
                 libc::PROT_READ | libc::PROT_WRITE,
                 libc::MAP_SHARED,
-                map.fd().as_fd().as_raw_fd(),
-                0,
+                self.map.fd().as_fd().as_raw_fd(),
+                offset as libc::off_t,
             )
         };
         if p == libc::MAP_FAILED {
             return Err(io::Error::last_os_error());
         }
-        let base = NonNull::new(p.cast::<u32>()).ok_or_else(io::Error::last_os_error)?;
-        Ok(Self {
-            _map: map,
-            base,
-            entries,
-            len,
+        Ok(Window {
+            base: p.cast(),
+            len: map_len,
+            offset,
         })
     }
 
     /// Writes `values` starting at entry `start`.
-    pub fn write(&mut self, start: u32, values: impl ExactSizeIterator<Item = u32>) {
-        assert!(
-            start as usize + values.len() <= self.entries as usize,
-            "Maglev write past the pool"
-        );
+    pub fn write(
+        &mut self,
+        start: u32,
+        values: impl ExactSizeIterator<Item = u32>,
+    ) -> io::Result<()> {
+        let w = self.window(start, values.len() as u32)?;
         for (i, v) in values.enumerate() {
-            // SAFETY: in bounds (asserted above); volatile because the kernel reads it.
-            unsafe { self.slot(start as usize + i).write_volatile(v) };
+            // SAFETY: in the window; volatile because the kernel reads it.
+            unsafe { w.slot(start as usize + i).write_volatile(v) };
         }
+        Ok(())
     }
 
     /// Reads `len` entries starting at `start`.
-    pub fn read(&self, start: u32, len: u32) -> Vec<u32> {
-        assert!(
-            start as u64 + len as u64 <= self.entries as u64,
-            "Maglev read past the pool"
-        );
-        (0..len as usize)
-            // SAFETY: in bounds (asserted above).
-            .map(|i| unsafe { self.slot(start as usize + i).read_volatile() })
-            .collect()
-    }
-}
-
-impl MaglevPool {
-    /// Address of entry `i`; the caller checks `i < entries`.
-    fn slot(&self, i: usize) -> *mut u32 {
-        // SAFETY: within the mapping for i < entries (STRIDE * entries <= len).
-        unsafe {
-            self.base
-                .as_ptr()
-                .cast::<u8>()
-                .add(i * STRIDE)
-                .cast::<u32>()
-        }
-    }
-}
-
-impl Drop for MaglevPool {
-    fn drop(&mut self) {
-        // SAFETY: unmapping exactly what `new` mapped.
-        unsafe { libc::munmap(self.base.as_ptr().cast(), self.len) };
+    pub fn read(&self, start: u32, len: u32) -> io::Result<Vec<u32>> {
+        let w = self.window(start, len)?;
+        // SAFETY: in the window.
+        Ok((0..len as usize)
+            .map(|i| unsafe { w.slot(start as usize + i).read_volatile() })
+            .collect())
     }
 }

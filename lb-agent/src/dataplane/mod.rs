@@ -641,7 +641,8 @@ impl Dataplane {
         if live {
             let slot = base + active * m;
             self.maglev
-                .write(slot, table.iter().map(|&i| ids[i as usize].1));
+                .write(slot, table.iter().map(|&i| ids[i as usize].1))
+                .map_err(DataplaneError::Mmap)?;
         }
         let info = ServiceInfo {
             id: service_id,
@@ -792,7 +793,10 @@ impl Dataplane {
             }
             let mut backend_ids: Vec<(SocketAddr, u32)> = Vec::new();
             if info.backend_count > 0 {
-                let table = self.maglev.read(info.table_base + info.active * m, m);
+                let table = self
+                    .maglev
+                    .read(info.table_base + info.active * m, m)
+                    .map_err(DataplaneError::Mmap)?;
                 let ids: BTreeSet<u32> = table.into_iter().collect();
                 for id in ids {
                     let b = self
@@ -975,10 +979,12 @@ impl Dataplane {
         if info.backend_count == 0 {
             return Ok(Vec::new());
         }
-        Ok(self.maglev.read(
-            info.table_base + info.active * info.table_size,
-            info.table_size,
-        ))
+        self.maglev
+            .read(
+                info.table_base + info.active * info.table_size,
+                info.table_size,
+            )
+            .map_err(DataplaneError::Mmap)
     }
 }
 
