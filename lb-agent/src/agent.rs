@@ -54,7 +54,22 @@ pub struct Agent {
 #[derive(Default)]
 struct Labels {
     names: BTreeMap<ServiceKey, String>,
+    /// Every configured backend, also those health checks took out of the
+    /// data plane: their `xlb_backend_healthy` must read 0, not vanish.
+    configured: BTreeMap<ServiceKey, Vec<SocketAddr>>,
     health: HealthSnapshot,
+}
+
+/// When the FIB has no neighbour entry for a backend yet, the data plane
+/// hands the rewritten packet to the kernel to forward (and resolve the
+/// neighbour). In snat mode that packet's source is this node's own address,
+/// which the kernel drops as a martian unless the interface accepts local
+/// sources. (IPv4 only: IPv6 has no such switch.)
+fn accept_local(iface: &str) {
+    let path = format!("/proc/sys/net/ipv4/conf/{iface}/accept_local");
+    if let Err(e) = std::fs::write(&path, "1") {
+        warn!(interface = %iface, "setting {path}: {e}; snat flows to backends with no neighbour entry yet will stall");
+    }
 }
 
 fn xdp_mode(m: XdpAttachMode) -> XdpMode {
@@ -185,6 +200,7 @@ impl Agent {
                 if !self.attached.contains(iface) {
                     dp.attach(iface, xdp_mode(self.config.xdp_mode))
                         .with_context(|| format!("attaching to {iface}"))?;
+                    accept_local(iface);
                     info!(interface = %iface, "XDP program attached");
                     self.attached.insert(iface.clone());
                 }
@@ -274,6 +290,12 @@ impl Agent {
             .iter()
             .map(|(k, (_, _, n))| (*k, n.clone()))
             .collect();
+        labels.configured = self
+            .config
+            .service_specs()
+            .into_iter()
+            .map(|s| (s.key(), s.backends.iter().map(|b| b.addr).collect()))
+            .collect();
         labels.health = health;
         if errors.is_empty() {
             Ok(())
@@ -325,6 +347,17 @@ fn snapshot(dp: &Mutex<Dataplane>, labels: &Mutex<Labels>) -> DataplaneSnapshot 
                 healthy: labels.health.get(&b.addr).is_none_or(|h| h.healthy),
                 stats: stats.unwrap_or_default(),
             });
+        }
+        // Configured but out of the data plane (failing its checks).
+        for addr in labels.configured.get(key).into_iter().flatten() {
+            if !spec.backends.iter().any(|b| b.addr == *addr) {
+                snap.backends.push(BackendSample {
+                    service: name.clone(),
+                    backend: addr.to_string(),
+                    healthy: labels.health.get(addr).is_none_or(|h| h.healthy),
+                    stats: Default::default(),
+                });
+            }
         }
     }
     if let Ok(reasons) = dp.reason_counts() {

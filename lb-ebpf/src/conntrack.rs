@@ -334,6 +334,8 @@ pub fn find(svc: &ServiceInfo, s: &mut Scratch) -> Option<()> {
 /// Reply translation for a packet from a backend, if it belongs to a flow.
 /// Refreshes the entry's lifetime when it is due (or on FIN/RST).
 #[inline(always)]
+// The reference is to the map's value, valid for this program run, not to `key`.
+#[allow(clippy::mut_from_ref)]
 pub fn reply_lookup(key: &FlowKey, closing: bool) -> Option<&mut ReplyNat> {
     let r = REPLY_NAT.get_ptr_mut(key)?;
     // SAFETY: shared entry; plain stores, a racing CPU writes similar values.

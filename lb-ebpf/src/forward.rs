@@ -60,7 +60,12 @@ pub fn forward(
         }
         // SAFETY: `p` is a valid, fully initialised parameter block of the size given.
         let rc = unsafe {
-            bpf_fib_lookup(ctx.as_ptr(), &mut p, core::mem::size_of::<FibParams>() as i32, 0)
+            bpf_fib_lookup(
+                ctx.as_ptr(),
+                &mut p,
+                core::mem::size_of::<FibParams>() as i32,
+                0,
+            )
         };
         if rc == BPF_FIB_LKUP_RET_NO_NEIGH as i64 {
             cache.ifindex = 0;

@@ -18,9 +18,8 @@ mod stats;
 
 use aya_ebpf::{bindings::xdp_action, macros::xdp, programs::XdpContext};
 use lb_common::{
-    FibCache,
-    Reason, ServiceKey, PORT_F_BACKEND, PORT_F_SERVICE, PROTO_ICMP, PROTO_ICMPV6, PROTO_TCP,
-    PROTO_UDP, SERVICE_F_SNAT,
+    FibCache, Reason, ServiceKey, PORT_F_BACKEND, PORT_F_SERVICE, PROTO_ICMP, PROTO_ICMPV6,
+    PROTO_TCP, PROTO_UDP, SERVICE_F_SNAT,
 };
 
 use crate::{
@@ -228,9 +227,11 @@ fn to_backend(ctx: &XdpContext, h: &Headers, svc: &lb_common::ServiceInfo) -> Ve
     scratch.fib = FibCache::default();
     let cache = match BACKENDS.get_ptr_mut(t.backend_id) {
         // SAFETY: array value; racing CPUs write the same answer.
-        Some(e) if unsafe { (*e).backend.addr == t.backend.addr && (*e).backend.port == t.backend.port } => unsafe {
-            &mut (*e).fib
-        },
+        Some(e)
+            if unsafe {
+                (*e).backend.addr == t.backend.addr && (*e).backend.port == t.backend.port
+            } =>
+        unsafe { &mut (*e).fib },
         _ => &mut scratch.fib,
     };
     let v = forward(

@@ -37,8 +37,12 @@ pub static MAGLEV: Array<u32, { MAGLEV_POOL_ENTRIES as usize }, MMAPABLE> = Arra
 
 /// Client flow -> chosen backend, per CPU (RSS keeps a flow on one CPU).
 #[btf_map]
-pub static CONNTRACK: LruPerCpuHashMap<FlowKey, Flow, { CONNTRACK_ENTRIES as usize }, NO_COMMON_LRU> =
-    LruPerCpuHashMap::new();
+pub static CONNTRACK: LruPerCpuHashMap<
+    FlowKey,
+    Flow,
+    { CONNTRACK_ENTRIES as usize },
+    NO_COMMON_LRU,
+> = LruPerCpuHashMap::new();
 
 /// Reply flow -> how to translate it back. Shared by all CPUs: replies hash
 /// to a different receive queue than the requests they answer.

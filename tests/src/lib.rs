@@ -1,5 +1,6 @@
 //! Test support for xlb: packet fixtures, checkers and helpers shared by the integration tests.
 
+pub mod bench_support;
 pub mod netns;
 pub mod packet;
 pub mod topology;

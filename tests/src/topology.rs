@@ -20,10 +20,16 @@
 
 use std::{
     fs,
-    net::{Ipv4Addr, SocketAddr, TcpStream},
-    path::PathBuf,
-    process::{Child, Command, Stdio},
-    time::{Duration, Instant},
+    io::{self, Read, Write},
+    net::{Ipv4Addr, SocketAddr, TcpStream, UdpSocket},
+    path::{Path, PathBuf},
+    process::{Child, Command, ExitStatus, Stdio},
+    sync::{
+        atomic::{AtomicBool, AtomicU16, Ordering},
+        Arc, OnceLock,
+    },
+    thread::JoinHandle,
+    time::{Duration, Instant, SystemTime},
 };
 
 use crate::netns::{sh, Netns};
@@ -49,6 +55,10 @@ pub struct Topology {
     pub pin_dir: PathBuf,
     children: Vec<Child>,
     nginx: Vec<Option<Child>>,
+    /// Stop flags and threads of the UDP echo servers.
+    echo: Vec<(Arc<AtomicBool>, JoinHandle<()>)>,
+    /// Agents started so far (numbers their config and log files).
+    agent_starts: usize,
 }
 
 impl Topology {
@@ -99,6 +109,8 @@ impl Topology {
             pin_dir,
             children: Vec::new(),
             nginx: Vec::new(),
+            echo: Vec::new(),
+            agent_starts: 0,
         };
         for n in 1..=backends {
             let child = t.start_nginx(n);
@@ -120,11 +132,13 @@ impl Topology {
         v
     }
 
+    /// One nginx process (`master_process off`: killing the child kills
+    /// the server; a master's workers would outlive it).
     fn start_nginx(&self, n: usize) -> Child {
         let d = self.dir.join(format!("nginx-b{n}"));
         fs::create_dir_all(&d).unwrap();
         let conf = format!(
-            "daemon off; pid {d}/pid; error_log {d}/error.log; worker_processes 1;\n\
+            "daemon off; master_process off; pid {d}/pid; error_log {d}/error.log;\n\
              events {{ worker_connections 4096; }}\n\
              http {{ access_log off; keepalive_timeout 600s; keepalive_requests 1000000;\n\
                client_body_temp_path {d}; proxy_temp_path {d}; fastcgi_temp_path {d}; uwsgi_temp_path {d}; scgi_temp_path {d};\n\
@@ -187,6 +201,12 @@ impl Drop for Topology {
             let _ = c.kill();
             let _ = c.wait();
         }
+        for (stop, _) in &self.echo {
+            stop.store(true, Ordering::Relaxed);
+        }
+        for (_, t) in self.echo.drain(..) {
+            let _ = t.join();
+        }
         cleanup_pins(&self.pin_dir);
         // Netns drops delete the namespaces (and with them the veths).
     }
@@ -228,4 +248,514 @@ pub fn in_netns<T: Send + 'static>(
         Netns::enter_by_name(&name);
         f()
     })
+}
+
+// ---------------------------------------------------------------------------
+// lb-agent and lbctl: the binaries, a running agent, lbctl --json.
+
+/// The workspace root (the tests crate's parent directory).
+pub fn workspace_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("workspace root")
+        .to_path_buf()
+}
+
+/// The directory of this build's binaries: `target/<profile>` (tests run
+/// from `target/<profile>/deps`, binaries such as xlb-bench from the
+/// directory itself).
+fn profile_dir() -> PathBuf {
+    let exe = std::env::current_exe().expect("current_exe");
+    let mut dir = exe.parent().expect("exe directory").to_path_buf();
+    if dir.file_name().is_some_and(|n| n == "deps") {
+        dir.pop();
+    }
+    dir
+}
+
+fn mtime(p: &Path) -> Option<SystemTime> {
+    fs::metadata(p).and_then(|m| m.modified()).ok()
+}
+
+/// The newest modification time of the files under `p` (a file or a directory).
+fn newest_mtime(p: &Path) -> Option<SystemTime> {
+    let meta = fs::metadata(p).ok()?;
+    if !meta.is_dir() {
+        return meta.modified().ok();
+    }
+    fs::read_dir(p)
+        .ok()?
+        .flatten()
+        .filter_map(|e| newest_mtime(&e.path()))
+        .max()
+}
+
+/// Where `lb-agent` and `lbctl` are, built once per process (`cargo build
+/// -p lb-agent --bins`, same profile as this executable) if either is
+/// missing or older than the sources it is built from.
+fn bin_dir() -> &'static Path {
+    static DIR: OnceLock<PathBuf> = OnceLock::new();
+    DIR.get_or_init(|| {
+        let dir = profile_dir();
+        let root = workspace_root();
+        let newest_source = [
+            "lb-agent/src",
+            "lb-agent/build.rs",
+            "lb-agent/Cargo.toml",
+            "lb-common/src",
+            "lb-common/Cargo.toml",
+            "lb-ebpf/src",
+            "lb-ebpf/Cargo.toml",
+        ]
+        .iter()
+        .filter_map(|p| newest_mtime(&root.join(p)))
+        .max();
+        let stale =
+            ["lb-agent", "lbctl"]
+                .iter()
+                .any(|b| match (mtime(&dir.join(b)), newest_source) {
+                    (None, _) => true,
+                    (Some(built), Some(src)) => built < src,
+                    (Some(_), None) => false,
+                });
+        if stale {
+            let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
+            let mut cmd = Command::new(cargo);
+            cmd.current_dir(&root)
+                .args(["build", "-p", "lb-agent", "--bins"]);
+            match dir.file_name().and_then(|n| n.to_str()) {
+                Some("debug") | None => {}
+                Some("release") => {
+                    cmd.arg("--release");
+                }
+                Some(profile) => {
+                    cmd.args(["--profile", profile]);
+                }
+            }
+            eprintln!("building lb-agent and lbctl: {cmd:?}");
+            let out = cmd.output().expect("run cargo build");
+            assert!(
+                out.status.success(),
+                "cargo build -p lb-agent --bins failed:\n{}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
+        for b in ["lb-agent", "lbctl"] {
+            assert!(dir.join(b).exists(), "{} missing", dir.join(b).display());
+        }
+        dir
+    })
+}
+
+/// The `lb-agent` binary (built if needed).
+pub fn agent_bin() -> PathBuf {
+    bin_dir().join("lb-agent")
+}
+
+/// The `lbctl` binary (built if needed).
+pub fn lbctl_bin() -> PathBuf {
+    bin_dir().join("lbctl")
+}
+
+/// Removes ANSI escape sequences (colored log output).
+pub fn strip_ansi(s: &str) -> String {
+    let mut out = String::with_capacity(s.len());
+    let mut chars = s.chars().peekable();
+    while let Some(c) = chars.next() {
+        if c == '\x1b' {
+            if chars.peek() == Some(&'[') {
+                chars.next();
+                for c in chars.by_ref() {
+                    if c.is_ascii_alphabetic() {
+                        break;
+                    }
+                }
+            }
+            continue;
+        }
+        out.push(c);
+    }
+    out
+}
+
+/// Writes `contents` to `path` atomically (a reader sees the old or the new
+/// file, never a partial one).
+pub fn write_atomic(path: &Path, contents: &str) {
+    let tmp = path.with_extension("tmp");
+    fs::write(&tmp, contents).unwrap_or_else(|e| panic!("write {}: {e}", tmp.display()));
+    fs::rename(&tmp, path).unwrap_or_else(|e| panic!("rename to {}: {e}", path.display()));
+}
+
+/// `yaml` with a `metrics_addr` line appended unless it sets one (appended,
+/// so that line numbers in error messages stay those of `yaml`).
+fn with_metrics_addr(yaml: &str, addr: SocketAddr) -> String {
+    if yaml.lines().any(|l| l.starts_with("metrics_addr:")) {
+        yaml.to_string()
+    } else {
+        format!("{}\nmetrics_addr: {addr}\n", yaml.trim_end())
+    }
+}
+
+/// A running `lb-agent` (in the topology's LB namespace). Killed on drop.
+pub struct AgentHandle {
+    pub child: Child,
+    pub log_path: PathBuf,
+    pub config_path: PathBuf,
+    /// In the LB namespace.
+    pub metrics_addr: SocketAddr,
+    lb_ns: String,
+}
+
+impl AgentHandle {
+    pub fn pid(&self) -> i32 {
+        self.child.id() as i32
+    }
+
+    fn signal(&self, sig: libc::c_int) {
+        // SAFETY: kill(2) on our own child's pid.
+        let rc = unsafe { libc::kill(self.pid(), sig) };
+        assert_eq!(rc, 0, "kill: {}", io::Error::last_os_error());
+    }
+
+    /// Asks the agent to reload its config file.
+    pub fn sighup(&self) {
+        self.signal(libc::SIGHUP);
+    }
+
+    /// Kills the agent with SIGKILL (the program stays attached, pinned).
+    pub fn sigkill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
+    /// SIGTERM, and waits (at most 15 s) for the agent to exit.
+    pub fn sigterm_and_wait(&mut self) -> ExitStatus {
+        self.signal(libc::SIGTERM);
+        let deadline = Instant::now() + Duration::from_secs(15);
+        loop {
+            if let Some(st) = self.child.try_wait().expect("wait lb-agent") {
+                return st;
+            }
+            if Instant::now() > deadline {
+                self.sigkill();
+                panic!(
+                    "lb-agent did not exit within 15 s of SIGTERM; log:\n{}",
+                    self.log()
+                );
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// Whether the process is still running.
+    pub fn is_running(&mut self) -> bool {
+        matches!(self.child.try_wait(), Ok(None))
+    }
+
+    /// The agent's output so far (stdout and stderr), without colors.
+    pub fn log(&self) -> String {
+        strip_ansi(&fs::read_to_string(&self.log_path).unwrap_or_default())
+    }
+
+    /// Waits until the log contains `needle` at least `count` times; returns the log.
+    pub fn wait_for_log(&self, needle: &str, count: usize, timeout: Duration) -> String {
+        let deadline = Instant::now() + timeout;
+        loop {
+            let log = self.log();
+            if log.matches(needle).count() >= count {
+                return log;
+            }
+            if Instant::now() > deadline {
+                panic!("no {count}x {needle:?} in the agent's log within {timeout:?}:\n{log}");
+            }
+            std::thread::sleep(Duration::from_millis(25));
+        }
+    }
+
+    /// Replaces the config file (atomically; the agent notices within 500 ms).
+    pub fn write_config(&self, yaml: &str) {
+        write_atomic(
+            &self.config_path,
+            &with_metrics_addr(yaml, self.metrics_addr),
+        );
+    }
+
+    /// GET `path` from the agent's metrics endpoint (from inside the LB namespace).
+    pub fn get(&self, path: &str) -> io::Result<(u16, String)> {
+        let (addr, path, ns) = (self.metrics_addr, path.to_string(), self.lb_ns.clone());
+        std::thread::spawn(move || {
+            Netns::enter_by_name(&ns);
+            http_get(addr, &path, Duration::from_secs(5))
+        })
+        .join()
+        .expect("metrics thread")
+    }
+
+    /// The agent's /metrics text.
+    pub fn metrics(&self) -> String {
+        match self.get("/metrics") {
+            Ok((200, body)) => body,
+            other => panic!("GET /metrics: {other:?}"),
+        }
+    }
+}
+
+impl Drop for AgentHandle {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Topology {
+    /// Writes `config_yaml` (plus a `metrics_addr` on 127.0.0.1 unless it
+    /// has one) to `dir/agent.yaml`, starts `lb-agent` in the LB namespace
+    /// with this topology's pin directory, and waits until `/readyz`
+    /// answers 200. Starting again after the previous agent has exited
+    /// reuses the pins (the agent adopts the running data plane).
+    pub fn start_agent(&mut self, config_yaml: &str) -> AgentHandle {
+        static NEXT_PORT: AtomicU16 = AtomicU16::new(19470);
+        let port = NEXT_PORT.fetch_add(1, Ordering::Relaxed);
+        let metrics_addr = SocketAddr::from((Ipv4Addr::LOCALHOST, port));
+        self.agent_starts += 1;
+        let config_path = self.dir.join("agent.yaml");
+        let log_path = self.dir.join(format!("agent-{}.log", self.agent_starts));
+        write_atomic(&config_path, &with_metrics_addr(config_yaml, metrics_addr));
+        let log = fs::File::create(&log_path).expect("create agent log");
+        let child = Command::new("nsenter")
+            .arg(format!("--net=/var/run/netns/{}", self.lb.name))
+            .arg(agent_bin())
+            .arg("--config")
+            .arg(&config_path)
+            .arg("--pin-dir")
+            .arg(&self.pin_dir)
+            .arg("--log")
+            .arg(std::env::var("XLB_AGENT_LOG").unwrap_or_else(|_| "info".into()))
+            .env_remove("RUST_LOG")
+            .env("NO_COLOR", "1")
+            .stdin(Stdio::null())
+            .stdout(log.try_clone().expect("dup log"))
+            .stderr(log)
+            .spawn()
+            .expect("spawn lb-agent");
+        let mut agent = AgentHandle {
+            child,
+            log_path,
+            config_path,
+            metrics_addr,
+            lb_ns: self.lb.name.clone(),
+        };
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            if let Some(st) = agent.child.try_wait().expect("wait lb-agent") {
+                panic!("lb-agent exited ({st}) before ready; log:\n{}", agent.log());
+            }
+            if let Ok((200, _)) = agent.get("/readyz") {
+                return agent;
+            }
+            if Instant::now() > deadline {
+                panic!("lb-agent not ready within 30 s; log:\n{}", agent.log());
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    /// Runs `lbctl --pin-dir <pin_dir> --json ARGS` (in the host namespaces:
+    /// pins are global) and parses its output.
+    pub fn lbctl_json(&self, args: &[&str]) -> serde_json::Value {
+        let out = Command::new(lbctl_bin())
+            .arg("--pin-dir")
+            .arg(&self.pin_dir)
+            .arg("--json")
+            .args(args)
+            .output()
+            .expect("run lbctl");
+        serde_json::from_slice(&out.stdout).unwrap_or_else(|e| {
+            panic!(
+                "lbctl {args:?} ({}): not JSON ({e}): {}{}",
+                out.status,
+                String::from_utf8_lossy(&out.stdout),
+                String::from_utf8_lossy(&out.stderr)
+            )
+        })
+    }
+
+    /// Starts a UDP echo server on `port` of every backend (a thread in each
+    /// backend namespace, stopped when the topology goes).
+    pub fn start_udp_echo(&mut self, port: u16) {
+        for n in 1..=self.backends.len() {
+            let stop = Arc::new(AtomicBool::new(false));
+            let (tx, rx) = std::sync::mpsc::channel();
+            let s = stop.clone();
+            let t = in_netns(&self.backends[n - 1], move || {
+                let sock = UdpSocket::bind((backend_ip(n), port)).expect("bind UDP echo");
+                set_rcvbuf(&sock, 4 << 20);
+                sock.set_read_timeout(Some(Duration::from_millis(100)))
+                    .unwrap();
+                tx.send(()).unwrap();
+                let mut buf = [0u8; 2048];
+                while !s.load(Ordering::Relaxed) {
+                    if let Ok((len, from)) = sock.recv_from(&mut buf) {
+                        let _ = sock.send_to(&buf[..len], from);
+                    }
+                }
+            });
+            rx.recv_timeout(Duration::from_secs(10))
+                .expect("UDP echo server did not start");
+            self.echo.push((stop, t));
+        }
+    }
+}
+
+/// Sets a socket's receive buffer to `bytes` (SO_RCVBUFFORCE: root may
+/// exceed net.core.rmem_max), so that a briefly descheduled reader does not
+/// lose datagrams.
+pub fn set_rcvbuf(sock: &impl std::os::fd::AsRawFd, bytes: i32) {
+    // SAFETY: setsockopt with a valid fd and an int option value.
+    let rc = unsafe {
+        libc::setsockopt(
+            sock.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_RCVBUFFORCE,
+            (&bytes as *const i32).cast(),
+            std::mem::size_of::<i32>() as libc::socklen_t,
+        )
+    };
+    assert_eq!(rc, 0, "SO_RCVBUFFORCE: {}", io::Error::last_os_error());
+}
+
+/// One `GET path` on a new connection (`Connection: close`); returns the
+/// status and the body. Call it from a thread in the right namespace.
+pub fn http_get(addr: SocketAddr, path: &str, timeout: Duration) -> io::Result<(u16, String)> {
+    let mut s = TcpStream::connect_timeout(&addr, timeout)?;
+    s.set_read_timeout(Some(timeout))?;
+    s.set_write_timeout(Some(timeout))?;
+    write!(
+        s,
+        "GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+    )?;
+    let mut buf = Vec::new();
+    s.read_to_end(&mut buf)?;
+    parse_response(&buf)
+        .map(|(status, body, _)| (status, body))
+        .ok_or_else(|| {
+            io::Error::new(
+                io::ErrorKind::InvalidData,
+                format!("bad HTTP response: {:?}", String::from_utf8_lossy(&buf)),
+            )
+        })
+}
+
+/// Status, body and total length of the first complete response in `buf`
+/// (the body is `Content-Length` bytes, or everything when there is none).
+fn parse_response(buf: &[u8]) -> Option<(u16, String, usize)> {
+    let head_end = buf.windows(4).position(|w| w == b"\r\n\r\n")? + 4;
+    let head = std::str::from_utf8(&buf[..head_end]).ok()?;
+    let status = head.split_whitespace().nth(1)?.parse().ok()?;
+    let len = head
+        .lines()
+        .find_map(|l| {
+            let (k, v) = l.split_once(':')?;
+            k.eq_ignore_ascii_case("content-length")
+                .then(|| v.trim().parse::<usize>().ok())?
+        })
+        .unwrap_or(buf.len() - head_end);
+    let body = buf.get(head_end..head_end + len)?;
+    Some((
+        status,
+        String::from_utf8_lossy(body).into_owned(),
+        head_end + len,
+    ))
+}
+
+/// A keep-alive HTTP/1.1 connection: repeated `GET /` on one TCP connection.
+pub struct HttpConn {
+    pub stream: TcpStream,
+    buf: Vec<u8>,
+}
+
+impl HttpConn {
+    /// Connects from a thread in `ns` (the socket stays in that namespace
+    /// and can then be used from any thread).
+    pub fn connect_in(ns: &Netns, addr: SocketAddr) -> io::Result<HttpConn> {
+        in_netns(ns, move || {
+            let s = TcpStream::connect_timeout(&addr, Duration::from_secs(5))?;
+            s.set_read_timeout(Some(Duration::from_secs(5)))?;
+            s.set_write_timeout(Some(Duration::from_secs(5)))?;
+            Ok(HttpConn {
+                stream: s,
+                buf: Vec::new(),
+            })
+        })
+        .join()
+        .expect("connect thread")
+    }
+
+    /// One `GET /`; returns the body, trimmed (`b1`, ...).
+    pub fn get(&mut self) -> io::Result<String> {
+        self.stream
+            .write_all(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")?;
+        let mut chunk = [0u8; 4096];
+        loop {
+            if let Some((status, body, used)) = parse_response(&self.buf) {
+                self.buf.drain(..used);
+                if status != 200 {
+                    return Err(io::Error::other(format!("HTTP status {status}")));
+                }
+                return Ok(body.trim().to_string());
+            }
+            let n = self.stream.read(&mut chunk)?;
+            if n == 0 {
+                return Err(io::Error::new(
+                    io::ErrorKind::UnexpectedEof,
+                    "connection closed",
+                ));
+            }
+            self.buf.extend_from_slice(&chunk[..n]);
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------
+// CPU affinity: the data plane's flow table is per CPU, and which CPU
+// handles a packet on a veth follows the CPU that sent it.
+
+/// The CPUs the calling thread may run on.
+pub fn allowed_cpus() -> Vec<usize> {
+    // SAFETY: cpu_set_t is plain data; sched_getaffinity fills it.
+    unsafe {
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        let rc = libc::sched_getaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &mut set);
+        assert_eq!(rc, 0, "sched_getaffinity: {}", io::Error::last_os_error());
+        (0..libc::CPU_SETSIZE as usize)
+            .filter(|&c| libc::CPU_ISSET(c, &set))
+            .collect()
+    }
+}
+
+/// Restricts `pid` (0: the calling thread) to `cpus`.
+pub fn set_affinity(pid: i32, cpus: &[usize]) {
+    // SAFETY: cpu_set_t is plain data; sched_setaffinity only reads it.
+    unsafe {
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        for &c in cpus {
+            libc::CPU_SET(c, &mut set);
+        }
+        let rc = libc::sched_setaffinity(pid, std::mem::size_of::<libc::cpu_set_t>(), &set);
+        assert_eq!(
+            rc,
+            0,
+            "sched_setaffinity({pid}, {cpus:?}): {}",
+            io::Error::last_os_error()
+        );
+    }
+}
+
+impl Topology {
+    /// Restricts every running nginx to `cpus`.
+    pub fn pin_backends(&self, cpus: &[usize]) {
+        for c in self.nginx.iter().flatten() {
+            set_affinity(c.id() as i32, cpus);
+        }
+    }
 }

@@ -1,9 +1,43 @@
 use anyhow::Result;
 
-use crate::util::{cargo, run as run_cmd};
+use crate::{
+    demo::{build_agent, wait_through_ctrl_c},
+    util::{cargo, run as run_cmd},
+};
 
-/// Release build, because debug numbers would say nothing about the load balancer.
+/// Release builds, because debug numbers would say nothing about the load
+/// balancer. First the per-packet benchmark (`xlb-bench`, BPF_PROG_TEST_RUN),
+/// then the end-to-end one (`xlb-e2e-bench`: wrk and UDP through xlb,
+/// iptables, nftables, nginx and HAProxy; the agent's memory and reload
+/// time). Arguments go to both (`xlb-bench` takes none and ignores them);
+/// `--e2e-only` / `--per-packet-only` run just one of them.
 pub fn run(args: &[String]) -> Result<()> {
+    let e2e_only = args.iter().any(|a| a == "--e2e-only");
+    let per_packet_only = args.iter().any(|a| a == "--per-packet-only");
+    let args: Vec<&String> = args
+        .iter()
+        .filter(|a| *a != "--e2e-only" && *a != "--per-packet-only")
+        .collect();
+    wait_through_ctrl_c();
+    if !e2e_only {
+        run_cmd(
+            cargo()
+                .args([
+                    "run",
+                    "--release",
+                    "-p",
+                    "xlb-tests",
+                    "--bin",
+                    "xlb-bench",
+                    "--",
+                ])
+                .args(&args),
+        )?;
+    }
+    if per_packet_only {
+        return Ok(());
+    }
+    build_agent()?;
     run_cmd(
         cargo()
             .args([
@@ -12,9 +46,9 @@ pub fn run(args: &[String]) -> Result<()> {
                 "-p",
                 "xlb-tests",
                 "--bin",
-                "xlb-bench",
+                "xlb-e2e-bench",
                 "--",
             ])
-            .args(args),
+            .args(&args),
     )
 }

@@ -1,0 +1,483 @@
+//! What the demo (`xlb-demo`) and the end-to-end benchmark (`xlb-e2e-bench`)
+//! add to [`crate::topology`]: finding the agent's binaries, running
+//! lb-agent in a namespace with its log in a file, waiting for `/readyz`,
+//! stopping it and removing its pins, plain HTTP/1.0 requests, commands in a
+//! namespace that return errors instead of panicking, and a Ctrl-C flag.
+//!
+//! Errors are strings: these binaries report a failed step and go on (or
+//! stop cleanly), they do not need to match on error kinds.
+
+use std::{
+    fs,
+    io::{Read, Write},
+    net::{SocketAddr, TcpStream},
+    path::{Path, PathBuf},
+    process::{Child, Command, Stdio},
+    sync::atomic::{AtomicBool, Ordering},
+    thread::JoinHandle,
+    time::{Duration, Instant},
+};
+
+use crate::netns::Netns;
+
+pub type Res<T> = Result<T, String>;
+
+static INTERRUPTED: AtomicBool = AtomicBool::new(false);
+
+extern "C" fn on_sigint(_: libc::c_int) {
+    INTERRUPTED.store(true, Ordering::SeqCst);
+}
+
+/// Makes Ctrl-C set a flag instead of killing the process, so that the
+/// caller can stop between steps and let its guards tear everything down.
+/// (Children started afterwards get the default action back at exec.)
+pub fn install_sigint_flag() {
+    let handler: extern "C" fn(libc::c_int) = on_sigint;
+    // SAFETY: the handler only stores to an atomic, which is async-signal-safe.
+    unsafe {
+        libc::signal(libc::SIGINT, handler as libc::sighandler_t);
+    }
+}
+
+pub fn interrupted() -> bool {
+    INTERRUPTED.load(Ordering::SeqCst)
+}
+
+/// `Err("interrupted")` once Ctrl-C was pressed.
+pub fn check_interrupt() -> Res<()> {
+    if interrupted() {
+        Err("interrupted (Ctrl-C)".into())
+    } else {
+        Ok(())
+    }
+}
+
+/// Sleeps up to `d`, returning early (with an error) on Ctrl-C.
+pub fn sleep_interruptible(d: Duration) -> Res<()> {
+    let end = Instant::now() + d;
+    while Instant::now() < end {
+        check_interrupt()?;
+        std::thread::sleep((end - Instant::now()).min(Duration::from_millis(50)));
+    }
+    check_interrupt()
+}
+
+/// The workspace root (this crate lives one level below it).
+pub fn workspace_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("tests/ lives in the workspace")
+        .to_path_buf()
+}
+
+/// lb-agent and lbctl, from the target directory this binary runs from.
+pub struct Bins {
+    pub lb_agent: PathBuf,
+    pub lbctl: PathBuf,
+}
+
+impl Bins {
+    /// Looks next to the running executable (`target/<profile>/`) and builds
+    /// the two binaries with that profile if either is missing.
+    pub fn locate() -> Res<Self> {
+        let exe = std::env::current_exe().map_err(|e| format!("current_exe: {e}"))?;
+        let dir = exe
+            .parent()
+            .ok_or("the executable has no directory")?
+            .to_path_buf();
+        let bins = Self {
+            lb_agent: dir.join("lb-agent"),
+            lbctl: dir.join("lbctl"),
+        };
+        if !bins.lb_agent.exists() || !bins.lbctl.exists() {
+            let release = dir.file_name().is_some_and(|n| n == "release");
+            let mut cmd = Command::new("cargo");
+            cmd.current_dir(workspace_root())
+                .args(["build", "-p", "lb-agent", "--bins"]);
+            if release {
+                cmd.arg("--release");
+            }
+            eprintln!("lb-agent/lbctl missing in {}: building them", dir.display());
+            let st = cmd
+                .status()
+                .map_err(|e| format!("running cargo build: {e}"))?;
+            if !st.success() || !bins.lb_agent.exists() {
+                return Err(format!(
+                    "cargo build -p lb-agent --bins failed ({st}); build them first"
+                ));
+            }
+        }
+        Ok(bins)
+    }
+
+    /// Runs `lbctl --pin-dir DIR ARGS...` and returns its stdout.
+    pub fn lbctl(&self, pin_dir: &Path, args: &[&str]) -> Res<String> {
+        let out = Command::new(&self.lbctl)
+            .arg("--pin-dir")
+            .arg(pin_dir)
+            .args(args)
+            .output()
+            .map_err(|e| format!("running lbctl: {e}"))?;
+        if !out.status.success() {
+            return Err(format!(
+                "lbctl {} failed ({}): {}",
+                args.join(" "),
+                out.status,
+                String::from_utf8_lossy(&out.stderr).trim()
+            ));
+        }
+        Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+    }
+}
+
+/// `nsenter --net=/var/run/netns/NAME` (keeps the host's /sys and bpffs).
+pub fn nsenter(ns: &str) -> Command {
+    let mut c = Command::new("nsenter");
+    c.arg(format!("--net=/var/run/netns/{ns}"));
+    c
+}
+
+/// Starts `program` in `ns` with stdout and stderr appended to `log`.
+pub fn spawn_logged(ns: &Netns, program: &str, args: &[&str], log: &Path) -> Res<Child> {
+    let f = fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(log)
+        .map_err(|e| format!("{}: {e}", log.display()))?;
+    let f2 = f.try_clone().map_err(|e| e.to_string())?;
+    nsenter(&ns.name)
+        .arg(program)
+        .args(args)
+        .stdin(Stdio::null())
+        .stdout(f)
+        .stderr(f2)
+        .spawn()
+        .map_err(|e| format!("starting {program}: {e}"))
+}
+
+/// Runs a shell command in `ns`; its stdout, or an error with its stderr.
+pub fn sh_in(ns: &Netns, cmd: &str) -> Res<String> {
+    let out = nsenter(&ns.name)
+        .args(["sh", "-c", cmd])
+        .stdin(Stdio::null())
+        .output()
+        .map_err(|e| format!("`{cmd}`: {e}"))?;
+    if !out.status.success() {
+        return Err(format!(
+            "`{cmd}` in {} failed ({}): {}{}",
+            ns.name,
+            out.status,
+            String::from_utf8_lossy(&out.stdout).trim(),
+            String::from_utf8_lossy(&out.stderr).trim()
+        ));
+    }
+    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+}
+
+/// Runs `f` on a thread inside the namespace called `ns`.
+pub fn in_ns<T: Send + 'static>(ns: &str, f: impl FnOnce() -> T + Send + 'static) -> JoinHandle<T> {
+    let name = ns.to_string();
+    std::thread::spawn(move || {
+        Netns::enter_by_name(&name);
+        f()
+    })
+}
+
+/// Runs `f` inside `ns` and waits for it.
+pub fn run_in<T: Send + 'static>(ns: &Netns, f: impl FnOnce() -> T + Send + 'static) -> Res<T> {
+    in_ns(&ns.name, f)
+        .join()
+        .map_err(|_| format!("a thread in {} panicked", ns.name))
+}
+
+/// One HTTP/1.0 request (a new connection each time); status and body.
+pub fn http_get(addr: SocketAddr, path: &str, timeout: Duration) -> Res<(u16, String)> {
+    let mut s =
+        TcpStream::connect_timeout(&addr, timeout).map_err(|e| format!("connect {addr}: {e}"))?;
+    s.set_read_timeout(Some(timeout))
+        .map_err(|e| e.to_string())?;
+    s.set_write_timeout(Some(timeout))
+        .map_err(|e| e.to_string())?;
+    write!(s, "GET {path} HTTP/1.0\r\nHost: {addr}\r\n\r\n")
+        .map_err(|e| format!("send to {addr}: {e}"))?;
+    let mut buf = Vec::new();
+    s.read_to_end(&mut buf)
+        .map_err(|e| format!("read from {addr}: {e}"))?;
+    let text = String::from_utf8_lossy(&buf);
+    let status = text
+        .split_whitespace()
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .ok_or_else(|| format!("{addr}: not an HTTP response: {text:.60}"))?;
+    let body = text
+        .split_once("\r\n\r\n")
+        .map(|x| x.1.to_string())
+        .unwrap_or_default();
+    Ok((status, body))
+}
+
+/// Whether `addr` accepts a TCP connection from inside `ns` within `timeout`.
+pub fn wait_tcp(ns: &Netns, addr: SocketAddr, timeout: Duration) -> bool {
+    run_in(ns, move || {
+        let end = Instant::now() + timeout;
+        while Instant::now() < end {
+            if TcpStream::connect_timeout(&addr, Duration::from_millis(200)).is_ok() {
+                return true;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        false
+    })
+    .unwrap_or(false)
+}
+
+/// Removes terminal colour sequences (`ESC [ ... m`), which the agent's
+/// log has even when written to a file.
+pub fn strip_ansi(s: &str) -> String {
+    let mut out = String::with_capacity(s.len());
+    let mut chars = s.chars();
+    while let Some(c) = chars.next() {
+        if c == '\x1b' {
+            for c in chars.by_ref() {
+                if c.is_ascii_alphabetic() {
+                    break;
+                }
+            }
+        } else {
+            out.push(c);
+        }
+    }
+    out
+}
+
+/// The last `n` lines of a file, without colours (for error messages).
+pub fn tail(path: &Path, n: usize) -> String {
+    let text = strip_ansi(&fs::read_to_string(path).unwrap_or_default());
+    let lines: Vec<&str> = text.lines().collect();
+    lines[lines.len().saturating_sub(n)..].join("\n")
+}
+
+/// Sends `sig` to `pid`.
+pub fn kill(pid: u32, sig: libc::c_int) {
+    // SAFETY: plain kill(2).
+    unsafe {
+        libc::kill(pid as libc::pid_t, sig);
+    }
+}
+
+/// SIGTERM, then SIGKILL after `grace`; reaps the child.
+pub fn terminate(child: &mut Child, grace: Duration) {
+    if matches!(child.try_wait(), Ok(Some(_))) {
+        return;
+    }
+    kill(child.id(), libc::SIGTERM);
+    let end = Instant::now() + grace;
+    while Instant::now() < end {
+        if matches!(child.try_wait(), Ok(Some(_))) {
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let _ = child.kill();
+    let _ = child.wait();
+}
+
+/// A running lb-agent in a namespace. Dropping it stops it and runs
+/// `lb-agent --cleanup` on its pin directory (detaching the program).
+pub struct Agent {
+    child: Option<Child>,
+    lb_agent: PathBuf,
+    ns: String,
+    pub pin_dir: PathBuf,
+    pub log: PathBuf,
+    pub metrics: SocketAddr,
+}
+
+impl Agent {
+    /// `lb-agent --config CONFIG --pin-dir PIN_DIR` in `ns`; `metrics` must
+    /// be the config's `metrics_addr`. Removes stale pins first.
+    pub fn spawn(
+        bins: &Bins,
+        ns: &Netns,
+        config: &Path,
+        pin_dir: &Path,
+        metrics: SocketAddr,
+        log: &Path,
+    ) -> Res<Self> {
+        cleanup(&bins.lb_agent, pin_dir)?;
+        let _ = fs::remove_file(log);
+        let child = spawn_logged(
+            ns,
+            &bins.lb_agent.to_string_lossy(),
+            &[
+                "--config",
+                &config.to_string_lossy(),
+                "--pin-dir",
+                &pin_dir.to_string_lossy(),
+            ],
+            log,
+        )?;
+        Ok(Self {
+            child: Some(child),
+            lb_agent: bins.lb_agent.clone(),
+            ns: ns.name.clone(),
+            pin_dir: pin_dir.to_path_buf(),
+            log: log.to_path_buf(),
+            metrics,
+        })
+    }
+
+    /// The agent's pid (nsenter execs it, so the child is the agent).
+    pub fn pid(&self) -> Option<u32> {
+        self.child.as_ref().map(|c| c.id())
+    }
+
+    fn exited(&mut self) -> Option<String> {
+        let c = self.child.as_mut()?;
+        match c.try_wait() {
+            Ok(Some(st)) => Some(format!(
+                "lb-agent exited ({st}); its log ends with:\n{}",
+                tail(&self.log, 15)
+            )),
+            _ => None,
+        }
+    }
+
+    /// GET `path` from the agent's metrics endpoint, from inside its namespace.
+    pub fn get(&self, path: &str, timeout: Duration) -> Res<(u16, String)> {
+        let (addr, path) = (self.metrics, path.to_string());
+        in_ns(&self.ns, move || http_get(addr, &path, timeout))
+            .join()
+            .map_err(|_| "metrics request thread panicked".to_string())?
+    }
+
+    /// Polls `/readyz` until it answers 200; returns how long that took.
+    pub fn wait_ready(&mut self, timeout: Duration) -> Res<Duration> {
+        let start = Instant::now();
+        loop {
+            check_interrupt()?;
+            if let Some(e) = self.exited() {
+                return Err(e);
+            }
+            if let Ok((200, _)) = self.get("/readyz", Duration::from_millis(500)) {
+                return Ok(start.elapsed());
+            }
+            if start.elapsed() > timeout {
+                return Err(format!(
+                    "lb-agent not ready after {timeout:?}; its log ends with:\n{}",
+                    tail(&self.log, 15)
+                ));
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    /// Stops the agent (SIGTERM), detaches the program and removes the pins.
+    pub fn stop(&mut self) -> Res<()> {
+        if let Some(mut c) = self.child.take() {
+            terminate(&mut c, Duration::from_secs(5));
+        }
+        cleanup(&self.lb_agent, &self.pin_dir)
+    }
+}
+
+impl Drop for Agent {
+    fn drop(&mut self) {
+        let _ = self.stop();
+    }
+}
+
+/// `lb-agent --cleanup --pin-dir DIR` (nothing to do if DIR does not exist).
+pub fn cleanup(lb_agent: &Path, pin_dir: &Path) -> Res<()> {
+    if !pin_dir.exists() {
+        return Ok(());
+    }
+    let out = Command::new(lb_agent)
+        .arg("--cleanup")
+        .arg("--pin-dir")
+        .arg(pin_dir)
+        .output()
+        .map_err(|e| format!("lb-agent --cleanup: {e}"))?;
+    if !out.status.success() || pin_dir.exists() {
+        return Err(format!(
+            "lb-agent --cleanup --pin-dir {} failed ({}): {}",
+            pin_dir.display(),
+            out.status,
+            String::from_utf8_lossy(&out.stderr).trim()
+        ));
+    }
+    Ok(())
+}
+
+/// Whether an XDP program is attached to `iface` in `ns`.
+pub fn xdp_attached(ns: &Netns, iface: &str) -> bool {
+    sh_in(ns, &format!("ip -d link show dev {iface}")).is_ok_and(|s| s.contains("prog/xdp"))
+}
+
+/// A metric's value from Prometheus text (`name` includes any labels).
+pub fn metric(text: &str, name: &str) -> Option<f64> {
+    text.lines()
+        .filter(|l| !l.starts_with('#'))
+        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.trim().parse().ok())
+}
+
+/// The median of `v` (upper median for even lengths); NaN when empty.
+pub fn median(v: &[f64]) -> f64 {
+    if v.is_empty() {
+        return f64::NAN;
+    }
+    let mut s = v.to_vec();
+    s.sort_by(|a, b| a.total_cmp(b));
+    s[s.len() / 2]
+}
+
+/// Splits a number into thousands: 1234567 -> "1 234 567".
+pub fn thousands(n: u64) -> String {
+    let s = n.to_string();
+    let mut out = String::new();
+    for (i, c) in s.chars().enumerate() {
+        if i > 0 && (s.len() - i).is_multiple_of(3) {
+            out.push(' ');
+        }
+        out.push(c);
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn metric_finds_labelled_and_plain_values() {
+        let text = "# HELP x y\nxlb_config_reloads_total{result=\"ok\"} 2\n\
+                    xlb_config_reload_duration_seconds_sum 0.25\n\
+                    xlb_config_reload_duration_seconds_count 2\n";
+        assert_eq!(
+            metric(text, "xlb_config_reloads_total{result=\"ok\"}"),
+            Some(2.0)
+        );
+        assert_eq!(
+            metric(text, "xlb_config_reload_duration_seconds_sum"),
+            Some(0.25)
+        );
+        assert_eq!(metric(text, "xlb_config_reload_duration_seconds"), None);
+    }
+
+    #[test]
+    fn strips_colours() {
+        assert_eq!(
+            strip_ansi("\x1b[2m12:00\x1b[0m \x1b[32m INFO\x1b[0m took\x1b[2m=\x1b[0m5ms"),
+            "12:00  INFO took=5ms"
+        );
+    }
+
+    #[test]
+    fn median_and_thousands() {
+        assert_eq!(median(&[3.0, 1.0, 2.0]), 2.0);
+        assert!(median(&[]).is_nan());
+        assert_eq!(thousands(1234567), "1 234 567");
+        assert_eq!(thousands(999), "999");
+        assert_eq!(thousands(1000), "1 000");
+    }
+}

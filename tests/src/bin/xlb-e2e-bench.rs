@@ -1,0 +1,1650 @@
+//! `cargo xtask bench` (second part): xlb end to end, against what a
+//! Kubernetes node would otherwise use, on the topology of the end-to-end
+//! tests (client, load balancer and 3 nginx backends in network namespaces).
+//!
+//! * TCP: `wrk -t2 -c64 -d10s --latency http://VIP/` from the client through
+//!   (a) xlb (lb-agent, nat mode), (b) iptables DNAT as kube-proxy's iptables
+//!   mode writes it, (c) nftables DNAT as kube-proxy's nftables mode,
+//!   (d) nginx as an L4 stream proxy, (e) HAProxy in TCP mode. The cases run
+//!   interleaved in rounds (a..e, a..e, ...) so that machine noise hits all of
+//!   them alike; the report gives the median per case. Before each run the
+//!   mechanism must answer requests from every backend; after it, it is
+//!   removed and must be gone (requests fail, no rules, no XDP, no process).
+//! * UDP: datagrams per second forwarded through xlb and through nftables
+//!   DNAT, with the same sender (8 sockets in the client blasting 64-byte
+//!   datagrams at VIP:53) and a counting sink in each backend.
+//! * The agent with 1000 services x 100 backends: resident memory, and how
+//!   long a reload takes after one backend changed.
+//!
+//! Prints markdown tables and writes an SVG chart (docs/benchmarks-e2e.svg).
+
+use std::{
+    fmt::Write as _,
+    fs,
+    io::ErrorKind,
+    net::{SocketAddr, UdpSocket},
+    os::fd::AsRawFd,
+    path::PathBuf,
+    process::{Child, ExitCode},
+    sync::{
+        atomic::{AtomicBool, AtomicU64, Ordering},
+        Arc,
+    },
+    thread::JoinHandle,
+    time::{Duration, Instant},
+};
+
+use xlb_tests::{
+    bench_support::{
+        check_interrupt, http_get, in_ns, install_sigint_flag, interrupted, median, metric, run_in,
+        sh_in, sleep_interruptible, spawn_logged, strip_ansi, tail, terminate, thousands, wait_tcp,
+        workspace_root, xdp_attached, Agent, Bins, Res,
+    },
+    topology::{backend_ip, Topology, BACKEND_PORT, CLIENT_IP, VIP},
+};
+
+const PREFIX: &str = "xbench";
+const BACKENDS: usize = 3;
+const UDP_PORT: u16 = 53;
+const UDP_BACKEND_PORT: u16 = 5353;
+const METRICS: &str = "127.0.0.1:9469";
+const MEM_METRICS: &str = "127.0.0.1:9470";
+
+struct Opts {
+    rounds: usize,
+    duration: u64,
+    threads: usize,
+    connections: usize,
+    udp_duration: u64,
+    udp_senders: usize,
+    udp_sockets: usize,
+    udp_payload: usize,
+    services: usize,
+    backends_per_service: usize,
+    tcp: bool,
+    udp: bool,
+    memory: bool,
+    cases: Vec<Mech>,
+    svg: Option<PathBuf>,
+    /// Another lb-agent binary to measure (e.g. a build with a change).
+    lb_agent: Option<PathBuf>,
+    xdp_mode: String,
+}
+
+const USAGE: &str = "xlb-e2e-bench [options]
+  --rounds N              interleaved rounds of every case (3)
+  --duration SECS         wrk duration per run (10)
+  --threads N             wrk threads (2)
+  --connections N         wrk connections (64)
+  --cases LIST            TCP cases, comma-separated: xlb,iptables,nftables,nginx,haproxy (all)
+  --udp-duration SECS     UDP send time per run (5)
+  --udp-senders N         sender threads (1), sharing --udp-sockets sockets (8)
+  --udp-payload BYTES     datagram payload (64)
+  --services N            services for the memory test (1000)
+  --backends-per-service N  backends per service for the memory test (100)
+  --no-tcp, --no-udp, --no-memory   skip a part
+  --svg PATH              where to write the chart (docs/benchmarks-e2e.svg); --no-svg: none
+  --lb-agent PATH         the lb-agent binary to measure (default: the one next to this binary)
+  --xdp-mode MODE         xdp_mode of the xlb case: native (default) or generic";
+
+fn parse_args() -> Res<Opts> {
+    let mut o = Opts {
+        rounds: 3,
+        duration: 10,
+        threads: 2,
+        connections: 64,
+        udp_duration: 5,
+        udp_senders: 1,
+        udp_sockets: 8,
+        udp_payload: 64,
+        services: 1000,
+        backends_per_service: 100,
+        tcp: true,
+        udp: true,
+        memory: true,
+        cases: Mech::ALL.to_vec(),
+        svg: Some(workspace_root().join("docs/benchmarks-e2e.svg")),
+        lb_agent: None,
+        xdp_mode: "native".into(),
+    };
+    let mut args = std::env::args().skip(1);
+    while let Some(a) = args.next() {
+        let mut value = |name: &str| args.next().ok_or(format!("{name} needs a value"));
+        let num = |name: &str, v: String| -> Res<usize> {
+            v.parse()
+                .ok()
+                .filter(|&n: &usize| n > 0)
+                .ok_or(format!("{name}: {v:?} is not a positive number"))
+        };
+        match a.as_str() {
+            "--rounds" => o.rounds = num(&a, value(&a)?)?,
+            "--duration" => o.duration = num(&a, value(&a)?)? as u64,
+            "--threads" => o.threads = num(&a, value(&a)?)?,
+            "--connections" => o.connections = num(&a, value(&a)?)?,
+            "--udp-duration" => o.udp_duration = num(&a, value(&a)?)? as u64,
+            "--udp-senders" => o.udp_senders = num(&a, value(&a)?)?,
+            "--udp-sockets" => o.udp_sockets = num(&a, value(&a)?)?,
+            "--udp-payload" => o.udp_payload = num(&a, value(&a)?)?,
+            "--services" => o.services = num(&a, value(&a)?)?,
+            "--backends-per-service" => o.backends_per_service = num(&a, value(&a)?)?,
+            "--no-tcp" => o.tcp = false,
+            "--no-udp" => o.udp = false,
+            "--no-memory" => o.memory = false,
+            "--no-svg" => o.svg = None,
+            "--svg" => o.svg = Some(PathBuf::from(value(&a)?)),
+            "--lb-agent" => o.lb_agent = Some(PathBuf::from(value(&a)?)),
+            "--xdp-mode" => {
+                o.xdp_mode = value(&a)?;
+                if o.xdp_mode != "native" && o.xdp_mode != "generic" {
+                    return Err(format!(
+                        "--xdp-mode: {:?} is not native or generic",
+                        o.xdp_mode
+                    ));
+                }
+            }
+            "--cases" => {
+                o.cases = value(&a)?
+                    .split(',')
+                    .map(|c| {
+                        Mech::ALL
+                            .into_iter()
+                            .find(|m| m.id() == c)
+                            .ok_or(format!("unknown case {c:?}"))
+                    })
+                    .collect::<Res<_>>()?
+            }
+            "-h" | "--help" => {
+                println!("{USAGE}");
+                std::process::exit(0);
+            }
+            _ => return Err(format!("unknown argument {a:?}\n{USAGE}")),
+        }
+    }
+    if o.udp_sockets < o.udp_senders {
+        o.udp_sockets = o.udp_senders;
+    }
+    Ok(o)
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Mech {
+    Xlb,
+    Iptables,
+    Nftables,
+    Nginx,
+    Haproxy,
+}
+
+impl Mech {
+    const ALL: [Mech; 5] = [
+        Mech::Xlb,
+        Mech::Iptables,
+        Mech::Nftables,
+        Mech::Nginx,
+        Mech::Haproxy,
+    ];
+
+    fn id(self) -> &'static str {
+        match self {
+            Mech::Xlb => "xlb",
+            Mech::Iptables => "iptables",
+            Mech::Nftables => "nftables",
+            Mech::Nginx => "nginx",
+            Mech::Haproxy => "haproxy",
+        }
+    }
+
+    fn label(self, xdp_mode: &str) -> String {
+        match self {
+            Mech::Xlb => return format!("xlb (XDP {xdp_mode}, nat)"),
+            Mech::Iptables => "iptables DNAT (kube-proxy iptables)",
+            Mech::Nftables => "nftables DNAT (kube-proxy nftables)",
+            Mech::Nginx => "nginx stream proxy",
+            Mech::Haproxy => "HAProxy, mode tcp",
+        }
+        .into()
+    }
+
+    fn short(self) -> &'static str {
+        match self {
+            Mech::Xlb => "xlb",
+            Mech::Iptables => "iptables",
+            Mech::Nftables => "nftables",
+            Mech::Nginx => "nginx stream",
+            Mech::Haproxy => "HAProxy",
+        }
+    }
+}
+
+/// What is running for a case, until it is torn down.
+enum Running {
+    Xlb(Agent),
+    Rules,
+    Proxy(Child),
+}
+
+struct Ctx<'a> {
+    t: &'a Topology,
+    bins: &'a Bins,
+    xdp_mode: String,
+}
+
+fn vip80() -> SocketAddr {
+    SocketAddr::new(VIP.into(), 80)
+}
+
+fn xlb_config(xdp_mode: &str) -> String {
+    let mut s = format!(
+        "interfaces: [lbc, lbb1, lbb2, lbb3]\nxdp_mode: {xdp_mode}\nmetrics_addr: {METRICS}\nservices:\n"
+    );
+    for (name, port, proto, bport) in [
+        ("web", 80, "tcp", BACKEND_PORT),
+        ("dns", UDP_PORT, "udp", UDP_BACKEND_PORT),
+    ] {
+        let _ = writeln!(
+            s,
+            "  - name: {name}\n    vip: {VIP}\n    port: {port}\n    protocol: {proto}\n    mode: nat\n    backends:"
+        );
+        for n in 1..=BACKENDS {
+            let _ = writeln!(s, "      - {{ ip: {}, port: {bport} }}", backend_ip(n));
+        }
+    }
+    s
+}
+
+/// kube-proxy's iptables mode: a services chain, a chain per service that
+/// picks an endpoint with `statistic --mode random`, a DNAT chain per endpoint.
+fn iptables_rules() -> String {
+    let mut s = String::from(
+        "*nat\n:PREROUTING ACCEPT [0:0]\n:XLB-SERVICES - [0:0]\n:XLB-SVC-WEB - [0:0]\n",
+    );
+    for n in 1..=BACKENDS {
+        let _ = writeln!(s, ":XLB-SEP-WEB{n} - [0:0]");
+    }
+    s.push_str("-A PREROUTING -j XLB-SERVICES\n");
+    let _ = writeln!(
+        s,
+        "-A XLB-SERVICES -d {VIP}/32 -p tcp -m tcp --dport 80 -j XLB-SVC-WEB"
+    );
+    for n in 1..=BACKENDS {
+        let left = BACKENDS - n + 1;
+        if left > 1 {
+            let _ = writeln!(
+                s,
+                "-A XLB-SVC-WEB -m statistic --mode random --probability {:.11} -j XLB-SEP-WEB{n}",
+                1.0 / left as f64
+            );
+        } else {
+            let _ = writeln!(s, "-A XLB-SVC-WEB -j XLB-SEP-WEB{n}");
+        }
+    }
+    for n in 1..=BACKENDS {
+        let _ = writeln!(
+            s,
+            "-A XLB-SEP-WEB{n} -p tcp -m tcp -j DNAT --to-destination {}:{BACKEND_PORT}",
+            backend_ip(n)
+        );
+    }
+    s.push_str("COMMIT\n");
+    s
+}
+
+/// kube-proxy's nftables mode in one rule per service: `numgen random` into
+/// a map of endpoints.
+fn nft_rules() -> String {
+    let map = |port: u16| {
+        (1..=BACKENDS)
+            .map(|n| format!("{} : {} . {port}", n - 1, backend_ip(n)))
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    format!(
+        "table ip xlb_bench {{\n  chain prerouting {{\n    type nat hook prerouting priority dstnat; policy accept;\n\
+         \x20   ip daddr {VIP} tcp dport 80 dnat to numgen random mod {BACKENDS} map {{ {} }}\n\
+         \x20   ip daddr {VIP} udp dport {UDP_PORT} dnat to numgen random mod {BACKENDS} map {{ {} }}\n  }}\n}}\n",
+        map(BACKEND_PORT),
+        map(UDP_BACKEND_PORT)
+    )
+}
+
+fn nginx_stream_conf(dir: &std::path::Path) -> String {
+    let servers: String = (1..=BACKENDS)
+        .map(|n| format!("server {}:{BACKEND_PORT}; ", backend_ip(n)))
+        .collect();
+    format!(
+        "load_module /usr/lib/nginx/modules/ngx_stream_module.so;\n\
+         daemon off; pid {d}/nginx.pid; error_log {d}/nginx-error.log; worker_processes auto;\n\
+         events {{ worker_connections 8192; }}\n\
+         stream {{ upstream b {{ {servers}}} server {{ listen {VIP}:80; proxy_pass b; }} }}\n",
+        d = dir.display()
+    )
+}
+
+fn haproxy_conf() -> String {
+    let mut s = format!(
+        "global\n    maxconn 8000\n\ndefaults\n    mode tcp\n    timeout connect 5s\n    timeout client 1m\n    timeout server 1m\n\n\
+         frontend vip\n    bind {VIP}:80\n    default_backend nginx\n\nbackend nginx\n    balance roundrobin\n"
+    );
+    for n in 1..=BACKENDS {
+        let _ = writeln!(s, "    server b{n} {}:{BACKEND_PORT}", backend_ip(n));
+    }
+    s
+}
+
+fn write(path: &std::path::Path, text: &str) -> Res<()> {
+    fs::write(path, text).map_err(|e| format!("{}: {e}", path.display()))
+}
+
+/// Sets `mech` up in the LB namespace and waits until it serves.
+fn start(ctx: &Ctx, mech: Mech) -> Res<Running> {
+    let t = ctx.t;
+    let dir = &t.dir;
+    Ok(match mech {
+        Mech::Xlb => {
+            let cfg = dir.join("xlb.yaml");
+            write(&cfg, &xlb_config(&ctx.xdp_mode))?;
+            let mut agent = Agent::spawn(
+                ctx.bins,
+                &t.lb,
+                &cfg,
+                &t.pin_dir,
+                METRICS.parse().unwrap(),
+                &dir.join("lb-agent.log"),
+            )?;
+            agent.wait_ready(Duration::from_secs(30))?;
+            Running::Xlb(agent)
+        }
+        Mech::Iptables => {
+            let f = dir.join("iptables.rules");
+            write(&f, &iptables_rules())?;
+            sh_in(
+                &t.lb,
+                &format!("iptables-restore --noflush < {}", f.display()),
+            )?;
+            Running::Rules
+        }
+        Mech::Nftables => {
+            let f = dir.join("xlb_bench.nft");
+            write(&f, &nft_rules())?;
+            sh_in(&t.lb, &format!("nft -f {}", f.display()))?;
+            Running::Rules
+        }
+        Mech::Nginx | Mech::Haproxy => {
+            sh_in(&t.lb, &format!("ip addr add {VIP}/32 dev lo"))?;
+            let log = dir.join(format!("{}.log", mech.id()));
+            let child = if mech == Mech::Nginx {
+                let conf = dir.join("nginx-stream.conf");
+                write(&conf, &nginx_stream_conf(dir))?;
+                let err = dir.join("nginx-error.log");
+                spawn_logged(
+                    &t.lb,
+                    "nginx",
+                    &["-c", &conf.to_string_lossy(), "-e", &err.to_string_lossy()],
+                    &log,
+                )?
+            } else {
+                let conf = dir.join("haproxy.cfg");
+                write(&conf, &haproxy_conf())?;
+                spawn_logged(
+                    &t.lb,
+                    "haproxy",
+                    &["-db", "-f", &conf.to_string_lossy()],
+                    &log,
+                )?
+            };
+            let mut running = Running::Proxy(child);
+            if !wait_tcp(&t.lb, vip80(), Duration::from_secs(10)) {
+                let _ = stop(ctx, mech, &mut running);
+                return Err(format!(
+                    "{} did not listen on {VIP}:80; {}:\n{}",
+                    mech.short(),
+                    log.display(),
+                    tail(&log, 10)
+                ));
+            }
+            running
+        }
+    })
+}
+
+/// Removes `mech` completely and checks that it is gone.
+fn stop(ctx: &Ctx, mech: Mech, running: &mut Running) -> Res<()> {
+    let t = ctx.t;
+    match running {
+        Running::Xlb(agent) => {
+            agent.stop()?;
+            if let Some(i) = t.lb_interfaces().iter().find(|i| xdp_attached(&t.lb, i)) {
+                return Err(format!("XDP still attached to {i} after cleanup"));
+            }
+        }
+        Running::Rules => {
+            if mech == Mech::Iptables {
+                sh_in(&t.lb, "iptables -t nat -F && iptables -t nat -X")?;
+                // iptables-nft leaves its (empty) table behind.
+                let _ = sh_in(&t.lb, "nft delete table ip nat");
+            } else {
+                sh_in(&t.lb, "nft delete table ip xlb_bench")?;
+            }
+            let rules = sh_in(&t.lb, "nft list ruleset")?;
+            if !rules.trim().is_empty() {
+                return Err(format!("rules left after removing {}:\n{rules}", mech.id()));
+            }
+        }
+        Running::Proxy(child) => {
+            terminate(child, Duration::from_secs(5));
+            // The address was added by start(); after a failed start it may be missing.
+            let _ = sh_in(&t.lb, &format!("ip addr del {VIP}/32 dev lo"));
+            if sh_in(&t.lb, "ip -4 addr show dev lo")?.contains(&VIP.to_string()) {
+                return Err(format!("{VIP} still on lo"));
+            }
+        }
+    }
+    // Whatever it was, the VIP must not answer any more.
+    let vip = vip80();
+    let answer = run_in(&t.client, move || {
+        http_get(vip, "/", Duration::from_millis(700))
+    })?;
+    if let Ok((status, body)) = answer {
+        return Err(format!(
+            "{VIP}:80 still answers after removing {} (HTTP {status} {})",
+            mech.id(),
+            body.trim()
+        ));
+    }
+    Ok(())
+}
+
+/// `n` requests from the client, each on a new connection: all must answer
+/// 200; returns how many distinct backends answered.
+fn check_serves(t: &Topology, n: usize) -> Res<usize> {
+    let vip = vip80();
+    let r = run_in(&t.client, move || {
+        let mut seen = std::collections::BTreeSet::new();
+        for _ in 0..n {
+            match http_get(vip, "/", Duration::from_secs(2)) {
+                Ok((200, body)) => {
+                    seen.insert(body.trim().to_string());
+                }
+                Ok((s, _)) => return Err(format!("HTTP {s}")),
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(seen.len())
+    })??;
+    Ok(r)
+}
+
+#[derive(Clone, Debug, Default)]
+struct Wrk {
+    rps: f64,
+    p50_ms: f64,
+    p90_ms: f64,
+    p99_ms: f64,
+    requests: u64,
+    errors: u64,
+    /// TCP segments retransmitted by the client and the backends during the run.
+    retrans: u64,
+}
+
+fn parse_latency_ms(s: &str) -> Option<f64> {
+    let s = s.trim();
+    let (num, mult) = if let Some(v) = s.strip_suffix("us") {
+        (v, 0.001)
+    } else if let Some(v) = s.strip_suffix("ms") {
+        (v, 1.0)
+    } else if let Some(v) = s.strip_suffix('s') {
+        (v, 1000.0)
+    } else if let Some(v) = s.strip_suffix('m') {
+        (v, 60_000.0)
+    } else {
+        return None;
+    };
+    num.parse::<f64>().ok().map(|v| v * mult)
+}
+
+fn parse_wrk(out: &str) -> Res<Wrk> {
+    let mut w = Wrk::default();
+    let mut got_rps = false;
+    for line in out.lines().map(str::trim) {
+        let mut words = line.split_whitespace();
+        let first = words.next().unwrap_or("");
+        match first {
+            "50%" => w.p50_ms = words.next().and_then(parse_latency_ms).unwrap_or(f64::NAN),
+            "90%" => w.p90_ms = words.next().and_then(parse_latency_ms).unwrap_or(f64::NAN),
+            "99%" => w.p99_ms = words.next().and_then(parse_latency_ms).unwrap_or(f64::NAN),
+            "Requests/sec:" => {
+                w.rps = words.next().and_then(|v| v.parse().ok()).unwrap_or(0.0);
+                got_rps = true;
+            }
+            "Socket" | "Non-2xx" => {
+                // The counts follow the colon ("Non-2xx" has digits of its own).
+                w.errors += line
+                    .split_once(':')
+                    .map_or("", |x| x.1)
+                    .split(|c: char| !c.is_ascii_digit())
+                    .filter_map(|n| n.parse::<u64>().ok())
+                    .sum::<u64>();
+            }
+            _ if line.contains(" requests in ") => {
+                w.requests = first.parse().unwrap_or(0);
+            }
+            _ => {}
+        }
+    }
+    if !got_rps {
+        return Err(format!("no Requests/sec in wrk's output:\n{out}"));
+    }
+    Ok(w)
+}
+
+fn run_wrk(t: &Topology, o: &Opts) -> Res<Wrk> {
+    let out = t.output_in(
+        &t.client,
+        "wrk",
+        &[
+            &format!("-t{}", o.threads),
+            &format!("-c{}", o.connections),
+            &format!("-d{}s", o.duration),
+            "--latency",
+            &format!("http://{VIP}/"),
+        ],
+    );
+    check_interrupt()?;
+    if !out.status.success() {
+        return Err(format!(
+            "wrk failed ({}): {}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr)
+        ));
+    }
+    parse_wrk(&String::from_utf8_lossy(&out.stdout))
+}
+
+/// One TCP run: set up, check, wrk, tear down (always, also after a failure).
+fn tcp_run(ctx: &Ctx, o: &Opts, mech: Mech) -> (Res<Wrk>, Res<()>) {
+    let mut running = match start(ctx, mech) {
+        Ok(r) => r,
+        Err(e) => return (Err(e), Ok(())),
+    };
+    let result = (|| {
+        let seen = check_serves(ctx.t, 30)?;
+        if seen < BACKENDS {
+            return Err(format!(
+                "only {seen} of {BACKENDS} backends answered 30 requests"
+            ));
+        }
+        check_interrupt()?;
+        let before = tcp_retransmits(ctx.t)?;
+        let mut w = run_wrk(ctx.t, o)?;
+        w.retrans = tcp_retransmits(ctx.t)?.saturating_sub(before);
+        Ok(w)
+    })();
+    let stopped = stop(ctx, mech, &mut running);
+    (result, stopped)
+}
+
+/// `RetransSegs` of /proc/net/snmp in `ns` (procfs shows the reader's namespace).
+fn retrans_segs(ns: &xlb_tests::netns::Netns) -> Res<u64> {
+    let snmp = sh_in(ns, "cat /proc/net/snmp")?;
+    let mut tcp = snmp.lines().filter(|l| l.starts_with("Tcp:"));
+    let (Some(names), Some(values)) = (tcp.next(), tcp.next()) else {
+        return Err("no Tcp lines in /proc/net/snmp".into());
+    };
+    names
+        .split_whitespace()
+        .zip(values.split_whitespace())
+        .find(|(n, _)| *n == "RetransSegs")
+        .and_then(|(_, v)| v.parse().ok())
+        .ok_or_else(|| "no RetransSegs in /proc/net/snmp".into())
+}
+
+/// Retransmitted TCP segments of the client and all backends.
+fn tcp_retransmits(t: &Topology) -> Res<u64> {
+    let mut sum = retrans_segs(&t.client)?;
+    for b in &t.backends {
+        sum += retrans_segs(b)?;
+    }
+    Ok(sum)
+}
+
+struct Sinks {
+    counts: Vec<Arc<AtomicU64>>,
+    stop: Arc<AtomicBool>,
+    threads: Vec<JoinHandle<()>>,
+}
+
+impl Sinks {
+    /// A UDP socket on :5353 in each backend, counting datagrams.
+    fn start(t: &Topology) -> Res<Self> {
+        let stop = Arc::new(AtomicBool::new(false));
+        let mut counts = Vec::new();
+        let mut threads = Vec::new();
+        for b in &t.backends {
+            let count = Arc::new(AtomicU64::new(0));
+            let (ready_tx, ready_rx) = std::sync::mpsc::channel();
+            let (c, s) = (count.clone(), stop.clone());
+            threads.push(in_ns(&b.name, move || {
+                let sock = match UdpSocket::bind(("0.0.0.0", UDP_BACKEND_PORT)) {
+                    Ok(s) => s,
+                    Err(e) => {
+                        let _ = ready_tx.send(Err(e.to_string()));
+                        return;
+                    }
+                };
+                set_rcvbuf(&sock, 8 << 20);
+                let _ = sock.set_read_timeout(Some(Duration::from_millis(100)));
+                let _ = ready_tx.send(Ok(()));
+                let mut buf = [0u8; 2048];
+                while !s.load(Ordering::Relaxed) {
+                    if sock.recv(&mut buf).is_ok() {
+                        c.fetch_add(1, Ordering::Relaxed);
+                    }
+                }
+            }));
+            ready_rx
+                .recv()
+                .map_err(|_| "UDP sink thread died".to_string())?
+                .map_err(|e| format!("UDP sink in {}: {e}", b.name))?;
+            counts.push(count);
+        }
+        Ok(Self {
+            counts,
+            stop,
+            threads,
+        })
+    }
+
+    fn total(&self) -> u64 {
+        self.counts.iter().map(|c| c.load(Ordering::Relaxed)).sum()
+    }
+}
+
+impl Drop for Sinks {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        for t in self.threads.drain(..) {
+            let _ = t.join();
+        }
+    }
+}
+
+fn set_rcvbuf(sock: &UdpSocket, bytes: libc::c_int) {
+    // SO_RCVBUFFORCE (root) goes past net.core.rmem_max.
+    // SAFETY: setsockopt with a valid fd and an int option.
+    unsafe {
+        libc::setsockopt(
+            sock.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_RCVBUFFORCE,
+            &bytes as *const libc::c_int as *const libc::c_void,
+            std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+        );
+    }
+}
+
+/// Received packets of eth0 in each backend (what the LB delivered).
+fn backend_rx(t: &Topology) -> Res<u64> {
+    let mut sum = 0;
+    for b in &t.backends {
+        let out = netns_exec(b, "cat /sys/class/net/eth0/statistics/rx_packets")?;
+        sum += out
+            .trim()
+            .parse::<u64>()
+            .map_err(|e| format!("rx_packets of {}: {e}", b.name))?;
+    }
+    Ok(sum)
+}
+
+/// A command in `ns` through `ip netns exec`, which (unlike nsenter) mounts
+/// the namespace's own /sys, where its interfaces' counters are.
+fn netns_exec(ns: &xlb_tests::netns::Netns, cmd: &str) -> Res<String> {
+    let out = std::process::Command::new("ip")
+        .args(["netns", "exec", &ns.name, "sh", "-c", cmd])
+        .output()
+        .map_err(|e| e.to_string())?;
+    if !out.status.success() {
+        return Err(format!(
+            "`{cmd}` in {}: {}",
+            ns.name,
+            String::from_utf8_lossy(&out.stderr)
+        ));
+    }
+    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+}
+
+struct Blast {
+    sent: u64,
+    blocked: u64,
+    errors: u64,
+    secs: f64,
+}
+
+/// Sends datagrams to VIP:53 from the client as fast as it can.
+fn blast(t: &Topology, o: &Opts, duration: Duration) -> Res<Blast> {
+    let per_thread = o.udp_sockets / o.udp_senders;
+    let payload = o.udp_payload;
+    let handles: Vec<_> = (0..o.udp_senders)
+        .map(|_| {
+            in_ns(&t.client.name, move || -> Res<Blast> {
+                let socks: Vec<UdpSocket> = (0..per_thread)
+                    .map(|_| {
+                        let s = UdpSocket::bind((CLIENT_IP, 0)).map_err(|e| e.to_string())?;
+                        s.connect((VIP, UDP_PORT)).map_err(|e| e.to_string())?;
+                        s.set_nonblocking(true).map_err(|e| e.to_string())?;
+                        Ok(s)
+                    })
+                    .collect::<Res<_>>()?;
+                let buf = vec![0x5au8; payload];
+                let (mut sent, mut blocked, mut errors) = (0u64, 0u64, 0u64);
+                let start = Instant::now();
+                let end = start + duration;
+                'outer: loop {
+                    for _ in 0..64 {
+                        for s in &socks {
+                            match s.send(&buf) {
+                                Ok(_) => sent += 1,
+                                Err(e) if e.kind() == ErrorKind::WouldBlock => blocked += 1,
+                                Err(_) => errors += 1,
+                            }
+                        }
+                    }
+                    if Instant::now() >= end || interrupted() {
+                        break 'outer;
+                    }
+                }
+                Ok(Blast {
+                    sent,
+                    blocked,
+                    errors,
+                    secs: start.elapsed().as_secs_f64(),
+                })
+            })
+        })
+        .collect();
+    let mut total = Blast {
+        sent: 0,
+        blocked: 0,
+        errors: 0,
+        secs: 0.0,
+    };
+    for h in handles {
+        let b = h.join().map_err(|_| "UDP sender panicked".to_string())??;
+        total.sent += b.sent;
+        total.blocked += b.blocked;
+        total.errors += b.errors;
+        total.secs = total.secs.max(b.secs);
+    }
+    Ok(total)
+}
+
+#[derive(Clone, Debug, Default)]
+struct UdpResult {
+    sent_pps: f64,
+    nic_pps: f64,
+    sink_pps: f64,
+    /// Share of the sent datagrams that did not reach a backend.
+    lost_pct: f64,
+    /// Probe datagrams (of 30, sent one at a time) that arrived.
+    probe: u64,
+}
+
+/// One UDP run; `start`/`stop` as for TCP.
+fn udp_run(ctx: &Ctx, o: &Opts, sinks: &Sinks, mech: Mech) -> (Res<UdpResult>, Res<()>) {
+    let mut running = match start(ctx, mech) {
+        Ok(r) => r,
+        Err(e) => return (Err(e), Ok(())),
+    };
+    let result = (|| {
+        // The path must work: 30 datagrams, all of them counted.
+        let before = sinks.total();
+        blast_few(ctx.t, 30)?;
+        std::thread::sleep(Duration::from_millis(300));
+        let probe = sinks.total() - before;
+        if probe == 0 {
+            return Err("none of 30 test datagrams reached the sinks".into());
+        }
+        let (sink0, rx0) = (sinks.total(), backend_rx(ctx.t)?);
+        let b = blast(ctx.t, o, Duration::from_secs(o.udp_duration))?;
+        check_interrupt()?;
+        std::thread::sleep(Duration::from_millis(300));
+        let (sink1, rx1) = (sinks.total(), backend_rx(ctx.t)?);
+        if b.sent == 0 {
+            return Err(format!(
+                "the sender sent nothing ({} would block, {} errors)",
+                b.blocked, b.errors
+            ));
+        }
+        Ok(UdpResult {
+            sent_pps: b.sent as f64 / b.secs,
+            nic_pps: (rx1 - rx0) as f64 / b.secs,
+            sink_pps: (sink1 - sink0) as f64 / b.secs,
+            lost_pct: b.sent.saturating_sub(rx1 - rx0) as f64 * 100.0 / b.sent as f64,
+            probe,
+        })
+    })();
+    let mut stopped = stop(ctx, mech, &mut running);
+    if stopped.is_ok() {
+        // No UDP forwarding left either.
+        let before = sinks.total();
+        stopped = blast_few(ctx.t, 10).and_then(|_| {
+            std::thread::sleep(Duration::from_millis(200));
+            match sinks.total() - before {
+                0 => Ok(()),
+                n => Err(format!(
+                    "{n} datagrams still forwarded after removing {}",
+                    mech.id()
+                )),
+            }
+        });
+    }
+    (result, stopped)
+}
+
+fn blast_few(t: &Topology, n: usize) -> Res<()> {
+    run_in(&t.client, move || -> Res<()> {
+        let s = UdpSocket::bind((CLIENT_IP, 0)).map_err(|e| e.to_string())?;
+        for _ in 0..n {
+            let _ = s.send_to(b"probe", (VIP, UDP_PORT));
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        Ok(())
+    })?
+}
+
+/// VIP of service `i` of the memory test: 192.0.2.0/24, then 198.18.0.0/15.
+fn mem_vip(i: usize) -> std::net::Ipv4Addr {
+    if i < 256 {
+        std::net::Ipv4Addr::new(192, 0, 2, i as u8)
+    } else {
+        std::net::Ipv4Addr::from(
+            u32::from(std::net::Ipv4Addr::new(198, 18, 0, 0)) + (i - 256) as u32,
+        )
+    }
+}
+
+fn mem_backend(i: usize, j: usize) -> std::net::Ipv4Addr {
+    std::net::Ipv4Addr::new(
+        10,
+        2 + (j / 250) as u8,
+        (i % 256) as u8,
+        (j % 250) as u8 + 1,
+    )
+}
+
+fn mem_config(services: usize, per: usize, changed: bool) -> String {
+    let mut s = format!(
+        "interfaces: [lbc]\nmetrics_addr: {MEM_METRICS}\nmaglev_pool_entries: 32768000\nservices:\n"
+    );
+    for i in 0..services {
+        let _ = writeln!(
+            s,
+            "  - name: svc-{i}\n    vip: {}\n    port: 80\n    table_size: 16381\n    backends:",
+            mem_vip(i)
+        );
+        for j in 0..per {
+            let ip = if changed && i == 0 && j == 0 {
+                std::net::Ipv4Addr::new(10, 250, 0, 1)
+            } else {
+                mem_backend(i, j)
+            };
+            let _ = writeln!(s, "      - {{ ip: {ip}, port: 8080 }}");
+        }
+    }
+    s
+}
+
+struct MemResult {
+    services: usize,
+    per: usize,
+    outcome: Res<MemNumbers>,
+}
+
+struct MemNumbers {
+    ready_s: f64,
+    rss_kb: u64,
+    anon_kb: u64,
+    file_kb: u64,
+    hwm_kb: u64,
+    after_reload_rss_kb: u64,
+    after_reload_anon_kb: u64,
+    reload: Res<(f64, String)>,
+}
+
+fn status_kb(pid: u32, field: &str) -> u64 {
+    fs::read_to_string(format!("/proc/{pid}/status"))
+        .unwrap_or_default()
+        .lines()
+        .find_map(|l| {
+            l.strip_prefix(field)?
+                .trim()
+                .strip_suffix("kB")?
+                .trim()
+                .parse()
+                .ok()
+        })
+        .unwrap_or(0)
+}
+
+fn memory_test(ctx: &Ctx, services: usize, per: usize) -> Res<MemNumbers> {
+    let t = ctx.t;
+    let cfg = t.dir.join("mem.yaml");
+    write(&cfg, &mem_config(services, per, false))?;
+    let pin_dir = PathBuf::from(format!("/sys/fs/bpf/xlb-{PREFIX}-mem"));
+    let log = t.dir.join("lb-agent-mem.log");
+    let mut agent = Agent::spawn(
+        ctx.bins,
+        &t.lb,
+        &cfg,
+        &pin_dir,
+        MEM_METRICS.parse().unwrap(),
+        &log,
+    )?;
+    let ready = agent.wait_ready(Duration::from_secs(300))?;
+    let pid = agent.pid().ok_or("no agent pid")?;
+    // Let the start settle (first scrape, allocator) before reading.
+    sleep_interruptible(Duration::from_secs(1))?;
+    let rss = status_kb(pid, "VmRSS:");
+    let anon = status_kb(pid, "RssAnon:");
+    let file = status_kb(pid, "RssFile:");
+    let reload = (|| -> Res<(f64, String)> {
+        // Write-and-rename so the agent never reads half a file.
+        let tmp = t.dir.join("mem.yaml.new");
+        write(&tmp, &mem_config(services, per, true))?;
+        fs::rename(&tmp, &cfg).map_err(|e| e.to_string())?;
+        let start = Instant::now();
+        // Wait for the log line (scraping /metrics meanwhile would compete
+        // with the reload for the data-plane lock).
+        let line = loop {
+            check_interrupt()?;
+            let text = strip_ansi(&fs::read_to_string(&log).unwrap_or_default());
+            if let Some(l) = text
+                .lines()
+                .find(|l| l.contains("config reloaded") || l.contains("config rejected"))
+            {
+                break l.to_string();
+            }
+            if start.elapsed() > Duration::from_secs(120) {
+                return Err("no reload within 120 s of the file change".into());
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        };
+        if line.contains("config rejected") {
+            return Err(format!("reload rejected: {line}"));
+        }
+        let took = line
+            .split_whitespace()
+            .find_map(|w| w.strip_prefix("took="))
+            .unwrap_or("?")
+            .to_string();
+        let (_, text) = agent.get("/metrics", Duration::from_secs(30))?;
+        let sum = metric(&text, "xlb_config_reload_duration_seconds_sum");
+        let count = metric(&text, "xlb_config_reload_duration_seconds_count");
+        match (sum, count) {
+            (Some(s), Some(c)) if c >= 1.0 => Ok((s / c, took)),
+            _ => Err(format!("no reload histogram in /metrics (log: {line})")),
+        }
+    })();
+    let after = status_kb(pid, "VmRSS:");
+    let after_anon = status_kb(pid, "RssAnon:");
+    let hwm = status_kb(pid, "VmHWM:");
+    agent.stop()?;
+    Ok(MemNumbers {
+        ready_s: ready.as_secs_f64(),
+        rss_kb: rss,
+        anon_kb: anon,
+        file_kb: file,
+        hwm_kb: hwm,
+        after_reload_rss_kb: after,
+        after_reload_anon_kb: after_anon,
+        reload,
+    })
+}
+
+fn mb(kb: u64) -> String {
+    format!("{:.1} MB", kb as f64 / 1024.0)
+}
+
+fn fmt_ms(ms: f64) -> String {
+    if ms.is_nan() {
+        "-".into()
+    } else if ms < 1.0 {
+        format!("{:.0} µs", ms * 1000.0)
+    } else {
+        format!("{ms:.2} ms")
+    }
+}
+
+fn short_err(e: &str) -> String {
+    let first = e.lines().next().unwrap_or(e);
+    let mut s: String = first.chars().take(160).collect();
+    if s.len() < first.len() {
+        s.push('…');
+    }
+    s.replace('|', "\\|")
+}
+
+struct TcpSummary {
+    mech: Mech,
+    runs: Vec<Wrk>,
+    errors: Vec<String>,
+    /// Requests/s of each round (None: the run failed).
+    per_round: Vec<Option<f64>>,
+}
+
+/// The median over rounds of `a / b` (rounds where both ran): a ratio
+/// within each round, so that a round the whole machine ran slow in
+/// does not skew it.
+fn ratio_per_round(a: &[Option<f64>], b: &[Option<f64>]) -> Option<f64> {
+    let r: Vec<f64> = a
+        .iter()
+        .zip(b)
+        .filter_map(|(x, y)| Some(x.as_ref()? / y.as_ref()?))
+        .collect();
+    (!r.is_empty()).then(|| median(&r))
+}
+
+impl TcpSummary {
+    fn med(&self, f: impl Fn(&Wrk) -> f64) -> f64 {
+        median(&self.runs.iter().map(f).collect::<Vec<_>>())
+    }
+}
+
+struct UdpSummary {
+    mech: Mech,
+    runs: Vec<UdpResult>,
+    errors: Vec<String>,
+    /// Datagrams/s received by the sinks, per round.
+    per_round: Vec<Option<f64>>,
+}
+
+impl UdpSummary {
+    fn med(&self, f: impl Fn(&UdpResult) -> f64) -> f64 {
+        median(&self.runs.iter().map(f).collect::<Vec<_>>())
+    }
+}
+
+fn main() -> ExitCode {
+    install_sigint_flag();
+    let opts = match parse_args() {
+        Ok(o) => o,
+        Err(e) => {
+            eprintln!("{e}");
+            return ExitCode::from(2);
+        }
+    };
+    let r = run(&opts);
+    if interrupted() {
+        eprintln!("\ninterrupted: namespaces, agents, rules and proxies removed");
+        return ExitCode::from(130);
+    }
+    match r {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("\nend-to-end benchmark failed: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn cmd_line(cmd: &str) -> String {
+    std::process::Command::new("sh")
+        .args(["-c", cmd])
+        .output()
+        .map(|o| {
+            String::from_utf8_lossy(&o.stdout).trim().to_string()
+                + String::from_utf8_lossy(&o.stderr).trim()
+        })
+        .unwrap_or_default()
+}
+
+fn run(o: &Opts) -> Res<()> {
+    let mut bins = Bins::locate()?;
+    if let Some(p) = &o.lb_agent {
+        if !p.exists() {
+            return Err(format!("--lb-agent {}: no such file", p.display()));
+        }
+        println!("lb-agent: {}", p.display());
+        bins.lb_agent = p.clone();
+    }
+    let started = Instant::now();
+    let kernel = cmd_line("uname -r");
+    let cpus = std::thread::available_parallelism().map_or(0, |n| n.get());
+    println!(
+        "xlb end to end: client -> load balancer -> {BACKENDS} nginx backends in network namespaces \
+         (Linux {kernel}, {cpus} CPUs)"
+    );
+    let t = Topology::new(PREFIX, BACKENDS);
+    let ctx = Ctx {
+        t: &t,
+        bins: &bins,
+        xdp_mode: o.xdp_mode.clone(),
+    };
+    let mut md = String::new();
+    let mut tcp: Vec<TcpSummary> = o
+        .cases
+        .iter()
+        .map(|&mech| TcpSummary {
+            mech,
+            runs: vec![],
+            errors: vec![],
+            per_round: vec![],
+        })
+        .collect();
+    if o.tcp {
+        println!(
+            "\nTCP: wrk -t{} -c{} -d{}s --latency http://{VIP}/ from the client, {} rounds of {}",
+            o.threads,
+            o.connections,
+            o.duration,
+            o.rounds,
+            o.cases
+                .iter()
+                .map(|m| m.id())
+                .collect::<Vec<_>>()
+                .join(", ")
+        );
+        for round in 1..=o.rounds {
+            println!("round {round}/{}", o.rounds);
+            for s in tcp.iter_mut() {
+                check_interrupt()?;
+                let (r, stopped) = tcp_run(&ctx, o, s.mech);
+                check_interrupt()?;
+                match r {
+                    Ok(w) => {
+                        println!(
+                            "  {:<38} {:>9.0} req/s  p50 {:>9}  p90 {:>9}  p99 {:>9}  errors {}  retransmits {}",
+                            s.mech.label(&o.xdp_mode),
+                            w.rps,
+                            fmt_ms(w.p50_ms),
+                            fmt_ms(w.p90_ms),
+                            fmt_ms(w.p99_ms),
+                            w.errors,
+                            w.retrans
+                        );
+                        s.per_round.push(Some(w.rps));
+                        s.runs.push(w);
+                    }
+                    Err(e) => {
+                        println!("  {:<38} FAILED: {e}", s.mech.label(&o.xdp_mode));
+                        s.per_round.push(None);
+                        s.errors.push(e);
+                    }
+                }
+                // A mechanism that cannot be removed would falsify every later case.
+                stopped.map_err(|e| format!("removing {}: {e}", s.mech.id()))?;
+            }
+        }
+        let _ = writeln!(
+            md,
+            "TCP, `wrk -t{} -c{} -d{}s --latency http://{VIP}/`, {} interleaved rounds; each column is \
+             the median of the rounds, \"vs xlb\" the median of the per-round ratios:\n",
+            o.threads, o.connections, o.duration, o.rounds
+        );
+        md.push_str(
+            "| case | requests/s | min - max | p50 | p90 | p99 | TCP retransmits | vs xlb |\n",
+        );
+        md.push_str("|---|---:|---:|---:|---:|---:|---:|---:|\n");
+        let xlb_rounds = tcp
+            .iter()
+            .find(|s| s.mech == Mech::Xlb)
+            .map(|s| s.per_round.clone());
+        for s in &tcp {
+            if s.runs.is_empty() {
+                let _ = writeln!(
+                    md,
+                    "| {} | failed: {} | | | | | | |",
+                    s.mech.label(&o.xdp_mode),
+                    short_err(s.errors.first().map_or("no run", |e| e.as_str()))
+                );
+                continue;
+            }
+            let rps = s.med(|w| w.rps);
+            let min = s.runs.iter().map(|w| w.rps).fold(f64::INFINITY, f64::min);
+            let max = s.runs.iter().map(|w| w.rps).fold(0.0, f64::max);
+            let errors: u64 = s.runs.iter().map(|w| w.errors).sum();
+            let vs = xlb_rounds
+                .as_ref()
+                .and_then(|x| ratio_per_round(&s.per_round, x))
+                .map_or("-".into(), |r| format!("{r:.2}x"));
+            let _ = writeln!(
+                md,
+                "| {}{} | {} | {} - {} | {} | {} | {} | {} | {vs} |",
+                s.mech.label(&o.xdp_mode),
+                if errors > 0 {
+                    format!(" ({errors} socket errors)")
+                } else {
+                    String::new()
+                },
+                thousands(rps as u64),
+                thousands(min as u64),
+                thousands(max as u64),
+                fmt_ms(s.med(|w| w.p50_ms)),
+                fmt_ms(s.med(|w| w.p90_ms)),
+                fmt_ms(s.med(|w| w.p99_ms)),
+                thousands(s.med(|w| w.retrans as f64) as u64),
+            );
+            if !s.errors.is_empty() {
+                let _ = writeln!(
+                    md,
+                    "| ↳ {} failed run(s): {} | | | | | | | |",
+                    s.errors.len(),
+                    short_err(&s.errors[0])
+                );
+            }
+        }
+        md.push('\n');
+    }
+
+    let mut udp: Vec<UdpSummary> = [Mech::Xlb, Mech::Nftables]
+        .into_iter()
+        .map(|mech| UdpSummary {
+            mech,
+            runs: vec![],
+            errors: vec![],
+            per_round: vec![],
+        })
+        .collect();
+    if o.udp {
+        println!(
+            "\nUDP: {} sender thread(s), {} sockets, {}-byte datagrams to {VIP}:{UDP_PORT} for {} s; \
+             sinks on :{UDP_BACKEND_PORT} in the backends; {} rounds",
+            o.udp_senders, o.udp_sockets, o.udp_payload, o.udp_duration, o.rounds
+        );
+        let sinks = Sinks::start(&t)?;
+        for round in 1..=o.rounds {
+            println!("round {round}/{}", o.rounds);
+            for s in udp.iter_mut() {
+                check_interrupt()?;
+                let (r, stopped) = udp_run(&ctx, o, &sinks, s.mech);
+                check_interrupt()?;
+                match r {
+                    Ok(u) => {
+                        println!(
+                            "  {:<38} sent {:>8.0}/s  forwarded (backend NICs) {:>8.0}/s  received by sinks {:>8.0}/s  lost {:.1}%  probe {}/30",
+                            s.mech.label(&o.xdp_mode),
+                            u.sent_pps,
+                            u.nic_pps,
+                            u.sink_pps,
+                            u.lost_pct,
+                            u.probe
+                        );
+                        s.per_round.push(Some(u.sink_pps));
+                        s.runs.push(u);
+                    }
+                    Err(e) => {
+                        println!("  {:<38} FAILED: {e}", s.mech.label(&o.xdp_mode));
+                        s.per_round.push(None);
+                        s.errors.push(e);
+                    }
+                }
+                stopped.map_err(|e| format!("removing {}: {e}", s.mech.id()))?;
+            }
+        }
+        drop(sinks);
+        let _ = writeln!(
+            md,
+            "UDP, {} sender thread(s) on {} sockets, {}-byte datagrams for {} s, {} interleaved rounds; \
+             medians, and the median of the per-round ratios:\n",
+            o.udp_senders, o.udp_sockets, o.udp_payload, o.udp_duration, o.rounds
+        );
+        md.push_str(
+            "| case | sent/s | forwarded/s (backend NICs) | received by sinks/s | lost | probes arrived | sinks vs nftables |\n",
+        );
+        md.push_str("|---|---:|---:|---:|---:|---:|---:|\n");
+        let nft_rounds = udp
+            .iter()
+            .find(|s| s.mech == Mech::Nftables)
+            .map(|s| s.per_round.clone());
+        for s in &udp {
+            if s.runs.is_empty() {
+                let _ = writeln!(
+                    md,
+                    "| {} | failed: {} | | | | | |",
+                    s.mech.label(&o.xdp_mode),
+                    short_err(s.errors.first().map_or("no run", |e| e.as_str()))
+                );
+                continue;
+            }
+            let sink = s.med(|u| u.sink_pps);
+            let _ = writeln!(
+                md,
+                "| {} | {} | {} | {} | {:.1}% | {}/30 | {} |",
+                s.mech.label(&o.xdp_mode),
+                thousands(s.med(|u| u.sent_pps) as u64),
+                thousands(s.med(|u| u.nic_pps) as u64),
+                thousands(sink as u64),
+                s.med(|u| u.lost_pct),
+                s.med(|u| u.probe as f64),
+                nft_rounds
+                    .as_ref()
+                    .and_then(|n| ratio_per_round(&s.per_round, n))
+                    .map_or("-".into(), |r| format!("{r:.2}x"))
+            );
+        }
+        md.push('\n');
+    }
+
+    let mut mem: Vec<MemResult> = Vec::new();
+    if o.memory {
+        let (n, per) = (o.services, o.backends_per_service);
+        println!(
+            "\nagent memory and reload: {n} services x {per} backends (table_size 16381 each)"
+        );
+        let r = memory_test(&ctx, n, per);
+        check_interrupt()?;
+        let full = matches!(&r, Err(e) if e.contains("is full"));
+        report_mem(n, per, &r);
+        mem.push(MemResult {
+            services: n,
+            per,
+            outcome: r,
+        });
+        let max_backends = lb_common::MAX_BACKENDS as usize;
+        if full && n * per > max_backends {
+            // The data plane's backend table holds fewer: measure the largest
+            // configuration that fits, with the same backends per service.
+            let fit = max_backends / per;
+            println!(
+                "  retrying with {fit} services x {per} backends ({} backends, the data plane holds {max_backends})",
+                fit * per
+            );
+            let r = memory_test(&ctx, fit, per);
+            check_interrupt()?;
+            report_mem(fit, per, &r);
+            mem.push(MemResult {
+                services: fit,
+                per,
+                outcome: r,
+            });
+        }
+        md.push_str(
+            "Agent with many services (no health checks, `maglev_pool_entries: 32768000`):\n\n",
+        );
+        md.push_str("| services x backends | start to ready | VmRSS | RssFile (mapped MAGLEV pool) | RssAnon (heap) | after the reload: VmRSS / RssAnon | VmHWM | reload (1 backend changed) |\n");
+        md.push_str("|---|---:|---:|---:|---:|---:|---:|---:|\n");
+        for m in &mem {
+            match &m.outcome {
+                Ok(x) => {
+                    let reload = match &x.reload {
+                        Ok((secs, took)) => format!("{:.0} ms (log: took={took})", secs * 1000.0),
+                        Err(e) => format!("failed: {}", short_err(e)),
+                    };
+                    let _ = writeln!(
+                        md,
+                        "| {} x {} | {:.1} s | {} | {} | {} | {} / {} | {} | {reload} |",
+                        m.services,
+                        m.per,
+                        x.ready_s,
+                        mb(x.rss_kb),
+                        mb(x.file_kb),
+                        mb(x.anon_kb),
+                        mb(x.after_reload_rss_kb),
+                        mb(x.after_reload_anon_kb),
+                        mb(x.hwm_kb),
+                    );
+                }
+                Err(e) => {
+                    let _ = writeln!(
+                        md,
+                        "| {} x {} | failed: {} | | | | | | |",
+                        m.services,
+                        m.per,
+                        short_err(&summarize_agent_error(e))
+                    );
+                }
+            }
+        }
+        md.push('\n');
+    }
+
+    println!("\n---- results (markdown) ----\n");
+    print!("{md}");
+    if let Some(path) = &o.svg {
+        let svg = svg(&tcp, &udp, o, &format!("Linux {kernel}, {cpus} CPUs"));
+        match fs::write(path, svg) {
+            Ok(()) => println!("chart: {}", path.display()),
+            Err(e) => println!("chart: writing {}: {e}", path.display()),
+        }
+    }
+    println!("total time {:.0} s", started.elapsed().as_secs_f64());
+    Ok(())
+}
+
+/// The most telling line of an agent failure (its error, not the log's
+/// tail), with a long list of per-service errors cut to its first two.
+fn summarize_agent_error(e: &str) -> String {
+    let line = e
+        .lines()
+        .rev()
+        .find(|l| l.starts_with("lb-agent:"))
+        .or_else(|| e.lines().rev().find(|l| l.contains("ERROR")))
+        .unwrap_or_else(|| e.lines().next().unwrap_or(e));
+    let line = line
+        .split_once("ERROR")
+        .map_or(line, |x| x.1)
+        .trim_start_matches("lb-agent:")
+        .trim();
+    let parts: Vec<&str> = line.split("; ").collect();
+    if parts.len() > 2 {
+        format!(
+            "{}; {}; ... ({} services refused)",
+            parts[0],
+            parts[1],
+            parts.len()
+        )
+    } else {
+        line.to_string()
+    }
+}
+
+fn report_mem(n: usize, per: usize, r: &Res<MemNumbers>) {
+    match r {
+        Ok(x) => {
+            println!(
+                "  {n} x {per}: ready after {:.1} s; VmRSS {} (RssAnon {}, RssFile {}); after the reload VmRSS {} (RssAnon {}); VmHWM {}",
+                x.ready_s,
+                mb(x.rss_kb),
+                mb(x.anon_kb),
+                mb(x.file_kb),
+                mb(x.after_reload_rss_kb),
+                mb(x.after_reload_anon_kb),
+                mb(x.hwm_kb),
+            );
+            match &x.reload {
+                Ok((s, took)) => println!(
+                    "  reload after one backend changed: {:.0} ms (histogram), log took={took}",
+                    s * 1000.0
+                ),
+                Err(e) => println!("  reload FAILED: {e}"),
+            }
+        }
+        Err(e) => println!("  {n} x {per}: FAILED: {}", summarize_agent_error(e)),
+    }
+}
+
+/// Two bar charts side by side: TCP requests/s (p99 under each bar) and UDP
+/// datagrams/s received by the sinks.
+fn svg(tcp: &[TcpSummary], udp: &[UdpSummary], o: &Opts, machine: &str) -> String {
+    const H: f64 = 380.0;
+    const TOP: f64 = 60.0;
+    const BASE: f64 = 290.0;
+    let mut s = String::new();
+    let tcp_w = 110.0 * tcp.len().max(1) as f64 + 60.0;
+    let udp_w = 130.0 * udp.len().max(1) as f64 + 60.0;
+    let width = tcp_w + udp_w + 40.0;
+    let _ = writeln!(
+        s,
+        "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{width}\" height=\"{H}\" viewBox=\"0 0 {width} {H}\" \
+         font-family=\"sans-serif\" font-size=\"12\">\n<rect width=\"100%\" height=\"100%\" fill=\"white\"/>"
+    );
+    let color = |m: Mech| match m {
+        Mech::Xlb => "#d9480f",
+        Mech::Iptables => "#5c7cfa",
+        Mech::Nftables => "#4c6ef5",
+        Mech::Nginx => "#2b8a3e",
+        Mech::Haproxy => "#5f3dc4",
+    };
+    let _ = writeln!(
+        s,
+        "<text x=\"20\" y=\"{}\" fill=\"#555\" font-size=\"11\">cargo xtask bench: client, load balancer and 3 nginx backends in network namespaces (veth); {machine}. Higher is better.</text>",
+        H - 12.0
+    );
+    let mut panel =
+        |x0: f64, title: &str, bars: Vec<(Mech, f64, String)>, bar_w: f64, step: f64| {
+            let _ = writeln!(
+                s,
+                "<text x=\"{}\" y=\"24\" font-size=\"14\" font-weight=\"bold\">{title}</text>",
+                x0
+            );
+            let max = bars.iter().map(|b| b.1).fold(0.0, f64::max).max(1.0);
+            let _ = writeln!(
+                s,
+                "<line x1=\"{x0}\" y1=\"{BASE}\" x2=\"{}\" y2=\"{BASE}\" stroke=\"#333\"/>",
+                x0 + step * bars.len() as f64
+            );
+            for (i, (m, v, under)) in bars.iter().enumerate() {
+                let x = x0 + 10.0 + step * i as f64;
+                let h = if v.is_nan() {
+                    0.0
+                } else {
+                    (BASE - TOP) * v / max
+                };
+                let _ = writeln!(
+                    s,
+                    "<rect x=\"{x}\" y=\"{:.1}\" width=\"{bar_w}\" height=\"{h:.1}\" fill=\"{}\"/>",
+                    BASE - h,
+                    color(*m)
+                );
+                let label = if v.is_nan() || *v == 0.0 {
+                    "failed".to_string()
+                } else {
+                    thousands(*v as u64)
+                };
+                let cx = x + bar_w / 2.0;
+                let _ = writeln!(
+                    s,
+                    "<text x=\"{cx}\" y=\"{:.1}\" text-anchor=\"middle\">{label}</text>",
+                    BASE - h - 6.0
+                );
+                let _ = writeln!(
+                    s,
+                    "<text x=\"{cx}\" y=\"{}\" text-anchor=\"middle\">{}</text>",
+                    BASE + 16.0,
+                    m.short()
+                );
+                let _ = writeln!(
+                    s,
+                    "<text x=\"{cx}\" y=\"{}\" text-anchor=\"middle\" fill=\"#555\">{under}</text>",
+                    BASE + 32.0
+                );
+            }
+        };
+    let nft_rounds: Vec<Option<f64>> = udp
+        .iter()
+        .find(|u| u.mech == Mech::Nftables)
+        .map_or(vec![], |u| u.per_round.clone());
+    panel(
+        20.0,
+        &format!(
+            "TCP requests/s (wrk -c{} -d{}s, median of {}), p99 below",
+            o.connections, o.duration, o.rounds
+        ),
+        tcp.iter()
+            .map(|t| {
+                let rps = if t.runs.is_empty() {
+                    f64::NAN
+                } else {
+                    t.med(|w| w.rps)
+                };
+                let p99 = if t.runs.is_empty() {
+                    String::new()
+                } else {
+                    format!("p99 {}", fmt_ms(t.med(|w| w.p99_ms)))
+                };
+                (t.mech, rps, p99)
+            })
+            .collect(),
+        80.0,
+        110.0,
+    );
+    panel(
+        tcp_w + 40.0,
+        &format!("UDP datagrams/s received ({}-byte)", o.udp_payload),
+        udp.iter()
+            .map(|u| {
+                let pps = if u.runs.is_empty() {
+                    f64::NAN
+                } else {
+                    u.med(|r| r.sink_pps)
+                };
+                let under = match ratio_per_round(&u.per_round, &nft_rounds) {
+                    Some(r) if u.mech != Mech::Nftables => format!("{r:.2}x nftables"),
+                    _ => String::new(),
+                };
+                (u.mech, pps, under)
+            })
+            .collect(),
+        90.0,
+        130.0,
+    );
+    s.push_str("</svg>\n");
+    s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ratios_are_taken_within_rounds() {
+        let a = [Some(200.0), Some(50.0), None, Some(30.0)];
+        let b = [Some(100.0), Some(100.0), Some(1.0), Some(10.0)];
+        assert_eq!(ratio_per_round(&a, &b), Some(2.0));
+        assert_eq!(ratio_per_round(&[None], &b), None);
+    }
+
+    #[test]
+    fn parses_wrk_output() {
+        let out = "Running 10s test @ http://192.0.2.10/
+  2 threads and 64 connections
+  Thread Stats   Avg      Stdev     Max   +/- Stdev
+    Latency     2.10ms    1.00ms  30.00ms   90.00%
+    Req/Sec    15.00k     1.00k   17.00k    70.00%
+  Latency Distribution
+     50%  850.00us
+     75%    2.00ms
+     90%    3.10ms
+     99%    1.20s
+  300000 requests in 10.00s, 45.00MB read
+  Socket errors: connect 0, read 2, write 0, timeout 3
+  Non-2xx or 3xx responses: 4
+Requests/sec:  29999.50
+Transfer/sec:      4.50MB
+";
+        let w = parse_wrk(out).unwrap();
+        assert_eq!(w.rps, 29999.5);
+        assert!((w.p50_ms - 0.85).abs() < 1e-9);
+        assert_eq!(w.p90_ms, 3.1);
+        assert_eq!(w.p99_ms, 1200.0);
+        assert_eq!(w.requests, 300000);
+        assert_eq!(w.errors, 9);
+        assert!(parse_wrk("garbage").is_err());
+    }
+
+    #[test]
+    fn memory_config_addresses_are_distinct() {
+        let vips: std::collections::BTreeSet<_> = (0..1000).map(mem_vip).collect();
+        assert_eq!(vips.len(), 1000);
+        assert_eq!(mem_vip(256), std::net::Ipv4Addr::new(198, 18, 0, 0));
+        assert_eq!(mem_vip(999), std::net::Ipv4Addr::new(198, 18, 2, 231));
+        let backends: std::collections::BTreeSet<_> = (0..100).map(|j| mem_backend(7, j)).collect();
+        assert_eq!(backends.len(), 100);
+    }
+
+    #[test]
+    fn configs_parse() {
+        lb_agent::config::AgentConfig::parse(&xlb_config("native")).unwrap();
+        lb_agent::config::AgentConfig::parse(&xlb_config("generic")).unwrap();
+        lb_agent::config::AgentConfig::parse(&mem_config(3, 100, true)).unwrap();
+    }
+}
