@@ -1,6 +1,7 @@
 //! lb-agent's library: the data-plane driver, the configuration, health
 //! checks and metrics, shared by the daemon, lbctl, the tests and the benchmarks.
 pub mod agent;
+pub mod announce;
 pub mod config;
 pub mod dataplane;
 pub mod health;

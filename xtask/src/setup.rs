@@ -24,6 +24,12 @@ const PACKAGES: &[&str] = &[
     "haproxy",
     "hping3",
     "curl",
+    // BGP speakers and a router for the ECMP issue.
+    "bird2",
+    "exabgp",
+    "gobgpd",
+    "frr",
+    "protobuf-compiler",
 ];
 
 /// Kept with the binary: bpf-linker has an rpath to the libLLVM symlinks here.

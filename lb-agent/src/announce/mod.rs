@@ -1,0 +1,110 @@
+//! Announcing service IPs through an external BGP speaker, so that the
+//! upstream router spreads traffic over every node that can serve it (ECMP).
+//!
+//! The agent does not speak BGP itself. An [`Announcer`] drives one speaker
+//! (GoBGP over gRPC, BIRD 2 through an included file and `birdc`, ExaBGP
+//! through its API pipes). The agent computes the whole set of routes this
+//! node should announce and calls [`Announcer::apply`]: the driver lists what
+//! the speaker announces, and adds and withdraws the difference. Applying
+//! the same set again is a no-op, and a speaker that restarted empty gets
+//! everything back on the next apply.
+
+use std::{collections::BTreeSet, fmt, future::Future, net::IpAddr, pin::Pin};
+
+/// One announced prefix: a VIP as a /32 or /128, with this node as next hop.
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct Route {
+    pub vip: IpAddr,
+    pub next_hop: IpAddr,
+    /// Standard communities as (ASN, value).
+    pub communities: Vec<(u16, u16)>,
+    pub local_pref: Option<u32>,
+}
+
+impl Route {
+    /// The prefix length: a host route.
+    pub fn prefix_len(&self) -> u8 {
+        if self.vip.is_ipv4() {
+            32
+        } else {
+            128
+        }
+    }
+}
+
+impl fmt::Display for Route {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "{}/{} via {}",
+            self.vip,
+            self.prefix_len(),
+            self.next_hop
+        )?;
+        for (a, v) in &self.communities {
+            write!(f, " community {a}:{v}")?;
+        }
+        if let Some(lp) = self.local_pref {
+            write!(f, " local-pref {lp}")?;
+        }
+        Ok(())
+    }
+}
+
+/// Why talking to a speaker failed. The agent keeps its desired set and
+/// retries; nothing the data plane does depends on the speaker.
+#[derive(Debug, thiserror::Error)]
+pub enum AnnounceError {
+    /// The speaker cannot be reached (not running, socket gone, restarting).
+    #[error("BGP speaker unreachable: {0}")]
+    Unreachable(String),
+    /// The speaker answered but refused or failed the request.
+    #[error("BGP speaker refused: {0}")]
+    Refused(String),
+}
+
+pub type AnnounceResult<T> = Result<T, AnnounceError>;
+pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
+
+/// A driver for one BGP speaker.
+pub trait Announcer: Send {
+    /// A short name for logs and metrics ("gobgp", "bird", "exabgp").
+    fn name(&self) -> &'static str;
+
+    /// The routes the speaker announces for us now.
+    fn announced(&mut self) -> BoxFuture<'_, AnnounceResult<BTreeSet<Route>>>;
+
+    /// Makes the speaker announce exactly `desired` (for us): lists, then
+    /// adds what is missing and withdraws what is extra. Returns how many
+    /// routes were (added, withdrawn).
+    fn apply<'a>(
+        &'a mut self,
+        desired: &'a BTreeSet<Route>,
+    ) -> BoxFuture<'a, AnnounceResult<(usize, usize)>>;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn routes_print_as_prefixes() {
+        let r = Route {
+            vip: "192.0.2.10".parse().unwrap(),
+            next_hop: "10.0.0.1".parse().unwrap(),
+            communities: vec![(65000, 100)],
+            local_pref: Some(200),
+        };
+        assert_eq!(
+            r.to_string(),
+            "192.0.2.10/32 via 10.0.0.1 community 65000:100 local-pref 200"
+        );
+        let v6 = Route {
+            vip: "2001:db8::10".parse().unwrap(),
+            next_hop: "fd00::1".parse().unwrap(),
+            communities: vec![],
+            local_pref: None,
+        };
+        assert_eq!(v6.prefix_len(), 128);
+    }
+}
