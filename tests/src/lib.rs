@@ -4,3 +4,4 @@ pub mod bench_support;
 pub mod netns;
 pub mod packet;
 pub mod topology;
+pub mod xdp;

@@ -9,15 +9,14 @@ use std::{
     net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr},
 };
 
-use aya::programs::{TestRun, TestRunOptions};
-use lb_agent::dataplane::{ifindex, BackendSpec, Dataplane, Protocol, ServiceSpec};
+use lb_agent::dataplane::{BackendSpec, Dataplane, Protocol, ServiceSpec};
 use lb_common::{Reason, REASON_COUNT};
 use xlb_tests::{
-    netns::{fixture_namespace, fixture_namespace_named},
     packet::{
         hexdump_diff, tcp_flags, verify_checksums, ExtHeader, Icmpv4, Icmpv6, Ipv4, Ipv6, Mac,
         PacketBuilder, Quote, Tcp, Udp,
     },
+    xdp::{test_run, FixtureBed},
 };
 
 const XDP_DROP: u32 = 1;
@@ -1190,22 +1189,8 @@ fn fixtures() -> Vec<Fixture> {
 }
 
 fn run(dp: &Dataplane, ingress: u32, input: &[u8]) -> (u32, Vec<u8>) {
-    let mut ctx = [0u32; 6];
-    ctx[1] = input.len() as u32; // data_end
-    ctx[3] = ingress; // ingress_ifindex
-    let ctx_bytes: Vec<u8> = ctx.iter().flat_map(|w| w.to_ne_bytes()).collect();
-    let mut out = vec![0u8; input.len() + 256];
-    let r = dp
-        .program()
-        .test_run(TestRunOptions {
-            data_in: Some(input),
-            data_out: Some(&mut out),
-            ctx_in: Some(&ctx_bytes),
-            ..Default::default()
-        })
-        .expect("BPF_PROG_TEST_RUN");
-    out.truncate(r.data_size_out as usize);
-    (r.return_value, out)
+    let (verdict, out, _) = test_run(dp.program(), ingress, input);
+    (verdict, out)
 }
 
 type Snapshot = (
@@ -1239,13 +1224,12 @@ fn snapshot(dp: &Dataplane) -> Snapshot {
 
 #[test]
 fn packet_fixtures_need_root() {
-    let ns = fixture_namespace();
-    ns.enter();
-    let cl0 = ifindex("cl0").unwrap();
-    let be0 = ifindex("be0").unwrap();
-    let mut dp = Dataplane::load().expect("load the XDP program (root needed)");
-    dp.allow_redirect(cl0).unwrap();
-    dp.allow_redirect(be0).unwrap();
+    let FixtureBed {
+        mut dp,
+        cl0,
+        be0,
+        ns: _ns,
+    } = FixtureBed::new("xlb-fixtures");
     let fixtures = fixtures();
     assert!(
         fixtures.len() >= 40,
@@ -1444,13 +1428,12 @@ fn a_flow_continues_on_another_cpu_needs_root() {
         cpus >= 2,
         "this test needs two CPUs to move a flow between them (found {cpus})"
     );
-    let ns = fixture_namespace_named("xlb-fix-cpu");
-    ns.enter();
-    let cl0 = ifindex("cl0").unwrap();
-    let be0 = ifindex("be0").unwrap();
-    let mut dp = Dataplane::load().expect("load the XDP program (root needed)");
-    dp.allow_redirect(cl0).unwrap();
-    dp.allow_redirect(be0).unwrap();
+    let FixtureBed {
+        mut dp,
+        cl0,
+        ns: _ns,
+        ..
+    } = FixtureBed::new("xlb-fix-cpu");
     for s in base_services() {
         dp.set_service(&s).unwrap();
     }

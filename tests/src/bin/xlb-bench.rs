@@ -7,11 +7,11 @@
 
 use std::net::{Ipv4Addr, SocketAddr};
 
-use aya::programs::{TestRun, TestRunOptions, Xdp};
-use lb_agent::dataplane::{ifindex, BackendSpec, Dataplane, Protocol, ServiceSpec};
+use aya::programs::Xdp;
+use lb_agent::dataplane::{BackendSpec, Protocol, ServiceSpec};
 use xlb_tests::{
-    netns::fixture_namespace,
     packet::{tcp_flags, Ipv4, PacketBuilder, Tcp, Udp},
+    xdp::{test_run, FixtureBed},
 };
 
 const XDP_PASS: u32 = 2;
@@ -27,20 +27,9 @@ const CLIENT: Ipv4Addr = Ipv4Addr::new(10, 0, 0, 2);
 const VIP: Ipv4Addr = Ipv4Addr::new(192, 0, 2, 10);
 const B2: Ipv4Addr = Ipv4Addr::new(10, 2, 0, 2);
 
-fn run(prog: &Xdp, ingress: u32, input: &[u8], out: &mut [u8]) -> (u32, u64) {
-    let mut ctx = [0u32; 6];
-    ctx[1] = input.len() as u32;
-    ctx[3] = ingress;
-    let ctx_bytes: Vec<u8> = ctx.iter().flat_map(|w| w.to_ne_bytes()).collect();
-    let r = prog
-        .test_run(TestRunOptions {
-            data_in: Some(input),
-            data_out: Some(out),
-            ctx_in: Some(&ctx_bytes),
-            ..Default::default()
-        })
-        .expect("BPF_PROG_TEST_RUN");
-    (r.return_value, r.duration.as_nanos() as u64)
+fn run(prog: &Xdp, ingress: u32, input: &[u8]) -> (u32, u64) {
+    let (verdict, _, duration) = test_run(prog, ingress, input);
+    (verdict, duration.as_nanos() as u64)
 }
 
 struct Case {
@@ -55,13 +44,12 @@ struct Case {
 }
 
 fn main() {
-    let ns = fixture_namespace();
-    ns.enter();
-    let cl0 = ifindex("cl0").unwrap();
-    let be0 = ifindex("be0").unwrap();
-    let mut dp = Dataplane::load().expect("load the XDP program (root needed)");
-    dp.allow_redirect(cl0).unwrap();
-    dp.allow_redirect(be0).unwrap();
+    let FixtureBed {
+        mut dp,
+        cl0,
+        be0,
+        ns: _ns,
+    } = FixtureBed::new("xlb-bench");
     for (port, protocol, bport) in [(80, Protocol::Tcp, 8080), (53, Protocol::Udp, 5353)] {
         dp.set_service(&ServiceSpec {
             vip: VIP.into(),
@@ -102,19 +90,10 @@ fn main() {
         .udp(Udp::new(40001, 53).payload(&[0u8; 32]))
         .build();
     // Establish the flows the "established" and "reply" cases use.
-    let mut out = vec![0u8; 2048];
     let prog = dp.program();
-    assert_eq!(
-        run(
-            prog,
-            cl0,
-            &tcp(CLIENT, VIP, 40000, 80, tcp_flags::SYN, client),
-            &mut out
-        )
-        .0,
-        XDP_REDIRECT
-    );
-    assert_eq!(run(prog, cl0, &udp, &mut out).0, XDP_REDIRECT);
+    let syn = tcp(CLIENT, VIP, 40000, 80, tcp_flags::SYN, client);
+    assert_eq!(run(prog, cl0, &syn).0, XDP_REDIRECT);
+    assert_eq!(run(prog, cl0, &udp).0, XDP_REDIRECT);
 
     let est = tcp(CLIENT, VIP, 40000, 80, tcp_flags::ACK, client);
     let reply = tcp(B2, CLIENT, 8080, 40000, tcp_flags::ACK, backend);
@@ -208,7 +187,7 @@ fn main() {
             for _ in 0..CALLS_PER_ROUND {
                 let pkt = (c.packet)(call);
                 call += 1;
-                let (v, ns) = run(prog, c.ingress, &pkt, &mut out);
+                let (v, ns) = run(prog, c.ingress, &pkt);
                 assert_eq!(v, c.verdict, "{}: unexpected verdict", c.name);
                 c.samples.push(ns);
             }
