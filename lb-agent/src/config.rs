@@ -42,7 +42,54 @@ pub struct AgentConfig {
     /// Size of the kernel's Maglev pool (entries; two tables per service).
     /// Takes effect when the maps are created (first start or after cleanup).
     pub maglev_pool_entries: u32,
+    /// Announcing VIPs through a BGP speaker; `None`: no announcements.
+    pub bgp: Option<BgpConfig>,
     pub services: Vec<ServiceConfig>,
+}
+
+/// The `bgp` section: which speaker, and what to announce.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct BgpConfig {
+    pub speaker: Speaker,
+    /// This node's address as next hop; `None`: the first address of the
+    /// first attached interface of that family.
+    pub next_hop_ipv4: Option<Ipv4Addr>,
+    pub next_hop_ipv6: Option<Ipv6Addr>,
+    pub communities: Vec<(u16, u16)>,
+    pub local_pref: Option<u32>,
+    /// On shutdown: withdraw, wait this long for the router to converge, exit.
+    pub drain_time: Duration,
+    /// How often the whole announced set is re-applied (heals a speaker
+    /// restart even when no event says so).
+    pub resync_interval: Duration,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Speaker {
+    GoBgp {
+        address: String,
+        peers: Vec<BgpPeer>,
+    },
+    Bird {
+        routes_file: PathBuf,
+        socket: PathBuf,
+        protocol: String,
+    },
+    ExaBgp {
+        pipe_dir: PathBuf,
+        pipe_name: String,
+    },
+}
+
+/// A BGP neighbour the agent configures in GoBGP.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct BgpPeer {
+    pub address: IpAddr,
+    pub asn: u32,
+    pub hold_time: Duration,
+    pub keepalive: Duration,
+    pub password: Option<String>,
+    pub multihop_ttl: Option<u8>,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -125,6 +172,12 @@ pub enum CheckKind {
 // Defaults and limits (docs/config.md lists them too).
 
 /// `metrics_addr` when the file sets none.
+/// Default wait between withdrawing and exiting.
+pub const DEFAULT_DRAIN_TIME: Duration = Duration::from_secs(5);
+/// Default period of re-applying the announced set.
+pub const DEFAULT_RESYNC_INTERVAL: Duration = Duration::from_secs(5);
+/// Where gobgpd serves its gRPC API by default.
+pub const DEFAULT_GOBGP_ADDRESS: &str = "http://127.0.0.1:50051";
 pub const DEFAULT_METRICS_ADDR: SocketAddr = SocketAddr::new(IpAddr::V4(Ipv4Addr::LOCALHOST), 9469);
 pub const DEFAULT_TCP_TIMEOUT: Duration = Duration::from_secs(900);
 pub const DEFAULT_TCP_CLOSING_TIMEOUT: Duration = Duration::from_secs(10);
@@ -204,8 +257,76 @@ struct RawConfig {
     xdp_mode: Option<RawXdpMode>,
     timeouts: Option<RawTimeouts>,
     maglev_pool_entries: Option<u32>,
+    bgp: Option<RawBgp>,
     #[serde(default)]
     services: Vec<RawService>,
+}
+
+#[derive(Deserialize)]
+#[serde(
+    deny_unknown_fields,
+    expecting = "a bgp mapping (driver, next hops, ...)"
+)]
+struct RawBgp {
+    driver: RawDriver,
+    next_hop_ipv4: Option<String>,
+    next_hop_ipv6: Option<String>,
+    #[serde(default)]
+    communities: Vec<String>,
+    local_pref: Option<u32>,
+    drain_time: Option<String>,
+    resync_interval: Option<String>,
+    gobgp: Option<RawGoBgp>,
+    bird: Option<RawBird>,
+    exabgp: Option<RawExaBgp>,
+}
+
+#[derive(Deserialize)]
+#[serde(rename_all = "snake_case", expecting = "gobgp, bird or exabgp")]
+enum RawDriver {
+    Gobgp,
+    Bird,
+    Exabgp,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields, expecting = "a gobgp mapping (address, peers)")]
+struct RawGoBgp {
+    address: Option<String>,
+    #[serde(default)]
+    peers: Vec<RawPeer>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields, expecting = "a peer (address, asn, ...)")]
+struct RawPeer {
+    address: String,
+    asn: u32,
+    hold_time: Option<String>,
+    keepalive: Option<String>,
+    password: Option<String>,
+    multihop_ttl: Option<u8>,
+}
+
+#[derive(Deserialize)]
+#[serde(
+    deny_unknown_fields,
+    expecting = "a bird mapping (routes_file, socket, protocol)"
+)]
+struct RawBird {
+    routes_file: Option<String>,
+    socket: Option<String>,
+    protocol: Option<String>,
+}
+
+#[derive(Deserialize)]
+#[serde(
+    deny_unknown_fields,
+    expecting = "an exabgp mapping (pipe_dir, pipe_name)"
+)]
+struct RawExaBgp {
+    pipe_dir: Option<String>,
+    pipe_name: Option<String>,
 }
 
 #[derive(Deserialize)]
@@ -652,6 +773,10 @@ impl Validator<'_> {
                 ))
             }
         };
+        let bgp = match raw.bgp {
+            None => None,
+            Some(b) => Some(self.bgp(b)?),
+        };
         let mut services: Vec<ServiceConfig> = Vec::with_capacity(raw.services.len());
         // name -> index; (vip, port, protocol) -> index
         let mut names: HashMap<String, usize> = HashMap::with_capacity(raw.services.len());
@@ -714,7 +839,141 @@ impl Validator<'_> {
             tcp_closing_timeout,
             udp_timeout,
             maglev_pool_entries,
+            bgp,
             services,
+        })
+    }
+
+    fn bgp(&self, b: RawBgp) -> Checked<BgpConfig> {
+        let path = || root().key("bgp");
+        let next_hop_ipv4 = match &b.next_hop_ipv4 {
+            None => None,
+            Some(s) => match self.ip(s, || path().key("next_hop_ipv4"))? {
+                IpAddr::V4(a) => Some(a),
+                IpAddr::V6(_) => {
+                    return Err(self.err(
+                        path().key("next_hop_ipv4"),
+                        format!("{s} is not an IPv4 address"),
+                    ))
+                }
+            },
+        };
+        let next_hop_ipv6 = match &b.next_hop_ipv6 {
+            None => None,
+            Some(s) => match self.ip(s, || path().key("next_hop_ipv6"))? {
+                IpAddr::V6(a) => Some(a),
+                IpAddr::V4(_) => {
+                    return Err(self.err(
+                        path().key("next_hop_ipv6"),
+                        format!("{s} is not an IPv6 address"),
+                    ))
+                }
+            },
+        };
+        let mut communities = Vec::new();
+        for (i, c) in b.communities.iter().enumerate() {
+            let parsed = c
+                .split_once(':')
+                .and_then(|(a, v)| Some((a.trim().parse().ok()?, v.trim().parse().ok()?)));
+            match parsed {
+                Some(p) => communities.push(p),
+                None => {
+                    return Err(self.err(
+                        path().key("communities").index(i),
+                        format!("{c:?} is not a community ASN:VALUE (each 0 to 65535)"),
+                    ))
+                }
+            }
+        }
+        let dur = |v: &Option<String>, key: &'static str, default: Duration| match v {
+            None => Ok(default),
+            Some(s) => self.duration(s, || path().key(key)),
+        };
+        let drain_time = dur(&b.drain_time, "drain_time", DEFAULT_DRAIN_TIME)?;
+        let resync_interval = dur(
+            &b.resync_interval,
+            "resync_interval",
+            DEFAULT_RESYNC_INTERVAL,
+        )?;
+        if resync_interval < Duration::from_millis(100) {
+            return Err(self.err(path().key("resync_interval"), "must be at least 100ms"));
+        }
+        let speaker = match b.driver {
+            RawDriver::Gobgp => {
+                let g = b.gobgp.unwrap_or(RawGoBgp {
+                    address: None,
+                    peers: Vec::new(),
+                });
+                let mut peers = Vec::new();
+                for (i, p) in g.peers.into_iter().enumerate() {
+                    let pp = || path().key("gobgp").key("peers").index(i);
+                    let hold_time = match &p.hold_time {
+                        None => Duration::from_secs(9),
+                        Some(s) => self.duration(s, || pp().key("hold_time"))?,
+                    };
+                    let keepalive = match &p.keepalive {
+                        None => hold_time / 3,
+                        Some(s) => self.duration(s, || pp().key("keepalive"))?,
+                    };
+                    if hold_time < Duration::from_secs(3) || keepalive > hold_time {
+                        return Err(self.err(
+                            pp().key("hold_time"),
+                            "hold_time must be at least 3s and not below keepalive",
+                        ));
+                    }
+                    peers.push(BgpPeer {
+                        address: self.ip(&p.address, || pp().key("address"))?,
+                        asn: p.asn,
+                        hold_time,
+                        keepalive,
+                        password: p.password,
+                        multihop_ttl: p.multihop_ttl,
+                    });
+                }
+                Speaker::GoBgp {
+                    address: g
+                        .address
+                        .unwrap_or_else(|| DEFAULT_GOBGP_ADDRESS.to_string()),
+                    peers,
+                }
+            }
+            RawDriver::Bird => {
+                let r = b.bird.unwrap_or(RawBird {
+                    routes_file: None,
+                    socket: None,
+                    protocol: None,
+                });
+                Speaker::Bird {
+                    routes_file: r
+                        .routes_file
+                        .unwrap_or_else(|| "/run/xlb/bird-routes".into())
+                        .into(),
+                    socket: r
+                        .socket
+                        .unwrap_or_else(|| "/run/bird/bird.ctl".into())
+                        .into(),
+                    protocol: r.protocol.unwrap_or_else(|| "xlb_vips".into()),
+                }
+            }
+            RawDriver::Exabgp => {
+                let e = b.exabgp.unwrap_or(RawExaBgp {
+                    pipe_dir: None,
+                    pipe_name: None,
+                });
+                Speaker::ExaBgp {
+                    pipe_dir: e.pipe_dir.unwrap_or_else(|| "/run/exabgp".into()).into(),
+                    pipe_name: e.pipe_name.unwrap_or_else(|| "exabgp".into()),
+                }
+            }
+        };
+        Ok(BgpConfig {
+            speaker,
+            next_hop_ipv4,
+            next_hop_ipv6,
+            communities,
+            local_pref: b.local_pref,
+            drain_time,
+            resync_interval,
         })
     }
 
@@ -1130,6 +1389,7 @@ services:
             tcp_closing_timeout: Duration::from_secs(10),
             udp_timeout: Duration::from_secs(60),
             maglev_pool_entries: lb_common::MAGLEV_POOL_ENTRIES,
+            bgp: None,
             services: vec![
                 ServiceConfig {
                     name: "web".into(),
@@ -1917,5 +2177,41 @@ services:
         assert_eq!(e.field(), Some("services[999].backends[99].ip"));
         assert_eq!(e.line(), Some(text.lines().count()));
         eprintln!("and with an error on its last line: {:?}", start.elapsed());
+    }
+    #[test]
+    fn bgp_section_parses_and_checks() {
+        let text = format!(
+            "{BASE}bgp:\n  driver: gobgp\n  next_hop_ipv4: 10.0.0.1\n  communities: [\"65000:100\"]\n  local_pref: 200\n  drain_time: 2s\n  gobgp:\n    peers:\n      - {{ address: 10.0.0.254, asn: 65000, hold_time: 6s }}\n"
+        );
+        let c = AgentConfig::parse(&text).unwrap();
+        let b = c.bgp.unwrap();
+        assert_eq!(b.next_hop_ipv4, Some("10.0.0.1".parse().unwrap()));
+        assert_eq!(b.communities, vec![(65000, 100)]);
+        assert_eq!(b.local_pref, Some(200));
+        assert_eq!(b.drain_time, Duration::from_secs(2));
+        match b.speaker {
+            Speaker::GoBgp { address, peers } => {
+                assert_eq!(address, DEFAULT_GOBGP_ADDRESS);
+                assert_eq!(peers.len(), 1);
+                assert_eq!(peers[0].hold_time, Duration::from_secs(6));
+                assert_eq!(peers[0].keepalive, Duration::from_secs(2));
+            }
+            other => panic!("{other:?}"),
+        }
+        let bad = format!("{BASE}bgp:\n  driver: gobgp\n  communities: [\"65000:x\"]\n");
+        let e = AgentConfig::parse(&bad).unwrap_err().to_string();
+        assert!(
+            e.contains("bgp.communities[0]") && e.contains("line"),
+            "{e}"
+        );
+        let bad = format!("{BASE}bgp:\n  driver: quagga\n");
+        let e = AgentConfig::parse(&bad).unwrap_err().to_string();
+        assert!(
+            e.contains("line") && e.contains("bgp.driver") && e.contains("quagga"),
+            "{e}"
+        );
+        let bad = format!("{BASE}bgp:\n  driver: bird\n  next_hop_ipv4: fd00::1\n");
+        let e = AgentConfig::parse(&bad).unwrap_err().to_string();
+        assert!(e.contains("bgp.next_hop_ipv4"), "{e}");
     }
 }
