@@ -6,7 +6,7 @@
 
 use std::{
     collections::{BTreeMap, BTreeSet},
-    net::SocketAddr,
+    net::{IpAddr, SocketAddr},
     path::PathBuf,
     sync::{
         atomic::{AtomicBool, Ordering},
@@ -25,6 +25,10 @@ use tokio::{
 use tracing::{error, info, warn};
 
 use crate::{
+    announce::{
+        task::{interface_address, AnnounceTask},
+        Route,
+    },
     config::{AgentConfig, RemovedBackendFlows, XdpAttachMode},
     dataplane::{Dataplane, Protocol, ServiceSpec},
     health::{HealthChecker, HealthSnapshot},
@@ -49,6 +53,8 @@ pub struct Agent {
     /// Service names and health by key, read by the metrics snapshot.
     labels: Arc<Mutex<Labels>>,
     attached: BTreeSet<String>,
+    /// Announcing VIPs through the BGP speaker, when configured.
+    announce: Option<AnnounceTask>,
 }
 
 #[derive(Default)]
@@ -124,7 +130,17 @@ impl Agent {
             ready,
             labels,
             attached: BTreeSet::new(),
+            announce: None,
         };
+        if let Some(bgp) = &agent.config.bgp {
+            let announcer = crate::announce::from_config(bgp).map_err(anyhow::Error::msg)?;
+            info!(speaker = announcer.name(), "announcing VIPs through BGP");
+            agent.announce = Some(AnnounceTask::start(
+                announcer,
+                bgp.resync_interval,
+                agent.metrics.registry(),
+            ));
+        }
         if let Err(e) = agent.apply_config() {
             // Without its interfaces the agent is useless: stop. A service the
             // data plane refuses (a full table) must not take the others down.
@@ -165,6 +181,13 @@ impl Agent {
                 _ = term.recv() => break,
                 _ = int.recv() => break,
             }
+        }
+        if let (Some(task), Some(bgp)) = (&self.announce, &self.config.bgp) {
+            // Withdraw first, so the router stops sending before we stop
+            // managing the node; then give it the drain time to converge.
+            task.withdraw_all().await;
+            info!(drain = ?bgp.drain_time, "VIPs withdrawn; draining");
+            tokio::time::sleep(bgp.drain_time).await;
         }
         info!("exiting; the XDP program stays attached and keeps forwarding (lb-agent --cleanup detaches it)");
         Ok(())
@@ -297,11 +320,62 @@ impl Agent {
             .map(|s| (s.key(), s.backends.iter().map(|b| b.addr).collect()))
             .collect();
         labels.health = health;
+        drop(labels);
+        if let Some(task) = &self.announce {
+            task.apply(self.desired_routes());
+        }
         if errors.is_empty() {
             Ok(())
         } else {
             anyhow::bail!("{}", errors.join("; "))
         }
+    }
+}
+
+impl Agent {
+    /// The VIPs this node can serve now: the program is attached and a
+    /// service on the VIP has a backend with weight. One host route each,
+    /// with this node as next hop.
+    fn desired_routes(&self) -> BTreeSet<Route> {
+        let Some(bgp) = &self.config.bgp else {
+            return BTreeSet::new();
+        };
+        let first_iface = self
+            .config
+            .interfaces
+            .first()
+            .map(String::as_str)
+            .unwrap_or("");
+        let hop4 = bgp
+            .next_hop_ipv4
+            .map(IpAddr::V4)
+            .or_else(|| interface_address(first_iface, true));
+        let hop6 = bgp
+            .next_hop_ipv6
+            .map(IpAddr::V6)
+            .or_else(|| interface_address(first_iface, false));
+        let dp = self.dp.lock().expect("data plane lock");
+        let mut routes = BTreeSet::new();
+        for (_, spec) in dp.services() {
+            if !spec.backends.iter().any(|b| b.weight > 0) {
+                continue;
+            }
+            let hop = if spec.vip.is_ipv4() { hop4 } else { hop6 };
+            match hop {
+                Some(next_hop) => {
+                    routes.insert(Route {
+                        vip: spec.vip,
+                        next_hop,
+                        communities: bgp.communities.clone(),
+                        local_pref: bgp.local_pref,
+                    });
+                }
+                None => {
+                    warn!(vip = %spec.vip, "no next hop of this family: set bgp.next_hop_ipv4/6")
+                }
+            }
+        }
+        routes
     }
 }
 

@@ -9,6 +9,11 @@
 //! the same set again is a no-op, and a speaker that restarted empty gets
 //! everything back on the next apply.
 
+pub mod bird;
+pub mod exabgp;
+pub mod gobgp;
+pub mod task;
+
 use std::{collections::BTreeSet, fmt, future::Future, net::IpAddr, pin::Pin};
 
 /// One announced prefix: a VIP as a /32 or /128, with this node as next hop.
@@ -81,6 +86,62 @@ pub trait Announcer: Send {
         &'a mut self,
         desired: &'a BTreeSet<Route>,
     ) -> BoxFuture<'a, AnnounceResult<(usize, usize)>>;
+}
+
+/// The driver the `bgp` section of the config asks for.
+pub fn from_config(bgp: &crate::config::BgpConfig) -> Result<Box<dyn Announcer>, String> {
+    use crate::config::Speaker;
+    Ok(match &bgp.speaker {
+        Speaker::GoBgp { address, peers } => {
+            let peers = peers
+                .iter()
+                .map(|p| gobgp::PeerConfig {
+                    address: p.address,
+                    peer_asn: p.asn,
+                    hold_time: Some(p.hold_time),
+                    keepalive: Some(p.keepalive),
+                    password: p.password.clone(),
+                    multihop_ttl: p.multihop_ttl,
+                    // VIPs of both families ride one session per peer.
+                    families: vec![
+                        gobgp::AddressFamily::Ipv4Unicast,
+                        gobgp::AddressFamily::Ipv6Unicast,
+                    ],
+                })
+                .collect();
+            let config = gobgp::GoBgpConfig {
+                endpoint: address.clone(),
+                peers,
+                ..Default::default()
+            };
+            Box::new(
+                gobgp::GoBgpAnnouncer::new(config)
+                    .map_err(|e| format!("gobgp address {address}: {e}"))?,
+            )
+        }
+        Speaker::Bird {
+            routes_file,
+            socket,
+            protocol,
+        } => {
+            let bird = bird::BirdAnnouncer::new(routes_file.clone(), socket.clone())
+                .with_protocol(protocol.clone());
+            // BIRD refuses to start while an included file is missing.
+            bird.ensure_files().map_err(|e| {
+                format!(
+                    "creating BIRD's routes files at {}: {e}",
+                    routes_file.display()
+                )
+            })?;
+            Box::new(bird)
+        }
+        Speaker::ExaBgp {
+            pipe_dir,
+            pipe_name,
+        } => Box::new(
+            exabgp::ExaBgpAnnouncer::new(pipe_dir.clone()).with_pipe_name(pipe_name.clone()),
+        ),
+    })
 }
 
 #[cfg(test)]

@@ -1,0 +1,956 @@
+//! BIRD 2 driver: the agent writes the VIP routes into files that BIRD's
+//! configuration includes, and asks BIRD to re-read its configuration with
+//! `birdc configure`. What BIRD announces is read back from BIRD itself
+//! (`birdc show route protocol ... all`), never from the files.
+//!
+//! # The BIRD configuration the driver expects
+//!
+//! A BIRD static protocol has exactly one channel, so IPv4 and IPv6 VIPs
+//! live in two files and two protocols. With the defaults
+//! (`protocol = "xlb_vips"`) and `routes_file = "/etc/bird/xlb-vips"`:
+//!
+//! | family | file the agent writes  | static protocol |
+//! |--------|------------------------|-----------------|
+//! | IPv4   | `/etc/bird/xlb-vips4`  | `xlb_vips4`     |
+//! | IPv6   | `/etc/bird/xlb-vips6`  | `xlb_vips6`     |
+//!
+//! ```text
+//! # The VIPs of this node (managed by lb-agent; the two protocol blocks
+//! # are what BirdAnnouncer::static_protocols_config() prints). BIRD's
+//! # `include` must start its own line.
+//! protocol static xlb_vips4 {
+//!     ipv4;
+//!     include "/etc/bird/xlb-vips4";
+//! }
+//! protocol static xlb_vips6 {
+//!     ipv6;
+//!     include "/etc/bird/xlb-vips6";
+//! }
+//!
+//! # One BGP session per upstream router; MP-BGP carries both families.
+//! protocol bgp upstream {
+//!     local 10.0.0.1 as 65001;
+//!     neighbor 10.0.0.254 as 65000;
+//!     ipv4 { import none; export where proto = "xlb_vips4"; };
+//!     ipv6 { import none; export where proto = "xlb_vips6"; };
+//! }
+//!
+//! # If BIRD also programs this node's kernel, keep the VIP routes out of
+//! # it: they are `blackhole` routes (see below).
+//! protocol kernel {
+//!     ipv4 { export where proto != "xlb_vips4"; };
+//! }
+//! ```
+//!
+//! Each file holds one static route per VIP, carrying everything the
+//! agent's [`Route`] says as BGP attributes:
+//!
+//! ```text
+//! route 192.0.2.10/32 blackhole { bgp_next_hop = 10.0.0.1; bgp_community.add((65000,100)); bgp_local_pref = 200; };
+//! ```
+//!
+//! * Next hop: BIRD keeps a `bgp_next_hop` set on a static route when it
+//!   exports the route to BGP, for eBGP and iBGP peers alike (checked with
+//!   BIRD 2.0.12, including a third-party next hop), so
+//!   [`Route::next_hop`] is what the router uses. Do not set
+//!   `next hop self` (or a `bgp_next_hop` in the export filter) on the
+//!   BGP channels: it would override the agent's next hop.
+//! * Communities are sent to every peer; `bgp_local_pref` only to iBGP
+//!   peers (BGP never carries LOCAL_PREF over eBGP).
+//! * `blackhole` is only the route's local destination: BIRD needs one,
+//!   and the route must never reach the node's kernel table (a local
+//!   process talking to the VIP would be dropped), hence the kernel
+//!   protocol's filter above. XDP handles VIP traffic before the kernel
+//!   routes it.
+//! * Both files must exist before BIRD starts (BIRD refuses a config that
+//!   includes a missing file): [`BirdAnnouncer::ensure_files`] creates them
+//!   empty.
+//! * Use absolute paths: BIRD resolves a relative `include` against the
+//!   directory of the including file, the agent against its own cwd.
+//!
+//! # How `apply` works
+//!
+//! 1. The desired set is checked (next hop of the VIP's family, not
+//!    unspecified, one route per VIP), else [`AnnounceError::Refused`]
+//!    without touching anything. Communities are sorted and deduplicated,
+//!    as BIRD keeps them.
+//! 2. The announced set is read from BIRD; BIRD down gives
+//!    [`AnnounceError::Unreachable`].
+//! 3. If BIRD already announces the desired set and the files already hold
+//!    it, nothing is done: `(0, 0)`, no reconfiguration.
+//! 4. Otherwise the changed files are replaced atomically (temporary file
+//!    and rename), `birdc configure check` validates BIRD's whole config,
+//!    and `birdc configure` makes it effective. If either fails, the
+//!    previous files are put back and BIRD's message is returned as
+//!    [`AnnounceError::Refused`] (or `Unreachable` if BIRD went away).
+//!
+//! `birdc configure` re-reads BIRD's whole configuration, so an operator's
+//! pending edits elsewhere in it become effective (or, if broken, make
+//! every apply fail with BIRD's parse error) at the agent's next change.
+
+use std::{
+    collections::BTreeSet,
+    fmt::Write as _,
+    io,
+    net::{IpAddr, Ipv4Addr, Ipv6Addr},
+    path::{Path, PathBuf},
+    process::Stdio,
+    time::Duration,
+};
+
+use tokio::process::Command;
+
+use super::{AnnounceError, AnnounceResult, Announcer, BoxFuture, Route};
+
+/// The default base name of the two static protocols (`xlb_vips4`, `xlb_vips6`).
+pub const DEFAULT_PROTOCOL: &str = "xlb_vips";
+/// The default `birdc` binary, looked up in `PATH`.
+pub const DEFAULT_BIRDC: &str = "birdc";
+/// The default limit for one `birdc` command.
+pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Drives BIRD 2 through included route files and `birdc`.
+///
+/// The IPv4 routes go to `<routes_file>4`, announced by
+/// `protocol static <protocol>4`, the IPv6 routes to `<routes_file>6`,
+/// announced by `protocol static <protocol>6`. BIRD's configuration must
+/// contain (see the [module documentation](self) for the BGP side):
+///
+/// ```text
+/// protocol static xlb_vips4 {
+///     ipv4;
+///     include "/etc/bird/xlb-vips4";
+/// }
+/// protocol static xlb_vips6 {
+///     ipv6;
+///     include "/etc/bird/xlb-vips6";
+/// }
+/// ```
+///
+/// ```no_run
+/// # use lb_agent::announce::bird::BirdAnnouncer;
+/// let bird = BirdAnnouncer::new("/etc/bird/xlb-vips", "/run/bird/bird.ctl");
+/// bird.ensure_files()?;
+/// print!("{}", bird.static_protocols_config());
+/// # Ok::<(), std::io::Error>(())
+/// ```
+#[derive(Clone, Debug)]
+pub struct BirdAnnouncer {
+    routes_file: PathBuf,
+    control_socket: PathBuf,
+    birdc: PathBuf,
+    protocol: String,
+    timeout: Duration,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Family {
+    V4,
+    V6,
+}
+
+impl Family {
+    const ALL: [Family; 2] = [Family::V4, Family::V6];
+
+    fn of(ip: IpAddr) -> Self {
+        if ip.is_ipv4() {
+            Family::V4
+        } else {
+            Family::V6
+        }
+    }
+
+    fn suffix(self) -> &'static str {
+        match self {
+            Family::V4 => "4",
+            Family::V6 => "6",
+        }
+    }
+
+    fn channel(self) -> &'static str {
+        match self {
+            Family::V4 => "ipv4",
+            Family::V6 => "ipv6",
+        }
+    }
+
+    fn unspecified(self) -> IpAddr {
+        match self {
+            Family::V4 => Ipv4Addr::UNSPECIFIED.into(),
+            Family::V6 => Ipv6Addr::UNSPECIFIED.into(),
+        }
+    }
+
+    fn host_len(self) -> u8 {
+        match self {
+            Family::V4 => 32,
+            Family::V6 => 128,
+        }
+    }
+}
+
+impl BirdAnnouncer {
+    /// A driver writing `<routes_file>4` and `<routes_file>6`, talking to
+    /// BIRD's control socket `control_socket` with `birdc` from `PATH`, for
+    /// the static protocols `xlb_vips4` and `xlb_vips6`.
+    pub fn new(routes_file: impl Into<PathBuf>, control_socket: impl Into<PathBuf>) -> Self {
+        Self {
+            routes_file: routes_file.into(),
+            control_socket: control_socket.into(),
+            birdc: DEFAULT_BIRDC.into(),
+            protocol: DEFAULT_PROTOCOL.into(),
+            timeout: DEFAULT_TIMEOUT,
+        }
+    }
+
+    /// Uses this `birdc` binary.
+    pub fn with_birdc(mut self, birdc: impl Into<PathBuf>) -> Self {
+        self.birdc = birdc.into();
+        self
+    }
+
+    /// Uses the static protocols `<protocol>4` and `<protocol>6`.
+    pub fn with_protocol(mut self, protocol: impl Into<String>) -> Self {
+        self.protocol = protocol.into();
+        self
+    }
+
+    /// Gives up on a `birdc` command after `timeout` (BIRD hung:
+    /// [`AnnounceError::Unreachable`]).
+    pub fn with_timeout(mut self, timeout: Duration) -> Self {
+        self.timeout = timeout;
+        self
+    }
+
+    /// BIRD's control socket.
+    pub fn control_socket(&self) -> &Path {
+        &self.control_socket
+    }
+
+    /// The file holding the IPv4 routes: `<routes_file>4`.
+    pub fn routes_file_v4(&self) -> PathBuf {
+        self.file(Family::V4)
+    }
+
+    /// The file holding the IPv6 routes: `<routes_file>6`.
+    pub fn routes_file_v6(&self) -> PathBuf {
+        self.file(Family::V6)
+    }
+
+    /// The static protocol announcing the IPv4 routes: `<protocol>4`.
+    pub fn protocol_v4(&self) -> String {
+        self.proto(Family::V4)
+    }
+
+    /// The static protocol announcing the IPv6 routes: `<protocol>6`.
+    pub fn protocol_v6(&self) -> String {
+        self.proto(Family::V6)
+    }
+
+    fn file(&self, family: Family) -> PathBuf {
+        let mut name = self.routes_file.clone().into_os_string();
+        name.push(family.suffix());
+        name.into()
+    }
+
+    fn proto(&self, family: Family) -> String {
+        format!("{}{}", self.protocol, family.suffix())
+    }
+
+    /// The two `protocol static` blocks BIRD's configuration must contain.
+    pub fn static_protocols_config(&self) -> String {
+        let mut out = String::new();
+        for family in Family::ALL {
+            let _ = write!(
+                out,
+                "protocol static {} {{\n    {};\n    include \"{}\";\n}}\n",
+                self.proto(family),
+                family.channel(),
+                self.file(family).display()
+            );
+        }
+        out
+    }
+
+    /// Creates the route files that do not exist yet, empty (no routes),
+    /// so that BIRD can start. Existing files are left alone.
+    pub fn ensure_files(&self) -> io::Result<()> {
+        for family in Family::ALL {
+            let path = self.file(family);
+            match std::fs::OpenOptions::new()
+                .write(true)
+                .create_new(true)
+                .open(&path)
+            {
+                Ok(mut f) => {
+                    use std::io::Write;
+                    f.write_all(render(self, family, &BTreeSet::new()).as_bytes())?;
+                    f.sync_all()?;
+                }
+                Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {}
+                Err(e) => return Err(io::Error::new(e.kind(), format!("{}: {e}", path.display()))),
+            }
+        }
+        Ok(())
+    }
+
+    /// The contents of `<routes_file>4` and `<routes_file>6` for `routes`
+    /// (which should be valid: see [`Announcer::apply`]).
+    pub fn render(&self, routes: &BTreeSet<Route>) -> (String, String) {
+        let routes: BTreeSet<Route> = routes.iter().map(normalize).collect();
+        (
+            render(self, Family::V4, &routes),
+            render(self, Family::V6, &routes),
+        )
+    }
+
+    /// Runs `birdc -v -s SOCKET ARGS...` and returns BIRD's reply.
+    async fn birdc(&self, args: &[&str]) -> AnnounceResult<Reply> {
+        let what = format!("birdc {}", args.join(" "));
+        let child = Command::new(&self.birdc)
+            .arg("-v")
+            .arg("-s")
+            .arg(&self.control_socket)
+            .args(args)
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .kill_on_drop(true)
+            .spawn()
+            .map_err(|e| {
+                AnnounceError::Unreachable(format!("running {}: {e}", self.birdc.display()))
+            })?;
+        let out = match tokio::time::timeout(self.timeout, child.wait_with_output()).await {
+            Err(_) => {
+                return Err(AnnounceError::Unreachable(format!(
+                    "`{what}` got no answer within {:?}",
+                    self.timeout
+                )))
+            }
+            Ok(Err(e)) => return Err(AnnounceError::Unreachable(format!("`{what}`: {e}"))),
+            Ok(Ok(out)) => out,
+        };
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        tracing::trace!(command = %what, %stdout, %stderr, "birdc");
+        if let Some(line) = stderr
+            .lines()
+            .chain(stdout.lines())
+            .find(|l| CONNECTION_ERRORS.iter().any(|e| l.contains(e)))
+        {
+            return Err(AnnounceError::Unreachable(format!(
+                "{} ({}): {}",
+                self.control_socket.display(),
+                what,
+                line.trim()
+            )));
+        }
+        let reply = Reply::parse(&stdout);
+        let errors = reply.errors();
+        if !errors.is_empty() {
+            return Err(AnnounceError::Refused(format!(
+                "`{what}`: {}",
+                errors.join("; ")
+            )));
+        }
+        if !out.status.success() {
+            return Err(AnnounceError::Refused(format!(
+                "`{what}` failed ({}): {}{}",
+                out.status,
+                stderr.trim(),
+                stdout.trim()
+            )));
+        }
+        if !reply.has(CODE_WELCOME) {
+            return Err(AnnounceError::Unreachable(format!(
+                "`{what}`: no greeting from BIRD: {}{}",
+                stderr.trim(),
+                stdout.trim()
+            )));
+        }
+        Ok(reply)
+    }
+
+    async fn announced_now(&self) -> AnnounceResult<BTreeSet<Route>> {
+        let mut all = BTreeSet::new();
+        for family in Family::ALL {
+            let proto = self.proto(family);
+            let reply = self
+                .birdc(&["show", "route", "protocol", &proto, "all"])
+                .await
+                .map_err(|e| match e {
+                    AnnounceError::Refused(m) => AnnounceError::Refused(format!(
+                        "{m} (does BIRD's config have `protocol static {proto}`?)"
+                    )),
+                    e => e,
+                })?;
+            all.extend(parse_routes(&reply, family));
+        }
+        Ok(all)
+    }
+
+    async fn apply_now(&self, desired: &BTreeSet<Route>) -> AnnounceResult<(usize, usize)> {
+        let desired = validate(desired)?;
+        let current = self.announced_now().await?;
+        let added = desired.difference(&current).count();
+        let withdrawn = current.difference(&desired).count();
+
+        let mut changed = Vec::new();
+        for family in Family::ALL {
+            let path = self.file(family);
+            let content = render(self, family, &desired);
+            let old = read_if_exists(&path)
+                .await
+                .map_err(|e| AnnounceError::Refused(format!("reading {}: {e}", path.display())))?;
+            if old.as_deref() != Some(content.as_bytes()) {
+                changed.push(Changed { path, old, content });
+            }
+        }
+        if changed.is_empty() && added == 0 && withdrawn == 0 {
+            tracing::debug!(routes = desired.len(), "bird: already announced");
+            return Ok((0, 0));
+        }
+
+        for (i, c) in changed.iter().enumerate() {
+            if let Err(e) = write_atomic(&c.path, c.content.as_bytes()).await {
+                let restore = restore(&changed[..i]).await;
+                return Err(AnnounceError::Refused(format!(
+                    "writing {}: {e}{restore}",
+                    c.path.display()
+                )));
+            }
+        }
+        let result = async {
+            self.birdc(&["configure", "check"]).await?;
+            let reply = self.birdc(&["configure"]).await?;
+            if reply.has(CODE_RECONFIGURED) {
+                Ok(())
+            } else if let Some(code) = CODES_IN_PROGRESS.iter().find(|c| reply.has(**c)) {
+                tracing::info!(code, reply = %reply.text(), "bird: reconfiguration pending");
+                Ok(())
+            } else if reply.has(CODE_SHUTTING_DOWN) {
+                Err(AnnounceError::Unreachable(format!(
+                    "BIRD is shutting down: {}",
+                    reply.text()
+                )))
+            } else {
+                Err(AnnounceError::Refused(format!(
+                    "unexpected reply to `birdc configure`: {}",
+                    reply.text()
+                )))
+            }
+        }
+        .await;
+        if let Err(e) = result {
+            let restore = restore(&changed).await;
+            return Err(match e {
+                AnnounceError::Refused(m) => AnnounceError::Refused(format!("{m}{restore}")),
+                AnnounceError::Unreachable(m) => {
+                    AnnounceError::Unreachable(format!("{m}{restore}"))
+                }
+            });
+        }
+        tracing::info!(
+            added,
+            withdrawn,
+            routes = desired.len(),
+            "bird: reconfigured"
+        );
+        Ok((added, withdrawn))
+    }
+}
+
+impl Announcer for BirdAnnouncer {
+    fn name(&self) -> &'static str {
+        "bird"
+    }
+
+    fn announced(&mut self) -> BoxFuture<'_, AnnounceResult<BTreeSet<Route>>> {
+        Box::pin(self.announced_now())
+    }
+
+    fn apply<'a>(
+        &'a mut self,
+        desired: &'a BTreeSet<Route>,
+    ) -> BoxFuture<'a, AnnounceResult<(usize, usize)>> {
+        Box::pin(self.apply_now(desired))
+    }
+}
+
+/// What birdc prints when it cannot talk to BIRD at all.
+const CONNECTION_ERRORS: [&str; 6] = [
+    "Unable to connect to server control socket",
+    "Connection closed by server",
+    "Server read error",
+    "Server write error",
+    "Cannot create socket",
+    "server_connect: path too long",
+];
+
+/// BIRD's reply codes (doc/reply_codes in BIRD's sources).
+const CODE_WELCOME: u16 = 1;
+const CODE_RECONFIGURED: u16 = 3;
+/// In progress (4), queued behind a running one (5), a queued one dropped
+/// because this one equals the running config (17), confirmed (18).
+const CODES_IN_PROGRESS: [u16; 4] = [4, 5, 17, 18];
+const CODE_SHUTTING_DOWN: u16 = 6;
+
+/// BIRD's reply to one command, as `birdc -v` prints it: `CODE-text` or
+/// `CODE text` lines, and continuation lines (five spaces, then the text)
+/// that belong to the previous code.
+#[derive(Debug, Default)]
+struct Reply {
+    lines: Vec<(u16, String)>,
+}
+
+impl Reply {
+    fn parse(out: &str) -> Self {
+        let mut lines = Vec::new();
+        let mut last = 0;
+        for line in out.lines() {
+            let b = line.as_bytes();
+            if let Some(text) = line.strip_prefix("     ") {
+                lines.push((last, text.to_string()));
+            } else if b.len() >= 5
+                && b[..4].iter().all(u8::is_ascii_digit)
+                && matches!(b[4], b'-' | b' ')
+            {
+                last = line[..4].parse().unwrap_or(0);
+                lines.push((last, line[5..].to_string()));
+            } else if b.len() == 4 && b.iter().all(u8::is_ascii_digit) {
+                last = line.parse().unwrap_or(0);
+                lines.push((last, String::new()));
+            } else if !line.is_empty() {
+                tracing::debug!(line, "birdc: unexpected line");
+            }
+        }
+        Self { lines }
+    }
+
+    fn has(&self, code: u16) -> bool {
+        self.lines.iter().any(|(c, _)| *c == code)
+    }
+
+    /// The texts of the error replies (codes 8000-9999).
+    fn errors(&self) -> Vec<&str> {
+        self.lines
+            .iter()
+            .filter(|(c, _)| *c >= 8000)
+            .map(|(_, t)| t.trim())
+            .collect()
+    }
+
+    fn text(&self) -> String {
+        self.lines
+            .iter()
+            .filter(|(c, _)| *c != CODE_WELCOME)
+            .map(|(_, t)| t.trim())
+            .collect::<Vec<_>>()
+            .join("; ")
+    }
+}
+
+/// One route of `show route ... all` being read.
+struct Parsed {
+    vip: IpAddr,
+    len: u8,
+    bgp_next_hop: Option<IpAddr>,
+    gateway: Option<IpAddr>,
+    communities: Vec<(u16, u16)>,
+    local_pref: Option<u32>,
+}
+
+impl Parsed {
+    fn into_route(self, family: Family) -> Option<Route> {
+        if Family::of(self.vip) != family || self.len != family.host_len() {
+            tracing::warn!(
+                prefix = %format_args!("{}/{}", self.vip, self.len),
+                "bird: ignoring a route that is not a VIP host route"
+            );
+            return None;
+        }
+        let mut communities = self.communities;
+        communities.sort_unstable();
+        communities.dedup();
+        Some(Route {
+            vip: self.vip,
+            next_hop: self
+                .bgp_next_hop
+                .or(self.gateway)
+                .unwrap_or_else(|| family.unspecified()),
+            communities,
+            local_pref: self.local_pref,
+        })
+    }
+}
+
+/// Reads the routes of `birdc -v show route protocol P all`:
+///
+/// ```text
+/// 1007-Table master4:
+///      192.0.2.10/32        blackhole [xlb_vips4 22:30:32.432] * (200)
+/// 1008-<TAB>Type: static univ
+/// 1012-<TAB>BGP.next_hop: 10.99.0.1
+///      <TAB>BGP.local_pref: 200
+///      <TAB>BGP.community: (65000,100) (65000,7)
+/// 1007-                     blackhole [xlb_vips4 22:30:53.429] (200)
+/// ```
+///
+/// (`<TAB>` is a tab.) A route line starting with blanks is another route
+/// for the previous prefix; attribute lines start with a tab, and a long
+/// community list goes on over lines starting with two tabs. The next hop is
+/// `BGP.next_hop` (its first address), else the route's gateway
+/// (`via ADDR on IFACE`), else unspecified (a route the agent did not
+/// write, which the next apply withdraws).
+fn parse_routes(reply: &Reply, family: Family) -> Vec<Route> {
+    let mut routes = Vec::new();
+    let mut cur: Option<Parsed> = None;
+    let mut prefix: Option<(IpAddr, u8)> = None;
+    let mut last_attr = String::new();
+    let finish = |cur: &mut Option<Parsed>, routes: &mut Vec<Route>| {
+        if let Some(p) = cur.take() {
+            routes.extend(p.into_route(family));
+        }
+    };
+    for (code, text) in &reply.lines {
+        if !(1000..8000).contains(code) || text.trim().is_empty() {
+            continue;
+        }
+        if text.starts_with("Table ") && text.ends_with(':') {
+            finish(&mut cur, &mut routes);
+            prefix = None;
+            continue;
+        }
+        if let Some(rest) = text.strip_prefix("\t\t") {
+            if last_attr == "BGP.community" {
+                if let Some(p) = cur.as_mut() {
+                    p.communities.extend(parse_communities(rest));
+                }
+            }
+            continue;
+        }
+        if let Some(attr) = text.strip_prefix('\t') {
+            let Some(p) = cur.as_mut() else { continue };
+            if let Some(via) = attr.strip_prefix("via ") {
+                if p.gateway.is_none() {
+                    p.gateway = via.split_whitespace().next().and_then(|a| a.parse().ok());
+                }
+                continue;
+            }
+            let Some((name, value)) = attr.split_once(':') else {
+                continue;
+            };
+            let value = value.trim();
+            last_attr = name.to_string();
+            match name {
+                "BGP.next_hop" => {
+                    p.bgp_next_hop = value.split_whitespace().next().and_then(|a| a.parse().ok())
+                }
+                "BGP.local_pref" => p.local_pref = value.parse().ok(),
+                "BGP.community" => p.communities.extend(parse_communities(value)),
+                _ => {}
+            }
+            continue;
+        }
+        // A route line.
+        finish(&mut cur, &mut routes);
+        last_attr.clear();
+        if !text.starts_with(char::is_whitespace) {
+            let first = text.split_whitespace().next().unwrap_or_default();
+            prefix = first
+                .split_once('/')
+                .and_then(|(a, l)| Some((a.parse().ok()?, l.parse().ok()?)));
+            if prefix.is_none() {
+                tracing::debug!(line = %text, "bird: unexpected route line");
+            }
+        }
+        if let Some((vip, len)) = prefix {
+            // Older releases print a single next hop on the route line.
+            let mut words = text.split_whitespace().take_while(|w| !w.starts_with('['));
+            let gateway = words
+                .find(|w| *w == "via")
+                .and_then(|_| words.next()?.parse().ok());
+            cur = Some(Parsed {
+                vip,
+                len,
+                bgp_next_hop: None,
+                gateway,
+                communities: Vec::new(),
+                local_pref: None,
+            });
+        }
+    }
+    finish(&mut cur, &mut routes);
+    routes
+}
+
+/// `(65000,100) (65000,7)` → `[(65000, 100), (65000, 7)]`; anything else
+/// (large or extended communities) is skipped.
+fn parse_communities(s: &str) -> impl Iterator<Item = (u16, u16)> + '_ {
+    s.split_whitespace().filter_map(|t| {
+        let (a, v) = t.strip_prefix('(')?.strip_suffix(')')?.split_once(',')?;
+        Some((a.trim().parse().ok()?, v.trim().parse().ok()?))
+    })
+}
+
+/// Communities sorted and deduplicated: BIRD keeps a set.
+fn normalize(r: &Route) -> Route {
+    let mut r = r.clone();
+    r.communities.sort_unstable();
+    r.communities.dedup();
+    r
+}
+
+/// Checks what BIRD would accept but not announce as meant.
+fn validate(desired: &BTreeSet<Route>) -> AnnounceResult<BTreeSet<Route>> {
+    let mut vips = BTreeSet::new();
+    for r in desired {
+        if r.vip.is_ipv4() != r.next_hop.is_ipv4() {
+            return Err(AnnounceError::Refused(format!(
+                "{r}: the next hop is not of the VIP's address family"
+            )));
+        }
+        if r.next_hop.is_unspecified() {
+            return Err(AnnounceError::Refused(format!(
+                "{r}: the next hop is unspecified"
+            )));
+        }
+        if !vips.insert(r.vip) {
+            return Err(AnnounceError::Refused(format!(
+                "{}: more than one route for this VIP",
+                r.vip
+            )));
+        }
+    }
+    Ok(desired.iter().map(normalize).collect())
+}
+
+/// One file's contents: a header, then one static route per VIP.
+fn render(bird: &BirdAnnouncer, family: Family, routes: &BTreeSet<Route>) -> String {
+    let mut out = format!(
+        "# Written by lb-agent (xlb) for `protocol static {}`; every change is overwritten.\n",
+        bird.proto(family)
+    );
+    for r in routes.iter().filter(|r| Family::of(r.vip) == family) {
+        let _ = write!(
+            out,
+            "route {}/{} blackhole {{ bgp_next_hop = {};",
+            r.vip,
+            r.prefix_len(),
+            r.next_hop
+        );
+        for (a, v) in &r.communities {
+            let _ = write!(out, " bgp_community.add(({a},{v}));");
+        }
+        if let Some(lp) = r.local_pref {
+            let _ = write!(out, " bgp_local_pref = {lp};");
+        }
+        out.push_str(" };\n");
+    }
+    out
+}
+
+struct Changed {
+    path: PathBuf,
+    old: Option<Vec<u8>>,
+    content: String,
+}
+
+async fn read_if_exists(path: &Path) -> io::Result<Option<Vec<u8>>> {
+    match tokio::fs::read(path).await {
+        Ok(b) => Ok(Some(b)),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(None),
+        Err(e) => Err(e),
+    }
+}
+
+/// Replaces `path` by `content` at once: a temporary file next to it,
+/// synced, then renamed over it.
+async fn write_atomic(path: &Path, content: &[u8]) -> io::Result<()> {
+    let mut tmp = path.to_path_buf().into_os_string();
+    tmp.push(".xlb-tmp");
+    let tmp = PathBuf::from(tmp);
+    let result = async {
+        let mut f = tokio::fs::File::create(&tmp).await?;
+        tokio::io::AsyncWriteExt::write_all(&mut f, content).await?;
+        f.sync_all().await?;
+        drop(f);
+        tokio::fs::rename(&tmp, path).await
+    }
+    .await;
+    if result.is_err() {
+        let _ = tokio::fs::remove_file(&tmp).await;
+    }
+    result
+}
+
+/// Puts the files back as they were; returns "" or what could not be
+/// restored, to append to the error.
+async fn restore(changed: &[Changed]) -> String {
+    let mut failed = String::new();
+    for c in changed {
+        let result = match &c.old {
+            Some(old) => write_atomic(&c.path, old).await,
+            None => match tokio::fs::remove_file(&c.path).await {
+                Err(e) if e.kind() != io::ErrorKind::NotFound => Err(e),
+                _ => Ok(()),
+            },
+        };
+        if let Err(e) = result {
+            tracing::error!(path = %c.path.display(), error = %e, "bird: cannot restore the routes file");
+            let _ = write!(failed, "; restoring {}: {e}", c.path.display());
+        }
+    }
+    failed
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn route(vip: &str, nh: &str, communities: &[(u16, u16)], lp: Option<u32>) -> Route {
+        Route {
+            vip: vip.parse().unwrap(),
+            next_hop: nh.parse().unwrap(),
+            communities: communities.to_vec(),
+            local_pref: lp,
+        }
+    }
+
+    // Captured from BIRD 2.0.12 (`birdc -v ... show route protocol xlb_vips4 all`),
+    // with two routes for 192.0.2.11/32 and a wrapped community list added.
+    const SHOW_ROUTE: &str = "0001 BIRD 2.0.12 ready.
+1007-Table master4:
+     192.0.2.11/32        blackhole [xlb_vips4 22:30:45.890] * (200)
+1008-\tType: static univ
+1012-\tBGP.next_hop: 10.99.0.5
+1007-                     blackhole [xlb_vips4 22:30:53.429] (200)
+1008-\tType: static univ
+1012-\tBGP.next_hop: 10.99.0.1
+     \tBGP.community: (1,1)
+1007-192.0.2.10/32        blackhole [xlb_vips4 22:30:32.432] * (200)
+1008-\tType: static univ
+1012-\tBGP.next_hop: 10.99.0.1
+     \tBGP.local_pref: 200
+     \tBGP.community: (65000,100) (65000,7)
+     \t\t(65000,1) (65000,7)
+1007-192.0.2.12/32        unicast [xlb_vips4 22:30:32.432] * (200)
+     \tvia 10.99.0.7 on eth0
+1008-\tType: static univ
+1007-192.0.2.0/24         blackhole [xlb_vips4 22:30:32.432] * (200)
+1008-\tType: static univ
+1007-192.0.2.13/32        via 10.99.0.8 on eth0 [xlb_vips4 22:30:32.432] * (200)
+1008-\tType: static univ
+";
+
+    #[test]
+    fn reads_birds_show_route() {
+        let reply = Reply::parse(SHOW_ROUTE);
+        assert!(reply.has(CODE_WELCOME));
+        assert!(reply.errors().is_empty());
+        let routes = parse_routes(&reply, Family::V4);
+        assert_eq!(
+            routes,
+            vec![
+                route("192.0.2.11", "10.99.0.5", &[], None),
+                route("192.0.2.11", "10.99.0.1", &[(1, 1)], None),
+                route(
+                    "192.0.2.10",
+                    "10.99.0.1",
+                    &[(65000, 1), (65000, 7), (65000, 100)],
+                    Some(200)
+                ),
+                route("192.0.2.12", "10.99.0.7", &[], None),
+                route("192.0.2.13", "10.99.0.8", &[], None),
+            ]
+        );
+        assert!(parse_routes(&reply, Family::V6).is_empty());
+    }
+
+    #[test]
+    fn reads_v6_next_hops_and_empty_protocols() {
+        let out = "0001 BIRD 2.0.12 ready.
+1007-Table master6:
+     2001:db8::10/128     blackhole [xlb_vips6 22:30:32.432] * (200)
+1008-\tType: static univ
+1012-\tBGP.next_hop: fd99::1 fe80::1
+     \tBGP.local_pref: 200
+";
+        let routes = parse_routes(&Reply::parse(out), Family::V6);
+        assert_eq!(
+            routes,
+            vec![route("2001:db8::10", "fd99::1", &[], Some(200))]
+        );
+        let empty = Reply::parse("0001 BIRD 2.0.12 ready.\n");
+        assert!(parse_routes(&empty, Family::V6).is_empty());
+    }
+
+    #[test]
+    fn reads_errors_and_configure_replies() {
+        let err = Reply::parse(
+            "0001 BIRD 2.0.12 ready.\n0002-Reading configuration from /etc/bird.conf\n8002 /etc/xlb-vips6:3:61 syntax error, unexpected '}'\n",
+        );
+        assert_eq!(
+            err.errors(),
+            vec!["/etc/xlb-vips6:3:61 syntax error, unexpected '}'"]
+        );
+        let ok = Reply::parse(
+            "0001 BIRD 2.0.12 ready.\n0002-Reading configuration from node.conf\n0003 Reconfigured\n",
+        );
+        assert!(ok.has(CODE_RECONFIGURED) && ok.errors().is_empty());
+        assert_eq!(
+            ok.text(),
+            "Reading configuration from node.conf; Reconfigured"
+        );
+    }
+
+    #[test]
+    fn renders_one_static_route_per_vip_and_family() {
+        let bird = BirdAnnouncer::new("/etc/bird/xlb-vips", "/run/bird.ctl");
+        let routes: BTreeSet<_> = [
+            route(
+                "192.0.2.10",
+                "10.0.0.1",
+                &[(65000, 100), (65000, 7), (65000, 7)],
+                Some(200),
+            ),
+            route("192.0.2.11", "10.0.0.1", &[], None),
+            route("2001:db8::10", "fd00::1", &[(65000, 1)], None),
+        ]
+        .into();
+        let (v4, v6) = bird.render(&routes);
+        assert_eq!(
+            v4,
+            "# Written by lb-agent (xlb) for `protocol static xlb_vips4`; every change is overwritten.
+route 192.0.2.10/32 blackhole { bgp_next_hop = 10.0.0.1; bgp_community.add((65000,7)); bgp_community.add((65000,100)); bgp_local_pref = 200; };
+route 192.0.2.11/32 blackhole { bgp_next_hop = 10.0.0.1; };
+"
+        );
+        assert!(v6.ends_with(
+            "\nroute 2001:db8::10/128 blackhole { bgp_next_hop = fd00::1; bgp_community.add((65000,1)); };\n"
+        ));
+        assert_eq!(bird.routes_file_v4(), PathBuf::from("/etc/bird/xlb-vips4"));
+        assert_eq!(bird.protocol_v6(), "xlb_vips6");
+        assert_eq!(
+            bird.static_protocols_config(),
+            "protocol static xlb_vips4 {\n    ipv4;\n    include \"/etc/bird/xlb-vips4\";\n}\n\
+             protocol static xlb_vips6 {\n    ipv6;\n    include \"/etc/bird/xlb-vips6\";\n}\n"
+        );
+    }
+
+    #[test]
+    fn refuses_what_bird_would_not_announce_as_meant() {
+        let bad = |r: Route| validate(&[r].into()).unwrap_err().to_string();
+        assert!(bad(route("2001:db8::1", "10.0.0.1", &[], None)).contains("family"));
+        assert!(bad(route("192.0.2.1", "0.0.0.0", &[], None)).contains("unspecified"));
+        let two: BTreeSet<_> = [
+            route("192.0.2.1", "10.0.0.1", &[], None),
+            route("192.0.2.1", "10.0.0.2", &[], None),
+        ]
+        .into();
+        assert!(validate(&two)
+            .unwrap_err()
+            .to_string()
+            .contains("more than one"));
+    }
+}

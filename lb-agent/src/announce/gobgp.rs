@@ -1,0 +1,775 @@
+//! The GoBGP 3.x driver: talks to `gobgpd` over its gRPC API (package
+//! `apipb`, service `GobgpApi`, by default on `127.0.0.1:50051`).
+//!
+//! The API subset lives in `lb-agent/proto/` (compiled by `build.rs`); its
+//! field numbers are GoBGP 3.x's (`lb-agent/proto/check-against-gobgpd.py`
+//! checks them against an installed `gobgpd`).
+//!
+//! # Which paths are ours
+//!
+//! [`Announcer::apply`] lists the IPv4 and IPv6 unicast paths of
+//! GoBGP's global RIB and only ever considers paths that
+//!
+//! - are locally originated, i.e. were added through the API or the `gobgp`
+//!   CLI rather than learned from a BGP peer (GoBGP reports their
+//!   `neighbor_ip` as `"<nil>"`). Routes learned from peers are never
+//!   touched;
+//! - are host routes (/32, /128), as VIPs are; and
+//! - with [`Ownership::Marked`], carry the marker community. The marker is
+//!   added to every path we announce and left out of the [`Route`]s we
+//!   report, so other local paths in the same `gobgpd` (operator statics,
+//!   another tool) are left alone. With [`Ownership::LocallyOriginated`]
+//!   (the default) every local host route belongs to the agent: use it with a
+//!   `gobgpd` dedicated to the agent.
+//!
+//! GoBGP keeps one local path per prefix (a new AddPath for a prefix replaces
+//! the previous local path), so a changed route (other next hop, communities
+//! or local-pref) is re-added in place, without a withdraw in between, and
+//! the desired set can hold one route per VIP: when it holds several, the
+//! first one in `Route` order wins. In `Marked` mode, announcing a VIP also
+//! replaces an unmarked local path for the same prefix.
+//!
+//! Communities are compared as sets (sorted, without duplicates); the
+//! routes [`Announcer::announced`] returns have them sorted.
+//!
+//! # Errors and restarts
+//!
+//! A speaker that cannot be connected to, drops the connection or does not
+//! answer within the request timeout gives [`AnnounceError::Unreachable`]
+//! (and the next call reconnects); any other gRPC error is
+//! [`AnnounceError::Refused`]. A `gobgpd` that restarted has lost its
+//! API-added neighbors and every path: the next apply adds the configured
+//! [`GoBgpConfig::peers`] again (neighbors added with
+//! [`GoBgpAnnouncer::add_peer`] alone are not remembered) and re-announces
+//! everything; [`GoBgpAnnouncer::watch_peer_events`] tells when sessions come
+//! up (and go down, e.g. to re-apply early).
+
+use std::{
+    collections::{BTreeMap, BTreeSet},
+    net::IpAddr,
+    time::Duration,
+};
+
+use prost::Message;
+use prost_types::Any;
+use tonic::transport::{Channel, Endpoint};
+
+use super::{AnnounceError, AnnounceResult, Announcer, BoxFuture, Route};
+
+/// The generated client and messages of GoBGP's API subset.
+#[allow(
+    clippy::all,
+    clippy::pedantic,
+    missing_docs,
+    rustdoc::all,
+    unreachable_pub,
+    unused_qualifications
+)]
+pub mod apipb {
+    tonic::include_proto!("apipb");
+}
+
+pub use apipb::peer_state::SessionState;
+use apipb::{family, gobgp_api_client::GobgpApiClient};
+
+/// Where `gobgpd` serves its API unless told otherwise (`--api-hosts`).
+pub const DEFAULT_ENDPOINT: &str = "http://127.0.0.1:50051";
+
+const TYPE_URL_PREFIX: &str = "type.googleapis.com/apipb.";
+const ORIGIN_IGP: u32 = 0;
+
+/// Which locally originated paths in GoBGP the announcer owns (see the
+/// module documentation).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Ownership {
+    /// Every locally originated IPv4/IPv6 unicast host route.
+    #[default]
+    LocallyOriginated,
+    /// Locally originated host routes carrying this standard community
+    /// (ASN, value), which the announcer adds to everything it announces.
+    Marked(u16, u16),
+}
+
+/// How to reach and use `gobgpd`.
+#[derive(Clone, Debug)]
+pub struct GoBgpConfig {
+    /// The API endpoint, e.g. `http://127.0.0.1:50051`.
+    pub endpoint: String,
+    pub ownership: Ownership,
+    /// Neighbors the announcer keeps configured: every
+    /// [`apply`](Announcer::apply) first adds those `gobgpd` does not have
+    /// (e.g. after it restarted empty). Neighbors are matched by address
+    /// only: a changed setting of an existing neighbor is not pushed, and
+    /// other neighbors are left alone.
+    pub peers: Vec<PeerConfig>,
+    /// Bound on connecting to the API.
+    pub connect_timeout: Duration,
+    /// Bound on each call, streamed answers included (not on
+    /// [`GoBgpAnnouncer::watch_peer_events`]' stream).
+    pub request_timeout: Duration,
+}
+
+impl Default for GoBgpConfig {
+    fn default() -> Self {
+        Self {
+            endpoint: DEFAULT_ENDPOINT.to_string(),
+            ownership: Ownership::default(),
+            peers: Vec::new(),
+            connect_timeout: Duration::from_secs(3),
+            request_timeout: Duration::from_secs(10),
+        }
+    }
+}
+
+/// An address family a BGP session carries.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum AddressFamily {
+    Ipv4Unicast,
+    Ipv6Unicast,
+}
+
+impl AddressFamily {
+    fn of(addr: &IpAddr) -> Self {
+        if addr.is_ipv4() {
+            Self::Ipv4Unicast
+        } else {
+            Self::Ipv6Unicast
+        }
+    }
+
+    fn to_api(self) -> apipb::Family {
+        let afi = match self {
+            Self::Ipv4Unicast => family::Afi::Ip,
+            Self::Ipv6Unicast => family::Afi::Ip6,
+        };
+        apipb::Family {
+            afi: afi as i32,
+            safi: family::Safi::Unicast as i32,
+        }
+    }
+}
+
+/// A BGP neighbor to add to `gobgpd` (the local ASN and router id are
+/// `gobgpd`'s global settings).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PeerConfig {
+    pub address: IpAddr,
+    pub peer_asn: u32,
+    /// Proposed hold time; `None` keeps GoBGP's default (90 s).
+    pub hold_time: Option<Duration>,
+    /// Keepalive interval; `None` keeps GoBGP's default (hold time / 3).
+    pub keepalive: Option<Duration>,
+    /// TCP MD5 password.
+    pub password: Option<String>,
+    /// eBGP multihop with this TTL; `None` for a directly connected peer.
+    pub multihop_ttl: Option<u8>,
+    /// Families to negotiate; empty means GoBGP's default, the family of
+    /// the neighbor address. List both to carry IPv6 VIPs over an IPv4
+    /// session (or the reverse).
+    pub families: Vec<AddressFamily>,
+}
+
+impl PeerConfig {
+    /// A directly connected neighbor with GoBGP's defaults.
+    pub fn new(address: IpAddr, peer_asn: u32) -> Self {
+        Self {
+            address,
+            peer_asn,
+            hold_time: None,
+            keepalive: None,
+            password: None,
+            multihop_ttl: None,
+            families: Vec::new(),
+        }
+    }
+}
+
+/// A peer state change reported by [`PeerEvents`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PeerEvent {
+    /// The neighbor address (`None` if GoBGP sent none or an unparsable one).
+    pub address: Option<IpAddr>,
+    pub state: SessionState,
+    /// `true` for the snapshot of existing peers GoBGP may send when the
+    /// watch starts, `false` for a change.
+    pub initial: bool,
+}
+
+/// The stream of peer events from [`GoBgpAnnouncer::watch_peer_events`].
+pub struct PeerEvents {
+    inner: tonic::Streaming<apipb::WatchEventResponse>,
+}
+
+impl PeerEvents {
+    /// The next peer event; `Ok(None)` when `gobgpd` ended the stream.
+    pub async fn next(&mut self) -> AnnounceResult<Option<PeerEvent>> {
+        use apipb::watch_event_response::{peer_event::Type, Event};
+        loop {
+            let Some(msg) = self.inner.message().await.map_err(status_error)? else {
+                return Ok(None);
+            };
+            let Some(Event::Peer(ev)) = msg.event else {
+                continue;
+            };
+            let kind = Type::try_from(ev.r#type).unwrap_or(Type::Unknown);
+            if kind == Type::EndOfInit {
+                continue;
+            }
+            let Some(peer) = ev.peer else {
+                continue;
+            };
+            let (address, state) = peer_address_state(&peer);
+            return Ok(Some(PeerEvent {
+                address,
+                state,
+                initial: kind == Type::Init,
+            }));
+        }
+    }
+}
+
+/// Drives `gobgpd` through its gRPC API.
+pub struct GoBgpAnnouncer {
+    config: GoBgpConfig,
+    endpoint: Endpoint,
+    client: Option<GobgpApiClient<Channel>>,
+}
+
+impl GoBgpAnnouncer {
+    /// Checks the endpoint; connects on first use (and again after the
+    /// speaker was unreachable).
+    pub fn new(config: GoBgpConfig) -> Result<Self, tonic::transport::Error> {
+        let endpoint =
+            Endpoint::from_shared(config.endpoint.clone())?.connect_timeout(config.connect_timeout);
+        Ok(Self {
+            config,
+            endpoint,
+            client: None,
+        })
+    }
+
+    /// The default endpoint and ownership.
+    pub fn with_defaults() -> Self {
+        Self::new(GoBgpConfig::default()).expect("the default endpoint is a valid URI")
+    }
+
+    pub fn config(&self) -> &GoBgpConfig {
+        &self.config
+    }
+
+    fn client(&mut self) -> GobgpApiClient<Channel> {
+        self.client
+            .get_or_insert_with(|| GobgpApiClient::new(self.endpoint.connect_lazy()))
+            .clone()
+    }
+
+    /// Runs one call under the request timeout; forgets the connection when
+    /// the speaker is unreachable so that the next call reconnects.
+    async fn call<T, F>(&mut self, what: &str, fut: F) -> AnnounceResult<T>
+    where
+        F: std::future::Future<Output = AnnounceResult<T>>,
+    {
+        let res = match tokio::time::timeout(self.config.request_timeout, fut).await {
+            Ok(res) => res,
+            Err(_) => Err(AnnounceError::Unreachable(format!(
+                "no answer within {:?}",
+                self.config.request_timeout
+            ))),
+        };
+        let ctx = |m: String| format!("gobgpd {}: {what}: {m}", self.config.endpoint);
+        res.map_err(|e| match e {
+            AnnounceError::Unreachable(m) => AnnounceError::Unreachable(ctx(m)),
+            AnnounceError::Refused(m) => AnnounceError::Refused(ctx(m)),
+        })
+        .inspect_err(|e| {
+            if matches!(e, AnnounceError::Unreachable(_)) {
+                self.client = None;
+            }
+        })
+    }
+
+    /// Adds a BGP neighbor (AddPeer). GoBGP refuses a neighbor it already
+    /// has ([`AnnounceError::Refused`]).
+    pub async fn add_peer(&mut self, peer: &PeerConfig) -> AnnounceResult<()> {
+        let req = apipb::AddPeerRequest {
+            peer: Some(peer_to_api(peer)),
+        };
+        let mut client = self.client();
+        self.call("AddPeer", async move {
+            client.add_peer(req).await.map_err(status_error)?;
+            Ok(())
+        })
+        .await
+    }
+
+    /// Adds the configured [`peers`](GoBgpConfig::peers) that `gobgpd`
+    /// does not have; returns how many.
+    pub async fn ensure_peers(&mut self) -> AnnounceResult<usize> {
+        if self.config.peers.is_empty() {
+            return Ok(0);
+        }
+        let existing: BTreeSet<IpAddr> = self
+            .list_peers()
+            .await?
+            .into_iter()
+            .map(|(addr, _)| addr)
+            .collect();
+        let missing: Vec<PeerConfig> = self
+            .config
+            .peers
+            .iter()
+            .filter(|p| !existing.contains(&p.address))
+            .cloned()
+            .collect();
+        for peer in &missing {
+            tracing::info!(peer = %peer.address, asn = peer.peer_asn, "gobgp: adding BGP neighbor");
+            self.add_peer(peer).await?;
+        }
+        Ok(missing.len())
+    }
+
+    /// Every neighbor and its session state (ListPeer).
+    pub async fn list_peers(&mut self) -> AnnounceResult<Vec<(IpAddr, SessionState)>> {
+        let mut client = self.client();
+        self.call("ListPeer", async move {
+            let mut stream = client
+                .list_peer(apipb::ListPeerRequest::default())
+                .await
+                .map_err(status_error)?
+                .into_inner();
+            let mut peers = Vec::new();
+            while let Some(msg) = stream.message().await.map_err(status_error)? {
+                if let Some(peer) = msg.peer {
+                    if let (Some(addr), state) = peer_address_state(&peer) {
+                        peers.push((addr, state));
+                    }
+                }
+            }
+            Ok(peers)
+        })
+        .await
+    }
+
+    /// Watches peer state changes (WatchEvent with a peer filter), e.g. to
+    /// re-add peers and re-apply after `gobgpd` restarted. Only the call is
+    /// bounded by the request timeout; the stream lasts until `gobgpd` ends
+    /// it or goes away (then [`PeerEvents::next`] fails).
+    pub async fn watch_peer_events(&mut self) -> AnnounceResult<PeerEvents> {
+        let req = apipb::WatchEventRequest {
+            peer: Some(apipb::watch_event_request::Peer {}),
+        };
+        let mut client = self.client();
+        self.call("WatchEvent", async move {
+            let inner = client
+                .watch_event(req)
+                .await
+                .map_err(status_error)?
+                .into_inner();
+            Ok(PeerEvents { inner })
+        })
+        .await
+    }
+
+    /// Our paths in the global RIB (ListPath, IPv4 and IPv6 unicast), by
+    /// VIP, with the marker community removed.
+    async fn list_owned(&mut self) -> AnnounceResult<BTreeMap<IpAddr, Route>> {
+        let ownership = self.config.ownership;
+        let mut client = self.client();
+        self.call("ListPath", async move {
+            let mut owned = BTreeMap::new();
+            for fam in [AddressFamily::Ipv4Unicast, AddressFamily::Ipv6Unicast] {
+                let req = apipb::ListPathRequest {
+                    table_type: apipb::TableType::Global as i32,
+                    family: Some(fam.to_api()),
+                    ..Default::default()
+                };
+                let mut stream = client
+                    .list_path(req)
+                    .await
+                    .map_err(status_error)?
+                    .into_inner();
+                while let Some(msg) = stream.message().await.map_err(status_error)? {
+                    for path in msg.destination.into_iter().flat_map(|d| d.paths) {
+                        if let Some(route) = owned_route(&path, ownership) {
+                            owned.insert(route.vip, route);
+                        }
+                    }
+                }
+            }
+            Ok(owned)
+        })
+        .await
+    }
+
+    async fn add_path(&mut self, route: &Route) -> AnnounceResult<()> {
+        let req = apipb::AddPathRequest {
+            table_type: apipb::TableType::Global as i32,
+            vrf_id: String::new(),
+            path: Some(route_to_path(route, self.config.ownership)),
+        };
+        let mut client = self.client();
+        self.call(&format!("AddPath {route}"), async move {
+            client.add_path(req).await.map_err(status_error)?;
+            Ok(())
+        })
+        .await
+    }
+
+    async fn delete_path(&mut self, route: &Route) -> AnnounceResult<()> {
+        // Always with a path: a DeletePath without path nor uuid withdraws
+        // every local path of the family.
+        let path = route_to_path(route, self.config.ownership);
+        let req = apipb::DeletePathRequest {
+            table_type: apipb::TableType::Global as i32,
+            vrf_id: String::new(),
+            family: path.family,
+            path: Some(path),
+            uuid: Vec::new(),
+        };
+        let mut client = self.client();
+        self.call(&format!("DeletePath {route}"), async move {
+            client.delete_path(req).await.map_err(status_error)?;
+            Ok(())
+        })
+        .await
+    }
+}
+
+impl Announcer for GoBgpAnnouncer {
+    fn name(&self) -> &'static str {
+        "gobgp"
+    }
+
+    fn announced(&mut self) -> BoxFuture<'_, AnnounceResult<BTreeSet<Route>>> {
+        Box::pin(async move { Ok(self.list_owned().await?.into_values().collect()) })
+    }
+
+    fn apply<'a>(
+        &'a mut self,
+        desired: &'a BTreeSet<Route>,
+    ) -> BoxFuture<'a, AnnounceResult<(usize, usize)>> {
+        Box::pin(async move {
+            self.ensure_peers().await?;
+            let desired = desired_by_vip(desired, self.config.ownership);
+            let current = self.list_owned().await?;
+            let mut added = 0;
+            for (vip, route) in &desired {
+                if current.get(vip) != Some(route) {
+                    // Replaces our previous path for the VIP, if any.
+                    self.add_path(route).await?;
+                    added += 1;
+                }
+            }
+            let mut withdrawn = 0;
+            for (vip, route) in &current {
+                if !desired.contains_key(vip) {
+                    self.delete_path(route).await?;
+                    withdrawn += 1;
+                }
+            }
+            Ok((added, withdrawn))
+        })
+    }
+}
+
+/// The desired routes, one per VIP (the first in `Route` order), with
+/// communities normalized and the marker left out.
+fn desired_by_vip(desired: &BTreeSet<Route>, ownership: Ownership) -> BTreeMap<IpAddr, Route> {
+    let mut by_vip = BTreeMap::new();
+    for route in desired {
+        if by_vip.contains_key(&route.vip) {
+            tracing::warn!(%route, "gobgp: one route per VIP; ignoring this one");
+            continue;
+        }
+        let mut route = route.clone();
+        normalize_communities(&mut route.communities, ownership);
+        by_vip.insert(route.vip, route);
+    }
+    by_vip
+}
+
+fn normalize_communities(communities: &mut Vec<(u16, u16)>, ownership: Ownership) {
+    if let Ownership::Marked(a, v) = ownership {
+        communities.retain(|&c| c != (a, v));
+    }
+    communities.sort_unstable();
+    communities.dedup();
+}
+
+fn community_to_u32((asn, value): (u16, u16)) -> u32 {
+    (u32::from(asn) << 16) | u32::from(value)
+}
+
+fn community_from_u32(c: u32) -> (u16, u16) {
+    ((c >> 16) as u16, c as u16)
+}
+
+fn pack<M: Message>(name: &str, msg: &M) -> Any {
+    Any {
+        type_url: format!("{TYPE_URL_PREFIX}{name}"),
+        value: msg.encode_to_vec(),
+    }
+}
+
+/// Decodes `any` if it holds the apipb message `name`.
+fn unpack<M: Message + Default>(name: &str, any: &Any) -> Option<M> {
+    let short = any.type_url.strip_prefix(TYPE_URL_PREFIX)?;
+    if short != name {
+        return None;
+    }
+    M::decode(any.value.as_slice()).ok()
+}
+
+/// The API path announcing `route`: NLRI, ORIGIN IGP, the next hop
+/// (NEXT_HOP for IPv4 over IPv4, else MP_REACH_NLRI as GoBGP expects for
+/// IPv6), communities (with the marker) and LOCAL_PREF.
+fn route_to_path(route: &Route, ownership: Ownership) -> apipb::Path {
+    let fam = AddressFamily::of(&route.vip).to_api();
+    let nlri = pack(
+        "IPAddressPrefix",
+        &apipb::IpAddressPrefix {
+            prefix_len: u32::from(route.prefix_len()),
+            prefix: route.vip.to_string(),
+        },
+    );
+    let mut pattrs = vec![pack(
+        "OriginAttribute",
+        &apipb::OriginAttribute { origin: ORIGIN_IGP },
+    )];
+    if route.vip.is_ipv4() && route.next_hop.is_ipv4() {
+        pattrs.push(pack(
+            "NextHopAttribute",
+            &apipb::NextHopAttribute {
+                next_hop: route.next_hop.to_string(),
+            },
+        ));
+    } else {
+        pattrs.push(pack(
+            "MpReachNLRIAttribute",
+            &apipb::MpReachNlriAttribute {
+                family: Some(fam),
+                next_hops: vec![route.next_hop.to_string()],
+                nlris: vec![nlri.clone()],
+            },
+        ));
+    }
+    let mut communities = route.communities.clone();
+    normalize_communities(&mut communities, ownership);
+    if let Ownership::Marked(a, v) = ownership {
+        communities.push((a, v));
+    }
+    if !communities.is_empty() {
+        pattrs.push(pack(
+            "CommunitiesAttribute",
+            &apipb::CommunitiesAttribute {
+                communities: communities.into_iter().map(community_to_u32).collect(),
+            },
+        ));
+    }
+    if let Some(local_pref) = route.local_pref {
+        pattrs.push(pack(
+            "LocalPrefAttribute",
+            &apipb::LocalPrefAttribute { local_pref },
+        ));
+    }
+    apipb::Path {
+        nlri: Some(nlri),
+        pattrs,
+        family: Some(fam),
+        ..Default::default()
+    }
+}
+
+/// The route `path` announces, if it is ours (see the module docs).
+fn owned_route(path: &apipb::Path, ownership: Ownership) -> Option<Route> {
+    if path.is_withdraw || !is_local(path) {
+        return None;
+    }
+    let prefix: apipb::IpAddressPrefix = unpack("IPAddressPrefix", path.nlri.as_ref()?)?;
+    let vip: IpAddr = prefix.prefix.parse().ok()?;
+    let host_len = if vip.is_ipv4() { 32 } else { 128 };
+    if prefix.prefix_len != host_len {
+        return None;
+    }
+    let mut next_hop = None;
+    let mut communities = Vec::new();
+    let mut local_pref = None;
+    for attr in &path.pattrs {
+        if let Some(a) = unpack::<apipb::NextHopAttribute>("NextHopAttribute", attr) {
+            next_hop = a.next_hop.parse().ok();
+        } else if let Some(a) = unpack::<apipb::MpReachNlriAttribute>("MpReachNLRIAttribute", attr)
+        {
+            if next_hop.is_none() {
+                next_hop = a.next_hops.first().and_then(|n| n.parse().ok());
+            }
+        } else if let Some(a) = unpack::<apipb::CommunitiesAttribute>("CommunitiesAttribute", attr)
+        {
+            communities.extend(a.communities.into_iter().map(community_from_u32));
+        } else if let Some(a) = unpack::<apipb::LocalPrefAttribute>("LocalPrefAttribute", attr) {
+            local_pref = Some(a.local_pref);
+        }
+    }
+    if let Ownership::Marked(a, v) = ownership {
+        if !communities.contains(&(a, v)) {
+            return None;
+        }
+    }
+    normalize_communities(&mut communities, ownership);
+    Some(Route {
+        vip,
+        next_hop: next_hop?,
+        communities,
+        local_pref,
+    })
+}
+
+/// Locally originated: GoBGP gives no neighbor address for paths that were
+/// not learned from a peer ("<nil>" or empty).
+fn is_local(path: &apipb::Path) -> bool {
+    path.neighbor_ip
+        .parse::<IpAddr>()
+        .map_or(true, |ip| ip.is_unspecified())
+}
+
+fn peer_to_api(p: &PeerConfig) -> apipb::Peer {
+    let secs = |d: Option<Duration>| d.map_or(0, |d| d.as_secs());
+    let timers = (p.hold_time.is_some() || p.keepalive.is_some()).then(|| apipb::Timers {
+        config: Some(apipb::TimersConfig {
+            hold_time: secs(p.hold_time),
+            keepalive_interval: secs(p.keepalive),
+            ..Default::default()
+        }),
+        state: None,
+    });
+    apipb::Peer {
+        conf: Some(apipb::PeerConf {
+            neighbor_address: p.address.to_string(),
+            peer_asn: p.peer_asn,
+            auth_password: p.password.clone().unwrap_or_default(),
+            ..Default::default()
+        }),
+        ebgp_multihop: p.multihop_ttl.map(|ttl| apipb::EbgpMultihop {
+            enabled: true,
+            multihop_ttl: u32::from(ttl),
+        }),
+        timers,
+        afi_safis: p
+            .families
+            .iter()
+            .map(|f| apipb::AfiSafi {
+                config: Some(apipb::AfiSafiConfig {
+                    family: Some(f.to_api()),
+                    enabled: true,
+                }),
+            })
+            .collect(),
+        ..Default::default()
+    }
+}
+
+fn peer_address_state(peer: &apipb::Peer) -> (Option<IpAddr>, SessionState) {
+    let conf_addr = peer.conf.as_ref().map(|c| c.neighbor_address.as_str());
+    let state_addr = peer.state.as_ref().map(|s| s.neighbor_address.as_str());
+    let address = [conf_addr, state_addr]
+        .into_iter()
+        .flatten()
+        .find_map(|a| a.parse().ok());
+    let state = peer
+        .state
+        .as_ref()
+        .and_then(|s| SessionState::try_from(s.session_state).ok())
+        .unwrap_or(SessionState::Unknown);
+    (address, state)
+}
+
+/// Connection-level failures (refused, reset, gone away) are Unreachable;
+/// an error `gobgpd` answered with is Refused.
+fn status_error(status: tonic::Status) -> AnnounceError {
+    use tonic::Code;
+    let transport = {
+        let mut source = std::error::Error::source(&status);
+        let mut found = false;
+        while let Some(e) = source {
+            if e.is::<tonic::transport::Error>() || e.is::<std::io::Error>() {
+                found = true;
+                break;
+            }
+            source = e.source();
+        }
+        found
+    };
+    match status.code() {
+        Code::Unavailable | Code::DeadlineExceeded => {
+            AnnounceError::Unreachable(status.message().to_string())
+        }
+        _ if transport => AnnounceError::Unreachable(status.message().to_string()),
+        code => AnnounceError::Refused(format!("{code:?}: {}", status.message())),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn route(vip: &str, nh: &str, communities: Vec<(u16, u16)>, lp: Option<u32>) -> Route {
+        Route {
+            vip: vip.parse().unwrap(),
+            next_hop: nh.parse().unwrap(),
+            communities,
+            local_pref: lp,
+        }
+    }
+
+    #[test]
+    fn paths_round_trip() {
+        for ownership in [Ownership::LocallyOriginated, Ownership::Marked(64512, 1)] {
+            for r in [
+                route("192.0.2.10", "10.0.0.1", vec![(65000, 100)], Some(200)),
+                route("2001:db8::10", "fd00::1", vec![], None),
+                route("192.0.2.11", "fd00::1", vec![(1, 2), (0, 1)], None),
+            ] {
+                let path = route_to_path(&r, ownership);
+                let mut want = r.clone();
+                want.communities.sort();
+                assert_eq!(owned_route(&path, ownership), Some(want), "{r}");
+            }
+        }
+    }
+
+    #[test]
+    fn ownership_filters_paths() {
+        let r = route("192.0.2.10", "10.0.0.1", vec![(65000, 100)], None);
+        let unmarked = route_to_path(&r, Ownership::LocallyOriginated);
+        assert_eq!(owned_route(&unmarked, Ownership::Marked(64512, 1)), None);
+        let mut from_peer = unmarked.clone();
+        from_peer.neighbor_ip = "10.0.0.2".into();
+        assert_eq!(owned_route(&from_peer, Ownership::LocallyOriginated), None);
+        let mut local = unmarked.clone();
+        local.neighbor_ip = "<nil>".into();
+        assert!(owned_route(&local, Ownership::LocallyOriginated).is_some());
+        // The marker is ours, not part of the route.
+        let marked = route_to_path(&r, Ownership::Marked(64512, 1));
+        let got = owned_route(&marked, Ownership::Marked(64512, 1)).unwrap();
+        assert_eq!(got.communities, vec![(65000, 100)]);
+    }
+
+    #[test]
+    fn communities_pack_asn_high() {
+        assert_eq!(community_to_u32((65000, 100)), 0xFDE8_0064);
+        assert_eq!(community_from_u32(0xFDE8_0064), (65000, 100));
+    }
+
+    #[test]
+    fn one_route_per_vip() {
+        let desired: BTreeSet<_> = [
+            route("192.0.2.10", "10.0.0.2", vec![], None),
+            route("192.0.2.10", "10.0.0.1", vec![(2, 2), (1, 1), (2, 2)], None),
+        ]
+        .into();
+        let by_vip = desired_by_vip(&desired, Ownership::LocallyOriginated);
+        assert_eq!(by_vip.len(), 1);
+        let r = &by_vip[&"192.0.2.10".parse::<IpAddr>().unwrap()];
+        assert_eq!(r.next_hop.to_string(), "10.0.0.1");
+        assert_eq!(r.communities, vec![(1, 1), (2, 2)]);
+    }
+}

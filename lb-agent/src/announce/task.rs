@@ -1,0 +1,303 @@
+//! The agent side of announcing: a task that owns the speaker driver, keeps
+//! the speaker's announced set equal to the latest desired set (re-applying
+//! it every `resync_interval`, which heals a restarted speaker), and on
+//! shutdown withdraws everything before the agent exits.
+
+use std::{collections::BTreeSet, net::IpAddr, time::Duration};
+
+use prometheus::{IntCounterVec, IntGauge, Opts, Registry};
+use tokio::sync::{mpsc, oneshot};
+use tracing::{info, warn};
+
+use super::{Announcer, Route};
+
+enum Command {
+    Apply(BTreeSet<Route>),
+    /// Withdraw everything, then answer.
+    Withdraw(oneshot::Sender<()>),
+}
+
+/// Handle to the announcing task.
+pub struct AnnounceTask {
+    tx: mpsc::UnboundedSender<Command>,
+}
+
+struct AnnounceMetrics {
+    announced: IntGauge,
+    changes: IntCounterVec,
+    errors: IntCounterVec,
+}
+
+impl AnnounceMetrics {
+    fn new(registry: &Registry) -> Self {
+        let announced = IntGauge::new(
+            "xlb_bgp_announced_prefixes",
+            "VIP prefixes the BGP speaker announces for this node",
+        )
+        .expect("metric");
+        let changes = IntCounterVec::new(
+            Opts::new(
+                "xlb_bgp_route_changes_total",
+                "Routes announced and withdrawn through the speaker",
+            ),
+            &["action"],
+        )
+        .expect("metric");
+        let errors = IntCounterVec::new(
+            Opts::new(
+                "xlb_bgp_errors_total",
+                "Failed attempts to apply the announced set",
+            ),
+            &["kind"],
+        )
+        .expect("metric");
+        // Registering twice (a second task in tests) is harmless: keep the first.
+        let _ = registry.register(Box::new(announced.clone()));
+        let _ = registry.register(Box::new(changes.clone()));
+        let _ = registry.register(Box::new(errors.clone()));
+        Self {
+            announced,
+            changes,
+            errors,
+        }
+    }
+}
+
+impl AnnounceTask {
+    /// Starts the task; nothing is announced until the first `apply`.
+    pub fn start(announcer: Box<dyn Announcer>, resync: Duration, registry: &Registry) -> Self {
+        let (tx, rx) = mpsc::unbounded_channel();
+        let metrics = AnnounceMetrics::new(registry);
+        tokio::spawn(run(announcer, rx, resync, metrics));
+        Self { tx }
+    }
+
+    /// Sets the routes this node should announce now.
+    pub fn apply(&self, routes: BTreeSet<Route>) {
+        let _ = self.tx.send(Command::Apply(routes));
+    }
+
+    /// Withdraws everything and waits until the speaker took it (or gave up).
+    pub async fn withdraw_all(&self) {
+        let (done, wait) = oneshot::channel();
+        if self.tx.send(Command::Withdraw(done)).is_ok() {
+            let _ = wait.await;
+        }
+    }
+}
+
+async fn run(
+    mut announcer: Box<dyn Announcer>,
+    mut rx: mpsc::UnboundedReceiver<Command>,
+    resync: Duration,
+    metrics: AnnounceMetrics,
+) {
+    let mut desired: Option<BTreeSet<Route>> = None;
+    let mut tick = tokio::time::interval(resync);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            cmd = rx.recv() => match cmd {
+                None => return,
+                Some(Command::Apply(routes)) => desired = Some(routes),
+                Some(Command::Withdraw(done)) => {
+                    desired = Some(BTreeSet::new());
+                    apply(announcer.as_mut(), &BTreeSet::new(), &metrics).await;
+                    let _ = done.send(());
+                    continue;
+                }
+            },
+            _ = tick.tick() => {}
+        }
+        if let Some(d) = &desired {
+            apply(announcer.as_mut(), d, &metrics).await;
+        }
+    }
+}
+
+async fn apply(
+    announcer: &mut dyn Announcer,
+    desired: &BTreeSet<Route>,
+    metrics: &AnnounceMetrics,
+) {
+    match announcer.apply(desired).await {
+        Ok((added, withdrawn)) => {
+            metrics.announced.set(desired.len() as i64);
+            if added + withdrawn > 0 {
+                metrics
+                    .changes
+                    .with_label_values(&["announce"])
+                    .inc_by(added as u64);
+                metrics
+                    .changes
+                    .with_label_values(&["withdraw"])
+                    .inc_by(withdrawn as u64);
+                info!(
+                    speaker = announcer.name(),
+                    added,
+                    withdrawn,
+                    announced = desired.len(),
+                    "BGP routes updated"
+                );
+            }
+        }
+        Err(e) => {
+            let kind = match e {
+                super::AnnounceError::Unreachable(_) => "unreachable",
+                super::AnnounceError::Refused(_) => "refused",
+            };
+            metrics.errors.with_label_values(&[kind]).inc();
+            warn!(
+                speaker = announcer.name(),
+                "applying the announced set: {e} (will retry)"
+            );
+        }
+    }
+}
+
+/// The first address of `family` (v4 when `v4`) on interface `iface`:
+/// the default next hop. IPv6 link-local addresses are skipped.
+pub fn interface_address(iface: &str, v4: bool) -> Option<IpAddr> {
+    let mut out = None;
+    // SAFETY: getifaddrs fills a list we walk read-only and free once.
+    unsafe {
+        let mut list: *mut libc::ifaddrs = std::ptr::null_mut();
+        if libc::getifaddrs(&mut list) != 0 {
+            return None;
+        }
+        let mut cur = list;
+        while !cur.is_null() && out.is_none() {
+            let ifa = &*cur;
+            cur = ifa.ifa_next;
+            if ifa.ifa_addr.is_null()
+                || std::ffi::CStr::from_ptr(ifa.ifa_name).to_str() != Ok(iface)
+            {
+                continue;
+            }
+            match (*ifa.ifa_addr).sa_family as i32 {
+                libc::AF_INET if v4 => {
+                    let sin = &*(ifa.ifa_addr as *const libc::sockaddr_in);
+                    out = Some(IpAddr::from(
+                        u32::from_be(sin.sin_addr.s_addr).to_be_bytes(),
+                    ));
+                }
+                libc::AF_INET6 if !v4 => {
+                    let sin6 = &*(ifa.ifa_addr as *const libc::sockaddr_in6);
+                    let a = std::net::Ipv6Addr::from(sin6.sin6_addr.s6_addr);
+                    if a.segments()[0] & 0xffc0 != 0xfe80 {
+                        out = Some(IpAddr::V6(a));
+                    }
+                }
+                _ => {}
+            }
+        }
+        libc::freeifaddrs(list);
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::{Arc, Mutex};
+
+    use super::*;
+    use crate::announce::{AnnounceError, AnnounceResult, BoxFuture};
+
+    /// A speaker that keeps what it was told in memory, and can be made to
+    /// fail: the task's logic (retry, resync, withdraw on shutdown) is what
+    /// is tested here; the real speakers have tests of their own.
+    #[derive(Clone, Default)]
+    struct MemorySpeaker {
+        routes: Arc<Mutex<BTreeSet<Route>>>,
+        down: Arc<Mutex<bool>>,
+    }
+
+    impl Announcer for MemorySpeaker {
+        fn name(&self) -> &'static str {
+            "memory"
+        }
+        fn announced(&mut self) -> BoxFuture<'_, AnnounceResult<BTreeSet<Route>>> {
+            Box::pin(async move { Ok(self.routes.lock().unwrap().clone()) })
+        }
+        fn apply<'a>(
+            &'a mut self,
+            desired: &'a BTreeSet<Route>,
+        ) -> BoxFuture<'a, AnnounceResult<(usize, usize)>> {
+            Box::pin(async move {
+                if *self.down.lock().unwrap() {
+                    return Err(AnnounceError::Unreachable("down".into()));
+                }
+                let mut r = self.routes.lock().unwrap();
+                let added = desired.difference(&r).count();
+                let withdrawn = r.difference(desired).count();
+                *r = desired.clone();
+                Ok((added, withdrawn))
+            })
+        }
+    }
+
+    fn route(vip: &str) -> Route {
+        Route {
+            vip: vip.parse().unwrap(),
+            next_hop: "10.0.0.1".parse().unwrap(),
+            communities: vec![],
+            local_pref: None,
+        }
+    }
+
+    async fn eventually(f: impl Fn() -> bool) {
+        tokio::time::timeout(Duration::from_secs(5), async {
+            while !f() {
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+        })
+        .await
+        .expect("condition within 5 s");
+    }
+
+    #[tokio::test]
+    async fn applies_resyncs_after_a_speaker_restart_and_withdraws_on_shutdown() {
+        let speaker = MemorySpeaker::default();
+        let registry = Registry::new();
+        let task = AnnounceTask::start(
+            Box::new(speaker.clone()),
+            Duration::from_millis(50),
+            &registry,
+        );
+        let want: BTreeSet<_> = [route("192.0.2.10"), route("192.0.2.11")].into();
+        task.apply(want.clone());
+        let r = speaker.routes.clone();
+        eventually(|| *r.lock().unwrap() == want).await;
+        // The speaker restarts empty, and is unreachable for a while.
+        *speaker.down.lock().unwrap() = true;
+        r.lock().unwrap().clear();
+        tokio::time::sleep(Duration::from_millis(120)).await;
+        *speaker.down.lock().unwrap() = false;
+        eventually(|| *r.lock().unwrap() == want).await;
+        task.withdraw_all().await;
+        assert!(
+            r.lock().unwrap().is_empty(),
+            "everything withdrawn before shutdown"
+        );
+        let text = prometheus::TextEncoder::new()
+            .encode_to_string(&registry.gather())
+            .unwrap();
+        assert!(
+            text.contains("xlb_bgp_errors_total{kind=\"unreachable\"}"),
+            "{text}"
+        );
+        assert!(
+            text.contains("xlb_bgp_route_changes_total{action=\"withdraw\"} 2"),
+            "{text}"
+        );
+    }
+
+    #[test]
+    fn loopback_has_an_ipv4_address() {
+        assert_eq!(
+            interface_address("lo", true),
+            Some("127.0.0.1".parse().unwrap())
+        );
+        assert_eq!(interface_address("no-such-if", true), None);
+    }
+}
