@@ -297,7 +297,7 @@ impl BirdAnnouncer {
     /// The contents of `<routes_file>4` and `<routes_file>6` for `routes`
     /// (which should be valid: see [`Announcer::apply`]).
     pub fn render(&self, routes: &BTreeSet<Route>) -> (String, String) {
-        let routes: BTreeSet<Route> = routes.iter().map(normalize).collect();
+        let routes: BTreeSet<Route> = routes.iter().map(Route::normalized).collect();
         (
             render(self, Family::V4, &routes),
             render(self, Family::V6, &routes),
@@ -693,36 +693,9 @@ fn parse_communities(s: &str) -> impl Iterator<Item = (u16, u16)> + '_ {
     })
 }
 
-/// Communities sorted and deduplicated: BIRD keeps a set.
-fn normalize(r: &Route) -> Route {
-    let mut r = r.clone();
-    r.communities.sort_unstable();
-    r.communities.dedup();
-    r
-}
-
 /// Checks what BIRD would accept but not announce as meant.
 fn validate(desired: &BTreeSet<Route>) -> AnnounceResult<BTreeSet<Route>> {
-    let mut vips = BTreeSet::new();
-    for r in desired {
-        if r.vip.is_ipv4() != r.next_hop.is_ipv4() {
-            return Err(AnnounceError::Refused(format!(
-                "{r}: the next hop is not of the VIP's address family"
-            )));
-        }
-        if r.next_hop.is_unspecified() {
-            return Err(AnnounceError::Refused(format!(
-                "{r}: the next hop is unspecified"
-            )));
-        }
-        if !vips.insert(r.vip) {
-            return Err(AnnounceError::Refused(format!(
-                "{}: more than one route for this VIP",
-                r.vip
-            )));
-        }
-    }
-    Ok(desired.iter().map(normalize).collect())
+    Ok(super::check_routes(desired)?.into_values().collect())
 }
 
 /// One file's contents: a header, then one static route per VIP.
@@ -951,6 +924,6 @@ route 192.0.2.11/32 blackhole { bgp_next_hop = 10.0.0.1; };
         assert!(validate(&two)
             .unwrap_err()
             .to_string()
-            .contains("more than one"));
+            .contains("two routes for one VIP"));
     }
 }

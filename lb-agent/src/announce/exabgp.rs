@@ -293,34 +293,7 @@ impl Announcer for ExaBgpAnnouncer {
 /// Validates the desired set and normalises it (communities sorted and
 /// deduplicated, as ExaBGP lists them), by VIP.
 fn check_desired(desired: &BTreeSet<Route>) -> AnnounceResult<BTreeMap<IpAddr, Route>> {
-    let mut by_vip = BTreeMap::new();
-    for route in desired {
-        if route.vip.is_ipv4() != route.next_hop.is_ipv4() {
-            return Err(AnnounceError::Refused(format!(
-                "{route}: the next hop must have the VIP's address family"
-            )));
-        }
-        let normal = normalize(route.clone());
-        match by_vip.get(&route.vip) {
-            // The same route with its communities in another order.
-            Some(other) if *other == normal => {}
-            Some(other) => {
-                return Err(AnnounceError::Refused(format!(
-                    "two routes for one VIP: {other} and {route}"
-                )))
-            }
-            None => {
-                by_vip.insert(route.vip, normal);
-            }
-        }
-    }
-    Ok(by_vip)
-}
-
-fn normalize(mut route: Route) -> Route {
-    route.communities.sort_unstable();
-    route.communities.dedup();
-    route
+    super::check_routes(desired)
 }
 
 /// `announce route 192.0.2.10/32 next-hop 10.0.0.1 local-preference 200 community [65000:100]`
@@ -434,7 +407,7 @@ fn parse_route_line(line: &str) -> Option<(String, Route)> {
             _ => i += 1,
         }
     }
-    let route = normalize(Route {
+    let route = Route::normalized(&Route {
         vip,
         next_hop: next_hop?,
         communities,
@@ -753,7 +726,7 @@ mod tests {
             Some(200),
         );
         assert_eq!(
-            announce_command(&normalize(r.clone())),
+            announce_command(&r.normalized()),
             "announce route 192.0.2.10/32 next-hop 10.0.0.1 local-preference 200 \
              community [65000:100 65000:200]"
         );

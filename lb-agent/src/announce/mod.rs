@@ -14,7 +14,13 @@ pub mod exabgp;
 pub mod gobgp;
 pub mod task;
 
-use std::{collections::BTreeSet, fmt, future::Future, net::IpAddr, pin::Pin};
+use std::{
+    collections::{BTreeMap, BTreeSet},
+    fmt,
+    future::Future,
+    net::IpAddr,
+    pin::Pin,
+};
 
 /// One announced prefix: a VIP as a /32 or /128, with this node as next hop.
 #[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -35,6 +41,50 @@ impl Route {
             128
         }
     }
+}
+
+impl Route {
+    /// The route with its communities sorted and without duplicates (a
+    /// speaker keeps communities as a set).
+    pub fn normalized(&self) -> Route {
+        let mut r = self.clone();
+        r.communities.sort_unstable();
+        r.communities.dedup();
+        r
+    }
+}
+
+/// Checks a desired set before any driver sends it: every next hop is of
+/// its VIP's family and specified, and there is one route per VIP (routes
+/// that differ only in the order of their communities are one). Returns the
+/// routes normalized, by VIP.
+pub fn check_routes(desired: &BTreeSet<Route>) -> AnnounceResult<BTreeMap<IpAddr, Route>> {
+    let mut by_vip = BTreeMap::new();
+    for route in desired {
+        if route.vip.is_ipv4() != route.next_hop.is_ipv4() {
+            return Err(AnnounceError::Refused(format!(
+                "{route}: the next hop is not of the VIP's address family"
+            )));
+        }
+        if route.next_hop.is_unspecified() {
+            return Err(AnnounceError::Refused(format!(
+                "{route}: the next hop is unspecified"
+            )));
+        }
+        let normal = route.normalized();
+        match by_vip.get(&route.vip) {
+            Some(other) if *other == normal => {}
+            Some(other) => {
+                return Err(AnnounceError::Refused(format!(
+                    "two routes for one VIP: {other} and {route}"
+                )))
+            }
+            None => {
+                by_vip.insert(route.vip, normal);
+            }
+        }
+    }
+    Ok(by_vip)
 }
 
 impl fmt::Display for Route {
