@@ -1,6 +1,7 @@
 //! Test support for xlb: packet fixtures, checkers and helpers shared by the integration tests.
 
 pub mod bench_support;
+pub mod ecmp;
 pub mod netns;
 pub mod packet;
 pub mod topology;

@@ -1,0 +1,845 @@
+//! The ECMP topology: one router spreading a VIP over three `lb-agent`
+//! nodes that announce it through their own `gobgpd` (the Helm chart's
+//! sidecar), in front of three nginx backends.
+//!
+//! ```text
+//!  <p>-c  client       eth0 10.100.0.2/24, default via 10.100.0.1
+//!           │ veth
+//!  <p>-r  router       rc 10.100.0.1/24; br0 10.101.0.1/24 (bridge; ports n1 n2 n3)
+//!           │ veth nI ── uplink (XDP) 10.101.0.1I/24
+//!  <p>-nI node I=1..3  uplink 10.101.0.1I/24, lan 10.102.0.1I/24 (both XDP),
+//!           │          default via 10.101.0.1
+//!           │ veth lan ── nI
+//!  <p>-bl backend LAN  br0 (bridge; ports n1 n2 n3 b1 b2 b3)
+//!           │ veth bN ── eth0
+//!  <p>-bN backend N    eth0 10.102.0.2N/24, nginx on 8080 answering "bN"
+//! ```
+//!
+//! Every node runs `gobgpd` (router id = its uplink address, API on
+//! 127.0.0.1:50051 inside its namespace) and `lb-agent` with its own pin
+//! directory (`/sys/fs/bpf/xlb-<p>-nI`), XDP on `uplink` and `lan`. The router's
+//! BIRD peers with the three nodes over the bridge and installs what it
+//! learns into its kernel table with `merge paths on` (ECMP), and hashes
+//! flows over the next hops by L4 (`fib_multipath_hash_policy=1`).
+//!
+//! The ends of the node veths that have no XDP program (the router's and the
+//! backend LAN's bridge ports) have GRO on (XDP_REDIRECT into a veth needs
+//! it), and every non-XDP end has TX checksum offload off (XDP cannot complete
+//! partial checksums). Processes are started with `nsenter --net` (not `ip
+//! netns exec`, which remounts /sys and hides bpffs).
+//!
+//! Names are `xe<pid>-...`, so parallel runs do not collide; leftovers of a
+//! killed run (its pid gone) are removed by the next one. Dropping the lab
+//! (test passed or panicked) kills every process it started, detaches and
+//! unpins the agents' programs (`lb-agent --cleanup`) and deletes the
+//! namespaces.
+
+use std::{
+    collections::BTreeSet,
+    fs,
+    io::{self, Read, Write},
+    net::{Ipv4Addr, SocketAddr, SocketAddrV4, TcpStream},
+    os::fd::{AsRawFd, FromRawFd, OwnedFd},
+    path::{Path, PathBuf},
+    process::{Child, Command, ExitStatus, Output, Stdio},
+    time::{Duration, Instant},
+};
+
+use crate::{
+    netns::{sh, Netns},
+    topology::{agent_bin, http_get, in_netns, lbctl_bin, strip_ansi, wait_for_port, write_atomic},
+};
+
+pub use crate::topology::{BACKEND_PORT, VIP};
+
+/// Number of LB nodes.
+pub const NODES: usize = 3;
+/// Number of nginx backends.
+pub const BACKENDS: usize = 3;
+pub const ROUTER_ASN: u32 = 65000;
+pub const NODE_ASN: u32 = 65001;
+pub const CLIENT_IP: Ipv4Addr = Ipv4Addr::new(10, 100, 0, 2);
+/// The router's address on the nodes' segment (their BGP neighbour).
+pub const ROUTER_IP: Ipv4Addr = Ipv4Addr::new(10, 101, 0, 1);
+/// The BGP hold time of the node-router sessions (both sides propose it).
+pub const HOLD_TIME: Duration = Duration::from_secs(3);
+/// gobgpd's API port, on 127.0.0.1 in each node namespace.
+pub const GOBGP_API_PORT: u16 = 50051;
+/// The agents' metrics port, on 127.0.0.1 in each node namespace.
+pub const METRICS_PORT: u16 = 9469;
+/// The VIP's service port.
+pub const VIP_PORT: u16 = 80;
+
+/// Node `i`'s (1-based) uplink address: its next hop and BGP router id.
+pub fn node_ip(i: usize) -> Ipv4Addr {
+    Ipv4Addr::new(10, 101, 0, 10 + i as u8)
+}
+
+/// Node `i`'s address on the backend LAN (its SNAT address).
+pub fn node_backend_ip(i: usize) -> Ipv4Addr {
+    Ipv4Addr::new(10, 102, 0, 10 + i as u8)
+}
+
+/// Backend `n`'s (1-based) address.
+pub fn backend_ip(n: usize) -> Ipv4Addr {
+    Ipv4Addr::new(10, 102, 0, 20 + n as u8)
+}
+
+/// The node (1-based) whose uplink address is `hop`.
+pub fn node_of_hop(hop: Ipv4Addr) -> Option<usize> {
+    (1..=NODES).find(|&i| node_ip(i) == hop)
+}
+
+/// Starts `program` in `ns` (its network namespace only), output to `log`.
+fn spawn_in(ns: &Netns, log: &Path, program: &Path, args: &[&str]) -> Child {
+    let log = fs::File::options()
+        .create(true)
+        .append(true)
+        .open(log)
+        .unwrap_or_else(|e| panic!("open {}: {e}", log.display()));
+    Command::new("nsenter")
+        .arg(format!("--net=/var/run/netns/{}", ns.name))
+        .arg(program)
+        .args(args)
+        .env_remove("RUST_LOG")
+        .env("NO_COLOR", "1")
+        .stdin(Stdio::null())
+        .stdout(log.try_clone().expect("dup log"))
+        .stderr(log)
+        .spawn()
+        .unwrap_or_else(|e| panic!("spawn {}: {e}", program.display()))
+}
+
+/// Runs `program` in `ns` to completion.
+fn output_in(ns: &Netns, program: &str, args: &[&str]) -> Output {
+    Command::new("nsenter")
+        .arg(format!("--net=/var/run/netns/{}", ns.name))
+        .arg(program)
+        .args(args)
+        .output()
+        .unwrap_or_else(|e| panic!("run {program}: {e}"))
+}
+
+fn kill_child(c: &mut Option<Child>) {
+    if let Some(mut c) = c.take() {
+        let _ = c.kill();
+        let _ = c.wait();
+    }
+}
+
+/// The last `n` lines of a file (for failure reports).
+fn tail(path: &Path, n: usize) -> String {
+    let text = strip_ansi(&fs::read_to_string(path).unwrap_or_default());
+    let lines: Vec<&str> = text.lines().collect();
+    lines[lines.len().saturating_sub(n)..].join("\n")
+}
+
+/// One LB node: its namespace, `gobgpd` and `lb-agent`.
+pub struct Node {
+    /// 1-based.
+    pub index: usize,
+    pub ns: Netns,
+    pub pin_dir: PathBuf,
+    pub config_path: PathBuf,
+    dir: PathBuf,
+    agent: Option<Child>,
+    gobgpd: Option<Child>,
+    agent_starts: usize,
+    gobgpd_starts: usize,
+}
+
+impl Node {
+    pub fn ip(&self) -> Ipv4Addr {
+        node_ip(self.index)
+    }
+
+    fn agent_log_path(&self) -> PathBuf {
+        self.dir.join(format!("agent-{}.log", self.agent_starts))
+    }
+
+    fn gobgpd_log_path(&self) -> PathBuf {
+        self.dir.join(format!("gobgpd-{}.log", self.gobgpd_starts))
+    }
+
+    /// Starts `gobgpd` (empty RIB, no neighbours: the agent adds the router)
+    /// and waits until its API accepts connections.
+    pub fn start_gobgpd(&mut self) {
+        assert!(self.gobgpd.is_none(), "node {}: gobgpd running", self.index);
+        let conf = self.dir.join("gobgpd.toml");
+        fs::write(
+            &conf,
+            format!(
+                "[global.config]\n  as = {NODE_ASN}\n  router-id = \"{}\"\n",
+                self.ip()
+            ),
+        )
+        .unwrap();
+        self.gobgpd_starts += 1;
+        let api = format!("127.0.0.1:{GOBGP_API_PORT}");
+        let child = spawn_in(
+            &self.ns,
+            &self.gobgpd_log_path(),
+            Path::new("gobgpd"),
+            &[
+                "-f",
+                conf.to_str().unwrap(),
+                "--api-hosts",
+                &api,
+                "--pprof-disable",
+                "-p",
+                "-l",
+                "info",
+            ],
+        );
+        self.gobgpd = Some(child);
+        wait_for_port(
+            &self.ns,
+            SocketAddr::from((Ipv4Addr::LOCALHOST, GOBGP_API_PORT)),
+        );
+    }
+
+    /// SIGKILLs `gobgpd` (its TCP sessions are closed by the kernel).
+    pub fn kill_gobgpd(&mut self) {
+        assert!(self.gobgpd.is_some(), "node {}: no gobgpd", self.index);
+        kill_child(&mut self.gobgpd);
+    }
+
+    /// Writes the agent's config file (atomically; a running agent notices
+    /// within 500 ms).
+    pub fn write_config(&self, yaml: &str) {
+        write_atomic(&self.config_path, yaml);
+    }
+
+    /// Starts `lb-agent` with `yaml` as its config (which must set
+    /// `metrics_addr: 127.0.0.1:9469`); does not wait (see
+    /// [`wait_agent_ready`](Self::wait_agent_ready)).
+    pub fn spawn_agent(&mut self, yaml: &str) {
+        assert!(self.agent.is_none(), "node {}: agent running", self.index);
+        self.write_config(yaml);
+        self.agent_starts += 1;
+        let log = self.agent_log_path();
+        let _ = fs::remove_file(&log);
+        let level = std::env::var("XLB_AGENT_LOG").unwrap_or_else(|_| "info".into());
+        let child = spawn_in(
+            &self.ns,
+            &log,
+            &agent_bin(),
+            &[
+                "--config",
+                self.config_path.to_str().unwrap(),
+                "--pin-dir",
+                self.pin_dir.to_str().unwrap(),
+                "--log",
+                &level,
+            ],
+        );
+        self.agent = Some(child);
+    }
+
+    /// Waits (at most 30 s) until the agent's /readyz answers 200.
+    pub fn wait_agent_ready(&mut self) {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            let child = self.agent.as_mut().expect("agent started");
+            if let Some(st) = child.try_wait().expect("wait lb-agent") {
+                panic!(
+                    "node {}: lb-agent exited ({st}) before ready; log:\n{}",
+                    self.index,
+                    self.agent_log()
+                );
+            }
+            if let Ok((200, _)) = self.get("/readyz") {
+                return;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "node {}: lb-agent not ready within 30 s; log:\n{}",
+                self.index,
+                self.agent_log()
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    /// [`spawn_agent`](Self::spawn_agent) and wait until ready.
+    pub fn start_agent(&mut self, yaml: &str) {
+        self.spawn_agent(yaml);
+        self.wait_agent_ready();
+    }
+
+    pub fn agent_pid(&self) -> Option<i32> {
+        self.agent.as_ref().map(|c| c.id() as i32)
+    }
+
+    /// Whether the agent process runs.
+    pub fn agent_running(&mut self) -> bool {
+        self.agent
+            .as_mut()
+            .is_some_and(|c| matches!(c.try_wait(), Ok(None)))
+    }
+
+    /// Sends SIGTERM to the agent (does not wait).
+    pub fn sigterm_agent(&self) {
+        let pid = self.agent_pid().expect("agent running");
+        // SAFETY: kill(2) on our own child's pid.
+        let rc = unsafe { libc::kill(pid, libc::SIGTERM) };
+        assert_eq!(rc, 0, "kill: {}", io::Error::last_os_error());
+    }
+
+    /// Waits (at most `timeout`) for the agent to exit; returns its status.
+    pub fn wait_agent_exit(&mut self, timeout: Duration) -> ExitStatus {
+        let deadline = Instant::now() + timeout;
+        loop {
+            let child = self.agent.as_mut().expect("agent started");
+            if let Some(st) = child.try_wait().expect("wait lb-agent") {
+                self.agent = None;
+                return st;
+            }
+            if Instant::now() > deadline {
+                let log = self.agent_log();
+                kill_child(&mut self.agent);
+                panic!(
+                    "node {}: lb-agent did not exit within {timeout:?}; log:\n{log}",
+                    self.index
+                );
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+
+    /// SIGKILLs the agent (no withdraw; the program stays attached).
+    pub fn kill_agent(&mut self) {
+        assert!(self.agent.is_some(), "node {}: no agent", self.index);
+        kill_child(&mut self.agent);
+    }
+
+    /// The current (or last) agent's output.
+    pub fn agent_log(&self) -> String {
+        strip_ansi(&fs::read_to_string(self.agent_log_path()).unwrap_or_default())
+    }
+
+    /// GET `path` from the agent's metrics endpoint (inside the node namespace).
+    pub fn get(&self, path: &str) -> io::Result<(u16, String)> {
+        let addr = SocketAddr::from((Ipv4Addr::LOCALHOST, METRICS_PORT));
+        let path = path.to_string();
+        in_netns(&self.ns, move || {
+            http_get(addr, &path, Duration::from_secs(5))
+        })
+        .join()
+        .expect("metrics thread")
+    }
+
+    /// `lbctl --pin-dir <this node's> --json ARGS`, parsed.
+    pub fn lbctl_json(&self, args: &[&str]) -> serde_json::Value {
+        let out = Command::new(lbctl_bin())
+            .arg("--pin-dir")
+            .arg(&self.pin_dir)
+            .arg("--json")
+            .args(args)
+            .output()
+            .expect("run lbctl");
+        serde_json::from_slice(&out.stdout).unwrap_or_else(|e| {
+            panic!(
+                "node {}: lbctl {args:?} ({}): not JSON ({e}): {}{}",
+                self.index,
+                out.status,
+                String::from_utf8_lossy(&out.stdout),
+                String::from_utf8_lossy(&out.stderr)
+            )
+        })
+    }
+
+    /// The `gobgp` CLI against this node's `gobgpd`.
+    pub fn gobgp(&self, args: &[&str]) -> String {
+        let port = GOBGP_API_PORT.to_string();
+        let mut a = vec!["-p", &port];
+        a.extend_from_slice(args);
+        let out = output_in(&self.ns, "gobgp", &a);
+        format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        )
+    }
+}
+
+/// The whole lab. See the module documentation.
+pub struct EcmpLab {
+    pub prefix: String,
+    /// Configs and logs.
+    pub dir: PathBuf,
+    pub client: Netns,
+    pub router: Netns,
+    pub lan: Netns,
+    pub backends: Vec<Netns>,
+    pub nodes: Vec<Node>,
+    bird: Option<Child>,
+    /// `ip -ts monitor route` in the router (its FIB's history, for failure reports).
+    route_monitor: Option<Child>,
+    nginx: Vec<Option<Child>>,
+}
+
+/// Removes the namespaces, pins and processes of earlier runs that were
+/// killed before their `Drop` ran (their pid no longer exists).
+fn sweep_stale() {
+    let Ok(out) = Command::new("ip").args(["netns", "list"]).output() else {
+        return;
+    };
+    let mut stale_prefixes = BTreeSet::new();
+    for line in String::from_utf8_lossy(&out.stdout).lines() {
+        let name = line.split_whitespace().next().unwrap_or("");
+        let Some(rest) = name.strip_prefix("xe") else {
+            continue;
+        };
+        let Some((pid, _)) = rest.split_once('-') else {
+            continue;
+        };
+        if pid.is_empty() || !pid.bytes().all(|b| b.is_ascii_digit()) {
+            continue;
+        }
+        if Path::new(&format!("/proc/{pid}")).exists() {
+            continue;
+        }
+        // Processes left in it (gobgpd, bird, nginx, lb-agent).
+        if let Ok(p) = Command::new("ip").args(["netns", "pids", name]).output() {
+            for pid in String::from_utf8_lossy(&p.stdout).split_whitespace() {
+                if let Ok(pid) = pid.parse::<i32>() {
+                    // SAFETY: kill(2); the process is in a namespace of ours.
+                    unsafe { libc::kill(pid, libc::SIGKILL) };
+                }
+            }
+        }
+        let _ = Command::new("ip").args(["netns", "del", name]).output();
+        let _ = fs::remove_dir_all(std::env::temp_dir().join(format!("xlb-xe{pid}")));
+        stale_prefixes.insert(format!("xe{pid}-"));
+    }
+    if let Ok(entries) = fs::read_dir("/sys/fs/bpf") {
+        for e in entries.flatten() {
+            let name = e.file_name().to_string_lossy().into_owned();
+            if let Some(rest) = name.strip_prefix("xlb-") {
+                if stale_prefixes.iter().any(|p| rest.starts_with(p.as_str())) {
+                    let _ = Command::new(agent_bin())
+                        .arg("--cleanup")
+                        .arg("--pin-dir")
+                        .arg(e.path())
+                        .output();
+                }
+            }
+        }
+    }
+}
+
+impl EcmpLab {
+    /// Builds the namespaces and links, starts the backends' nginx, the
+    /// router's BIRD and every node's `gobgpd`. No agent runs yet.
+    pub fn start() -> Self {
+        sweep_stale();
+        let prefix = format!("xe{}", std::process::id());
+        let dir = std::env::temp_dir().join(format!("xlb-{prefix}"));
+        let _ = fs::remove_dir_all(&dir);
+        fs::create_dir_all(&dir).unwrap();
+
+        let client = Netns::new(&format!("{prefix}-c"));
+        let router = Netns::new(&format!("{prefix}-r"));
+        let lan = Netns::new(&format!("{prefix}-bl"));
+        let mut lab = EcmpLab {
+            prefix: prefix.clone(),
+            dir: dir.clone(),
+            client,
+            router,
+            lan,
+            backends: Vec::new(),
+            nodes: Vec::new(),
+            bird: None,
+            route_monitor: None,
+            nginx: Vec::new(),
+        };
+        let (c, r, l) = (
+            lab.client.name.clone(),
+            lab.router.name.clone(),
+            lab.lan.name.clone(),
+        );
+
+        // Client <-> router.
+        sh(&format!(
+            "ip link add rc netns {r} type veth peer name eth0 netns {c}"
+        ));
+        lab.client.run(
+            "ip addr add 10.100.0.2/24 dev eth0 && ip link set eth0 up \
+             && ip route add default via 10.100.0.1 && ethtool -K eth0 gro on tx off >/dev/null",
+        );
+        lab.router.run(
+            "ip addr add 10.100.0.1/24 dev rc && ip link set rc up \
+             && ethtool -K rc tx off >/dev/null \
+             && ip link add br0 type bridge forward_delay 0 && ip addr add 10.101.0.1/24 dev br0 \
+             && ip link set br0 up \
+             && sysctl -qw net.ipv4.ip_forward=1 net.ipv4.fib_multipath_hash_policy=1",
+        );
+        // The backend LAN.
+        lab.lan
+            .run("ip link add br0 type bridge forward_delay 0 && ip link set br0 up");
+        for n in 1..=BACKENDS {
+            let b = Netns::new(&format!("{prefix}-b{n}"));
+            sh(&format!(
+                "ip link add b{n} netns {l} type veth peer name eth0 netns {b}",
+                b = b.name
+            ));
+            lab.lan.run(&format!(
+                "ip link set b{n} master br0 && ethtool -K b{n} gro on tx off >/dev/null && ip link set b{n} up"
+            ));
+            b.run(&format!(
+                "ip addr add {}/24 dev eth0 && ip link set eth0 up && ethtool -K eth0 gro on tx off >/dev/null",
+                backend_ip(n)
+            ));
+            lab.backends.push(b);
+        }
+        // The nodes: uplink to the router's bridge, downlink to the LAN.
+        for i in 1..=NODES {
+            let ns = Netns::new(&format!("{prefix}-n{i}"));
+            let node_dir = dir.join(format!("n{i}"));
+            fs::create_dir_all(&node_dir).unwrap();
+            sh(&format!(
+                "ip link add uplink netns {n} type veth peer name n{i} netns {r}",
+                n = ns.name
+            ));
+            sh(&format!(
+                "ip link add lan netns {n} type veth peer name n{i} netns {l}",
+                n = ns.name
+            ));
+            lab.router.run(&format!(
+                "ip link set n{i} master br0 && ethtool -K n{i} gro on tx off >/dev/null && ip link set n{i} up"
+            ));
+            lab.lan.run(&format!(
+                "ip link set n{i} master br0 && ethtool -K n{i} gro on tx off >/dev/null && ip link set n{i} up"
+            ));
+            ns.run(&format!(
+                "ip addr add {}/24 dev uplink && ip link set uplink up \
+                 && ip addr add {}/24 dev lan && ip link set lan up \
+                 && ip route add default via {ROUTER_IP} && sysctl -qw net.ipv4.ip_forward=1",
+                node_ip(i),
+                node_backend_ip(i)
+            ));
+            let pin_dir = PathBuf::from(format!("/sys/fs/bpf/xlb-{prefix}-n{i}"));
+            lab.nodes.push(Node {
+                index: i,
+                ns,
+                config_path: node_dir.join("agent.yaml"),
+                pin_dir,
+                dir: node_dir,
+                agent: None,
+                gobgpd: None,
+                agent_starts: 0,
+                gobgpd_starts: 0,
+            });
+        }
+
+        for n in 1..=BACKENDS {
+            let child = lab.start_nginx(n);
+            lab.nginx.push(Some(child));
+        }
+        for n in 1..=BACKENDS {
+            wait_for_port(
+                &lab.backends[n - 1],
+                SocketAddr::from((backend_ip(n), BACKEND_PORT)),
+            );
+        }
+        lab.start_bird();
+        for node in &mut lab.nodes {
+            node.start_gobgpd();
+        }
+        lab
+    }
+
+    pub fn node(&mut self, i: usize) -> &mut Node {
+        &mut self.nodes[i - 1]
+    }
+
+    /// nginx answering `GET /` with `b<n>` (as in `topology`).
+    fn start_nginx(&self, n: usize) -> Child {
+        let d = self.dir.join(format!("nginx-b{n}"));
+        fs::create_dir_all(&d).unwrap();
+        let conf = format!(
+            "daemon off; master_process off; pid {d}/pid; error_log {d}/error.log;\n\
+             events {{ worker_connections 4096; }}\n\
+             http {{ access_log off; keepalive_timeout 600s; keepalive_requests 1000000;\n\
+               client_body_temp_path {d}; proxy_temp_path {d}; fastcgi_temp_path {d}; uwsgi_temp_path {d}; scgi_temp_path {d};\n\
+               server {{ listen {port} reuseport; location / {{ return 200 \"b{n}\\n\"; }} }} }}\n",
+            d = d.display(),
+            port = BACKEND_PORT
+        );
+        fs::write(d.join("nginx.conf"), conf).unwrap();
+        spawn_in(
+            &self.backends[n - 1],
+            &d.join("stderr.log"),
+            Path::new("nginx"),
+            &["-c", &d.join("nginx.conf").to_string_lossy()],
+        )
+    }
+
+    fn bird_conf(&self) -> String {
+        let mut s = format!(
+            r#"router id {ROUTER_IP};
+log "{log}" all;
+protocol device {{ scan time 1; }}
+protocol kernel {{
+  ipv4 {{ import none; export all; }};
+  merge paths on;
+}}
+template bgp lbnode {{
+  local {ROUTER_IP} as {ROUTER_ASN};
+  hold time {hold};
+  keepalive time 1;
+  connect delay time 1;
+  connect retry time 1;
+  error wait time 1, 2;
+  ipv4 {{ import all; export none; }};
+}}
+"#,
+            log = self.dir.join("bird.log").display(),
+            hold = HOLD_TIME.as_secs()
+        );
+        for i in 1..=NODES {
+            s.push_str(&format!(
+                "protocol bgp n{i} from lbnode {{ neighbor {} as {NODE_ASN}; }}\n",
+                node_ip(i)
+            ));
+        }
+        s
+    }
+
+    fn start_bird(&mut self) {
+        let conf = self.dir.join("bird.conf");
+        fs::write(&conf, self.bird_conf()).unwrap();
+        let sock = self.dir.join("bird.ctl");
+        let child = spawn_in(
+            &self.router,
+            &self.dir.join("bird.out"),
+            Path::new("bird"),
+            &[
+                "-f",
+                "-c",
+                conf.to_str().unwrap(),
+                "-s",
+                sock.to_str().unwrap(),
+            ],
+        );
+        self.bird = Some(child);
+        self.route_monitor = Some(spawn_in(
+            &self.router,
+            &self.dir.join("routes.log"),
+            Path::new("ip"),
+            &["-ts", "-4", "monitor", "route"],
+        ));
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while !sock.exists() {
+            assert!(
+                Instant::now() < deadline,
+                "BIRD did not start: {}",
+                tail(&self.dir.join("bird.out"), 20)
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// `birdc` against the router's BIRD.
+    pub fn birdc(&self, args: &[&str]) -> String {
+        let out = Command::new("birdc")
+            .arg("-s")
+            .arg(self.dir.join("bird.ctl"))
+            .args(args)
+            .output()
+            .expect("run birdc");
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    }
+
+    /// The router's kernel route to the VIP (`ip route show 192.0.2.10`).
+    pub fn router_route(&self) -> String {
+        let out = Command::new("ip")
+            .args(["-n", &self.router.name, "-4", "route", "show"])
+            .arg(VIP.to_string())
+            .output()
+            .expect("run ip route");
+        assert!(out.status.success(), "ip route: {out:?}");
+        String::from_utf8_lossy(&out.stdout).trim().to_string()
+    }
+
+    /// The next hops of the router's kernel route to the VIP (empty without one).
+    pub fn router_next_hops(&self) -> BTreeSet<Ipv4Addr> {
+        let route = self.router_route();
+        let words: Vec<&str> = route.split_whitespace().collect();
+        words
+            .windows(2)
+            .filter(|w| w[0] == "via")
+            .map(|w| {
+                w[1].parse()
+                    .unwrap_or_else(|e| panic!("next hop {:?} in {route:?}: {e}", w[1]))
+            })
+            .collect()
+    }
+
+    /// The next hops of the nodes `nodes` (1-based).
+    pub fn hops(nodes: &[usize]) -> BTreeSet<Ipv4Addr> {
+        nodes.iter().map(|&i| node_ip(i)).collect()
+    }
+
+    /// Runs `f` on a thread in the client namespace.
+    pub fn in_client<T: Send + 'static>(&self, f: impl FnOnce() -> T + Send + 'static) -> T {
+        in_netns(&self.client, f).join().expect("client thread")
+    }
+
+    /// The tails of every log (for failure messages).
+    pub fn logs(&self) -> String {
+        let mut s = String::new();
+        let mut add = |name: String, path: PathBuf| {
+            if path.exists() {
+                s.push_str(&format!("--- {name} ---\n{}\n", tail(&path, 30)));
+            }
+        };
+        add("bird.log".into(), self.dir.join("bird.log"));
+        add("bird.out".into(), self.dir.join("bird.out"));
+        add("router FIB changes".into(), self.dir.join("routes.log"));
+        for n in &self.nodes {
+            add(format!("node {} gobgpd", n.index), n.gobgpd_log_path());
+            add(format!("node {} lb-agent", n.index), n.agent_log_path());
+        }
+        s
+    }
+}
+
+impl Drop for EcmpLab {
+    fn drop(&mut self) {
+        let panicking = std::thread::panicking();
+        if panicking {
+            eprintln!(
+                "ECMP lab {} failed; logs under {}:\n{}\n--- birdc show protocols ---\n{}",
+                self.prefix,
+                self.dir.display(),
+                self.logs(),
+                self.birdc(&["show", "protocols"])
+            );
+        }
+        for n in &mut self.nodes {
+            kill_child(&mut n.agent);
+            kill_child(&mut n.gobgpd);
+        }
+        kill_child(&mut self.bird);
+        kill_child(&mut self.route_monitor);
+        for c in &mut self.nginx {
+            kill_child(c);
+        }
+        for n in &self.nodes {
+            if n.pin_dir.exists() {
+                let out = Command::new(agent_bin())
+                    .arg("--cleanup")
+                    .arg("--pin-dir")
+                    .arg(&n.pin_dir)
+                    .env("NO_COLOR", "1")
+                    .output();
+                match out {
+                    Ok(o) if o.status.success() => {}
+                    other => eprintln!(
+                        "lb-agent --cleanup --pin-dir {}: {other:?}",
+                        n.pin_dir.display()
+                    ),
+                }
+            }
+        }
+        if !panicking {
+            let _ = fs::remove_dir_all(&self.dir);
+        }
+        // The Netns fields delete the namespaces (and with them the links).
+    }
+}
+
+// ---------------------------------------------------------------------------
+// Client traffic.
+
+/// A TCP connection from `src` to `dst` (bound to the given source port,
+/// so that every connection of a test has a port of its choosing). Call it
+/// from a thread in the client namespace.
+pub fn connect_from(
+    src: SocketAddrV4,
+    dst: SocketAddrV4,
+    timeout: Duration,
+) -> io::Result<TcpStream> {
+    fn sockaddr(a: SocketAddrV4) -> libc::sockaddr_in {
+        libc::sockaddr_in {
+            sin_family: libc::AF_INET as libc::sa_family_t,
+            sin_port: a.port().to_be(),
+            sin_addr: libc::in_addr {
+                s_addr: u32::from(*a.ip()).to_be(),
+            },
+            sin_zero: [0; 8],
+        }
+    }
+    fn check(rc: libc::c_int) -> io::Result<()> {
+        if rc < 0 {
+            Err(io::Error::last_os_error())
+        } else {
+            Ok(())
+        }
+    }
+    let len = std::mem::size_of::<libc::sockaddr_in>() as libc::socklen_t;
+    // SAFETY: plain socket calls on a descriptor we own (OwnedFd closes it
+    // on every path), with properly sized sockaddr_in and option values.
+    unsafe {
+        let fd = libc::socket(libc::AF_INET, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0);
+        check(fd)?;
+        let fd = OwnedFd::from_raw_fd(fd);
+        let one: libc::c_int = 1;
+        check(libc::setsockopt(
+            fd.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_REUSEADDR,
+            (&one as *const libc::c_int).cast(),
+            std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+        ))?;
+        // Linux bounds a blocking connect by the send timeout.
+        let tv = libc::timeval {
+            tv_sec: timeout.as_secs() as libc::time_t,
+            tv_usec: timeout.subsec_micros() as libc::suseconds_t,
+        };
+        check(libc::setsockopt(
+            fd.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_SNDTIMEO,
+            (&tv as *const libc::timeval).cast(),
+            std::mem::size_of::<libc::timeval>() as libc::socklen_t,
+        ))?;
+        let s = sockaddr(src);
+        check(libc::bind(
+            fd.as_raw_fd(),
+            (&s as *const libc::sockaddr_in).cast(),
+            len,
+        ))?;
+        let d = sockaddr(dst);
+        check(libc::connect(
+            fd.as_raw_fd(),
+            (&d as *const libc::sockaddr_in).cast(),
+            len,
+        ))?;
+        Ok(TcpStream::from(fd))
+    }
+}
+
+/// One `GET /` to the VIP from client port `port` (on a new connection,
+/// which nginx closes after answering); returns the backend's name (`b1`...).
+/// Call it from a thread in the client namespace.
+pub fn request_from(port: u16) -> io::Result<String> {
+    let timeout = Duration::from_secs(5);
+    let mut s = connect_from(
+        SocketAddrV4::new(CLIENT_IP, port),
+        SocketAddrV4::new(VIP, VIP_PORT),
+        timeout,
+    )?;
+    s.set_read_timeout(Some(timeout))?;
+    s.set_write_timeout(Some(timeout))?;
+    s.write_all(b"GET / HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")?;
+    let mut buf = Vec::new();
+    s.read_to_end(&mut buf)?;
+    let text = String::from_utf8_lossy(&buf);
+    match text.split_once("\r\n\r\n") {
+        Some((head, body)) if head.starts_with("HTTP/1.1 200") => Ok(body.trim().to_string()),
+        _ => Err(io::Error::other(format!("bad response {text:?}"))),
+    }
+}

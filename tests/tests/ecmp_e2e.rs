@@ -1,0 +1,549 @@
+//! End to end: three `lb-agent` nodes announce one VIP through their own
+//! `gobgpd` (the GoBGP driver, as the Helm chart's sidecar runs it) to a
+//! BIRD router that spreads client flows over them by ECMP (L4 hash). See
+//! `xlb_tests::ecmp` for the layout.
+//!
+//! Covered, in order:
+//! 1. the router's FIB has the VIP with the three nodes as next hops;
+//! 2. 300 client connections (distinct source ports) all succeed, every
+//!    flow is handled by exactly one node, and every node gets flows;
+//! 3. the nodes' Maglev tables are identical: `lbctl trace` names the same
+//!    backend on every node, and a real connection is answered by it;
+//! 4. SIGTERM on one agent withdraws its next hop (within the hold time,
+//!    before the agent exits), and new flows avoid that node;
+//! 5. a node dying with its speaker (agent and `gobgpd` SIGKILLed): its
+//!    next hop leaves within the hold time + 2 s;
+//! 6. starting the agents (and the speaker) again brings the next hops
+//!    back; then a node that vanishes without closing its session (its
+//!    port on the router's bridge goes down) is withdrawn by the router's
+//!    hold timer (within the hold time plus 2 s), and comes back with it;
+//! 7. a service without usable backends (all weights 0) is withdrawn
+//!    everywhere: the router has no route to the VIP.
+//!
+//! Needs root, bpffs at /sys/fs/bpf, nginx, ethtool, iproute2, `gobgpd` and
+//! `gobgp` 3.x, and BIRD 2. Every wait polls its condition with a deadline.
+
+use std::{
+    collections::{BTreeMap, BTreeSet},
+    ops::Range,
+    time::{Duration, Instant},
+};
+
+use serde_json::Value;
+use xlb_tests::ecmp::{
+    backend_ip, node_backend_ip, node_ip, node_of_hop, request_from, EcmpLab, BACKENDS,
+    BACKEND_PORT, CLIENT_IP, HOLD_TIME, METRICS_PORT, NODES, ROUTER_ASN, ROUTER_IP, VIP,
+};
+use xlb_tests::topology::{agent_bin, lbctl_bin};
+
+const SVC: &str = "192.0.2.10:80/tcp";
+
+/// Node `i`'s config: the snat web service on every backend with `weight`,
+/// announced through the node's gobgpd.
+fn config(i: usize, weight: u32) -> String {
+    let mut s = format!(
+        "interfaces: [uplink, lan]\n\
+         snat_ipv4: {snat}\n\
+         metrics_addr: 127.0.0.1:{METRICS_PORT}\n\
+         services:\n\
+         \x20 - name: web\n\
+         \x20   vip: {VIP}\n\
+         \x20   port: 80\n\
+         \x20   protocol: tcp\n\
+         \x20   mode: snat\n\
+         \x20   backends:\n",
+        snat = node_backend_ip(i)
+    );
+    for n in 1..=BACKENDS {
+        s.push_str(&format!(
+            "      - {{ ip: {}, port: {BACKEND_PORT}, weight: {weight} }}\n",
+            backend_ip(n)
+        ));
+    }
+    s.push_str(&format!(
+        "bgp:\n\
+         \x20 driver: gobgp\n\
+         \x20 next_hop_ipv4: {hop}\n\
+         \x20 drain_time: 1s\n\
+         \x20 resync_interval: 1s\n\
+         \x20 gobgp:\n\
+         \x20   peers:\n\
+         \x20     - {{ address: {ROUTER_IP}, asn: {ROUTER_ASN}, hold_time: {hold}s }}\n",
+        hop = node_ip(i),
+        hold = HOLD_TIME.as_secs()
+    ));
+    s
+}
+
+/// The backend name (`bN`) of a backend address `10.102.0.2N:8080`.
+fn backend_name(addr: &str) -> String {
+    (1..=BACKENDS)
+        .find(|&n| addr == format!("{}:{BACKEND_PORT}", backend_ip(n)))
+        .map(|n| format!("b{n}"))
+        .unwrap_or_else(|| panic!("{addr:?} is no backend"))
+}
+
+/// Polls `f` every 20 ms until it returns `Some`, at most `timeout`;
+/// returns the value and how long it took. `what` and `state` (called on
+/// timeout) explain a failure.
+fn wait_until<T>(
+    what: &str,
+    timeout: Duration,
+    mut f: impl FnMut() -> Option<T>,
+    state: impl FnOnce() -> String,
+) -> (T, Duration) {
+    let start = Instant::now();
+    loop {
+        if let Some(v) = f() {
+            return (v, start.elapsed());
+        }
+        if start.elapsed() > timeout {
+            panic!("timed out after {timeout:?}: {what}\n{}", state());
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+fn fib_state(lab: &EcmpLab) -> String {
+    format!(
+        "router FIB: {:?}\nbirdc show protocols:\n{}",
+        lab.router_route(),
+        lab.birdc(&["show", "protocols"])
+    )
+}
+
+/// Waits until the router's route to the VIP has exactly the next hops of
+/// `nodes` (none: no route); returns how long it took.
+fn wait_fib(lab: &EcmpLab, nodes: &[usize], timeout: Duration, what: &str) -> Duration {
+    let want = EcmpLab::hops(nodes);
+    let (_, took) = wait_until(
+        &format!("{what}: router FIB next hops {want:?}"),
+        timeout,
+        || (lab.router_next_hops() == want).then_some(()),
+        || fib_state(lab),
+    );
+    took
+}
+
+/// One connection per port of `ports`, one after another, from the client.
+/// Every one must be answered. Returns port -> backend name.
+fn requests(lab: &EcmpLab, ports: Range<u16>, when: &str) -> BTreeMap<u16, String> {
+    let results = lab.in_client(move || {
+        ports
+            .map(|p| (p, request_from(p)))
+            .collect::<Vec<(u16, std::io::Result<String>)>>()
+    });
+    let n = results.len();
+    let failed: Vec<String> = results
+        .iter()
+        .filter_map(|(p, r)| r.as_ref().err().map(|e| format!("port {p}: {e}")))
+        .collect();
+    assert!(
+        failed.is_empty(),
+        "{when}: {} of {n} connections failed, e.g. {:?}\n{}",
+        failed.len(),
+        &failed[..failed.len().min(5)],
+        fib_state(lab)
+    );
+    results.into_iter().map(|(p, r)| (p, r.unwrap())).collect()
+}
+
+/// For every client port in `ports`: the nodes whose connection table
+/// holds that flow, each with its entry (one, if several CPUs have one).
+fn flow_owners(lab: &EcmpLab, ports: &BTreeSet<u16>) -> BTreeMap<u16, Vec<(usize, Value)>> {
+    let mut owners: BTreeMap<u16, Vec<(usize, Value)>> = BTreeMap::new();
+    for node in &lab.nodes {
+        let v = node.lbctl_json(&[
+            "conntrack",
+            "--service",
+            SVC,
+            "--client",
+            &CLIENT_IP.to_string(),
+        ]);
+        let entries = v["entries"]
+            .as_array()
+            .unwrap_or_else(|| panic!("node {}: lbctl conntrack: {v}", node.index));
+        let mut seen: BTreeSet<u16> = BTreeSet::new();
+        for e in entries {
+            let client: std::net::SocketAddr = e["client"].as_str().unwrap().parse().unwrap();
+            let port = client.port();
+            if ports.contains(&port) && seen.insert(port) {
+                owners
+                    .entry(port)
+                    .or_default()
+                    .push((node.index, e.clone()));
+            }
+        }
+    }
+    owners
+}
+
+/// Checks that every flow of `answers` was handled by exactly one node,
+/// one of `serving`, which sent it to the backend that answered; returns
+/// the flows per node.
+///
+/// A flow on two nodes means that its first packets were lost: the
+/// client's TCP re-hashes a connection on a retransmission timeout
+/// (`net.core.txrehash`), and over veths the router's ECMP uses that
+/// socket hash, so the retransmitted SYN may take another next hop.
+fn assert_flows_on(
+    lab: &EcmpLab,
+    answers: &BTreeMap<u16, String>,
+    serving: &[usize],
+    when: &str,
+) -> BTreeMap<usize, usize> {
+    let ports: BTreeSet<u16> = answers.keys().copied().collect();
+    let owners = flow_owners(lab, &ports);
+    let mut per_node: BTreeMap<usize, usize> = serving.iter().map(|&i| (i, 0)).collect();
+    for (port, answered_by) in answers {
+        let o = owners.get(port).cloned().unwrap_or_default();
+        assert!(
+            o.len() == 1,
+            "{when}: the flow from port {port} is in the connection tables of {} nodes \
+             (exactly one expected; on several, its first packets were lost and the \
+             client's retransmission took another path): {o:?}\n{}",
+            o.len(),
+            fib_state(lab)
+        );
+        let (node, entry) = &o[0];
+        let backend = backend_name(entry["backend"].as_str().unwrap());
+        assert!(
+            serving.contains(node),
+            "{when}: the flow from port {port} reached node {node}, not one of {serving:?}"
+        );
+        assert_eq!(
+            &backend, answered_by,
+            "{when}: node {node} sent the flow from port {port} to {backend}, \
+             but {answered_by} answered"
+        );
+        *per_node.get_mut(node).unwrap() += 1;
+    }
+    per_node
+}
+
+/// `lbctl services --json` on node `i`: the web service's
+/// (packets, new_flows, reply_packets).
+fn counters(lab: &EcmpLab, i: usize) -> (u64, u64, u64) {
+    let v = lab.nodes[i - 1].lbctl_json(&["services"]);
+    let s = v["services"]
+        .as_array()
+        .and_then(|a| a.iter().find(|s| s["service"] == SVC))
+        .unwrap_or_else(|| panic!("node {i}: no {SVC} in {v}"));
+    let get = |k: &str| s[k].as_u64().unwrap_or_else(|| panic!("{k} in {s}"));
+    (get("packets"), get("new_flows"), get("reply_packets"))
+}
+
+/// `lbctl maglev` on node `i`: (backend address, entries), by address.
+fn maglev_table(lab: &EcmpLab, i: usize) -> Vec<(String, u64)> {
+    let v = lab.nodes[i - 1].lbctl_json(&["maglev", SVC]);
+    let mut t: Vec<(String, u64)> = v["backends"]
+        .as_array()
+        .unwrap_or_else(|| panic!("node {i}: lbctl maglev: {v}"))
+        .iter()
+        .map(|b| {
+            (
+                b["address"].as_str().unwrap().to_string(),
+                b["entries"].as_u64().unwrap(),
+            )
+        })
+        .collect();
+    t.sort();
+    t
+}
+
+/// `lbctl trace` of the client's flow from `port` on node `i`.
+fn trace(lab: &EcmpLab, i: usize, port: u16) -> Value {
+    lab.nodes[i - 1].lbctl_json(&[
+        "trace",
+        &CLIENT_IP.to_string(),
+        &VIP.to_string(),
+        &port.to_string(),
+        "80",
+        "tcp",
+    ])
+}
+
+/// The value of the sample `name` (no labels) in a Prometheus page.
+fn metric(page: &str, name: &str) -> Option<f64> {
+    page.lines()
+        .find_map(|l| l.strip_prefix(&format!("{name} ")))
+        .map(|v| v.trim().parse().expect("metric value"))
+}
+
+fn hops_of(lab: &EcmpLab) -> Vec<usize> {
+    lab.router_next_hops()
+        .into_iter()
+        .map(|h| node_of_hop(h).unwrap_or_else(|| panic!("next hop {h} is no node")))
+        .collect()
+}
+
+#[test]
+fn ecmp_over_three_nodes_with_gobgp() {
+    // Build the binaries (if the sources changed) before the clock starts.
+    let _ = (agent_bin(), lbctl_bin());
+    let t0 = Instant::now();
+    let mut timings: Vec<(String, Duration)> = Vec::new();
+    let mut mark = |what: &str, since: &mut Instant| {
+        timings.push((what.to_string(), since.elapsed()));
+        *since = Instant::now();
+    };
+    let mut phase = Instant::now();
+
+    let mut lab = EcmpLab::start();
+    mark("topology, nginx, BIRD, gobgpd", &mut phase);
+    for i in 1..=NODES {
+        lab.node(i).spawn_agent(&config(i, 1));
+    }
+    for i in 1..=NODES {
+        lab.node(i).wait_agent_ready();
+    }
+    mark("agents ready", &mut phase);
+
+    // 1. Three next hops.
+    let took = wait_fib(&lab, &[1, 2, 3], Duration::from_secs(30), "start");
+    eprintln!(
+        "router FIB after {took:?}:\n{}\n{}",
+        lab.router_route(),
+        lab.birdc(&["show", "route", "for", &VIP.to_string(), "all"])
+    );
+    for node in &lab.nodes {
+        wait_until(
+            &format!("node {}: xlb_bgp_announced_prefixes 1", node.index),
+            Duration::from_secs(5),
+            || {
+                let page = node.get("/metrics").ok()?.1;
+                (metric(&page, "xlb_bgp_announced_prefixes") == Some(1.0)).then_some(())
+            },
+            || node.get("/metrics").map(|r| r.1).unwrap_or_default(),
+        );
+        let rib = node.gobgp(&["global", "rib", "-a", "ipv4"]);
+        assert!(
+            rib.contains(&format!("{VIP}/32")) && rib.contains(&node.ip().to_string()),
+            "node {}: gobgpd's RIB: {rib}",
+            node.index
+        );
+    }
+    mark("1. FIB has 3 next hops", &mut phase);
+
+    // 2. 300 connections, spread over the three nodes, each on one node.
+    let answers = requests(&lab, 20000..20300, "three nodes");
+    let per_node = assert_flows_on(&lab, &answers, &[1, 2, 3], "three nodes");
+    let by_backend = answers.values().fold(BTreeMap::new(), |mut m, b| {
+        *m.entry(b.clone()).or_insert(0) += 1;
+        m
+    });
+    eprintln!("300 flows per node {per_node:?}, per backend {by_backend:?}");
+    for i in 1..=NODES {
+        // Expected 100 each; 30 is more than 8 standard deviations off.
+        assert!(
+            per_node[&i] >= 30,
+            "node {i} got {} of 300 flows: {per_node:?} (ECMP not spreading?)\n{}",
+            per_node[&i],
+            fib_state(&lab)
+        );
+        let (packets, new_flows, replies) = counters(&lab, i);
+        assert!(
+            packets >= 3 * per_node[&i] as u64 && new_flows >= per_node[&i] as u64 && replies > 0,
+            "node {i} handled {} flows, but lbctl services counts packets {packets}, \
+             new_flows {new_flows}, reply_packets {replies}",
+            per_node[&i]
+        );
+    }
+    assert_eq!(by_backend.len(), BACKENDS, "{by_backend:?}");
+    mark("2. 300 connections", &mut phase);
+
+    // 3. Identical Maglev tables: same shares, and the same pick for flows
+    // on every node, which a real connection then confirms.
+    let table = maglev_table(&lab, 1);
+    assert_eq!(table.len(), BACKENDS, "{table:?}");
+    for i in 2..=NODES {
+        assert_eq!(
+            maglev_table(&lab, i),
+            table,
+            "node {i}'s Maglev table differs from node 1's"
+        );
+    }
+    let fresh = 21000..21030u16;
+    let mut picks = BTreeMap::new();
+    for port in fresh.clone() {
+        let traces: Vec<Value> = (1..=NODES).map(|i| trace(&lab, i, port)).collect();
+        for (i, tr) in traces.iter().enumerate() {
+            assert_eq!(tr["decided_by"], "maglev", "node {}: {tr}", i + 1);
+        }
+        let backends: Vec<&str> = traces
+            .iter()
+            .map(|t| t["backend"].as_str().unwrap_or("none"))
+            .collect();
+        assert!(
+            backends.iter().all(|b| *b == backends[0]),
+            "port {port}: the nodes pick different backends {backends:?}"
+        );
+        picks.insert(port, backend_name(backends[0]));
+    }
+    let answered = requests(&lab, fresh.clone(), "Maglev check");
+    assert_eq!(
+        answered, picks,
+        "real connections vs the backends every node's lbctl trace named"
+    );
+    // And the flows of step 2 that a node handled: every node names the
+    // backend that answered.
+    for (port, name) in answers.iter().step_by(15) {
+        for i in 1..=NODES {
+            let tr = trace(&lab, i, *port);
+            assert_eq!(
+                tr["backend"].as_str().map(backend_name).as_deref(),
+                Some(name.as_str()),
+                "node {i}, flow from port {port} (answered by {name}): {tr}"
+            );
+        }
+    }
+    mark("3. Maglev identical", &mut phase);
+
+    // 4. SIGTERM on node 1: withdrawn before the agent exits, within the
+    // hold time; new flows avoid node 1.
+    lab.node(1).sigterm_agent();
+    let sent = Instant::now();
+    let (running_when_withdrawn, took) = loop {
+        let running = lab.node(1).agent_running();
+        if lab.router_next_hops() == EcmpLab::hops(&[2, 3]) {
+            break (running, sent.elapsed());
+        }
+        assert!(
+            sent.elapsed() < HOLD_TIME + Duration::from_secs(5),
+            "SIGTERM on node 1: its next hop did not leave the router's FIB\n{}",
+            fib_state(&lab)
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    eprintln!("SIGTERM: next hop withdrawn after {took:?}");
+    assert!(
+        took < HOLD_TIME,
+        "SIGTERM: node 1's next hop left after {took:?}, not within the hold time {HOLD_TIME:?}"
+    );
+    assert!(
+        running_when_withdrawn,
+        "node 1's agent exited before its next hop left the router's FIB \
+         (withdraw, then drain_time, then exit); log:\n{}",
+        lab.nodes[0].agent_log()
+    );
+    let st = lab.node(1).wait_agent_exit(Duration::from_secs(10));
+    let exited_after = sent.elapsed();
+    assert!(st.success(), "node 1's agent exited with {st}");
+    let log = lab.nodes[0].agent_log();
+    assert!(log.contains("VIPs withdrawn; draining"), "{log}");
+    assert!(
+        exited_after >= Duration::from_secs(1),
+        "node 1's agent exited {exited_after:?} after SIGTERM, before its drain_time (1s)"
+    );
+    assert_eq!(hops_of(&lab), vec![2, 3]);
+    let before = counters(&lab, 1);
+    let answers = requests(&lab, 22000..22150, "node 1 stopped");
+    let per_node = assert_flows_on(&lab, &answers, &[2, 3], "node 1 stopped");
+    eprintln!("node 1 stopped: 150 flows per node {per_node:?}");
+    assert!(per_node.values().all(|&n| n >= 15), "{per_node:?}");
+    assert_eq!(
+        counters(&lab, 1),
+        before,
+        "node 1's counters (packets, new_flows, reply_packets) moved after its withdrawal"
+    );
+    mark("4. SIGTERM node 1", &mut phase);
+
+    // 5. Node 2 dies with its speaker: the session drops, the router
+    // withdraws within the hold time (+2 s).
+    lab.node(2).kill_agent();
+    lab.node(2).kill_gobgpd();
+    let took = wait_fib(
+        &lab,
+        &[3],
+        HOLD_TIME + Duration::from_secs(2),
+        "gobgpd killed",
+    );
+    eprintln!("gobgpd SIGKILL: next hop withdrawn after {took:?}");
+    let answers = requests(&lab, 23000..23060, "node 1 stopped, node 2 dead");
+    assert_flows_on(&lab, &answers, &[3], "node 1 stopped, node 2 dead");
+    mark("5. SIGKILL node 2 (agent + gobgpd)", &mut phase);
+
+    // 6. Both come back: node 1's agent (its gobgpd kept running), node 2's
+    // gobgpd and agent. Both adopt their running data plane.
+    let restarted = Instant::now();
+    lab.node(2).start_gobgpd();
+    lab.node(1).spawn_agent(&config(1, 1));
+    lab.node(2).spawn_agent(&config(2, 1));
+    lab.node(1).wait_agent_ready();
+    lab.node(2).wait_agent_ready();
+    let took = wait_fib(&lab, &[1, 2, 3], Duration::from_secs(30), "restart");
+    let took_total = restarted.elapsed();
+    eprintln!("restart: 3 next hops {took:?} after the agents were ready, {took_total:?} after the restart began");
+    for i in [1, 2] {
+        let log = lab.nodes[i - 1].agent_log();
+        assert!(
+            log.contains("adopted the running data plane"),
+            "node {i}: {log}"
+        );
+    }
+    // The restarted gobgpd came up empty: the agent added the router again.
+    let log = lab.nodes[1].agent_log();
+    assert!(log.contains("gobgp: adding BGP neighbor"), "node 2: {log}");
+    let answers = requests(&lab, 24000..24150, "all nodes back");
+    let per_node = assert_flows_on(&lab, &answers, &[1, 2, 3], "all nodes back");
+    eprintln!("all back: 150 flows per node {per_node:?}");
+    assert!(per_node.values().all(|&n| n >= 10), "{per_node:?}");
+    for i in 2..=NODES {
+        assert_eq!(maglev_table(&lab, i), maglev_table(&lab, 1), "node {i}");
+    }
+    mark("6. restart", &mut phase);
+
+    // 6b. Node 3 vanishes without closing its session (its port on the
+    // router's bridge goes down; the node keeps its addresses and routes):
+    // the router's hold timer withdraws it.
+    lab.router.run("ip link set n3 down");
+    let took = wait_fib(
+        &lab,
+        &[1, 2],
+        HOLD_TIME + Duration::from_secs(2),
+        "node 3 link down",
+    );
+    eprintln!("node 3 link down: next hop withdrawn after {took:?}");
+    let answers = requests(&lab, 25000..25060, "node 3 unreachable");
+    assert_flows_on(&lab, &answers, &[1, 2], "node 3 unreachable");
+    lab.router.run("ip link set n3 up");
+    let took = wait_fib(&lab, &[1, 2, 3], Duration::from_secs(60), "node 3 link up");
+    eprintln!("node 3 link up: next hop back after {took:?}");
+    let answers = requests(&lab, 26000..26060, "node 3 back");
+    assert_flows_on(&lab, &answers, &[1, 2, 3], "node 3 back");
+    mark("6b. node 3 link down/up", &mut phase);
+
+    // 7. No backend with weight on any node: withdrawn everywhere.
+    for i in 1..=NODES {
+        lab.nodes[i - 1].write_config(&config(i, 0));
+    }
+    let took = wait_fib(&lab, &[], Duration::from_secs(10), "all weights 0");
+    eprintln!("all weights 0: route gone after {took:?}");
+    assert_eq!(lab.router_route(), "", "the router still routes the VIP");
+    for node in &lab.nodes {
+        wait_until(
+            &format!("node {}: xlb_bgp_announced_prefixes 0", node.index),
+            Duration::from_secs(5),
+            || {
+                let page = node.get("/metrics").ok()?.1;
+                (metric(&page, "xlb_bgp_announced_prefixes") == Some(0.0)).then_some(())
+            },
+            || node.get("/metrics").map(|r| r.1).unwrap_or_default(),
+        );
+        let rib = node.gobgp(&["global", "rib", "-a", "ipv4"]);
+        assert!(
+            !rib.contains(&VIP.to_string()),
+            "node {}: gobgpd still has the VIP: {rib}",
+            node.index
+        );
+    }
+    mark("7. all weights 0", &mut phase);
+
+    let total = t0.elapsed();
+    eprintln!("timings:");
+    for (what, d) in &timings {
+        eprintln!("  {what:<40} {d:?}");
+    }
+    eprintln!("  total {total:?}");
+    assert!(total < Duration::from_secs(90), "took {total:?}");
+}
