@@ -436,6 +436,16 @@ impl GoBgpAnnouncer {
 }
 
 impl Announcer for GoBgpAnnouncer {
+    fn peers(&mut self) -> BoxFuture<'_, AnnounceResult<Vec<(IpAddr, bool)>>> {
+        Box::pin(async move {
+            let peers = self.list_peers().await?;
+            Ok(peers
+                .into_iter()
+                .map(|(addr, state)| (addr, state == SessionState::Established))
+                .collect())
+        })
+    }
+
     fn name(&self) -> &'static str {
         "gobgp"
     }

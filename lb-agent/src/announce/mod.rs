@@ -129,6 +129,12 @@ pub trait Announcer: Send {
     /// The routes the speaker announces for us now.
     fn announced(&mut self) -> BoxFuture<'_, AnnounceResult<BTreeSet<Route>>>;
 
+    /// The speaker's BGP sessions: (peer, established). A driver that
+    /// cannot tell returns an empty list.
+    fn peers(&mut self) -> BoxFuture<'_, AnnounceResult<Vec<(IpAddr, bool)>>> {
+        Box::pin(async { Ok(Vec::new()) })
+    }
+
     /// Makes the speaker announce exactly `desired` (for us): lists, then
     /// adds what is missing and withdraws what is extra. Returns how many
     /// routes were (added, withdrawn).

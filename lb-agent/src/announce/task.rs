@@ -5,7 +5,7 @@
 
 use std::{collections::BTreeSet, net::IpAddr, time::Duration};
 
-use prometheus::{IntCounterVec, IntGauge, Opts, Registry};
+use prometheus::{IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry};
 use tokio::sync::{mpsc, oneshot};
 use tracing::{info, warn};
 
@@ -24,6 +24,7 @@ pub struct AnnounceTask {
 
 struct AnnounceMetrics {
     announced: IntGauge,
+    peer_up: IntGaugeVec,
     changes: IntCounterVec,
     errors: IntCounterVec,
 }
@@ -51,12 +52,22 @@ impl AnnounceMetrics {
             &["kind"],
         )
         .expect("metric");
+        let peer_up = IntGaugeVec::new(
+            Opts::new(
+                "xlb_bgp_peer_up",
+                "1 while the speaker's BGP session with the peer is established",
+            ),
+            &["peer"],
+        )
+        .expect("metric");
         // Registering twice (a second task in tests) is harmless: keep the first.
+        let _ = registry.register(Box::new(peer_up.clone()));
         let _ = registry.register(Box::new(announced.clone()));
         let _ = registry.register(Box::new(changes.clone()));
         let _ = registry.register(Box::new(errors.clone()));
         Self {
             announced,
+            peer_up,
             changes,
             errors,
         }
@@ -111,6 +122,16 @@ async fn run(
         }
         if let Some(d) = &desired {
             apply(announcer.as_mut(), d, &metrics).await;
+        }
+        // Sessions, for the per-peer metric (drivers that cannot tell give none).
+        if let Ok(peers) = announcer.peers().await {
+            metrics.peer_up.reset();
+            for (peer, up) in peers {
+                metrics
+                    .peer_up
+                    .with_label_values(&[&peer.to_string()])
+                    .set(up as i64);
+            }
         }
     }
 }
@@ -219,6 +240,10 @@ mod tests {
         fn announced(&mut self) -> BoxFuture<'_, AnnounceResult<BTreeSet<Route>>> {
             Box::pin(async move { Ok(self.routes.lock().unwrap().clone()) })
         }
+        fn peers(&mut self) -> BoxFuture<'_, AnnounceResult<Vec<(IpAddr, bool)>>> {
+            let up = !*self.down.lock().unwrap();
+            Box::pin(async move { Ok(vec![("10.0.0.254".parse().unwrap(), up)]) })
+        }
         fn apply<'a>(
             &'a mut self,
             desired: &'a BTreeSet<Route>,
@@ -274,6 +299,12 @@ mod tests {
         tokio::time::sleep(Duration::from_millis(120)).await;
         *speaker.down.lock().unwrap() = false;
         eventually(|| *r.lock().unwrap() == want).await;
+        let gathered = || {
+            prometheus::TextEncoder::new()
+                .encode_to_string(&registry.gather())
+                .unwrap()
+        };
+        eventually(|| gathered().contains("xlb_bgp_peer_up{peer=\"10.0.0.254\"} 1")).await;
         task.withdraw_all().await;
         assert!(
             r.lock().unwrap().is_empty(),
