@@ -1,6 +1,7 @@
 //! The ECMP topology: one router spreading a VIP over three `lb-agent`
-//! nodes that announce it through their own `gobgpd` (the Helm chart's
-//! sidecar), in front of three nginx backends.
+//! nodes that announce it through their own BGP speaker, in front of three
+//! nginx backends. The speaker is one of the agent's drivers ([`Driver`]):
+//! `gobgpd` (the Helm chart's sidecar), BIRD 2 or ExaBGP 4.
 //!
 //! ```text
 //!  <p>-c  client       eth0 10.100.0.2/24, default via 10.100.0.1
@@ -15,12 +16,26 @@
 //!  <p>-bN backend N    eth0 10.102.0.2N/24, nginx on 8080 answering "bN"
 //! ```
 //!
-//! Every node runs `gobgpd` (router id = its uplink address, API on
-//! 127.0.0.1:50051 inside its namespace) and `lb-agent` with its own pin
-//! directory (`/sys/fs/bpf/xlb-<p>-nI`), XDP on `uplink` and `lan`. The router's
-//! BIRD peers with the three nodes over the bridge and installs what it
-//! learns into its kernel table with `merge paths on` (ECMP), and hashes
-//! flows over the next hops by L4 (`fib_multipath_hash_policy=1`).
+//! Every node runs its speaker (router id = its uplink address) and
+//! `lb-agent` with its own pin directory (`/sys/fs/bpf/xlb-<p>-nI`), XDP on
+//! `uplink` and `lan`:
+//!
+//! * GoBGP: `gobgpd` with no neighbour (API on 127.0.0.1:50051 inside the
+//!   node's namespace); the agent adds the router as its peer.
+//! * BIRD: a node BIRD (socket `bird.ctl` in the node's directory) whose own
+//!   config holds the session to the router and the two static protocols
+//!   `xlb_vips4`/`xlb_vips6` that include the agent's routes files
+//!   (`xlb-vips4`/`xlb-vips6`, created empty before BIRD starts), as
+//!   `lb_agent::announce::bird` documents.
+//! * ExaBGP: `exabgp` with `--root` the node's directory (its API pipes
+//!   `<p>-nI.in`/`.out`, made with mkfifo before it starts, in `run/`) and
+//!   `exabgp.env` (`[exabgp.api] cli, ack, pipename`); its config holds the
+//!   session to the router.
+//!
+//! Every session has a hold time of 3 s. The router's BIRD peers with the
+//! three nodes over the bridge and installs what it learns into its kernel
+//! table with `merge paths on` (ECMP), and hashes flows over the next hops
+//! by L4 (`fib_multipath_hash_policy=1`).
 //!
 //! The ends of the node veths that have no XDP program (the router's and the
 //! backend LAN's bridge ports) have GRO on (XDP_REDIRECT into a veth needs
@@ -28,8 +43,9 @@
 //! partial checksums). Processes are started with `nsenter --net` (not `ip
 //! netns exec`, which remounts /sys and hides bpffs).
 //!
-//! Names are `xe<pid>-...`, so parallel runs do not collide; leftovers of a
-//! killed run (its pid gone) are removed by the next one. Dropping the lab
+//! Names are `xe<pid><d>-...` (`<d>`: `g`, `b` or `x`, the driver), so
+//! parallel runs, and the three drivers' tests in one run, do not collide;
+//! leftovers of a killed run (its pid gone) are removed by the next one. Dropping the lab
 //! (test passed or panicked) kills every process it started, detaches and
 //! unpins the agents' programs (`lb-agent --cleanup`) and deletes the
 //! namespaces.
@@ -69,6 +85,43 @@ pub const GOBGP_API_PORT: u16 = 50051;
 pub const METRICS_PORT: u16 = 9469;
 /// The VIP's service port.
 pub const VIP_PORT: u16 = 80;
+
+/// The BGP speaker on the nodes, driven by the agent's `bgp.driver`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Driver {
+    GoBgp,
+    Bird,
+    ExaBgp,
+}
+
+impl Driver {
+    /// The `bgp.driver` value.
+    pub fn name(self) -> &'static str {
+        match self {
+            Driver::GoBgp => "gobgp",
+            Driver::Bird => "bird",
+            Driver::ExaBgp => "exabgp",
+        }
+    }
+
+    /// The letter after the pid in the lab's names.
+    fn tag(self) -> char {
+        match self {
+            Driver::GoBgp => 'g',
+            Driver::Bird => 'b',
+            Driver::ExaBgp => 'x',
+        }
+    }
+
+    /// The speaker's process name (for messages).
+    pub fn daemon(self) -> &'static str {
+        match self {
+            Driver::GoBgp => "gobgpd",
+            Driver::Bird => "bird",
+            Driver::ExaBgp => "exabgp",
+        }
+    }
+}
 
 /// Node `i`'s (1-based) uplink address: its next hop and BGP router id.
 pub fn node_ip(i: usize) -> Ipv4Addr {
@@ -134,18 +187,21 @@ fn tail(path: &Path, n: usize) -> String {
     lines[lines.len().saturating_sub(n)..].join("\n")
 }
 
-/// One LB node: its namespace, `gobgpd` and `lb-agent`.
+/// One LB node: its namespace, BGP speaker and `lb-agent`.
 pub struct Node {
     /// 1-based.
     pub index: usize,
+    pub driver: Driver,
     pub ns: Netns,
     pub pin_dir: PathBuf,
     pub config_path: PathBuf,
     dir: PathBuf,
+    /// The lab's prefix (`xe<pid><d>`).
+    prefix: String,
     agent: Option<Child>,
-    gobgpd: Option<Child>,
+    speaker: Option<Child>,
     agent_starts: usize,
-    gobgpd_starts: usize,
+    speaker_starts: usize,
 }
 
 impl Node {
@@ -157,51 +213,296 @@ impl Node {
         self.dir.join(format!("agent-{}.log", self.agent_starts))
     }
 
-    fn gobgpd_log_path(&self) -> PathBuf {
-        self.dir.join(format!("gobgpd-{}.log", self.gobgpd_starts))
+    fn speaker_log_path(&self) -> PathBuf {
+        self.dir.join(format!(
+            "{}-{}.log",
+            self.driver.daemon(),
+            self.speaker_starts
+        ))
     }
 
-    /// Starts `gobgpd` (empty RIB, no neighbours: the agent adds the router)
-    /// and waits until its API accepts connections.
-    pub fn start_gobgpd(&mut self) {
-        assert!(self.gobgpd.is_none(), "node {}: gobgpd running", self.index);
-        let conf = self.dir.join("gobgpd.toml");
-        fs::write(
-            &conf,
-            format!(
-                "[global.config]\n  as = {NODE_ASN}\n  router-id = \"{}\"\n",
-                self.ip()
+    /// The base of the BIRD driver's routes files (`<base>4`, `<base>6`).
+    pub fn bird_routes_file(&self) -> PathBuf {
+        self.dir.join("xlb-vips")
+    }
+
+    /// The node BIRD's control socket.
+    pub fn bird_socket(&self) -> PathBuf {
+        self.dir.join("bird.ctl")
+    }
+
+    /// ExaBGP's pipe directory (`run/` under its `--root`).
+    pub fn exabgp_pipe_dir(&self) -> PathBuf {
+        self.dir.join("run")
+    }
+
+    /// ExaBGP's pipe name: unique, as ExaBGP looks in /run first.
+    pub fn exabgp_pipe_name(&self) -> String {
+        format!("{}-n{}", self.prefix, self.index)
+    }
+
+    /// The driver's part of the agent's `bgp` mapping (the `gobgp`, `bird`
+    /// or `exabgp` key, indented for `bgp:`), ending with a newline.
+    pub fn speaker_config(&self) -> String {
+        match self.driver {
+            Driver::GoBgp => format!(
+                "  gobgp:\n\
+                 \x20   peers:\n\
+                 \x20     - {{ address: {ROUTER_IP}, asn: {ROUTER_ASN}, hold_time: {hold}s }}\n",
+                hold = HOLD_TIME.as_secs()
             ),
-        )
-        .unwrap();
-        self.gobgpd_starts += 1;
-        let api = format!("127.0.0.1:{GOBGP_API_PORT}");
-        let child = spawn_in(
-            &self.ns,
-            &self.gobgpd_log_path(),
-            Path::new("gobgpd"),
-            &[
-                "-f",
-                conf.to_str().unwrap(),
-                "--api-hosts",
-                &api,
-                "--pprof-disable",
-                "-p",
-                "-l",
-                "info",
-            ],
-        );
-        self.gobgpd = Some(child);
-        wait_for_port(
-            &self.ns,
-            SocketAddr::from((Ipv4Addr::LOCALHOST, GOBGP_API_PORT)),
-        );
+            Driver::Bird => format!(
+                "  bird:\n\
+                 \x20   routes_file: {}\n\
+                 \x20   socket: {}\n\
+                 \x20   protocol: xlb_vips\n",
+                self.bird_routes_file().display(),
+                self.bird_socket().display()
+            ),
+            Driver::ExaBgp => format!(
+                "  exabgp:\n\
+                 \x20   pipe_dir: {}\n\
+                 \x20   pipe_name: {}\n",
+                self.exabgp_pipe_dir().display(),
+                self.exabgp_pipe_name()
+            ),
+        }
     }
 
-    /// SIGKILLs `gobgpd` (its TCP sessions are closed by the kernel).
+    /// Writes the speaker's configuration files (and, for BIRD, the empty
+    /// routes files; for ExaBGP, its pipes).
+    fn prepare_speaker(&self) {
+        let hold = HOLD_TIME.as_secs();
+        let ip = self.ip();
+        match self.driver {
+            Driver::GoBgp => fs::write(
+                self.dir.join("gobgpd.toml"),
+                format!("[global.config]\n  as = {NODE_ASN}\n  router-id = \"{ip}\"\n"),
+            )
+            .unwrap(),
+            Driver::Bird => {
+                let base = self.bird_routes_file().display().to_string();
+                for f in ["4", "6"] {
+                    fs::write(format!("{base}{f}"), "").unwrap();
+                }
+                fs::write(
+                    self.dir.join("bird.conf"),
+                    format!(
+                        r#"router id {ip};
+log "{log}" all;
+protocol device {{ scan time 1; }}
+# The VIPs' blackhole routes must never reach the node's kernel table.
+protocol kernel {{
+  ipv4 {{ import none; export where proto != "xlb_vips4"; }};
+}}
+protocol static xlb_vips4 {{
+  ipv4;
+  include "{base}4";
+}}
+protocol static xlb_vips6 {{
+  ipv6;
+  include "{base}6";
+}}
+protocol bgp upstream {{
+  local {ip} as {NODE_ASN};
+  neighbor {ROUTER_IP} as {ROUTER_ASN};
+  hold time {hold};
+  keepalive time 1;
+  connect delay time 1;
+  connect retry time 1;
+  error wait time 1, 2;
+  ipv4 {{ import none; export where proto = "xlb_vips4"; }};
+}}
+"#,
+                        log = self.dir.join("bird.log").display(),
+                    ),
+                )
+                .unwrap();
+            }
+            Driver::ExaBgp => {
+                let pipes = self.exabgp_pipe_dir();
+                fs::create_dir_all(&pipes).unwrap();
+                for end in ["in", "out"] {
+                    let p = pipes.join(format!("{}.{end}", self.exabgp_pipe_name()));
+                    if !p.exists() {
+                        sh(&format!("mkfifo -m 0600 {}", p.display()));
+                    }
+                }
+                fs::write(
+                    self.dir.join("exabgp.env"),
+                    format!(
+                        "[exabgp.api]\n\
+                         cli = true\n\
+                         ack = true\n\
+                         pipename = '{}'\n\
+                         \n\
+                         [exabgp.daemon]\n\
+                         daemonize = false\n\
+                         user = 'root'\n\
+                         pid = ''\n\
+                         \n\
+                         [exabgp.log]\n\
+                         destination = 'stdout'\n\
+                         \n\
+                         [exabgp.tcp]\n\
+                         bind = ''\n",
+                        self.exabgp_pipe_name()
+                    ),
+                )
+                .unwrap();
+                fs::write(
+                    self.dir.join("exabgp.conf"),
+                    format!(
+                        "neighbor {ROUTER_IP} {{\n\
+                         \x20   router-id {ip};\n\
+                         \x20   local-address {ip};\n\
+                         \x20   local-as {NODE_ASN};\n\
+                         \x20   peer-as {ROUTER_ASN};\n\
+                         \x20   hold-time {hold};\n\
+                         \x20   family {{\n\
+                         \x20       ipv4 unicast;\n\
+                         \x20   }}\n\
+                         }}\n"
+                    ),
+                )
+                .unwrap();
+            }
+        }
+    }
+
+    /// Starts the speaker. GoBGP: `gobgpd` with an empty RIB and no
+    /// neighbours (the agent adds the router); waits until its API accepts
+    /// connections. BIRD and ExaBGP: the daemon with its session to the
+    /// router (see [`EcmpLab::wait_sessions`]).
+    pub fn start_speaker(&mut self) {
+        assert!(
+            self.speaker.is_none(),
+            "node {}: {} running",
+            self.index,
+            self.driver.daemon()
+        );
+        self.prepare_speaker();
+        self.speaker_starts += 1;
+        let log = self.speaker_log_path();
+        let d = |f: &str| self.dir.join(f).display().to_string();
+        let child = match self.driver {
+            Driver::GoBgp => {
+                let api = format!("127.0.0.1:{GOBGP_API_PORT}");
+                spawn_in(
+                    &self.ns,
+                    &log,
+                    Path::new("gobgpd"),
+                    &[
+                        "-f",
+                        &d("gobgpd.toml"),
+                        "--api-hosts",
+                        &api,
+                        "--pprof-disable",
+                        "-p",
+                        "-l",
+                        "info",
+                    ],
+                )
+            }
+            Driver::Bird => spawn_in(
+                &self.ns,
+                &log,
+                Path::new("bird"),
+                &["-f", "-c", &d("bird.conf"), "-s", &d("bird.ctl")],
+            ),
+            Driver::ExaBgp => spawn_in(
+                &self.ns,
+                &log,
+                Path::new("exabgp"),
+                &[
+                    "--root",
+                    &self.dir.display().to_string(),
+                    "--env",
+                    &d("exabgp.env"),
+                    &d("exabgp.conf"),
+                ],
+            ),
+        };
+        self.speaker = Some(child);
+        match self.driver {
+            Driver::GoBgp => wait_for_port(
+                &self.ns,
+                SocketAddr::from((Ipv4Addr::LOCALHOST, GOBGP_API_PORT)),
+            ),
+            Driver::Bird => {
+                let sock = self.bird_socket();
+                let deadline = Instant::now() + Duration::from_secs(10);
+                while !sock.exists() {
+                    let child = self.speaker.as_mut().unwrap();
+                    if let Ok(Some(st)) = child.try_wait() {
+                        panic!(
+                            "node {}: BIRD exited ({st}): {}",
+                            self.index,
+                            tail(&self.speaker_log_path(), 20)
+                        );
+                    }
+                    assert!(
+                        Instant::now() < deadline,
+                        "node {}: BIRD did not start: {}",
+                        self.index,
+                        tail(&self.speaker_log_path(), 20)
+                    );
+                    std::thread::sleep(Duration::from_millis(20));
+                }
+            }
+            Driver::ExaBgp => {}
+        }
+    }
+
+    /// [`start_speaker`](Self::start_speaker) of a GoBGP node.
+    pub fn start_gobgpd(&mut self) {
+        assert_eq!(self.driver, Driver::GoBgp);
+        self.start_speaker();
+    }
+
+    /// [`kill_speaker`](Self::kill_speaker) of a GoBGP node.
     pub fn kill_gobgpd(&mut self) {
-        assert!(self.gobgpd.is_some(), "node {}: no gobgpd", self.index);
-        kill_child(&mut self.gobgpd);
+        assert_eq!(self.driver, Driver::GoBgp);
+        self.kill_speaker();
+    }
+
+    /// SIGKILLs the speaker (its TCP sessions are closed by the kernel).
+    /// For ExaBGP, also waits until its API helper process (which holds the
+    /// pipes) has noticed and exited.
+    pub fn kill_speaker(&mut self) {
+        assert!(
+            self.speaker.is_some(),
+            "node {}: no {}",
+            self.index,
+            self.driver.daemon()
+        );
+        kill_child(&mut self.speaker);
+        match self.driver {
+            Driver::GoBgp => return,
+            Driver::Bird => {
+                let _ = fs::remove_file(self.bird_socket());
+                return;
+            }
+            Driver::ExaBgp => {}
+        }
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            let agent = self.agent_pid();
+            let left: Vec<i32> = ns_pids(&self.ns)
+                .into_iter()
+                .filter(|p| Some(*p) != agent)
+                .collect();
+            if left.is_empty() {
+                return;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "node {}: processes {left:?} still run after killing {}",
+                self.index,
+                self.driver.daemon()
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
     }
 
     /// Writes the agent's config file (atomically; a running agent notices
@@ -349,6 +650,17 @@ impl Node {
         })
     }
 
+    /// `birdc` against this node's BIRD (BIRD driver).
+    pub fn birdc(&self, args: &[&str]) -> String {
+        let out = Command::new("birdc")
+            .arg("-s")
+            .arg(self.bird_socket())
+            .args(args)
+            .output()
+            .expect("run birdc");
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    }
+
     /// The `gobgp` CLI against this node's `gobgpd`.
     pub fn gobgp(&self, args: &[&str]) -> String {
         let port = GOBGP_API_PORT.to_string();
@@ -379,6 +691,20 @@ pub struct EcmpLab {
     nginx: Vec<Option<Child>>,
 }
 
+/// The pids of the processes in `ns`.
+fn ns_pids(ns: &Netns) -> Vec<i32> {
+    Command::new("ip")
+        .args(["netns", "pids", &ns.name])
+        .output()
+        .map(|o| {
+            String::from_utf8_lossy(&o.stdout)
+                .split_whitespace()
+                .filter_map(|p| p.parse().ok())
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
 /// Removes the namespaces, pins and processes of earlier runs that were
 /// killed before their `Drop` ran (their pid no longer exists).
 fn sweep_stale() {
@@ -391,16 +717,18 @@ fn sweep_stale() {
         let Some(rest) = name.strip_prefix("xe") else {
             continue;
         };
-        let Some((pid, _)) = rest.split_once('-') else {
+        let Some((id, _)) = rest.split_once('-') else {
             continue;
         };
-        if pid.is_empty() || !pid.bytes().all(|b| b.is_ascii_digit()) {
+        // `<pid>` or `<pid><driver letter>`.
+        let pid = id.trim_end_matches(|c: char| c.is_ascii_lowercase());
+        if pid.is_empty() || !pid.bytes().all(|b| b.is_ascii_digit()) || id.len() > pid.len() + 1 {
             continue;
         }
         if Path::new(&format!("/proc/{pid}")).exists() {
             continue;
         }
-        // Processes left in it (gobgpd, bird, nginx, lb-agent).
+        // Processes left in it (speakers, bird, nginx, lb-agent).
         if let Ok(p) = Command::new("ip").args(["netns", "pids", name]).output() {
             for pid in String::from_utf8_lossy(&p.stdout).split_whitespace() {
                 if let Ok(pid) = pid.parse::<i32>() {
@@ -410,8 +738,8 @@ fn sweep_stale() {
             }
         }
         let _ = Command::new("ip").args(["netns", "del", name]).output();
-        let _ = fs::remove_dir_all(std::env::temp_dir().join(format!("xlb-xe{pid}")));
-        stale_prefixes.insert(format!("xe{pid}-"));
+        let _ = fs::remove_dir_all(std::env::temp_dir().join(format!("xlb-xe{id}")));
+        stale_prefixes.insert(format!("xe{id}-"));
     }
     if let Ok(entries) = fs::read_dir("/sys/fs/bpf") {
         for e in entries.flatten() {
@@ -430,11 +758,17 @@ fn sweep_stale() {
 }
 
 impl EcmpLab {
-    /// Builds the namespaces and links, starts the backends' nginx, the
-    /// router's BIRD and every node's `gobgpd`. No agent runs yet.
+    /// [`start_with`](Self::start_with) the GoBGP driver.
     pub fn start() -> Self {
+        Self::start_with(Driver::GoBgp)
+    }
+
+    /// Builds the namespaces and links, starts the backends' nginx, the
+    /// router's BIRD and every node's speaker (for BIRD and ExaBGP, waits
+    /// until their sessions are established). No agent runs yet.
+    pub fn start_with(driver: Driver) -> Self {
         sweep_stale();
-        let prefix = format!("xe{}", std::process::id());
+        let prefix = format!("xe{}{}", std::process::id(), driver.tag());
         let dir = std::env::temp_dir().join(format!("xlb-{prefix}"));
         let _ = fs::remove_dir_all(&dir);
         fs::create_dir_all(&dir).unwrap();
@@ -522,14 +856,16 @@ impl EcmpLab {
             let pin_dir = PathBuf::from(format!("/sys/fs/bpf/xlb-{prefix}-n{i}"));
             lab.nodes.push(Node {
                 index: i,
+                driver,
                 ns,
                 config_path: node_dir.join("agent.yaml"),
                 pin_dir,
                 dir: node_dir,
+                prefix: prefix.clone(),
                 agent: None,
-                gobgpd: None,
+                speaker: None,
                 agent_starts: 0,
-                gobgpd_starts: 0,
+                speaker_starts: 0,
             });
         }
 
@@ -545,9 +881,32 @@ impl EcmpLab {
         }
         lab.start_bird();
         for node in &mut lab.nodes {
-            node.start_gobgpd();
+            node.start_speaker();
+        }
+        if driver != Driver::GoBgp {
+            let all: Vec<usize> = (1..=NODES).collect();
+            lab.wait_sessions(&all, Duration::from_secs(20));
         }
         lab
+    }
+
+    /// Waits until the router's sessions with `nodes` are established.
+    pub fn wait_sessions(&self, nodes: &[usize], timeout: Duration) {
+        let deadline = Instant::now() + timeout;
+        for &i in nodes {
+            loop {
+                let s = self.birdc(&["show", "protocols", &format!("n{i}")]);
+                if s.contains("Established") {
+                    break;
+                }
+                assert!(
+                    Instant::now() < deadline,
+                    "node {i}: no session with the router within {timeout:?}: {s}\n{}",
+                    self.logs()
+                );
+                std::thread::sleep(Duration::from_millis(20));
+            }
+        }
     }
 
     pub fn node(&mut self, i: usize) -> &mut Node {
@@ -699,7 +1058,13 @@ template bgp lbnode {{
         add("bird.out".into(), self.dir.join("bird.out"));
         add("router FIB changes".into(), self.dir.join("routes.log"));
         for n in &self.nodes {
-            add(format!("node {} gobgpd", n.index), n.gobgpd_log_path());
+            add(
+                format!("node {} {}", n.index, n.driver.daemon()),
+                n.speaker_log_path(),
+            );
+            if n.driver == Driver::Bird {
+                add(format!("node {} bird.log", n.index), n.dir.join("bird.log"));
+            }
             add(format!("node {} lb-agent", n.index), n.agent_log_path());
         }
         s
@@ -720,7 +1085,14 @@ impl Drop for EcmpLab {
         }
         for n in &mut self.nodes {
             kill_child(&mut n.agent);
-            kill_child(&mut n.gobgpd);
+            kill_child(&mut n.speaker);
+        }
+        // What the speakers started on their own (ExaBGP's API helper).
+        for n in &self.nodes {
+            for pid in ns_pids(&n.ns) {
+                // SAFETY: kill(2); the process is in a namespace of ours.
+                unsafe { libc::kill(pid, libc::SIGKILL) };
+            }
         }
         kill_child(&mut self.bird);
         kill_child(&mut self.route_monitor);

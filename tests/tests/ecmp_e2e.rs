@@ -1,27 +1,36 @@
 //! End to end: three `lb-agent` nodes announce one VIP through their own
-//! `gobgpd` (the GoBGP driver, as the Helm chart's sidecar runs it) to a
-//! BIRD router that spreads client flows over them by ECMP (L4 hash). See
-//! `xlb_tests::ecmp` for the layout.
+//! BGP speaker to a BIRD router that spreads client flows over them by ECMP
+//! (L4 hash). One test per speaker driver, with the same topology and
+//! scenario: `gobgpd` (the GoBGP driver, as the Helm chart's sidecar runs
+//! it; the agent adds the router as its peer), BIRD 2 and ExaBGP 4 (their
+//! own configs hold the session to the router; the agent only feeds them
+//! routes). See `xlb_tests::ecmp` for the layout. The three tests can run
+//! concurrently (their names and addresses live in their own namespaces).
 //!
-//! Covered, in order:
+//! Covered, in order, for every driver:
 //! 1. the router's FIB has the VIP with the three nodes as next hops;
 //! 2. 300 client connections (distinct source ports) all succeed, every
-//!    flow is handled by exactly one node, and every node gets flows;
+//!    flow is handled by exactly one node, and every node gets flows; the
+//!    speaker holds the route (gobgpd's RIB, the node BIRD's static
+//!    protocol; ExaBGP's API pipes belong to the agent, so there only the
+//!    router's view and the agent's metric are checked);
 //! 3. the nodes' Maglev tables are identical: `lbctl trace` names the same
 //!    backend on every node, and a real connection is answered by it;
 //! 4. SIGTERM on one agent withdraws its next hop (within the hold time,
 //!    before the agent exits), and new flows avoid that node;
-//! 5. a node dying with its speaker (agent and `gobgpd` SIGKILLed): its
+//! 5. a node dying with its speaker (agent and speaker SIGKILLed): its
 //!    next hop leaves within the hold time + 2 s;
 //! 6. starting the agents (and the speaker) again brings the next hops
-//!    back; then a node that vanishes without closing its session (its
+//!    back (gobgpd: the agent adds its neighbour again; BIRD: announces the
+//!    routes file the killed agent left; ExaBGP: restarts empty, the agent
+//!    announces again); then a node that vanishes without closing its session (its
 //!    port on the router's bridge goes down) is withdrawn by the router's
 //!    hold timer (within the hold time plus 2 s), and comes back with it;
 //! 7. a service without usable backends (all weights 0) is withdrawn
 //!    everywhere: the router has no route to the VIP.
 //!
 //! Needs root, bpffs at /sys/fs/bpf, nginx, ethtool, iproute2, `gobgpd` and
-//! `gobgp` 3.x, and BIRD 2. Every wait polls its condition with a deadline.
+//! `gobgp` 3.x, BIRD 2 and ExaBGP 4.2. Every wait polls its condition with a deadline.
 
 use std::{
     collections::{BTreeMap, BTreeSet},
@@ -31,16 +40,16 @@ use std::{
 
 use serde_json::Value;
 use xlb_tests::ecmp::{
-    backend_ip, node_backend_ip, node_ip, node_of_hop, request_from, EcmpLab, BACKENDS,
-    BACKEND_PORT, CLIENT_IP, HOLD_TIME, METRICS_PORT, NODES, ROUTER_ASN, ROUTER_IP, VIP,
+    backend_ip, node_backend_ip, node_ip, node_of_hop, request_from, Driver, EcmpLab, BACKENDS,
+    BACKEND_PORT, CLIENT_IP, HOLD_TIME, METRICS_PORT, NODES, VIP,
 };
 use xlb_tests::topology::{agent_bin, lbctl_bin};
 
 const SVC: &str = "192.0.2.10:80/tcp";
 
 /// Node `i`'s config: the snat web service on every backend with `weight`,
-/// announced through the node's gobgpd.
-fn config(i: usize, weight: u32) -> String {
+/// announced through the node's speaker.
+fn config(lab: &EcmpLab, i: usize, weight: u32) -> String {
     let mut s = format!(
         "interfaces: [uplink, lan]\n\
          snat_ipv4: {snat}\n\
@@ -60,19 +69,80 @@ fn config(i: usize, weight: u32) -> String {
             backend_ip(n)
         ));
     }
+    let node = &lab.nodes[i - 1];
     s.push_str(&format!(
         "bgp:\n\
-         \x20 driver: gobgp\n\
+         \x20 driver: {driver}\n\
          \x20 next_hop_ipv4: {hop}\n\
          \x20 drain_time: 1s\n\
          \x20 resync_interval: 1s\n\
-         \x20 gobgp:\n\
-         \x20   peers:\n\
-         \x20     - {{ address: {ROUTER_IP}, asn: {ROUTER_ASN}, hold_time: {hold}s }}\n",
+         {speaker}",
+        driver = node.driver.name(),
         hop = node_ip(i),
-        hold = HOLD_TIME.as_secs()
+        speaker = node.speaker_config()
     ));
     s
+}
+
+/// Starts the agents of `nodes` (concurrently) with weight 1 everywhere,
+/// and waits until they are ready.
+fn start_agents(lab: &mut EcmpLab, nodes: &[usize]) {
+    for &i in nodes {
+        let c = config(lab, i, 1);
+        lab.node(i).spawn_agent(&c);
+    }
+    for &i in nodes {
+        lab.node(i).wait_agent_ready();
+    }
+}
+
+/// The IPv4 routes file the BIRD driver of node `i` writes.
+fn bird_routes(lab: &EcmpLab, i: usize) -> String {
+    let mut p = lab.nodes[i - 1].bird_routes_file().into_os_string();
+    p.push("4");
+    std::fs::read_to_string(p).unwrap_or_default()
+}
+
+/// Checks what node `i`'s speaker itself holds: the VIP via the node
+/// (`announced`), or nothing. ExaBGP's API pipes belong to the agent (a
+/// second reader would take its answers): nothing to check there.
+fn check_speaker(lab: &EcmpLab, i: usize, announced: bool) {
+    let node = &lab.nodes[i - 1];
+    let vip = format!("{VIP}/32");
+    match node.driver {
+        Driver::GoBgp => {
+            let rib = node.gobgp(&["global", "rib", "-a", "ipv4"]);
+            if announced {
+                assert!(
+                    rib.contains(&vip) && rib.contains(&node.ip().to_string()),
+                    "node {i}: gobgpd's RIB: {rib}"
+                );
+            } else {
+                assert!(
+                    !rib.contains(&VIP.to_string()),
+                    "node {i}: gobgpd still has the VIP: {rib}"
+                );
+            }
+        }
+        Driver::Bird => {
+            let shown = node.birdc(&["show", "route", "protocol", "xlb_vips4", "all"]);
+            let file = bird_routes(lab, i);
+            if announced {
+                assert!(
+                    shown.contains(&vip) && shown.contains(&format!("BGP.next_hop: {}", node.ip())),
+                    "node {i}: BIRD's xlb_vips4: {shown}"
+                );
+                assert!(file.contains(&vip), "node {i}: routes file: {file:?}");
+            } else {
+                assert!(
+                    !shown.contains(&vip),
+                    "node {i}: BIRD's xlb_vips4 still has the VIP: {shown}"
+                );
+                assert!(!file.contains(&vip), "node {i}: routes file: {file:?}");
+            }
+        }
+        Driver::ExaBgp => {}
+    }
 }
 
 /// The backend name (`bN`) of a backend address `10.102.0.2N:8080`.
@@ -279,6 +349,20 @@ fn hops_of(lab: &EcmpLab) -> Vec<usize> {
 
 #[test]
 fn ecmp_over_three_nodes_with_gobgp() {
+    ecmp_over_three_nodes(Driver::GoBgp);
+}
+
+#[test]
+fn ecmp_over_three_nodes_with_bird() {
+    ecmp_over_three_nodes(Driver::Bird);
+}
+
+#[test]
+fn ecmp_over_three_nodes_with_exabgp() {
+    ecmp_over_three_nodes(Driver::ExaBgp);
+}
+
+fn ecmp_over_three_nodes(driver: Driver) {
     // Build the binaries (if the sources changed) before the clock starts.
     let _ = (agent_bin(), lbctl_bin());
     let t0 = Instant::now();
@@ -289,14 +373,10 @@ fn ecmp_over_three_nodes_with_gobgp() {
     };
     let mut phase = Instant::now();
 
-    let mut lab = EcmpLab::start();
-    mark("topology, nginx, BIRD, gobgpd", &mut phase);
-    for i in 1..=NODES {
-        lab.node(i).spawn_agent(&config(i, 1));
-    }
-    for i in 1..=NODES {
-        lab.node(i).wait_agent_ready();
-    }
+    let mut lab = EcmpLab::start_with(driver);
+    let speaker = driver.daemon();
+    mark(&format!("topology, nginx, BIRD, {speaker}s"), &mut phase);
+    start_agents(&mut lab, &[1, 2, 3]);
     mark("agents ready", &mut phase);
 
     // 1. Three next hops.
@@ -316,12 +396,7 @@ fn ecmp_over_three_nodes_with_gobgp() {
             },
             || node.get("/metrics").map(|r| r.1).unwrap_or_default(),
         );
-        let rib = node.gobgp(&["global", "rib", "-a", "ipv4"]);
-        assert!(
-            rib.contains(&format!("{VIP}/32")) && rib.contains(&node.ip().to_string()),
-            "node {}: gobgpd's RIB: {rib}",
-            node.index
-        );
+        check_speaker(&lab, node.index, true);
     }
     mark("1. FIB has 3 next hops", &mut phase);
 
@@ -451,26 +526,31 @@ fn ecmp_over_three_nodes_with_gobgp() {
     // 5. Node 2 dies with its speaker: the session drops, the router
     // withdraws within the hold time (+2 s).
     lab.node(2).kill_agent();
-    lab.node(2).kill_gobgpd();
+    lab.node(2).kill_speaker();
     let took = wait_fib(
         &lab,
         &[3],
         HOLD_TIME + Duration::from_secs(2),
-        "gobgpd killed",
+        &format!("{speaker} killed"),
     );
-    eprintln!("gobgpd SIGKILL: next hop withdrawn after {took:?}");
+    eprintln!("{speaker} SIGKILL: next hop withdrawn after {took:?}");
     let answers = requests(&lab, 23000..23060, "node 1 stopped, node 2 dead");
     assert_flows_on(&lab, &answers, &[3], "node 1 stopped, node 2 dead");
-    mark("5. SIGKILL node 2 (agent + gobgpd)", &mut phase);
+    if driver == Driver::Bird {
+        // The killed agent's routes file stays (BIRD reads it at start).
+        let file = bird_routes(&lab, 2);
+        assert!(file.contains(&format!("{VIP}/32")), "node 2: {file:?}");
+    }
+    mark(
+        &format!("5. SIGKILL node 2 (agent + {speaker})"),
+        &mut phase,
+    );
 
-    // 6. Both come back: node 1's agent (its gobgpd kept running), node 2's
-    // gobgpd and agent. Both adopt their running data plane.
+    // 6. Both come back: node 1's agent (its speaker kept running), node 2's
+    // speaker and agent. Both adopt their running data plane.
     let restarted = Instant::now();
-    lab.node(2).start_gobgpd();
-    lab.node(1).spawn_agent(&config(1, 1));
-    lab.node(2).spawn_agent(&config(2, 1));
-    lab.node(1).wait_agent_ready();
-    lab.node(2).wait_agent_ready();
+    lab.node(2).start_speaker();
+    start_agents(&mut lab, &[1, 2]);
     let took = wait_fib(&lab, &[1, 2, 3], Duration::from_secs(30), "restart");
     let took_total = restarted.elapsed();
     eprintln!("restart: 3 next hops {took:?} after the agents were ready, {took_total:?} after the restart began");
@@ -481,9 +561,18 @@ fn ecmp_over_three_nodes_with_gobgp() {
             "node {i}: {log}"
         );
     }
-    // The restarted gobgpd came up empty: the agent added the router again.
     let log = lab.nodes[1].agent_log();
-    assert!(log.contains("gobgp: adding BGP neighbor"), "node 2: {log}");
+    match driver {
+        // The restarted gobgpd came up empty: the agent added the router again.
+        Driver::GoBgp => assert!(log.contains("gobgp: adding BGP neighbor"), "node 2: {log}"),
+        // The restarted ExaBGP came up empty: the agent announced again.
+        Driver::ExaBgp => assert!(log.contains("BGP routes updated"), "node 2: {log}"),
+        // BIRD announced the routes file again by itself.
+        Driver::Bird => {}
+    }
+    for i in [1, 2] {
+        check_speaker(&lab, i, true);
+    }
     let answers = requests(&lab, 24000..24150, "all nodes back");
     let per_node = assert_flows_on(&lab, &answers, &[1, 2, 3], "all nodes back");
     eprintln!("all back: 150 flows per node {per_node:?}");
@@ -515,7 +604,7 @@ fn ecmp_over_three_nodes_with_gobgp() {
 
     // 7. No backend with weight on any node: withdrawn everywhere.
     for i in 1..=NODES {
-        lab.nodes[i - 1].write_config(&config(i, 0));
+        lab.nodes[i - 1].write_config(&config(&lab, i, 0));
     }
     let took = wait_fib(&lab, &[], Duration::from_secs(10), "all weights 0");
     eprintln!("all weights 0: route gone after {took:?}");
@@ -530,17 +619,12 @@ fn ecmp_over_three_nodes_with_gobgp() {
             },
             || node.get("/metrics").map(|r| r.1).unwrap_or_default(),
         );
-        let rib = node.gobgp(&["global", "rib", "-a", "ipv4"]);
-        assert!(
-            !rib.contains(&VIP.to_string()),
-            "node {}: gobgpd still has the VIP: {rib}",
-            node.index
-        );
+        check_speaker(&lab, node.index, false);
     }
     mark("7. all weights 0", &mut phase);
 
     let total = t0.elapsed();
-    eprintln!("timings:");
+    eprintln!("timings ({speaker}):");
     for (what, d) in &timings {
         eprintln!("  {what:<40} {d:?}");
     }
