@@ -50,5 +50,14 @@ pub fn run(args: &[String]) -> Result<()> {
                 "--",
             ])
             .args(&args),
-    )
+    )?;
+    // BGP convergence in the ECMP lab (`xlb-convergence-bench`, defaults only).
+    run_cmd(cargo().args([
+        "run",
+        "--release",
+        "-p",
+        "xlb-tests",
+        "--bin",
+        "xlb-convergence-bench",
+    ]))
 }

@@ -1,0 +1,799 @@
+//! `cargo xtask bench` (last part): how long the router of the ECMP lab
+//! (`xlb_tests::ecmp`: BIRD with multipath, 3 nodes each running gobgpd +
+//! lb-agent + XDP) takes to reflect a change in the set of serving nodes,
+//! in the spirit of Figure 13(c) of the IEICE 2019 paper: the number of
+//! serving nodes changes at random, many times, and each change's delay is
+//! measured until the router's FIB shows the new next-hop set.
+//!
+//! Two series, each starting with all 3 nodes serving. Every event picks a
+//! node at random; a serving node is taken out, a node that is out is
+//! brought back:
+//!
+//! * graceful: out = SIGTERM to the agent (withdraw, drain, exit); back =
+//!   start the agent again (its gobgpd kept running);
+//! * failure: out = either SIGKILL to the agent and its gobgpd, or the
+//!   node's port on the router's bridge set down (nothing is closed: the
+//!   router's hold timer, 3 s, has to expire), at random; back = start
+//!   gobgpd and the agent again, or set the port up again.
+//!
+//! The delay runs from just before the action (the signal, the `ip link`
+//! command, the start of the processes) to the moment the router's kernel
+//! announced the route change that produced the expected next-hop set: an
+//! `ip -4 monitor route` in the router's namespace is read by a thread
+//! that timestamps each message about the VIP as it arrives; once the FIB
+//! (`ip route show VIP`) holds the expected set, the last such message
+//! since the action gives the time. After each change a random pause of
+//! 100-600 ms precedes the next event.
+//!
+//! Prints a markdown table (count, median, p90, p99, max per kind) and
+//! writes a histogram (docs/benchmarks-convergence.svg). Needs what
+//! `tests/tests/ecmp_e2e.rs` needs: root, bpffs, nginx, ethtool, iproute2,
+//! gobgpd/gobgp 3.x and BIRD 2.
+
+use std::{
+    collections::BTreeSet,
+    fmt::Write as _,
+    fs,
+    io::{BufRead, BufReader},
+    net::Ipv4Addr,
+    path::PathBuf,
+    process::{Child, Command, ExitCode, Stdio},
+    sync::{Arc, Mutex},
+    time::{Duration, Instant, SystemTime, UNIX_EPOCH},
+};
+
+use xlb_tests::{
+    bench_support::{install_sigint_flag, interrupted, workspace_root},
+    ecmp::{
+        backend_ip, node_backend_ip, node_ip, EcmpLab, BACKENDS, BACKEND_PORT, HOLD_TIME,
+        METRICS_PORT, NODES, ROUTER_ASN, ROUTER_IP, VIP,
+    },
+    topology::{agent_bin, lbctl_bin},
+};
+
+const USAGE: &str = "xlb-convergence-bench [options]
+  --graceful N     events of the graceful series (60)
+  --failure N      events of the failure series (50)
+  --seed N         random seed (default: from the clock; printed)
+  --timeout SECS   give up on one change after this long (15)
+  --svg PATH       where to write the histogram (docs/benchmarks-convergence.svg); --no-svg: none";
+
+struct Opts {
+    graceful: usize,
+    failure: usize,
+    seed: u64,
+    timeout: Duration,
+    svg: Option<PathBuf>,
+}
+
+fn parse_args() -> Result<Opts, String> {
+    let mut o = Opts {
+        graceful: 60,
+        failure: 50,
+        seed: SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map(|d| d.as_nanos() as u64)
+            .unwrap_or(1),
+        timeout: Duration::from_secs(15),
+        svg: Some(workspace_root().join("docs/benchmarks-convergence.svg")),
+    };
+    let mut args = std::env::args().skip(1);
+    while let Some(a) = args.next() {
+        let mut value = || args.next().ok_or(format!("{a} needs a value"));
+        let num = |v: String| v.parse::<u64>().map_err(|e| format!("{a} {v}: {e}"));
+        match a.as_str() {
+            "--graceful" => o.graceful = num(value()?)? as usize,
+            "--failure" => o.failure = num(value()?)? as usize,
+            "--seed" => o.seed = num(value()?)?,
+            "--timeout" => o.timeout = Duration::from_secs(num(value()?)?),
+            "--svg" => o.svg = Some(PathBuf::from(value()?)),
+            "--no-svg" => o.svg = None,
+            "-h" | "--help" => {
+                println!("{USAGE}");
+                std::process::exit(0);
+            }
+            _ => return Err(format!("unknown argument {a}\n{USAGE}")),
+        }
+    }
+    Ok(o)
+}
+
+/// xorshift64*: enough for picking nodes, and reproducible from the seed.
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        let mut x = self.0;
+        x ^= x >> 12;
+        x ^= x << 25;
+        x ^= x >> 27;
+        self.0 = x;
+        x.wrapping_mul(0x2545_F491_4F6C_DD1D)
+    }
+
+    /// Uniform in 0..n.
+    fn below(&mut self, n: u64) -> u64 {
+        self.next() % n
+    }
+}
+
+/// What a change was.
+#[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Debug)]
+enum Kind {
+    GracefulStop,
+    Start,
+    Kill,
+    HoldExpiry,
+    StartAfterKill,
+    LinkUp,
+}
+
+const KINDS: [Kind; 6] = [
+    Kind::GracefulStop,
+    Kind::Start,
+    Kind::Kill,
+    Kind::HoldExpiry,
+    Kind::StartAfterKill,
+    Kind::LinkUp,
+];
+
+impl Kind {
+    fn label(self) -> &'static str {
+        match self {
+            Kind::GracefulStop => "graceful stop (SIGTERM agent)",
+            Kind::Start => "start (agent; gobgpd kept running)",
+            Kind::Kill => "kill (SIGKILL agent + gobgpd)",
+            Kind::HoldExpiry => "link cut (hold-timer expiry)",
+            Kind::StartAfterKill => "start after kill (gobgpd + agent)",
+            Kind::LinkUp => "link restored",
+        }
+    }
+
+    fn short(self) -> &'static str {
+        match self {
+            Kind::GracefulStop => "graceful stop",
+            Kind::Start => "start",
+            Kind::Kill => "kill",
+            Kind::HoldExpiry => "hold expiry",
+            Kind::StartAfterKill => "start after kill",
+            Kind::LinkUp => "link up",
+        }
+    }
+
+    fn color(self) -> &'static str {
+        match self {
+            Kind::GracefulStop => "#1f77b4",
+            Kind::Start => "#2ca02c",
+            Kind::Kill => "#d62728",
+            Kind::HoldExpiry => "#ff7f0e",
+            Kind::StartAfterKill => "#9467bd",
+            Kind::LinkUp => "#8c564b",
+        }
+    }
+
+    /// The goal the delay is held to, and its wording.
+    fn goal(self) -> (Duration, &'static str) {
+        match self {
+            Kind::GracefulStop => (Duration::from_secs(1), "p99 < 1 s"),
+            Kind::Kill | Kind::HoldExpiry => {
+                (HOLD_TIME + Duration::from_secs(1), "max < hold + 1 s = 4 s")
+            }
+            Kind::Start | Kind::StartAfterKill | Kind::LinkUp => {
+                (Duration::from_secs(10), "most < 6 s, max < 10 s (paper)")
+            }
+        }
+    }
+}
+
+/// A node's state as the benchmark drives it.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum State {
+    Serving,
+    /// SIGTERMed; the agent may still be draining (reaped before a restart).
+    Stopped,
+    Killed,
+    LinkDown,
+}
+
+struct Sample {
+    kind: Kind,
+    /// `None`: the FIB did not get there within the timeout.
+    delay: Option<Duration>,
+}
+
+/// `ip -4 monitor route` in the router's namespace; a thread stamps every
+/// message about the VIP with the time it arrived.
+struct RouteMonitor {
+    child: Child,
+    stamps: Arc<Mutex<Vec<Instant>>>,
+}
+
+impl RouteMonitor {
+    fn start(router_ns: &str) -> Result<Self, String> {
+        let mut child = Command::new("nsenter")
+            .arg(format!("--net=/var/run/netns/{router_ns}"))
+            .args(["ip", "-4", "monitor", "route"])
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .map_err(|e| format!("ip monitor route: {e}"))?;
+        let out = child.stdout.take().expect("piped stdout");
+        let stamps = Arc::new(Mutex::new(Vec::new()));
+        let s = stamps.clone();
+        let vip = VIP.to_string();
+        std::thread::spawn(move || {
+            for line in BufReader::new(out).lines() {
+                let Ok(line) = line else { break };
+                let now = Instant::now();
+                // The first line of a message names the prefix; nexthop
+                // lines of a multipath route follow, indented.
+                if line
+                    .split_whitespace()
+                    .any(|w| w == vip || w == format!("{vip}/32"))
+                {
+                    s.lock().unwrap().push(now);
+                }
+            }
+        });
+        // Let it subscribe before anything is measured.
+        std::thread::sleep(Duration::from_millis(200));
+        Ok(Self { child, stamps })
+    }
+
+    fn count(&self) -> usize {
+        self.stamps.lock().unwrap().len()
+    }
+
+    /// The last stamp in `from..=to`.
+    fn last_between(&self, from: Instant, to: Instant) -> Option<Instant> {
+        self.stamps
+            .lock()
+            .unwrap()
+            .iter()
+            .rev()
+            .find(|&&t| t >= from && t <= to)
+            .copied()
+    }
+}
+
+impl Drop for RouteMonitor {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Node `i`'s agent config: the snat web service on every backend,
+/// announced through the node's gobgpd (as in `tests/tests/ecmp_e2e.rs`).
+fn config(i: usize) -> String {
+    let mut s = format!(
+        "interfaces: [uplink, lan]\n\
+         snat_ipv4: {snat}\n\
+         metrics_addr: 127.0.0.1:{METRICS_PORT}\n\
+         services:\n\
+         \x20 - name: web\n\
+         \x20   vip: {VIP}\n\
+         \x20   port: 80\n\
+         \x20   protocol: tcp\n\
+         \x20   mode: snat\n\
+         \x20   backends:\n",
+        snat = node_backend_ip(i)
+    );
+    for n in 1..=BACKENDS {
+        s.push_str(&format!(
+            "      - {{ ip: {}, port: {BACKEND_PORT}, weight: 1 }}\n",
+            backend_ip(n)
+        ));
+    }
+    s.push_str(&format!(
+        "bgp:\n\
+         \x20 driver: gobgp\n\
+         \x20 next_hop_ipv4: {hop}\n\
+         \x20 drain_time: 1s\n\
+         \x20 resync_interval: 1s\n\
+         \x20 gobgp:\n\
+         \x20   peers:\n\
+         \x20     - {{ address: {ROUTER_IP}, asn: {ROUTER_ASN}, hold_time: {hold}s }}\n",
+        hop = node_ip(i),
+        hold = HOLD_TIME.as_secs()
+    ));
+    s
+}
+
+/// `ip -n ROUTER link set nI up|down` (a direct command: quicker than a
+/// shell in the namespace, so the action's timestamp is close to it).
+fn router_link(lab: &EcmpLab, i: usize, up: bool) -> Result<(), String> {
+    let out = Command::new("ip")
+        .args(["-n", &lab.router.name, "link", "set", &format!("n{i}")])
+        .arg(if up { "up" } else { "down" })
+        .output()
+        .map_err(|e| format!("ip link: {e}"))?;
+    if !out.status.success() {
+        return Err(format!(
+            "ip link set n{i}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        ));
+    }
+    Ok(())
+}
+
+fn serving_hops(states: &[State]) -> BTreeSet<Ipv4Addr> {
+    (1..=NODES)
+        .filter(|&i| states[i - 1] == State::Serving)
+        .map(node_ip)
+        .collect()
+}
+
+/// Waits until the router's FIB has exactly `want`; returns the delay from
+/// `action` to the route message that made it so (`None` on timeout).
+fn measure(
+    lab: &EcmpLab,
+    mon: &RouteMonitor,
+    action: Instant,
+    want: &BTreeSet<Ipv4Addr>,
+    timeout: Duration,
+) -> Option<Duration> {
+    let mut seen = usize::MAX;
+    let mut last_poll = Instant::now();
+    loop {
+        // Read the FIB when a route message arrived, else every 250 ms
+        // (so the polling does not load the machine it measures).
+        let n = mon.count();
+        if n != seen || last_poll.elapsed() > Duration::from_millis(250) {
+            seen = n;
+            last_poll = Instant::now();
+            if lab.router_next_hops() == *want {
+                let polled = Instant::now();
+                // The reader thread may lag the kernel by a moment.
+                std::thread::sleep(Duration::from_millis(30));
+                let at = mon
+                    .last_between(action, polled + Duration::from_millis(30))
+                    .unwrap_or(polled);
+                return Some(at.saturating_duration_since(action));
+            }
+        }
+        if action.elapsed() > timeout {
+            return None;
+        }
+        std::thread::sleep(Duration::from_millis(2));
+    }
+}
+
+fn fmt_d(d: Duration) -> String {
+    let ms = d.as_secs_f64() * 1e3;
+    if ms < 10.0 {
+        format!("{ms:.1} ms")
+    } else if ms < 1000.0 {
+        format!("{ms:.0} ms")
+    } else {
+        format!("{:.2} s", ms / 1e3)
+    }
+}
+
+/// Nearest-rank percentile of sorted values.
+fn pct(sorted: &[Duration], p: f64) -> Duration {
+    let rank = ((p * sorted.len() as f64).ceil() as usize).clamp(1, sorted.len());
+    sorted[rank - 1]
+}
+
+/// Brings every node back to serving (not measured).
+fn restore_all(
+    lab: &mut EcmpLab,
+    states: &mut [State],
+    mon: &RouteMonitor,
+    timeout: Duration,
+) -> Result<(), String> {
+    for i in 1..=NODES {
+        match states[i - 1] {
+            State::Serving => {}
+            State::Stopped => {
+                lab.node(i).wait_agent_exit(Duration::from_secs(10));
+                lab.node(i).start_agent(&config(i));
+            }
+            State::Killed => {
+                lab.node(i).start_gobgpd();
+                lab.node(i).start_agent(&config(i));
+            }
+            State::LinkDown => router_link(lab, i, true)?,
+        }
+        states[i - 1] = State::Serving;
+    }
+    let want = serving_hops(states);
+    measure(
+        lab,
+        mon,
+        Instant::now(),
+        &want,
+        Duration::from_secs(60).max(timeout),
+    )
+    .map(|_| ())
+    .ok_or_else(|| {
+        format!(
+            "the FIB did not get all {NODES} next hops back\n{}",
+            lab.logs()
+        )
+    })
+}
+
+/// One series of `events` random changes; `failure` selects how nodes go
+/// out and come back. Appends to `samples`.
+#[allow(clippy::too_many_arguments)]
+fn series(
+    lab: &mut EcmpLab,
+    mon: &RouteMonitor,
+    rng: &mut Rng,
+    failure: bool,
+    events: usize,
+    timeout: Duration,
+    states: &mut [State],
+    samples: &mut Vec<Sample>,
+) -> Result<(), String> {
+    let name = if failure { "failure" } else { "graceful" };
+    for e in 1..=events {
+        if interrupted() {
+            return Err("interrupted (Ctrl-C)".into());
+        }
+        let i = rng.below(NODES as u64) as usize + 1;
+        let before = states[i - 1];
+        // Preparation that is not part of the change.
+        if before == State::Stopped {
+            let st = lab.node(i).wait_agent_exit(Duration::from_secs(10));
+            if !st.success() {
+                return Err(format!("node {i}: the agent exited with {st}"));
+            }
+        }
+        let (kind, after) = match before {
+            State::Serving if !failure => (Kind::GracefulStop, State::Stopped),
+            State::Serving if rng.below(2) == 0 => (Kind::Kill, State::Killed),
+            State::Serving => (Kind::HoldExpiry, State::LinkDown),
+            State::Stopped => (Kind::Start, State::Serving),
+            State::Killed => (Kind::StartAfterKill, State::Serving),
+            State::LinkDown => (Kind::LinkUp, State::Serving),
+        };
+        states[i - 1] = after;
+        let want = serving_hops(states);
+        let action = Instant::now();
+        match kind {
+            Kind::GracefulStop => lab.node(i).sigterm_agent(),
+            Kind::Start => lab.node(i).spawn_agent(&config(i)),
+            Kind::Kill => {
+                lab.node(i).kill_agent();
+                lab.node(i).kill_gobgpd();
+            }
+            Kind::HoldExpiry => router_link(lab, i, false)?,
+            Kind::StartAfterKill => {
+                lab.node(i).start_gobgpd();
+                lab.node(i).spawn_agent(&config(i));
+            }
+            Kind::LinkUp => router_link(lab, i, true)?,
+        }
+        let delay = measure(lab, mon, action, &want, timeout);
+        eprintln!(
+            "{name} {e:>3}/{events}: node {i} {:<36} -> {} serving: {}",
+            kind.label(),
+            want.len(),
+            delay.map_or(format!("TIMEOUT (> {timeout:?})"), fmt_d)
+        );
+        if delay.is_none() {
+            eprintln!(
+                "router FIB: {:?}\n{}",
+                lab.router_route(),
+                lab.birdc(&["show", "protocols"])
+            );
+        }
+        samples.push(Sample { kind, delay });
+        if matches!(kind, Kind::Start | Kind::StartAfterKill) && lab.node(i).agent_running() {
+            // Make sure the agent really came up (not measured further).
+            lab.node(i).wait_agent_ready();
+        }
+        if delay.is_none() {
+            // Resynchronise: put everything back before going on.
+            restore_all(lab, states, mon, timeout)?;
+        }
+        std::thread::sleep(Duration::from_millis(100 + rng.below(500)));
+    }
+    Ok(())
+}
+
+struct Row {
+    kind: Kind,
+    count: usize,
+    timeouts: usize,
+    median: Duration,
+    p90: Duration,
+    p99: Duration,
+    max: Duration,
+    within_goal: usize,
+}
+
+fn rows(samples: &[Sample], timeout: Duration) -> Vec<Row> {
+    KINDS
+        .iter()
+        .filter_map(|&kind| {
+            let all: Vec<&Sample> = samples.iter().filter(|s| s.kind == kind).collect();
+            if all.is_empty() {
+                return None;
+            }
+            // A timeout counts as the timeout itself (a lower bound).
+            let mut d: Vec<Duration> = all.iter().map(|s| s.delay.unwrap_or(timeout)).collect();
+            d.sort();
+            let (limit, _) = kind.goal();
+            Some(Row {
+                kind,
+                count: d.len(),
+                timeouts: all.iter().filter(|s| s.delay.is_none()).count(),
+                median: pct(&d, 0.5),
+                p90: pct(&d, 0.9),
+                p99: pct(&d, 0.99),
+                max: *d.last().unwrap(),
+                within_goal: d.iter().filter(|&&x| x < limit).count(),
+            })
+        })
+        .collect()
+}
+
+fn table(rows: &[Row]) -> String {
+    let mut s = String::from(
+        "| kind | count | median | p90 | p99 | max | timeouts | goal | within the goal's limit |\n\
+         |---|---:|---:|---:|---:|---:|---:|---|---:|\n",
+    );
+    for r in rows {
+        let (_, goal) = r.kind.goal();
+        let _ = writeln!(
+            s,
+            "| {} | {} | {} | {} | {} | {} | {} | {} | {}/{} |",
+            r.kind.label(),
+            r.count,
+            fmt_d(r.median),
+            fmt_d(r.p90),
+            fmt_d(r.p99),
+            fmt_d(r.max),
+            r.timeouts,
+            goal,
+            r.within_goal,
+            r.count
+        );
+    }
+    s
+}
+
+/// Histogram buckets: upper bounds in ms (the last is open).
+const BUCKETS: [(f64, &str); 14] = [
+    (10.0, "<10ms"),
+    (20.0, "10-20ms"),
+    (50.0, "20-50ms"),
+    (100.0, "50-100ms"),
+    (200.0, ".1-.2s"),
+    (500.0, ".2-.5s"),
+    (1000.0, ".5-1s"),
+    (2000.0, "1-2s"),
+    (3000.0, "2-3s"),
+    (4000.0, "3-4s"),
+    (5000.0, "4-5s"),
+    (6000.0, "5-6s"),
+    (10000.0, "6-10s"),
+    (f64::INFINITY, ">10s"),
+];
+
+fn bucket(d: Option<Duration>) -> usize {
+    let ms = d.map_or(f64::INFINITY, |d| d.as_secs_f64() * 1e3);
+    BUCKETS
+        .iter()
+        .position(|&(hi, _)| ms < hi)
+        .unwrap_or(BUCKETS.len() - 1)
+}
+
+/// `s` escaped for SVG text.
+fn esc(s: &str) -> String {
+    s.replace('&', "&amp;")
+        .replace('<', "&lt;")
+        .replace('>', "&gt;")
+}
+
+fn svg(samples: &[Sample], caption: &str) -> String {
+    let kinds: Vec<Kind> = KINDS
+        .iter()
+        .copied()
+        .filter(|k| samples.iter().any(|s| s.kind == *k))
+        .collect();
+    let mut counts = vec![vec![0usize; BUCKETS.len()]; kinds.len()];
+    for s in samples {
+        let k = kinds.iter().position(|&k| k == s.kind).unwrap();
+        counts[k][bucket(s.delay)] += 1;
+    }
+    let max = counts.iter().flatten().copied().max().unwrap_or(1).max(1);
+    // A round axis top.
+    let step = [1, 2, 5, 10, 20, 50]
+        .into_iter()
+        .find(|&s| max / s <= 6)
+        .unwrap_or(100);
+    let top = max.div_ceil(step) * step;
+    let (w, h) = (1100.0, 440.0);
+    let (left, right, up, down) = (50.0, 210.0, 40.0, 60.0);
+    let pw = w - left - right;
+    let ph = h - up - down;
+    let slot = pw / BUCKETS.len() as f64;
+    let bar = (slot - 6.0) / kinds.len().max(1) as f64;
+    let y = |c: usize| up + ph - ph * c as f64 / top as f64;
+    let mut s = format!(
+        "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{w}\" height=\"{h}\" viewBox=\"0 0 {w} {h}\" \
+         font-family=\"sans-serif\" font-size=\"12\">\n\
+         <rect width=\"100%\" height=\"100%\" fill=\"white\"/>\n\
+         <text x=\"{left}\" y=\"22\" font-size=\"15\" font-weight=\"bold\">Router FIB convergence after a change of the serving nodes (ECMP lab, GoBGP)</text>\n"
+    );
+    let mut c = 0;
+    while c <= top {
+        let _ = writeln!(
+            s,
+            "<line x1=\"{left}\" y1=\"{yy:.1}\" x2=\"{x2}\" y2=\"{yy:.1}\" stroke=\"#ddd\"/>\
+             <text x=\"{tx}\" y=\"{ty:.1}\" text-anchor=\"end\">{c}</text>",
+            yy = y(c),
+            x2 = left + pw,
+            tx = left - 6.0,
+            ty = y(c) + 4.0
+        );
+        c += step;
+    }
+    for (b, (_, label)) in BUCKETS.iter().enumerate() {
+        let label = esc(label);
+        let x0 = left + slot * b as f64 + 3.0;
+        for (k, kind) in kinds.iter().enumerate() {
+            let n = counts[k][b];
+            if n == 0 {
+                continue;
+            }
+            let _ = writeln!(
+                s,
+                "<rect x=\"{x:.1}\" y=\"{yy:.1}\" width=\"{bw:.1}\" height=\"{hh:.1}\" fill=\"{col}\">\
+                 <title>{lab}, {label}: {n}</title></rect>",
+                x = x0 + bar * k as f64,
+                yy = y(n),
+                bw = bar,
+                hh = up + ph - y(n),
+                col = kind.color(),
+                lab = kind.short()
+            );
+        }
+        let _ = writeln!(
+            s,
+            "<text x=\"{x:.1}\" y=\"{ty}\" text-anchor=\"middle\" font-size=\"11\">{label}</text>",
+            x = left + slot * (b as f64 + 0.5),
+            ty = up + ph + 16.0
+        );
+    }
+    let _ = writeln!(
+        s,
+        "<line x1=\"{left}\" y1=\"{yb}\" x2=\"{x2}\" y2=\"{yb}\" stroke=\"black\"/>\
+         <line x1=\"{left}\" y1=\"{up}\" x2=\"{left}\" y2=\"{yb}\" stroke=\"black\"/>\
+         <text x=\"{cx}\" y=\"{lt}\" text-anchor=\"middle\">delay from the action to the router's FIB change</text>\
+         <text x=\"14\" y=\"{cy}\" transform=\"rotate(-90 14 {cy})\" text-anchor=\"middle\">events</text>\
+         <text x=\"{left}\" y=\"{ct}\" fill=\"#555\">{caption}</text>",
+        yb = up + ph,
+        x2 = left + pw,
+        cx = left + pw / 2.0,
+        lt = up + ph + 34.0,
+        cy = up + ph / 2.0,
+        ct = h - 8.0,
+        caption = esc(caption)
+    );
+    for (k, kind) in kinds.iter().enumerate() {
+        let n = samples.iter().filter(|s| s.kind == *kind).count();
+        let ly = up + 10.0 + 22.0 * k as f64;
+        let lx = left + pw + 16.0;
+        let _ = writeln!(
+            s,
+            "<rect x=\"{lx}\" y=\"{ry}\" width=\"14\" height=\"14\" fill=\"{col}\"/>\
+             <text x=\"{tx}\" y=\"{ty}\">{lab} ({n})</text>",
+            ry = ly - 11.0,
+            col = kind.color(),
+            tx = lx + 20.0,
+            ty = ly,
+            lab = kind.short()
+        );
+    }
+    s.push_str("</svg>\n");
+    s
+}
+
+fn run(o: &Opts) -> Result<(), String> {
+    // Build lb-agent/lbctl (if stale) before anything is timed.
+    let _ = (agent_bin(), lbctl_bin());
+    let t0 = Instant::now();
+    let mut lab = EcmpLab::start();
+    let mon = RouteMonitor::start(&lab.router.name.clone())?;
+    for i in 1..=NODES {
+        lab.node(i).spawn_agent(&config(i));
+    }
+    for i in 1..=NODES {
+        lab.node(i).wait_agent_ready();
+    }
+    let mut states = vec![State::Serving; NODES];
+    measure(
+        &lab,
+        &mon,
+        Instant::now(),
+        &serving_hops(&states),
+        Duration::from_secs(30),
+    )
+    .ok_or_else(|| format!("the router never got 3 next hops\n{}", lab.logs()))?;
+    eprintln!("lab up after {:?}; seed {}", t0.elapsed(), o.seed);
+    let mut rng = Rng(o.seed | 1);
+    let mut samples = Vec::new();
+    let t = Instant::now();
+    series(
+        &mut lab,
+        &mon,
+        &mut rng,
+        false,
+        o.graceful,
+        o.timeout,
+        &mut states,
+        &mut samples,
+    )?;
+    let graceful_took = t.elapsed();
+    restore_all(&mut lab, &mut states, &mon, o.timeout)?;
+    let t = Instant::now();
+    series(
+        &mut lab,
+        &mon,
+        &mut rng,
+        true,
+        o.failure,
+        o.timeout,
+        &mut states,
+        &mut samples,
+    )?;
+    let failure_took = t.elapsed();
+    restore_all(&mut lab, &mut states, &mon, o.timeout)?;
+    drop(mon);
+    drop(lab);
+
+    let kernel = fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default();
+    let cpus = std::thread::available_parallelism().map_or(0, |n| n.get());
+    println!(
+        "\nRouter FIB convergence, ECMP lab (BIRD 2 multipath, 3 nodes with gobgpd + lb-agent), \
+         hold time {}s; seed {}; {} graceful events in {:.0} s, {} failure events in {:.0} s; \
+         whole run {:.0} s (Linux {}, {cpus} CPUs):\n",
+        HOLD_TIME.as_secs(),
+        o.seed,
+        o.graceful,
+        graceful_took.as_secs_f64(),
+        o.failure,
+        failure_took.as_secs_f64(),
+        t0.elapsed().as_secs_f64(),
+        kernel.trim()
+    );
+    print!("{}", table(&rows(&samples, o.timeout)));
+    if let Some(path) = &o.svg {
+        let caption = format!(
+            "{} events, seed {}, Linux {}, {cpus} CPUs; hold time {} s",
+            samples.len(),
+            o.seed,
+            kernel.trim(),
+            HOLD_TIME.as_secs()
+        );
+        fs::write(path, svg(&samples, &caption))
+            .map_err(|e| format!("write {}: {e}", path.display()))?;
+        eprintln!("wrote {}", path.display());
+    }
+    Ok(())
+}
+
+fn main() -> ExitCode {
+    let o = match parse_args() {
+        Ok(o) => o,
+        Err(e) => {
+            eprintln!("{e}");
+            return ExitCode::from(2);
+        }
+    };
+    install_sigint_flag();
+    match run(&o) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("xlb-convergence-bench: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
