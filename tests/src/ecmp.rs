@@ -909,6 +909,43 @@ impl EcmpLab {
         }
     }
 
+    /// Node `i`'s config: the snat web service on every backend with `weight`,
+    /// announced through the node's speaker.
+    pub fn agent_config(&self, i: usize, weight: u32) -> String {
+        let mut s = format!(
+            "interfaces: [uplink, lan]\n\
+             snat_ipv4: {snat}\n\
+             metrics_addr: 127.0.0.1:{METRICS_PORT}\n\
+             services:\n\
+             \x20 - name: web\n\
+             \x20   vip: {VIP}\n\
+             \x20   port: 80\n\
+             \x20   protocol: tcp\n\
+             \x20   mode: snat\n\
+             \x20   backends:\n",
+            snat = node_backend_ip(i)
+        );
+        for n in 1..=BACKENDS {
+            s.push_str(&format!(
+                "      - {{ ip: {}, port: {BACKEND_PORT}, weight: {weight} }}\n",
+                backend_ip(n)
+            ));
+        }
+        let node = &self.nodes[i - 1];
+        s.push_str(&format!(
+            "bgp:\n\
+             \x20 driver: {driver}\n\
+             \x20 next_hop_ipv4: {hop}\n\
+             \x20 drain_time: 1s\n\
+             \x20 resync_interval: 1s\n\
+             {speaker}",
+            driver = node.driver.name(),
+            hop = node_ip(i),
+            speaker = node.speaker_config()
+        ));
+        s
+    }
+
     pub fn node(&mut self, i: usize) -> &mut Node {
         &mut self.nodes[i - 1]
     }
@@ -917,16 +954,7 @@ impl EcmpLab {
     fn start_nginx(&self, n: usize) -> Child {
         let d = self.dir.join(format!("nginx-b{n}"));
         fs::create_dir_all(&d).unwrap();
-        let conf = format!(
-            "daemon off; master_process off; pid {d}/pid; error_log {d}/error.log;\n\
-             events {{ worker_connections 4096; }}\n\
-             http {{ access_log off; keepalive_timeout 600s; keepalive_requests 1000000;\n\
-               client_body_temp_path {d}; proxy_temp_path {d}; fastcgi_temp_path {d}; uwsgi_temp_path {d}; scgi_temp_path {d};\n\
-               server {{ listen {port} reuseport; location / {{ return 200 \"b{n}\\n\"; }} }} }}\n",
-            d = d.display(),
-            port = BACKEND_PORT
-        );
-        fs::write(d.join("nginx.conf"), conf).unwrap();
+        fs::write(d.join("nginx.conf"), crate::topology::nginx_config(&d, n)).unwrap();
         spawn_in(
             &self.backends[n - 1],
             &d.join("stderr.log"),

@@ -137,16 +137,7 @@ impl Topology {
     fn start_nginx(&self, n: usize) -> Child {
         let d = self.dir.join(format!("nginx-b{n}"));
         fs::create_dir_all(&d).unwrap();
-        let conf = format!(
-            "daemon off; master_process off; pid {d}/pid; error_log {d}/error.log;\n\
-             events {{ worker_connections 4096; }}\n\
-             http {{ access_log off; keepalive_timeout 600s; keepalive_requests 1000000;\n\
-               client_body_temp_path {d}; proxy_temp_path {d}; fastcgi_temp_path {d}; uwsgi_temp_path {d}; scgi_temp_path {d};\n\
-               server {{ listen {port} reuseport; location / {{ return 200 \"b{n}\\n\"; }} }} }}\n",
-            d = d.display(),
-            port = BACKEND_PORT
-        );
-        fs::write(d.join("nginx.conf"), conf).unwrap();
+        fs::write(d.join("nginx.conf"), nginx_config(&d, n)).unwrap();
         self.spawn_in(
             &self.backends[n - 1],
             "nginx",
@@ -217,6 +208,21 @@ pub fn cleanup_pins(dir: &std::path::Path) {
     if dir.exists() {
         let _ = lb_agent::dataplane::Dataplane::cleanup(dir);
     }
+}
+
+/// The config of backend `n`'s nginx, keeping its files in `dir`: one
+/// process (`master_process off`: killing it kills the server), answering
+/// `GET /` with `b<n>` and keeping connections open for long.
+pub fn nginx_config(dir: &std::path::Path, n: usize) -> String {
+    format!(
+        "daemon off; master_process off; pid {d}/pid; error_log {d}/error.log;\n\
+         events {{ worker_connections 4096; }}\n\
+         http {{ access_log off; keepalive_timeout 600s; keepalive_requests 1000000;\n\
+           client_body_temp_path {d}; proxy_temp_path {d}; fastcgi_temp_path {d}; uwsgi_temp_path {d}; scgi_temp_path {d};\n\
+           server {{ listen {port} reuseport; location / {{ return 200 \"b{n}\\n\"; }} }} }}\n",
+        d = dir.display(),
+        port = BACKEND_PORT
+    )
 }
 
 /// Waits until `addr` accepts TCP connections from inside `ns`.

@@ -40,55 +40,18 @@ use std::{
 
 use serde_json::Value;
 use xlb_tests::ecmp::{
-    backend_ip, node_backend_ip, node_ip, node_of_hop, request_from, Driver, EcmpLab, BACKENDS,
-    BACKEND_PORT, CLIENT_IP, HOLD_TIME, METRICS_PORT, NODES, VIP,
+    backend_ip, node_of_hop, request_from, Driver, EcmpLab, BACKENDS, BACKEND_PORT, CLIENT_IP,
+    HOLD_TIME, NODES, VIP,
 };
 use xlb_tests::topology::{agent_bin, lbctl_bin};
 
 const SVC: &str = "192.0.2.10:80/tcp";
 
-/// Node `i`'s config: the snat web service on every backend with `weight`,
-/// announced through the node's speaker.
-fn config(lab: &EcmpLab, i: usize, weight: u32) -> String {
-    let mut s = format!(
-        "interfaces: [uplink, lan]\n\
-         snat_ipv4: {snat}\n\
-         metrics_addr: 127.0.0.1:{METRICS_PORT}\n\
-         services:\n\
-         \x20 - name: web\n\
-         \x20   vip: {VIP}\n\
-         \x20   port: 80\n\
-         \x20   protocol: tcp\n\
-         \x20   mode: snat\n\
-         \x20   backends:\n",
-        snat = node_backend_ip(i)
-    );
-    for n in 1..=BACKENDS {
-        s.push_str(&format!(
-            "      - {{ ip: {}, port: {BACKEND_PORT}, weight: {weight} }}\n",
-            backend_ip(n)
-        ));
-    }
-    let node = &lab.nodes[i - 1];
-    s.push_str(&format!(
-        "bgp:\n\
-         \x20 driver: {driver}\n\
-         \x20 next_hop_ipv4: {hop}\n\
-         \x20 drain_time: 1s\n\
-         \x20 resync_interval: 1s\n\
-         {speaker}",
-        driver = node.driver.name(),
-        hop = node_ip(i),
-        speaker = node.speaker_config()
-    ));
-    s
-}
-
 /// Starts the agents of `nodes` (concurrently) with weight 1 everywhere,
 /// and waits until they are ready.
 fn start_agents(lab: &mut EcmpLab, nodes: &[usize]) {
     for &i in nodes {
-        let c = config(lab, i, 1);
+        let c = lab.agent_config(i, 1);
         lab.node(i).spawn_agent(&c);
     }
     for &i in nodes {
@@ -604,7 +567,8 @@ fn ecmp_over_three_nodes(driver: Driver) {
 
     // 7. No backend with weight on any node: withdrawn everywhere.
     for i in 1..=NODES {
-        lab.nodes[i - 1].write_config(&config(&lab, i, 0));
+        let c = lab.agent_config(i, 0);
+        lab.nodes[i - 1].write_config(&c);
     }
     let took = wait_fib(&lab, &[], Duration::from_secs(10), "all weights 0");
     eprintln!("all weights 0: route gone after {took:?}");

@@ -44,10 +44,7 @@ use std::{
 
 use xlb_tests::{
     bench_support::{install_sigint_flag, interrupted, workspace_root},
-    ecmp::{
-        backend_ip, node_backend_ip, node_ip, EcmpLab, BACKENDS, BACKEND_PORT, HOLD_TIME,
-        METRICS_PORT, NODES, ROUTER_ASN, ROUTER_IP, VIP,
-    },
+    ecmp::{node_ip, EcmpLab, HOLD_TIME, NODES, VIP},
     topology::{agent_bin, lbctl_bin},
 };
 
@@ -264,43 +261,6 @@ impl Drop for RouteMonitor {
     }
 }
 
-/// Node `i`'s agent config: the snat web service on every backend,
-/// announced through the node's gobgpd (as in `tests/tests/ecmp_e2e.rs`).
-fn config(i: usize) -> String {
-    let mut s = format!(
-        "interfaces: [uplink, lan]\n\
-         snat_ipv4: {snat}\n\
-         metrics_addr: 127.0.0.1:{METRICS_PORT}\n\
-         services:\n\
-         \x20 - name: web\n\
-         \x20   vip: {VIP}\n\
-         \x20   port: 80\n\
-         \x20   protocol: tcp\n\
-         \x20   mode: snat\n\
-         \x20   backends:\n",
-        snat = node_backend_ip(i)
-    );
-    for n in 1..=BACKENDS {
-        s.push_str(&format!(
-            "      - {{ ip: {}, port: {BACKEND_PORT}, weight: 1 }}\n",
-            backend_ip(n)
-        ));
-    }
-    s.push_str(&format!(
-        "bgp:\n\
-         \x20 driver: gobgp\n\
-         \x20 next_hop_ipv4: {hop}\n\
-         \x20 drain_time: 1s\n\
-         \x20 resync_interval: 1s\n\
-         \x20 gobgp:\n\
-         \x20   peers:\n\
-         \x20     - {{ address: {ROUTER_IP}, asn: {ROUTER_ASN}, hold_time: {hold}s }}\n",
-        hop = node_ip(i),
-        hold = HOLD_TIME.as_secs()
-    ));
-    s
-}
-
 /// `ip -n ROUTER link set nI up|down` (a direct command: quicker than a
 /// shell in the namespace, so the action's timestamp is close to it).
 fn router_link(lab: &EcmpLab, i: usize, up: bool) -> Result<(), String> {
@@ -389,11 +349,17 @@ fn restore_all(
             State::Serving => {}
             State::Stopped => {
                 lab.node(i).wait_agent_exit(Duration::from_secs(10));
-                lab.node(i).start_agent(&config(i));
+                {
+                    let c = lab.agent_config(i, 1);
+                    lab.node(i).start_agent(&c)
+                };
             }
             State::Killed => {
                 lab.node(i).start_gobgpd();
-                lab.node(i).start_agent(&config(i));
+                {
+                    let c = lab.agent_config(i, 1);
+                    lab.node(i).start_agent(&c)
+                };
             }
             State::LinkDown => router_link(lab, i, true)?,
         }
@@ -456,7 +422,10 @@ fn series(
         let action = Instant::now();
         match kind {
             Kind::GracefulStop => lab.node(i).sigterm_agent(),
-            Kind::Start => lab.node(i).spawn_agent(&config(i)),
+            Kind::Start => {
+                let c = lab.agent_config(i, 1);
+                lab.node(i).spawn_agent(&c)
+            }
             Kind::Kill => {
                 lab.node(i).kill_agent();
                 lab.node(i).kill_gobgpd();
@@ -464,7 +433,10 @@ fn series(
             Kind::HoldExpiry => router_link(lab, i, false)?,
             Kind::StartAfterKill => {
                 lab.node(i).start_gobgpd();
-                lab.node(i).spawn_agent(&config(i));
+                {
+                    let c = lab.agent_config(i, 1);
+                    lab.node(i).spawn_agent(&c)
+                };
             }
             Kind::LinkUp => router_link(lab, i, true)?,
         }
@@ -703,7 +675,10 @@ fn run(o: &Opts) -> Result<(), String> {
     let mut lab = EcmpLab::start();
     let mon = RouteMonitor::start(&lab.router.name.clone())?;
     for i in 1..=NODES {
-        lab.node(i).spawn_agent(&config(i));
+        {
+            let c = lab.agent_config(i, 1);
+            lab.node(i).spawn_agent(&c)
+        };
     }
     for i in 1..=NODES {
         lab.node(i).wait_agent_ready();
