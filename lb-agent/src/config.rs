@@ -44,7 +44,33 @@ pub struct AgentConfig {
     pub maglev_pool_entries: u32,
     /// Announcing VIPs through a BGP speaker; `None`: no announcements.
     pub bgp: Option<BgpConfig>,
+    /// Services from a Kubernetes cluster, besides those in the file.
+    pub kubernetes: Option<KubernetesConfig>,
     pub services: Vec<ServiceConfig>,
+}
+
+/// The `kubernetes` section: where the cluster is and which Services are ours.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct KubernetesConfig {
+    /// A kubeconfig file; `None`: in-cluster config, else $KUBECONFIG or
+    /// ~/.kube/config (kube-rs's inference).
+    pub kubeconfig: Option<PathBuf>,
+    /// This node's name (for `externalTrafficPolicy: Local` and the node's
+    /// exclusion label); `None`: $NODE_NAME, else the host name.
+    pub node_name: Option<String>,
+    /// `spec.loadBalancerClass` of the Services xlb serves.
+    pub load_balancer_class: String,
+    /// Also serve LoadBalancer Services that set no class.
+    pub default_class: bool,
+    /// How Kubernetes Services are forwarded unless their `xlb.dev/mode`
+    /// annotation says otherwise.
+    pub mode: Mode,
+    /// Take part in electing the agent that hands out LoadBalancer IPs.
+    pub allocate_addresses: bool,
+    /// The Lease the allocating agent holds.
+    pub lease_namespace: String,
+    pub lease_name: String,
+    pub lease_duration: Duration,
 }
 
 /// The `bgp` section: which speaker, and what to announce.
@@ -173,6 +199,10 @@ pub enum CheckKind {
 
 /// `metrics_addr` when the file sets none.
 /// Default wait between withdrawing and exiting.
+pub const DEFAULT_LOAD_BALANCER_CLASS: &str = "xlb.dev/xlb";
+pub const DEFAULT_LEASE_NAME: &str = "xlb-address-allocator";
+pub const DEFAULT_LEASE_NAMESPACE: &str = "xlb-system";
+pub const DEFAULT_LEASE_DURATION: Duration = Duration::from_secs(15);
 pub const DEFAULT_DRAIN_TIME: Duration = Duration::from_secs(5);
 /// Default period of re-applying the announced set.
 pub const DEFAULT_RESYNC_INTERVAL: Duration = Duration::from_secs(5);
@@ -258,8 +288,26 @@ struct RawConfig {
     timeouts: Option<RawTimeouts>,
     maglev_pool_entries: Option<u32>,
     bgp: Option<RawBgp>,
+    kubernetes: Option<RawKubernetes>,
     #[serde(default)]
     services: Vec<RawService>,
+}
+
+#[derive(Deserialize)]
+#[serde(
+    deny_unknown_fields,
+    expecting = "a kubernetes mapping (kubeconfig, node_name, load_balancer_class, ...)"
+)]
+struct RawKubernetes {
+    kubeconfig: Option<String>,
+    node_name: Option<String>,
+    load_balancer_class: Option<String>,
+    default_class: Option<bool>,
+    mode: Option<RawMode>,
+    allocate_addresses: Option<bool>,
+    lease_namespace: Option<String>,
+    lease_name: Option<String>,
+    lease_duration: Option<String>,
 }
 
 #[derive(Deserialize)]
@@ -777,6 +825,18 @@ impl Validator<'_> {
             None => None,
             Some(b) => Some(self.bgp(b)?),
         };
+        let kubernetes = match raw.kubernetes {
+            None => None,
+            Some(k) => Some(self.kubernetes(k)?),
+        };
+        if let Some(k) = &kubernetes {
+            if k.mode == Mode::Snat && interfaces.is_empty() && snat_ipv4.is_none() {
+                return Err(self.err(
+                    root().key("kubernetes").key("mode"),
+                    "mode snat needs snat_ipv4 or an interface to take the address from",
+                ));
+            }
+        }
         let mut services: Vec<ServiceConfig> = Vec::with_capacity(raw.services.len());
         // name -> index; (vip, port, protocol) -> index
         let mut names: HashMap<String, usize> = HashMap::with_capacity(raw.services.len());
@@ -840,7 +900,80 @@ impl Validator<'_> {
             udp_timeout,
             maglev_pool_entries,
             bgp,
+            kubernetes,
             services,
+        })
+    }
+
+    fn kubernetes(&self, k: RawKubernetes) -> Checked<KubernetesConfig> {
+        let path = || root().key("kubernetes");
+        let name = |v: Option<String>, key: &'static str, default: &str| -> Checked<String> {
+            let v = v.unwrap_or_else(|| default.to_string());
+            // DNS-1123 subdomain, as Kubernetes checks names and namespaces.
+            let ok = !v.is_empty()
+                && v.len() <= 253
+                && v.split('.').all(|l| {
+                    !l.is_empty()
+                        && l.len() <= 63
+                        && l.bytes()
+                            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+                        && !l.starts_with('-')
+                        && !l.ends_with('-')
+                });
+            if ok {
+                Ok(v)
+            } else {
+                Err(self.err(
+                    path().key(key),
+                    format!(
+                        "{v:?} is not a Kubernetes name (lower-case letters, digits, '-', '.')"
+                    ),
+                ))
+            }
+        };
+        let class = k
+            .load_balancer_class
+            .unwrap_or_else(|| DEFAULT_LOAD_BALANCER_CLASS.to_string());
+        // A class is a label-style key: an optional DNS prefix, '/', a name.
+        if class.is_empty() || class.len() > 253 || class.contains(char::is_whitespace) {
+            return Err(self.err(
+                path().key("load_balancer_class"),
+                format!("{class:?} is not a loadBalancerClass (e.g. xlb.dev/xlb)"),
+            ));
+        }
+        let lease_duration = match &k.lease_duration {
+            None => DEFAULT_LEASE_DURATION,
+            Some(s) => {
+                let d = self.duration(s, || path().key("lease_duration"))?;
+                if !(Duration::from_secs(2)..=Duration::from_secs(3600)).contains(&d) {
+                    return Err(self.err(
+                        path().key("lease_duration"),
+                        format!("{s} is outside 2s..=1h"),
+                    ));
+                }
+                d
+            }
+        };
+        Ok(KubernetesConfig {
+            kubeconfig: k.kubeconfig.map(PathBuf::from),
+            node_name: match k.node_name {
+                None => None,
+                Some(n) => Some(name(Some(n), "node_name", "")?),
+            },
+            load_balancer_class: class,
+            default_class: k.default_class.unwrap_or(false),
+            mode: match k.mode {
+                None | Some(RawMode::Snat) => Mode::Snat,
+                Some(RawMode::Nat) => Mode::Nat,
+            },
+            allocate_addresses: k.allocate_addresses.unwrap_or(true),
+            lease_namespace: name(
+                k.lease_namespace,
+                "lease_namespace",
+                DEFAULT_LEASE_NAMESPACE,
+            )?,
+            lease_name: name(k.lease_name, "lease_name", DEFAULT_LEASE_NAME)?,
+            lease_duration,
         })
     }
 
@@ -1390,6 +1523,7 @@ services:
             udp_timeout: Duration::from_secs(60),
             maglev_pool_entries: lb_common::MAGLEV_POOL_ENTRIES,
             bgp: None,
+            kubernetes: None,
             services: vec![
                 ServiceConfig {
                     name: "web".into(),

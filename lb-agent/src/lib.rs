@@ -5,4 +5,5 @@ pub mod announce;
 pub mod config;
 pub mod dataplane;
 pub mod health;
+pub mod k8s;
 pub mod metrics;

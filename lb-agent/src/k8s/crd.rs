@@ -1,0 +1,90 @@
+//! The `LoadBalancerPool` custom resource: the addresses xlb may hand out.
+
+use kube::CustomResource;
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+
+/// A cluster-wide pool of LoadBalancer addresses.
+///
+/// ```yaml
+/// apiVersion: xlb.dev/v1alpha1
+/// kind: LoadBalancerPool
+/// metadata: { name: public }
+/// spec:
+///   addresses: ["192.0.2.0/24", "198.51.100.10-198.51.100.20", "2001:db8::/120"]
+///   avoidBuggyIPs: true
+/// ```
+#[derive(CustomResource, Deserialize, Serialize, Clone, Debug, PartialEq, Eq, JsonSchema)]
+#[kube(
+    group = "xlb.dev",
+    version = "v1alpha1",
+    kind = "LoadBalancerPool",
+    plural = "loadbalancerpools",
+    shortname = "lbpool",
+    status = "LoadBalancerPoolStatus",
+    printcolumn = r#"{"name":"Addresses","type":"string","jsonPath":".spec.addresses"}"#,
+    printcolumn = r#"{"name":"In use","type":"integer","jsonPath":".status.inUse"}"#,
+    printcolumn = r#"{"name":"Size","type":"integer","jsonPath":".status.size"}"#
+)]
+#[serde(rename_all = "camelCase")]
+pub struct LoadBalancerPoolSpec {
+    /// CIDRs (`192.0.2.0/24`, `2001:db8::/120`) or inclusive ranges
+    /// (`192.0.2.10-192.0.2.20`), IPv4 and IPv6 mixed as needed.
+    pub addresses: Vec<String>,
+    /// Skip IPv4 addresses ending in .0 or .255, which some clients and
+    /// routers mishandle.
+    #[serde(default, rename = "avoidBuggyIPs")]
+    pub avoid_buggy_ips: bool,
+    /// Hand out addresses from this pool to Services that name no pool
+    /// (annotation `xlb.dev/pool`). Default true.
+    #[serde(default = "default_true")]
+    pub auto_assign: bool,
+}
+
+fn default_true() -> bool {
+    true
+}
+
+/// What the allocating agent last counted.
+#[derive(Deserialize, Serialize, Clone, Debug, Default, PartialEq, Eq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct LoadBalancerPoolStatus {
+    /// Addresses the pool can hand out (capped at 2^32 for large IPv6 ranges).
+    pub size: u64,
+    /// Addresses Services hold now.
+    pub in_use: u64,
+    /// Why the spec is unusable, when it is (e.g. a malformed CIDR).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
+}
+
+#[cfg(test)]
+mod tests {
+    use kube::CustomResourceExt;
+
+    use super::*;
+
+    #[test]
+    fn crd_is_cluster_scoped_with_status() {
+        let crd = LoadBalancerPool::crd();
+        assert_eq!(crd.spec.scope, "Cluster");
+        assert_eq!(
+            crd.metadata.name.as_deref(),
+            Some("loadbalancerpools.xlb.dev")
+        );
+        let v = &crd.spec.versions[0];
+        assert!(v.subresources.as_ref().unwrap().status.is_some());
+    }
+
+    #[test]
+    fn defaults_apply() {
+        let s: LoadBalancerPoolSpec =
+            serde_json::from_str(r#"{"addresses":["192.0.2.0/24"]}"#).unwrap();
+        assert!(s.auto_assign);
+        assert!(!s.avoid_buggy_ips);
+        let s: LoadBalancerPoolSpec =
+            serde_json::from_str(r#"{"addresses":[],"avoidBuggyIPs":true,"autoAssign":false}"#)
+                .unwrap();
+        assert!(!s.auto_assign && s.avoid_buggy_ips);
+    }
+}
