@@ -20,7 +20,7 @@ use tracing::{error, info};
 )]
 struct Cli {
     /// The configuration file (YAML, see docs/config.md).
-    #[arg(long, short, required_unless_present_any = ["cleanup", "check"])]
+    #[arg(long, short, required_unless_present_any = ["cleanup", "check", "print_crds"])]
     config: Option<PathBuf>,
     /// Where the program's maps and links are pinned.
     #[arg(long, default_value = "/sys/fs/bpf/xlb")]
@@ -31,6 +31,9 @@ struct Cli {
     /// Only check the configuration file and exit (0 if valid).
     #[arg(long, value_name = "FILE")]
     check: Option<PathBuf>,
+    /// Print the CustomResourceDefinitions xlb uses (YAML) and exit.
+    #[arg(long)]
+    print_crds: bool,
     /// Log filter (tracing's EnvFilter syntax), also from RUST_LOG.
     #[arg(long, default_value = "info")]
     log: String,
@@ -44,6 +47,10 @@ fn main() -> ExitCode {
         .with_target(false)
         .init();
 
+    if cli.print_crds {
+        print!("{}", lb_agent::k8s::crds_yaml());
+        return ExitCode::SUCCESS;
+    }
     if let Some(path) = &cli.check {
         return match AgentConfig::load(path) {
             Ok(_) => {
