@@ -9,7 +9,11 @@
 //! - [`leader`]: Lease-based leader election.
 //! - [`allocator`]: the controller that writes `status.loadBalancer`.
 
+pub mod allocator;
 pub mod crd;
+pub mod desired;
+pub mod ipam;
+pub mod leader;
 
 /// Annotation naming the pool a Service's address comes from.
 pub const POOL_ANNOTATION: &str = "xlb.dev/pool";

@@ -1,0 +1,1 @@
+//! The controller that hands out LoadBalancer addresses.

@@ -1,0 +1,1 @@
+//! Pure address-pool arithmetic and allocation decisions.

@@ -1,0 +1,1 @@
+//! Lease-based leader election.
