@@ -1,0 +1,343 @@
+//! Services and EndpointSlices → the data-plane services this node runs.
+//!
+//! Pure functions over API objects, so the rules are unit-tested with the
+//! JSON real clusters serve (testdata/). The watcher calls
+//! [`desired_services`] with whatever its stores hold.
+//!
+//! The rules:
+//! - every port of a Service xlb serves becomes one data-plane service per
+//!   ingress IP in `status.loadBalancer.ingress` (IPv4 and IPv6);
+//! - its backends come from the EndpointSlices labelled with the Service's
+//!   name, of the VIP's address family, whose port has the Service port's
+//!   name (that is how the EndpointSlice controller resolves named target
+//!   ports per pod) and protocol;
+//! - an endpoint that is `ready` (unset counts as true) takes new flows; one
+//!   that is `serving` and `terminating` keeps its flows and takes no new
+//!   ones (weight 0); anything else is left out;
+//! - `externalTrafficPolicy: Local` keeps only endpoints on this node;
+//! - a node labelled `node.kubernetes.io/exclude-from-external-load-balancers`
+//!   serves nothing.
+
+use std::{
+    collections::{BTreeMap, BTreeSet},
+    net::IpAddr,
+};
+
+use k8s_openapi::api::{
+    core::v1::{Node, Service},
+    discovery::v1::EndpointSlice,
+};
+
+use super::{serves, EXCLUDE_LABEL, MODE_ANNOTATION, SERVICE_NAME_LABEL};
+use crate::{
+    config::{BackendConfig, Mode, RemovedBackendFlows, ServiceConfig},
+    dataplane::Protocol,
+};
+
+/// What decides which Services are ours and how they are forwarded.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SourceOptions {
+    pub load_balancer_class: String,
+    pub default_class: bool,
+    pub mode: Mode,
+    pub node_name: String,
+}
+
+/// The desired state from the cluster, with the reasons anything was left out.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Desired {
+    pub services: Vec<ServiceConfig>,
+    /// `namespace/name` → the data-plane services made from it: the last good
+    /// result, reused when a later version of the object is unusable.
+    pub by_service: BTreeMap<String, Vec<ServiceConfig>>,
+    /// Human-readable, one per problem (logged by the watcher).
+    pub problems: Vec<String>,
+    /// This node carries the exclusion label.
+    pub excluded: bool,
+}
+
+/// Everything the watcher's stores hold, by reference.
+pub struct ClusterView<'a> {
+    pub services: &'a [&'a Service],
+    pub slices: &'a [&'a EndpointSlice],
+    /// This node; `None` when it does not exist (yet).
+    pub node: Option<&'a Node>,
+}
+
+fn key(ns: &str, name: &str) -> String {
+    format!("{ns}/{name}")
+}
+
+/// Computes the data-plane services for `view`. `previous` is the last
+/// result: a Service whose new version cannot be used (a bad annotation, an
+/// unsupported protocol) keeps what it had, so bad input changes nothing.
+pub fn desired_services(
+    view: &ClusterView<'_>,
+    opts: &SourceOptions,
+    previous: &Desired,
+) -> Desired {
+    let mut out = Desired::default();
+    if let Some(node) = view.node {
+        let labels = node.metadata.labels.as_ref();
+        if labels.is_some_and(|l| l.contains_key(EXCLUDE_LABEL)) {
+            out.excluded = true;
+            out.problems.push(format!(
+                "node {} has the label {EXCLUDE_LABEL}: serving no Services",
+                opts.node_name
+            ));
+            return out;
+        }
+    }
+    // Slices by (namespace, service name).
+    let mut slices: BTreeMap<(&str, &str), Vec<&EndpointSlice>> = BTreeMap::new();
+    for s in view.slices {
+        let ns = s.metadata.namespace.as_deref().unwrap_or("");
+        if let Some(svc) = s
+            .metadata
+            .labels
+            .as_ref()
+            .and_then(|l| l.get(SERVICE_NAME_LABEL))
+        {
+            slices.entry((ns, svc.as_str())).or_default().push(s);
+        }
+    }
+    // Oldest first, so that when two Services claim one VIP:port the older
+    // one keeps it (the same rule the address allocator uses).
+    let mut services: Vec<&Service> = view
+        .services
+        .iter()
+        .copied()
+        .filter(|s| serves(s, &opts.load_balancer_class, opts.default_class))
+        .collect();
+    services.sort_by_key(|s| {
+        (
+            s.metadata.creation_timestamp.as_ref().map(|t| t.0),
+            s.metadata.namespace.clone(),
+            s.metadata.name.clone(),
+        )
+    });
+    let mut taken: BTreeMap<(IpAddr, u16, Protocol), String> = BTreeMap::new();
+    for svc in services {
+        let ns = svc.metadata.namespace.as_deref().unwrap_or("");
+        let name = svc.metadata.name.as_deref().unwrap_or("");
+        let k = key(ns, name);
+        let own_slices = slices.get(&(ns, name)).map(Vec::as_slice).unwrap_or(&[]);
+        let result = service_configs(svc, own_slices, opts);
+        let configs = match result {
+            Ok((configs, mut notes)) => {
+                out.problems.append(&mut notes);
+                configs
+            }
+            Err(problem) => {
+                let kept = previous.by_service.get(&k).cloned().unwrap_or_default();
+                out.problems.push(format!(
+                    "Service {k}: {problem}; {}",
+                    if kept.is_empty() {
+                        "not served".to_string()
+                    } else {
+                        "keeping its previous state".to_string()
+                    }
+                ));
+                kept
+            }
+        };
+        let mut accepted = Vec::with_capacity(configs.len());
+        for c in configs {
+            match taken.get(&(c.vip, c.port, c.protocol)) {
+                Some(owner) => out.problems.push(format!(
+                    "Service {k}: {}:{}/{} is already served for Service {owner}",
+                    c.vip,
+                    c.port,
+                    protocol_name(c.protocol)
+                )),
+                None => {
+                    taken.insert((c.vip, c.port, c.protocol), k.clone());
+                    accepted.push(c);
+                }
+            }
+        }
+        out.services.extend(accepted.iter().cloned());
+        out.by_service.insert(k, accepted);
+    }
+    out
+}
+
+fn protocol_name(p: Protocol) -> &'static str {
+    match p {
+        Protocol::Tcp => "tcp",
+        Protocol::Udp => "udp",
+    }
+}
+
+fn parse_protocol(p: Option<&str>) -> Result<Protocol, String> {
+    match p.unwrap_or("TCP") {
+        "TCP" => Ok(Protocol::Tcp),
+        "UDP" => Ok(Protocol::Udp),
+        other => Err(format!(
+            "protocol {other} is not supported (TCP and UDP are)"
+        )),
+    }
+}
+
+/// One Service's data-plane services, plus notes on what was skipped; `Err`
+/// when the object as a whole is unusable.
+fn service_configs(
+    svc: &Service,
+    slices: &[&EndpointSlice],
+    opts: &SourceOptions,
+) -> Result<(Vec<ServiceConfig>, Vec<String>), String> {
+    let ns = svc.metadata.namespace.as_deref().unwrap_or("");
+    let name = svc.metadata.name.as_deref().unwrap_or("");
+    let spec = svc.spec.as_ref().ok_or("no spec")?;
+    let mode = match svc
+        .metadata
+        .annotations
+        .as_ref()
+        .and_then(|a| a.get(MODE_ANNOTATION))
+        .map(String::as_str)
+    {
+        None => opts.mode,
+        Some("nat") => Mode::Nat,
+        Some("snat") => Mode::Snat,
+        Some(other) => {
+            return Err(format!(
+                "annotation {MODE_ANNOTATION}: {other:?} is neither nat nor snat"
+            ))
+        }
+    };
+    let local = spec.external_traffic_policy.as_deref() == Some("Local");
+    let mut notes = Vec::new();
+    let mut vips = Vec::new();
+    let ingress = svc
+        .status
+        .as_ref()
+        .and_then(|s| s.load_balancer.as_ref())
+        .and_then(|lb| lb.ingress.as_ref());
+    for ing in ingress.into_iter().flatten() {
+        match ing.ip.as_deref().map(str::parse::<IpAddr>) {
+            Some(Ok(ip)) => vips.push(ip),
+            Some(Err(_)) => notes.push(format!(
+                "Service {ns}/{name}: ingress ip {:?} is not an address; skipped",
+                ing.ip.as_deref().unwrap_or_default()
+            )),
+            // Hostname-only ingress: nothing to serve on this node.
+            None => {}
+        }
+    }
+    vips.sort();
+    vips.dedup();
+    let mut ports = Vec::new();
+    for p in spec.ports.iter().flatten() {
+        let protocol = parse_protocol(p.protocol.as_deref())?;
+        let port = u16::try_from(p.port)
+            .ok()
+            .filter(|&p| p > 0)
+            .ok_or_else(|| format!("port {} is out of range", p.port))?;
+        ports.push((p.name.clone().unwrap_or_default(), port, protocol));
+    }
+    let mut out = Vec::new();
+    for &vip in &vips {
+        for (port_name, port, protocol) in &ports {
+            let backends = backends_for(
+                slices,
+                vip.is_ipv4(),
+                port_name,
+                *protocol,
+                local.then_some(opts.node_name.as_str()),
+            );
+            let label = if port_name.is_empty() {
+                port.to_string()
+            } else {
+                port_name.clone()
+            };
+            out.push(ServiceConfig {
+                name: format!("{ns}/{name}:{label}"),
+                vip,
+                port: *port,
+                protocol: *protocol,
+                mode,
+                backends,
+                health_check: None,
+                table_size: None,
+                // Kubernetes semantics: a removed endpoint's flows end on
+                // their own (the pod has its grace period).
+                removed_backend_flows: RemovedBackendFlows::Keep,
+            });
+        }
+    }
+    Ok((out, notes))
+}
+
+/// Backends of one (VIP family, port) from the Service's slices. An address
+/// in several slices (a pod moving between slices) counts once, ready wins.
+fn backends_for(
+    slices: &[&EndpointSlice],
+    ipv4: bool,
+    port_name: &str,
+    protocol: Protocol,
+    only_node: Option<&str>,
+) -> Vec<BackendConfig> {
+    let family = if ipv4 { "IPv4" } else { "IPv6" };
+    let mut chosen: BTreeMap<(IpAddr, u16), u32> = BTreeMap::new();
+    for slice in slices {
+        if slice.address_type != family {
+            continue;
+        }
+        let Some(port) = slice.ports.iter().flatten().find_map(|p| {
+            let same_name = p.name.as_deref().unwrap_or("") == port_name;
+            let same_proto = parse_protocol(p.protocol.as_deref()).ok() == Some(protocol);
+            (same_name && same_proto)
+                .then_some(p.port)
+                .flatten()
+                .and_then(|n| u16::try_from(n).ok())
+                .filter(|&n| n > 0)
+        }) else {
+            continue;
+        };
+        for ep in &slice.endpoints {
+            if let Some(node) = only_node {
+                if ep.node_name.as_deref() != Some(node) {
+                    continue;
+                }
+            }
+            let c = ep.conditions.as_ref();
+            let ready = c.and_then(|c| c.ready).unwrap_or(true);
+            let serving = c.and_then(|c| c.serving).unwrap_or(ready);
+            let terminating = c.and_then(|c| c.terminating).unwrap_or(false);
+            let weight = if ready {
+                1
+            } else if serving && terminating {
+                0
+            } else {
+                continue;
+            };
+            // Kubernetes: consumers use the first address; the rest are fungible.
+            let Some(Ok(ip)) = ep.addresses.first().map(|a| a.parse::<IpAddr>()) else {
+                continue;
+            };
+            if ip.is_ipv4() != ipv4 {
+                continue;
+            }
+            let w = chosen.entry((ip, port)).or_insert(weight);
+            *w = (*w).max(weight);
+        }
+    }
+    chosen
+        .into_iter()
+        .map(|((ip, port), weight)| BackendConfig { ip, port, weight })
+        .collect()
+}
+
+/// The VIPs of `desired` that have at least one backend taking new flows;
+/// used in logs and tests.
+pub fn serving_vips(desired: &Desired) -> BTreeSet<IpAddr> {
+    desired
+        .services
+        .iter()
+        .filter(|s| s.backends.iter().any(|b| b.weight > 0))
+        .map(|s| s.vip)
+        .collect()
+}
+
+#[cfg(test)]
+mod tests;

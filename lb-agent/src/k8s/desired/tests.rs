@@ -1,0 +1,271 @@
+//! Desired state from objects shaped as real clusters serve them
+//! (`kubectl get -o json` of Services, EndpointSlices and Nodes, in testdata/).
+
+use std::net::IpAddr;
+
+use k8s_openapi::api::{
+    core::v1::{Node, Service},
+    discovery::v1::EndpointSlice,
+};
+use serde_json::Value;
+
+use super::*;
+
+struct Objects {
+    services: Vec<Service>,
+    slices: Vec<EndpointSlice>,
+    nodes: Vec<Node>,
+}
+
+fn load(text: &str) -> Objects {
+    let list: Value = serde_json::from_str(text).unwrap();
+    let mut o = Objects {
+        services: vec![],
+        slices: vec![],
+        nodes: vec![],
+    };
+    for item in list["items"].as_array().unwrap() {
+        match item["kind"].as_str().unwrap() {
+            "Service" => o
+                .services
+                .push(serde_json::from_value(item.clone()).unwrap()),
+            "EndpointSlice" => o.slices.push(serde_json::from_value(item.clone()).unwrap()),
+            "Node" => o.nodes.push(serde_json::from_value(item.clone()).unwrap()),
+            k => panic!("unexpected kind {k}"),
+        }
+    }
+    o
+}
+
+fn opts(node: &str) -> SourceOptions {
+    SourceOptions {
+        load_balancer_class: "xlb.dev/xlb".into(),
+        default_class: false,
+        mode: Mode::Snat,
+        node_name: node.into(),
+    }
+}
+
+fn compute(o: &Objects, opts: &SourceOptions, previous: &Desired) -> Desired {
+    let services: Vec<&Service> = o.services.iter().collect();
+    let slices: Vec<&EndpointSlice> = o.slices.iter().collect();
+    let node = o
+        .nodes
+        .iter()
+        .find(|n| n.metadata.name.as_deref() == Some(&opts.node_name));
+    desired_services(
+        &ClusterView {
+            services: &services,
+            slices: &slices,
+            node,
+        },
+        opts,
+        previous,
+    )
+}
+
+fn backends(d: &Desired, name: &str, vip: &str) -> Vec<(String, u32)> {
+    let vip: IpAddr = vip.parse().unwrap();
+    let s = d
+        .services
+        .iter()
+        .find(|s| s.name == name && s.vip == vip)
+        .unwrap_or_else(|| panic!("no {name} on {vip} in {:#?}", d.services));
+    s.backends
+        .iter()
+        .map(|b| (b.addr().to_string(), b.weight))
+        .collect()
+}
+
+const WEB: &str = include_str!("../testdata/web.json");
+const DNS: &str = include_str!("../testdata/dual-stack-local.json");
+
+#[test]
+fn named_target_ports_resolve_through_each_slice() {
+    let d = compute(&load(WEB), &opts("worker-1"), &Desired::default());
+    assert_eq!(d.services.len(), 2, "{:#?}", d.services);
+    // Port "http" targets a named container port: 8080 per the slices.
+    // Both slices contribute; 10.244.1.12 is in both and counts once;
+    // 10.244.3.4 has empty conditions (ready unset = ready); the
+    // terminating-but-serving pod keeps its flows (weight 0); the pod
+    // neither ready nor serving is left out.
+    assert_eq!(
+        backends(&d, "shop/web:http", "192.0.2.10"),
+        vec![
+            ("10.244.1.12:8080".into(), 1),
+            ("10.244.2.7:8080".into(), 0),
+            ("10.244.3.4:8080".into(), 1),
+        ]
+    );
+    assert_eq!(
+        backends(&d, "shop/web:https", "192.0.2.10"),
+        vec![
+            ("10.244.1.12:8443".into(), 1),
+            ("10.244.2.7:8443".into(), 0),
+            ("10.244.3.4:8443".into(), 1),
+        ]
+    );
+    let web = &d.services[0];
+    assert_eq!(
+        (web.port, web.protocol, web.mode),
+        (80, Protocol::Tcp, Mode::Snat)
+    );
+    assert_eq!(web.removed_backend_flows, RemovedBackendFlows::Keep);
+    assert!(d.problems.is_empty(), "{:?}", d.problems);
+}
+
+#[test]
+fn slices_of_another_namespace_do_not_count() {
+    let d = compute(&load(WEB), &opts("worker-1"), &Desired::default());
+    assert!(d
+        .services
+        .iter()
+        .flat_map(|s| &s.backends)
+        .all(|b| b.ip.to_string() != "10.244.9.9"));
+}
+
+#[test]
+fn dual_stack_local_policy_keeps_this_nodes_endpoints_per_family() {
+    let o = load(DNS);
+    let d = compute(&o, &opts("worker-1"), &Desired::default());
+    // Two ports (UDP and TCP 53) on two VIPs.
+    assert_eq!(d.services.len(), 4);
+    assert_eq!(
+        backends(&d, "infra/dns:dns", "192.0.2.53"),
+        vec![("10.244.1.20:5353".into(), 1)]
+    );
+    assert_eq!(
+        backends(&d, "infra/dns:dns-tcp", "2001:db8::53"),
+        vec![("[fd00:10:244:1::20]:5353".into(), 1)]
+    );
+    let udp = d
+        .services
+        .iter()
+        .find(|s| s.name == "infra/dns:dns")
+        .unwrap();
+    assert_eq!((udp.protocol, udp.mode), (Protocol::Udp, Mode::Nat));
+    // A node with no local endpoint has services with no backends: it
+    // reports that it cannot serve (and so announces nothing).
+    let d3 = compute(&o, &opts("worker-3"), &Desired::default());
+    assert_eq!(d3.services.len(), 4);
+    assert!(d3.services.iter().all(|s| s.backends.is_empty()));
+    assert!(serving_vips(&d3).is_empty());
+    assert_eq!(serving_vips(&d).len(), 2);
+}
+
+#[test]
+fn cluster_policy_takes_every_node() {
+    let mut o = load(DNS);
+    o.services[0].spec.as_mut().unwrap().external_traffic_policy = Some("Cluster".into());
+    let d = compute(&o, &opts("worker-3"), &Desired::default());
+    assert_eq!(backends(&d, "infra/dns:dns", "192.0.2.53").len(), 2);
+}
+
+#[test]
+fn missing_slices_give_a_service_without_backends() {
+    let mut o = load(WEB);
+    o.slices.clear();
+    let d = compute(&o, &opts("worker-1"), &Desired::default());
+    assert_eq!(d.services.len(), 2);
+    assert!(d.services.iter().all(|s| s.backends.is_empty()));
+}
+
+#[test]
+fn no_ingress_yet_means_nothing_to_serve() {
+    let mut o = load(WEB);
+    o.services[0].status = None;
+    let d = compute(&o, &opts("worker-1"), &Desired::default());
+    assert!(d.services.is_empty());
+    assert_eq!(d.by_service.get("shop/web"), Some(&vec![]));
+}
+
+#[test]
+fn class_decides_ownership() {
+    let mut o = load(WEB);
+    o.services[0].spec.as_mut().unwrap().load_balancer_class = Some("other.io/lb".into());
+    assert!(compute(&o, &opts("worker-1"), &Desired::default())
+        .services
+        .is_empty());
+    o.services[0].spec.as_mut().unwrap().load_balancer_class = None;
+    assert!(compute(&o, &opts("worker-1"), &Desired::default())
+        .services
+        .is_empty());
+    let mut with_default = opts("worker-1");
+    with_default.default_class = true;
+    assert_eq!(
+        compute(&o, &with_default, &Desired::default())
+            .services
+            .len(),
+        2
+    );
+    o.services[0].spec.as_mut().unwrap().type_ = Some("ClusterIP".into());
+    assert!(compute(&o, &with_default, &Desired::default())
+        .services
+        .is_empty());
+}
+
+#[test]
+fn excluded_node_serves_nothing() {
+    let mut o = load(DNS);
+    o.nodes[0]
+        .metadata
+        .labels
+        .as_mut()
+        .unwrap()
+        .insert(EXCLUDE_LABEL.into(), "true".into());
+    let d = compute(&o, &opts("worker-1"), &Desired::default());
+    assert!(d.excluded);
+    assert!(d.services.is_empty());
+}
+
+#[test]
+fn a_bad_update_keeps_the_previous_state() {
+    let mut o = load(WEB);
+    let good = compute(&o, &opts("worker-1"), &Desired::default());
+    o.services[0]
+        .metadata
+        .annotations
+        .as_mut()
+        .unwrap()
+        .insert(MODE_ANNOTATION.into(), "dsr".into());
+    let d = compute(&o, &opts("worker-1"), &good);
+    assert_eq!(d.services, good.services);
+    assert!(
+        d.problems
+            .iter()
+            .any(|p| p.contains("shop/web") && p.contains("dsr")),
+        "{:?}",
+        d.problems
+    );
+    // With nothing to fall back on, the Service is not served.
+    let d = compute(&o, &opts("worker-1"), &Desired::default());
+    assert!(d.services.is_empty());
+}
+
+#[test]
+fn sctp_is_refused_clearly() {
+    let mut o = load(WEB);
+    o.services[0].spec.as_mut().unwrap().ports.as_mut().unwrap()[1].protocol = Some("SCTP".into());
+    let d = compute(&o, &opts("worker-1"), &Desired::default());
+    assert!(d.services.is_empty());
+    assert!(
+        d.problems.iter().any(|p| p.contains("SCTP")),
+        "{:?}",
+        d.problems
+    );
+}
+
+#[test]
+fn two_services_on_one_vip_port_older_wins() {
+    let mut o = load(WEB);
+    let mut newer = o.services[0].clone();
+    newer.metadata.name = Some("web-copy".into());
+    newer.metadata.creation_timestamp = Some(k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(
+        "2026-10-03T00:00:00Z".parse().unwrap(),
+    ));
+    o.services.insert(0, newer);
+    let d = compute(&o, &opts("worker-1"), &Desired::default());
+    assert_eq!(d.services.len(), 2);
+    assert!(d.services.iter().all(|s| s.name.starts_with("shop/web:")));
+    assert!(d.problems.iter().any(|p| p.contains("shop/web-copy")));
+}
