@@ -465,6 +465,15 @@ impl Announcer for BirdAnnouncer {
         "bird"
     }
 
+    /// Every BGP protocol of BIRD's config with a neighbour address, up
+    /// while its BGP state is `Established` (`birdc show protocols all`).
+    fn peers(&mut self) -> BoxFuture<'_, AnnounceResult<Vec<(IpAddr, bool)>>> {
+        Box::pin(async move {
+            let reply = self.birdc(&["show", "protocols", "all"]).await?;
+            Ok(parse_bgp_sessions(&reply))
+        })
+    }
+
     fn announced(&mut self) -> BoxFuture<'_, AnnounceResult<BTreeSet<Route>>> {
         Box::pin(self.announced_now())
     }
@@ -684,6 +693,62 @@ fn parse_routes(reply: &Reply, family: Family) -> Vec<Route> {
     routes
 }
 
+/// Reads the BGP sessions of `birdc -v show protocols all`:
+///
+/// ```text
+/// 2002-Name       Proto      Table      State  Since         Info
+/// 1002-upstream   BGP        ---        up     23:47:00.406  Established
+/// 1006-  BGP state:          Established
+///          Neighbor address: 10.210.0.1
+///          Neighbor AS:      65000
+///      ...
+/// 1002-device1    Device     ---        up     23:47:00.160
+/// ```
+///
+/// Each `1002` line starts a protocol; a BGP protocol's `1006` block has
+/// its state and neighbour. A protocol without a neighbour address (a
+/// template for dynamic peers, `neighbor range`) is skipped; two protocols
+/// with the same neighbour give one session, up if either is.
+fn parse_bgp_sessions(reply: &Reply) -> Vec<(IpAddr, bool)> {
+    let mut sessions: std::collections::BTreeMap<IpAddr, bool> = Default::default();
+    // The current protocol, if it is a BGP one: (neighbour, established).
+    let mut cur: Option<(Option<IpAddr>, bool)> = None;
+    let mut finish = |cur: &mut Option<(Option<IpAddr>, bool)>| {
+        if let Some((Some(addr), up)) = cur.take() {
+            *sessions.entry(addr).or_default() |= up;
+        }
+    };
+    for (code, text) in &reply.lines {
+        match code {
+            1002 => {
+                finish(&mut cur);
+                let mut words = text.split_whitespace();
+                let _name = words.next();
+                if words.next() == Some("BGP") {
+                    cur = Some((None, false));
+                }
+            }
+            1006 => {
+                let Some((addr, up)) = cur.as_mut() else {
+                    continue;
+                };
+                let Some((key, value)) = text.trim().split_once(':') else {
+                    continue;
+                };
+                let value = value.trim();
+                match key {
+                    "BGP state" => *up = value == "Established",
+                    "Neighbor address" => *addr = value.parse().ok(),
+                    _ => {}
+                }
+            }
+            _ => {}
+        }
+    }
+    finish(&mut cur);
+    sessions.into_iter().collect()
+}
+
 /// `(65000,100) (65000,7)` → `[(65000, 100), (65000, 7)]`; anything else
 /// (large or extended communities) is skipped.
 fn parse_communities(s: &str) -> impl Iterator<Item = (u16, u16)> + '_ {
@@ -838,6 +903,47 @@ mod tests {
             ]
         );
         assert!(parse_routes(&reply, Family::V6).is_empty());
+    }
+
+    // Captured from BIRD 2.0.12 (`birdc -v show protocols all`), shortened:
+    // one session up, one trying to connect, a non-BGP protocol between.
+    const SHOW_PROTOCOLS: &str = "0001 BIRD 2.0.12 ready.
+2002-Name       Proto      Table      State  Since         Info
+1002-device1    Device     ---        up     23:47:00.160  
+1006-
+1002-node       BGP        ---        up     23:47:00.406  Established   
+1006-  BGP state:          Established
+         Neighbor address: 10.210.0.2
+         Neighbor AS:      65001
+         Local AS:         65000
+         Hold timer:       4.070/6
+       Channel ipv4
+         State:          UP
+         BGP Next hop:   10.210.0.1
+     
+1002-upstream2  BGP        ---        start  23:47:00.160  Connect       
+1006-  BGP state:          Connect
+         Neighbor address: fd00::7
+         Neighbor AS:      65001
+       Channel ipv4
+         State:          DOWN
+     
+1002-xlb_vips4  Static     master4    up     23:47:00.160  
+1006-  Channel ipv4
+         State:          UP
+";
+
+    #[test]
+    fn reads_bgp_session_states() {
+        let reply = Reply::parse(SHOW_PROTOCOLS);
+        assert_eq!(
+            parse_bgp_sessions(&reply),
+            vec![
+                ("10.210.0.2".parse().unwrap(), true),
+                ("fd00::7".parse().unwrap(), false),
+            ]
+        );
+        assert!(parse_bgp_sessions(&Reply::parse("0001 BIRD 2.0.12 ready.\n")).is_empty());
     }
 
     #[test]

@@ -282,12 +282,62 @@ impl Announcer for ExaBgpAnnouncer {
         Box::pin(self.list())
     }
 
+    /// Every neighbor of ExaBGP's config, up while its state is
+    /// `ESTABLISHED` (`show neighbor extensive`; `show neighbor summary`
+    /// lists only the established ones).
+    fn peers(&mut self) -> BoxFuture<'_, AnnounceResult<Vec<(IpAddr, bool)>>> {
+        Box::pin(async move {
+            let mut session = self.session().await?;
+            session.peers().await
+        })
+    }
+
     fn apply<'a>(
         &'a mut self,
         desired: &'a BTreeSet<Route>,
     ) -> BoxFuture<'a, AnnounceResult<(usize, usize)>> {
         Box::pin(self.apply_set(desired))
     }
+}
+
+/// Parses `show neighbor extensive` (ExaBGP 4.2):
+///
+/// ```text
+/// Neighbor 10.210.0.1
+///
+///   Session                         Local
+///    local                     10.210.0.2
+///    state                    ESTABLISHED
+///    up for                       0:00:10
+///
+///   Setup                           Local          Remote
+/// ...
+/// ```
+///
+/// One block per neighbor; the session is up when `state` is
+/// `ESTABLISHED` (the others: IDLE, ACTIVE, CONNECT, OPENSENT,
+/// OPENCONFIRM). `None` if a line cannot belong to this answer.
+fn parse_neighbors<S: AsRef<str>>(lines: &[S]) -> Option<Vec<(IpAddr, bool)>> {
+    let mut sessions: BTreeMap<IpAddr, bool> = BTreeMap::new();
+    let mut cur: Option<IpAddr> = None;
+    for line in lines {
+        let line = line.as_ref();
+        if let Some(addr) = line.strip_prefix("Neighbor ") {
+            let addr: IpAddr = addr.trim().parse().ok()?;
+            sessions.entry(addr).or_insert(false);
+            cur = Some(addr);
+        } else if line.trim().is_empty() {
+            continue;
+        } else if line.starts_with(' ') {
+            let mut words = line.split_whitespace();
+            if let (Some("state"), Some(state), Some(addr)) = (words.next(), words.next(), cur) {
+                *sessions.get_mut(&addr)? |= state == "ESTABLISHED";
+            }
+        } else {
+            return None;
+        }
+    }
+    Some(sessions.into_iter().collect())
 }
 
 /// Validates the desired set and normalises it (communities sorted and
@@ -520,6 +570,22 @@ impl Session {
         Ok(parse_adj_rib_out(&lines))
     }
 
+    async fn peers(&mut self) -> AnnounceResult<Vec<(IpAddr, bool)>> {
+        let command = "show neighbor extensive";
+        let lines = self.command(command).await?;
+        match parse_neighbors(&lines) {
+            Some(sessions) => Ok(sessions),
+            None => {
+                let odd = lines
+                    .iter()
+                    .find(|l| parse_neighbors(&[l.as_str()]).is_none())
+                    .cloned()
+                    .unwrap_or_default();
+                Err(self.out_of_step(command, &odd))
+            }
+        }
+    }
+
     /// Sends a command that answers nothing but its acknowledgement.
     async fn ack(&mut self, command: &str) -> AnnounceResult<()> {
         let lines = self.command(command).await?;
@@ -687,6 +753,55 @@ mod tests {
         .into_iter()
         .collect();
         assert_eq!(got, want);
+    }
+
+    #[test]
+    fn reads_neighbor_states() {
+        // Captured from ExaBGP 4.2.21 (two neighbors, one up), shortened.
+        let lines = [
+            "Neighbor 10.210.0.1",
+            "",
+            "  Session                         Local",
+            "   local                     10.210.0.2                                ",
+            "   state                    ESTABLISHED                                ",
+            "   up for                       0:00:10                                ",
+            "",
+            "  Setup                           Local          Remote",
+            "   AS                             65001           65000                ",
+            "   hold-time                          6               6                ",
+            "",
+            "Neighbor fd00::9",
+            "",
+            "  Session                         Local",
+            "   local                        fd00::2                                ",
+            "   state                         ACTIVE                                ",
+            "   down for                     0:00:06                                ",
+            "",
+            "  Families                        Local          Remote        Add-Path",
+            "   ipv4 unicast:                enabled             n/a        disabled",
+            "",
+        ];
+        assert_eq!(
+            parse_neighbors(&lines),
+            Some(vec![
+                ("10.210.0.1".parse().unwrap(), true),
+                ("fd00::9".parse().unwrap(), false),
+            ])
+        );
+        assert_eq!(parse_neighbors::<&str>(&[]), Some(vec![]));
+        // Answers of other commands are not taken for it.
+        assert_eq!(
+            parse_neighbors(&[format!(
+                "{NEIGHBOR} ipv4 unicast 192.0.2.12/32 next-hop 10.200.0.2"
+            )]),
+            None
+        );
+        assert_eq!(
+            parse_neighbors(&[
+                "Peer            AS        up/down state       |     #sent     #recvd"
+            ]),
+            None
+        );
     }
 
     #[test]

@@ -104,6 +104,7 @@ async fn run(
     metrics: AnnounceMetrics,
 ) {
     let mut desired: Option<BTreeSet<Route>> = None;
+    let mut known_peers: BTreeSet<IpAddr> = BTreeSet::new();
     let mut tick = tokio::time::interval(resync);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
@@ -123,14 +124,37 @@ async fn run(
         if let Some(d) = &desired {
             apply(announcer.as_mut(), d, &metrics).await;
         }
-        // Sessions, for the per-peer metric (drivers that cannot tell give none).
-        if let Ok(peers) = announcer.peers().await {
+        update_peers(announcer.as_mut(), &metrics, &mut known_peers).await;
+    }
+}
+
+/// Sets `xlb_bgp_peer_up` from the speaker's sessions. A speaker that
+/// cannot be asked (stopped, killed) has no session up: its peers read 0
+/// until it answers again.
+async fn update_peers(
+    announcer: &mut dyn Announcer,
+    metrics: &AnnounceMetrics,
+    known: &mut BTreeSet<IpAddr>,
+) {
+    match announcer.peers().await {
+        Ok(peers) => {
             metrics.peer_up.reset();
+            known.clear();
             for (peer, up) in peers {
+                known.insert(peer);
                 metrics
                     .peer_up
                     .with_label_values(&[&peer.to_string()])
                     .set(up as i64);
+            }
+        }
+        Err(e) => {
+            tracing::debug!(speaker = announcer.name(), "reading BGP sessions: {e}");
+            for peer in known.iter() {
+                metrics
+                    .peer_up
+                    .with_label_values(&[&peer.to_string()])
+                    .set(0);
             }
         }
     }
@@ -241,8 +265,13 @@ mod tests {
             Box::pin(async move { Ok(self.routes.lock().unwrap().clone()) })
         }
         fn peers(&mut self) -> BoxFuture<'_, AnnounceResult<Vec<(IpAddr, bool)>>> {
-            let up = !*self.down.lock().unwrap();
-            Box::pin(async move { Ok(vec![("10.0.0.254".parse().unwrap(), up)]) })
+            let down = *self.down.lock().unwrap();
+            Box::pin(async move {
+                if down {
+                    return Err(AnnounceError::Unreachable("down".into()));
+                }
+                Ok(vec![("10.0.0.254".parse().unwrap(), true)])
+            })
         }
         fn apply<'a>(
             &'a mut self,
@@ -293,17 +322,19 @@ mod tests {
         task.apply(want.clone());
         let r = speaker.routes.clone();
         eventually(|| *r.lock().unwrap() == want).await;
-        // The speaker restarts empty, and is unreachable for a while.
-        *speaker.down.lock().unwrap() = true;
-        r.lock().unwrap().clear();
-        tokio::time::sleep(Duration::from_millis(120)).await;
-        *speaker.down.lock().unwrap() = false;
-        eventually(|| *r.lock().unwrap() == want).await;
         let gathered = || {
             prometheus::TextEncoder::new()
                 .encode_to_string(&registry.gather())
                 .unwrap()
         };
+        eventually(|| gathered().contains("xlb_bgp_peer_up{peer=\"10.0.0.254\"} 1")).await;
+        // The speaker restarts empty, and is unreachable for a while: its
+        // peer reads 0 meanwhile.
+        *speaker.down.lock().unwrap() = true;
+        r.lock().unwrap().clear();
+        eventually(|| gathered().contains("xlb_bgp_peer_up{peer=\"10.0.0.254\"} 0")).await;
+        *speaker.down.lock().unwrap() = false;
+        eventually(|| *r.lock().unwrap() == want).await;
         eventually(|| gathered().contains("xlb_bgp_peer_up{peer=\"10.0.0.254\"} 1")).await;
         task.withdraw_all().await;
         assert!(
