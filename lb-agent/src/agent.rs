@@ -29,9 +29,10 @@ use crate::{
         task::{interface_address, AnnounceTask},
         Route,
     },
-    config::{AgentConfig, RemovedBackendFlows, XdpAttachMode},
+    config::{AgentConfig, RemovedBackendFlows, ServiceConfig, XdpAttachMode},
     dataplane::{Dataplane, Protocol, ServiceSpec},
     health::{HealthChecker, HealthSnapshot},
+    k8s::{desired::SourceOptions, watch::DesiredRx},
     metrics::{self, BackendSample, DataplaneSnapshot, Metrics, ServiceSample},
 };
 
@@ -55,6 +56,10 @@ pub struct Agent {
     attached: BTreeSet<String>,
     /// Announcing VIPs through the BGP speaker, when configured.
     announce: Option<AnnounceTask>,
+    /// Services from Kubernetes, when configured.
+    k8s: Option<DesiredRx>,
+    /// VIPs both the file and Kubernetes define (the file wins), logged once.
+    shadowed: BTreeSet<(IpAddr, u16, Protocol)>,
 }
 
 #[derive(Default)]
@@ -89,6 +94,7 @@ impl Agent {
     /// Loads (or adopts) the data plane, attaches, starts health checks and
     /// the metrics endpoint, and applies the config once.
     pub async fn start(opts: AgentOptions, config: AgentConfig) -> anyhow::Result<Self> {
+        let config = with_node_addresses(config);
         let config_bytes = std::fs::read(&opts.config_path).unwrap_or_default();
         let mut dp = Dataplane::open_with(Some(&opts.pin_dir), config.maglev_pool_entries)
             .context("loading the XDP program")?;
@@ -131,7 +137,31 @@ impl Agent {
             labels,
             attached: BTreeSet::new(),
             announce: None,
+            k8s: None,
+            shadowed: BTreeSet::new(),
         };
+        if let Some(kcfg) = agent.config.kubernetes.clone() {
+            let client = crate::k8s::watch::client(&kcfg).await?;
+            let node_name = crate::k8s::watch::node_name(&kcfg);
+            info!(node = %node_name, class = %kcfg.load_balancer_class, "taking Services from Kubernetes");
+            let mut rx = crate::k8s::watch::spawn(
+                client.clone(),
+                SourceOptions {
+                    load_balancer_class: kcfg.load_balancer_class.clone(),
+                    default_class: kcfg.default_class,
+                    mode: kcfg.mode,
+                    node_name: node_name.clone(),
+                },
+            );
+            crate::k8s::start_allocator(client, &kcfg, &node_name, agent.metrics.registry());
+            // Until the cluster's state is known, the data plane keeps what it
+            // has (a restart during an API server outage changes nothing).
+            info!("waiting for the first sync with the Kubernetes API server");
+            rx.wait_for(Option::is_some)
+                .await
+                .context("the Kubernetes watcher stopped")?;
+            agent.k8s = Some(rx);
+        }
         if let Some(bgp) = &agent.config.bgp {
             let announcer = crate::announce::from_config(bgp).map_err(anyhow::Error::msg)?;
             info!(speaker = announcer.name(), "announcing VIPs through BGP");
@@ -171,6 +201,11 @@ impl Agent {
                         self.reload("the file changed");
                     }
                 }
+                Some(()) = k8s_changed(&mut self.k8s) => {
+                    if let Err(e) = self.reconcile() {
+                        error!("applying a change from Kubernetes: {e:#}");
+                    }
+                }
                 changed = self.health_rx.changed() => {
                     if changed.is_ok() {
                         if let Err(e) = self.reconcile() {
@@ -201,7 +236,7 @@ impl Agent {
         let result = AgentConfig::load(&self.opts.config_path)
             .map_err(anyhow::Error::from)
             .and_then(|c| {
-                let old = std::mem::replace(&mut self.config, c);
+                let old = std::mem::replace(&mut self.config, with_node_addresses(c));
                 self.apply_config().inspect_err(|_| self.config = old)
             });
         let ok = result.is_ok();
@@ -254,7 +289,9 @@ impl Agent {
             .collect();
         let mut desired: BTreeMap<ServiceKey, (ServiceSpec, RemovedBackendFlows, String)> =
             BTreeMap::new();
-        for (svc, mut spec) in self.config.services.iter().zip(self.config.service_specs()) {
+        let services = self.all_services();
+        for svc in &services {
+            let mut spec = self.config.service_spec(svc);
             let checked = svc.health_check.is_some();
             spec.backends
                 .retain(|b| !(checked && unhealthy.contains(&b.addr)));
@@ -313,11 +350,12 @@ impl Agent {
             .iter()
             .map(|(k, (_, _, n))| (*k, n.clone()))
             .collect();
-        labels.configured = self
-            .config
-            .service_specs()
-            .into_iter()
-            .map(|s| (s.key(), s.backends.iter().map(|b| b.addr).collect()))
+        labels.configured = services
+            .iter()
+            .map(|s| {
+                let spec = self.config.service_spec(s);
+                (spec.key(), spec.backends.iter().map(|b| b.addr).collect())
+            })
             .collect();
         labels.health = health;
         drop(labels);
@@ -333,6 +371,32 @@ impl Agent {
 }
 
 impl Agent {
+    /// The file's services, then those from Kubernetes on VIPs the file does
+    /// not use.
+    fn all_services(&mut self) -> Vec<ServiceConfig> {
+        let mut all = self.config.services.clone();
+        let Some(rx) = &self.k8s else {
+            return all;
+        };
+        let desired = rx.borrow().clone();
+        let in_file: BTreeSet<(IpAddr, u16, Protocol)> =
+            all.iter().map(|s| (s.vip, s.port, s.protocol)).collect();
+        let mut shadowed = BTreeSet::new();
+        for s in desired.iter().flat_map(|d| &d.services) {
+            let key = (s.vip, s.port, s.protocol);
+            if in_file.contains(&key) {
+                if !self.shadowed.contains(&key) {
+                    warn!(service = %s.name, vip = %s.vip, port = s.port, "the config file already defines this VIP; the Kubernetes Service is not applied");
+                }
+                shadowed.insert(key);
+                continue;
+            }
+            all.push(s.clone());
+        }
+        self.shadowed = shadowed;
+        all
+    }
+
     /// The VIPs this node can serve now: the program is attached and a
     /// service on the VIP has a backend with weight. One host route each,
     /// with this node as next hop.
@@ -377,6 +441,33 @@ impl Agent {
         }
         routes
     }
+}
+
+/// Resolves when the Kubernetes desired state changed; never without Kubernetes.
+async fn k8s_changed(rx: &mut Option<DesiredRx>) -> Option<()> {
+    match rx {
+        Some(rx) => rx.changed().await.ok(),
+        None => std::future::pending().await,
+    }
+}
+
+/// With Kubernetes, Services of either family may appear at any time: snat
+/// needs a source address, so default it to the first interface's.
+fn with_node_addresses(mut config: AgentConfig) -> AgentConfig {
+    if config.kubernetes.is_some() {
+        let first = config.interfaces.first().cloned().unwrap_or_default();
+        if config.snat_ipv4.is_none() {
+            if let Some(IpAddr::V4(a)) = interface_address(&first, true) {
+                config.snat_ipv4 = Some(a);
+            }
+        }
+        if config.snat_ipv6.is_none() {
+            if let Some(IpAddr::V6(a)) = interface_address(&first, false) {
+                config.snat_ipv6 = Some(a);
+            }
+        }
+    }
+    config
 }
 
 fn protocol_name(p: Protocol) -> &'static str {

