@@ -27,7 +27,9 @@ use std::{
     time::{Duration, Instant},
 };
 
-use lb_agent::announce::{bird::BirdAnnouncer, AnnounceError, Announcer, Route};
+use lb_agent::announce::{
+    bird::BirdAnnouncer, task::AnnounceTask, AnnounceError, Announcer, Route,
+};
 
 const NODE_CONF_TAIL: &str = r#"
 protocol bgp upstream {
@@ -194,12 +196,13 @@ fn ip_out(args: &[&str]) -> String {
 }
 
 impl Topology {
-    fn new() -> Topology {
+    /// `tag` keeps the tests of this file (one process) apart.
+    fn new(tag: &str) -> Topology {
         let pid = std::process::id();
         let topo = Topology {
-            node_ns: format!("xbird-n-{pid}"),
-            router_ns: format!("xbird-r-{pid}"),
-            dir: std::env::temp_dir().join(format!("xlb-bird-test-{pid}")),
+            node_ns: format!("xbird-n-{pid}{tag}"),
+            router_ns: format!("xbird-r-{pid}{tag}"),
+            dir: std::env::temp_dir().join(format!("xlb-bird-test-{pid}{tag}")),
             node: None,
             router: None,
         };
@@ -359,7 +362,7 @@ fn set(routes: &[&Route]) -> BTreeSet<Route> {
 
 #[tokio::test]
 async fn bird_announces_withdraws_refuses_and_recovers() {
-    let mut topo = Topology::new();
+    let mut topo = Topology::new("a");
     let mut bird = BirdAnnouncer::new(topo.path("xlb-vips"), topo.path("node.ctl"));
     bird.ensure_files().unwrap();
     fs::write(
@@ -608,4 +611,93 @@ async fn bird_announces_withdraws_refuses_and_recovers() {
     topo.wait_fib("192.0.2.12", "10.99.0.1").await;
     topo.wait_fib("2001:db8::10", "fd99::1").await;
     assert_eq!(with_deadline(bird.apply(&desired)).await.unwrap(), (0, 0));
+}
+
+/// The agent's Prometheus page from `registry`.
+fn metrics_page(registry: &prometheus::Registry) -> String {
+    prometheus::TextEncoder::new()
+        .encode_to_string(&registry.gather())
+        .unwrap()
+}
+
+/// Per-peer session state: BIRD's two sessions are read from `birdc show
+/// protocols all`, and the announce task exports them as `xlb_bgp_peer_up`:
+/// 1 while established, 0 once the router is gone, 0 too while the node's
+/// BIRD cannot be asked, and 1 again when everything is back.
+#[tokio::test]
+async fn bird_session_state_per_peer() {
+    let mut topo = Topology::new("p");
+    let mut bird = BirdAnnouncer::new(topo.path("xlb-vips"), topo.path("node.ctl"));
+    bird.ensure_files().unwrap();
+    fs::write(
+        topo.path("node.conf"),
+        format!(
+            "log stderr all;\nrouter id 10.99.0.1;\nprotocol device {{}}\n\n{}{NODE_CONF_TAIL}",
+            bird.static_protocols_config()
+        ),
+    )
+    .unwrap();
+    topo.start_router();
+    topo.start_node();
+    topo.wait_established().await;
+
+    let v4: std::net::IpAddr = "10.99.0.2".parse().unwrap();
+    let v6: std::net::IpAddr = "fd99::2".parse().unwrap();
+    assert_eq!(
+        with_deadline(bird.peers()).await.unwrap(),
+        vec![(v4, true), (v6, true)]
+    );
+
+    let registry = prometheus::Registry::new();
+    let task = AnnounceTask::start(
+        Box::new(bird.clone()),
+        Duration::from_millis(200),
+        &registry,
+    );
+    let up = [
+        "xlb_bgp_peer_up{peer=\"10.99.0.2\"} 1",
+        "xlb_bgp_peer_up{peer=\"fd99::2\"} 1",
+    ];
+    let down = [
+        "xlb_bgp_peer_up{peer=\"10.99.0.2\"} 0",
+        "xlb_bgp_peer_up{peer=\"fd99::2\"} 0",
+    ];
+    let wait_page = |want: [&'static str; 2], what: &'static str| {
+        let registry = registry.clone();
+        async move {
+            wait_for(what, || {
+                let page = metrics_page(&registry);
+                want.iter().all(|w| page.contains(w)).then_some(())
+            })
+            .await
+        }
+    };
+    wait_page(up, "both peers up in the metrics").await;
+
+    // The router goes away: the node's sessions leave Established.
+    topo.router.take().unwrap().stop();
+    let deadline = Instant::now() + DEADLINE;
+    loop {
+        let peers = with_deadline(bird.peers()).await.unwrap();
+        if peers == vec![(v4, false), (v6, false)] {
+            break;
+        }
+        assert!(Instant::now() < deadline, "sessions still up: {peers:?}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    wait_page(down, "both peers down in the metrics").await;
+
+    // The router comes back: up again.
+    topo.start_router();
+    topo.wait_established().await;
+    wait_page(up, "both peers up again in the metrics").await;
+
+    // The node's BIRD stops: it cannot be asked, so its peers read 0.
+    topo.node.take().unwrap().stop();
+    assert!(matches!(
+        with_deadline(bird.peers()).await,
+        Err(AnnounceError::Unreachable(_))
+    ));
+    wait_page(down, "peers 0 while BIRD is gone").await;
+    drop(task);
 }

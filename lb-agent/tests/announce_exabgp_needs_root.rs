@@ -14,7 +14,9 @@ use std::{
     time::{Duration, Instant},
 };
 
-use lb_agent::announce::{exabgp::ExaBgpAnnouncer, AnnounceError, Announcer, Route};
+use lb_agent::announce::{
+    exabgp::ExaBgpAnnouncer, task::AnnounceTask, AnnounceError, Announcer, Route,
+};
 
 const NODE_V4: &str = "10.200.0.2";
 const ROUTER_V4: &str = "10.200.0.1";
@@ -529,4 +531,99 @@ fn missing_or_unread_pipes_are_unreachable() {
     let mut ann = ExaBgpAnnouncer::new(Path::new("/nonexistent-xlb-exabgp"));
     let err = rt.block_on(ann.announced()).unwrap_err();
     assert!(matches!(err, AnnounceError::Unreachable(_)), "{err}");
+}
+
+/// Waits (polling, at most [`WAIT`]) until the page of `registry` holds
+/// every line of `want`, letting the announce task run meanwhile.
+fn wait_metrics(rt: &tokio::runtime::Runtime, registry: &prometheus::Registry, want: &[&str]) {
+    rt.block_on(async {
+        let deadline = Instant::now() + WAIT;
+        loop {
+            let page = prometheus::TextEncoder::new()
+                .encode_to_string(&registry.gather())
+                .unwrap();
+            if want.iter().all(|w| page.contains(w)) {
+                return;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "timed out waiting for {want:?} in:\n{page}"
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    })
+}
+
+/// Per-peer session state from `show neighbor extensive`: the configured
+/// router (up once BIRD answers, down when BIRD is gone) and a configured
+/// neighbor nobody answers (always down); the announce task exports them
+/// as `xlb_bgp_peer_up`, and as 0 while ExaBGP itself is gone.
+#[test]
+fn exabgp_session_state_per_peer() {
+    let rt = rt();
+    let mut lab = Lab::new("p");
+    // A second neighbor that never answers.
+    let conf = fs::read_to_string(lab.dir.join("exabgp.conf")).unwrap();
+    let silent = conf.replace(&format!("neighbor {ROUTER_V4} {{"), "neighbor 10.200.0.9 {");
+    fs::write(lab.dir.join("exabgp.conf"), format!("{conf}{silent}")).unwrap();
+    lab.start_bird();
+    lab.start_exabgp();
+    let mut ann = lab.announcer();
+    wait_api(&rt, &mut ann);
+    let router: IpAddr = ROUTER_V4.parse().unwrap();
+    let silent: IpAddr = "10.200.0.9".parse().unwrap();
+    let peers = wait_for("the session with the router", WAIT, || {
+        let peers = rt.block_on(ann.peers()).map_err(|e| e.to_string())?;
+        if peers.contains(&(router, true)) {
+            Ok(peers)
+        } else {
+            Err(format!("{peers:?}"))
+        }
+    });
+    assert_eq!(peers, vec![(router, true), (silent, false)]);
+    lab.established().unwrap();
+
+    // BIRD stops: ExaBGP's session leaves ESTABLISHED.
+    if let Some(mut bird) = lab.bird.take() {
+        let _ = bird.kill();
+        let _ = bird.wait();
+    }
+    wait_for("the session to drop", WAIT, || {
+        let peers = rt.block_on(ann.peers()).map_err(|e| e.to_string())?;
+        if peers == vec![(router, false), (silent, false)] {
+            Ok(())
+        } else {
+            Err(format!("{peers:?}"))
+        }
+    });
+    lab.start_bird();
+
+    // The announce task (now the pipes' only user) exports the states.
+    let registry = prometheus::Registry::new();
+    let task = rt.block_on(async {
+        AnnounceTask::start(
+            Box::new(lab.announcer()),
+            Duration::from_millis(300),
+            &registry,
+        )
+    });
+    wait_metrics(
+        &rt,
+        &registry,
+        &[
+            "xlb_bgp_peer_up{peer=\"10.200.0.1\"} 1",
+            "xlb_bgp_peer_up{peer=\"10.200.0.9\"} 0",
+        ],
+    );
+    // ExaBGP killed: nothing can be asked, every peer reads 0.
+    lab.kill_exabgp();
+    wait_metrics(
+        &rt,
+        &registry,
+        &[
+            "xlb_bgp_peer_up{peer=\"10.200.0.1\"} 0",
+            "xlb_bgp_peer_up{peer=\"10.200.0.9\"} 0",
+        ],
+    );
+    drop(task);
 }
