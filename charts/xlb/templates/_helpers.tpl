@@ -1,0 +1,111 @@
+{{/* Names and labels shared by every object of the release. */}}
+
+{{- define "xlb.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{- define "xlb.fullname" -}}
+{{- if .Values.fullnameOverride -}}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- $name := default .Chart.Name .Values.nameOverride -}}
+{{- if contains $name .Release.Name -}}
+{{- .Release.Name | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "xlb.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "xlb.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/component: agent
+{{- end -}}
+
+{{- define "xlb.labels" -}}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/part-of: xlb
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+{{ include "xlb.selectorLabels" . }}
+{{- end -}}
+
+{{- define "xlb.serviceAccountName" -}}
+{{- default (include "xlb.fullname" .) .Values.serviceAccount.name -}}
+{{- end -}}
+
+{{- define "xlb.image" -}}
+{{- printf "%s:%s" .repository (default .appVersion .tag) -}}
+{{- end -}}
+
+{{/* The port of config.metrics_addr ("0.0.0.0:9469", "[::]:9469"). */}}
+{{- define "xlb.metricsPort" -}}
+{{- regexFind "[0-9]+$" .Values.config.metrics_addr -}}
+{{- end -}}
+
+{{/*
+The host the kubelet probes: the pod's (node's) address when the agent
+listens on all addresses, else the address it listens on (the kubelet runs in
+the host's network namespace, as the pod does, so loopback works).
+*/}}
+{{- define "xlb.probeHost" -}}
+{{- $host := regexReplaceAll ":[0-9]+$" .Values.config.metrics_addr "" | trimPrefix "[" | trimSuffix "]" -}}
+{{- if not (has $host (list "0.0.0.0" "::")) -}}{{ $host }}{{- end -}}
+{{- end -}}
+
+{{/*
+A duration of the agent's config in whole seconds, rounded up. The schema
+limits such durations to a number with one unit (ms, s or m) so that the
+chart can compare them.
+*/}}
+{{- define "xlb.seconds" -}}
+{{- $d := toString . -}}
+{{- $n := regexFind "^[0-9]+" $d | atoi -}}
+{{- if hasSuffix "ms" $d -}}{{ div (add $n 999) 1000 }}
+{{- else if hasSuffix "m" $d -}}{{ mul $n 60 }}
+{{- else -}}{{ $n }}
+{{- end -}}
+{{- end -}}
+
+{{/*
+The agent's configuration file: .Values.config plus what the release decides
+(the Lease's namespace, the sidecar's API and peers).
+*/}}
+{{- define "xlb.agentConfig" -}}
+{{- $config := deepCopy .Values.config -}}
+{{- $kubernetes := get $config "kubernetes" | default dict -}}
+{{- $_ := set $kubernetes "lease_namespace" .Release.Namespace -}}
+{{- $_ := set $config "kubernetes" $kubernetes -}}
+{{- if .Values.bgpSpeaker.enabled -}}
+{{- $bgp := get $config "bgp" | default dict -}}
+{{- $peers := list -}}
+{{- range .Values.bgpSpeaker.peers -}}
+{{- $peer := dict "address" .address "asn" .asn -}}
+{{- with .holdTime }}{{ $_ := set $peer "hold_time" . }}{{ end -}}
+{{- with .keepalive }}{{ $_ := set $peer "keepalive" . }}{{ end -}}
+{{- with .multihopTtl }}{{ $_ := set $peer "multihop_ttl" . }}{{ end -}}
+{{- $peers = append $peers $peer -}}
+{{- end -}}
+{{- $_ := set $bgp "driver" "gobgp" -}}
+{{- $_ := set $bgp "gobgp" (dict "address" (printf "http://127.0.0.1:%d" (int .Values.bgpSpeaker.apiPort)) "peers" $peers) -}}
+{{- $_ := set $config "bgp" $bgp -}}
+{{- end -}}
+{{- toYaml $config -}}
+{{- end -}}
+
+{{/* Seconds the agent may spend on shutdown: drain_time, or its default 5s. */}}
+{{- define "xlb.drainSeconds" -}}
+{{- $bgp := get .Values.config "bgp" | default dict -}}
+{{- if or $bgp .Values.bgpSpeaker.enabled -}}
+{{- include "xlb.seconds" (get $bgp "drain_time" | default "5s") -}}
+{{- else -}}0{{- end -}}
+{{- end -}}
+
+{{/* gobgpd's file; @ROUTER_ID@ is replaced at start with this node's router id. */}}
+{{- define "xlb.gobgpdConfig" -}}
+[global.config]
+  as = {{ int64 .Values.bgpSpeaker.asn }}
+  router-id = "@ROUTER_ID@"
+  port = {{ int .Values.bgpSpeaker.listenPort }}
+{{- end -}}
