@@ -1,7 +1,9 @@
 //! Developer tasks for xlb: `cargo xtask <command>` (alias in .cargo/config.toml).
 
 mod bench;
+mod chart;
 mod demo;
+mod image;
 mod setup;
 mod test;
 mod util;
@@ -36,6 +38,10 @@ enum Command {
     },
     /// Lint the eBPF crate for its real target (needs nightly).
     ClippyEbpf,
+    /// Lint, render and schema-check the Helm chart (charts/xlb) over its CI values files.
+    ChartCheck,
+    /// Build the agent and gobgpd container images with buildah and run their binaries.
+    Image,
 }
 
 fn main() -> ExitCode {
@@ -60,6 +66,8 @@ fn run(command: Command) -> Result<()> {
         Command::Demo => demo::run(),
         Command::Bench { args } => bench::run(&args),
         Command::ClippyEbpf => test::clippy_ebpf(),
+        Command::ChartCheck => chart::run(),
+        Command::Image => image::run(),
     }
 }
 

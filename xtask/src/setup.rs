@@ -30,6 +30,13 @@ const PACKAGES: &[&str] = &[
     "gobgpd",
     "frr",
     "protobuf-compiler",
+    // Container images (cargo xtask image): buildah, musl-gcc for ring's C
+    // code in the static build, a static shell for the images.
+    "buildah",
+    "musl-tools",
+    "busybox-static",
+    // A venv for kubernetes-validate (cargo xtask chart-check).
+    "python3-venv",
 ];
 
 /// Kept with the binary: bpf-linker has an rpath to the libLLVM symlinks here.
@@ -38,6 +45,11 @@ const LLVM_PREFIX: &str = "/opt/xlb-llvm";
 /// pinned so a newer release cannot break a fresh machine.
 const BPF_LINKER_VERSION: &str = "0.13.0";
 const BPFFS: &str = "/sys/fs/bpf";
+/// machine.md: the release that builds here with `go install`.
+const HELM_MODULE: &str = "helm.sh/helm/v3/cmd/helm@v3.16.4";
+const HELM_VERSION: &str = "v3.16.4";
+/// Pinned: its version is also the newest Kubernetes it ships schemas for.
+const KUBERNETES_VALIDATE: &str = "kubernetes-validate==1.37.0";
 
 fn ok(item: &str) {
     println!("ok          {item}");
@@ -55,6 +67,9 @@ pub fn run() -> Result<()> {
     nightly_rust_src()?;
     bpf_linker()?;
     bpffs()?;
+    musl_target()?;
+    helm()?;
+    kubernetes_validate()?;
     Ok(())
 }
 
@@ -244,4 +259,64 @@ fn bpffs() -> Result<()> {
     }
     installing(item);
     util::run(Command::new("mount").args(["-t", "bpf", "bpf", BPFFS]))
+}
+
+/// The agent's image holds static binaries built for musl.
+fn musl_target() -> Result<()> {
+    let target = crate::image::MUSL_TARGET;
+    let item = format!("rust target {target} (stable)");
+    let installed = output(Command::new("rustup").args([
+        "target",
+        "list",
+        "--installed",
+        "--toolchain",
+        "stable",
+    ]))
+    .unwrap_or_default();
+    if installed.lines().any(|l| l.trim() == target) {
+        ok(&item);
+        return Ok(());
+    }
+    installing(&item);
+    util::run(Command::new("rustup").args(["target", "add", target, "--toolchain", "stable"]))
+}
+
+/// No helm package is reachable; it builds from the Go module proxy.
+fn helm() -> Result<()> {
+    let item = format!("helm {HELM_VERSION}");
+    let version = output(Command::new("helm").args(["version", "--short"])).unwrap_or_default();
+    if version.starts_with(HELM_VERSION) {
+        ok(&item);
+        return Ok(());
+    }
+    installing(&item);
+    util::run(
+        Command::new("go")
+            .current_dir("/")
+            .env("GOBIN", "/usr/local/bin")
+            .args(["install", HELM_MODULE]),
+    )
+}
+
+/// Debian's pip refuses system-wide installs, so it goes into its own venv.
+fn kubernetes_validate() -> Result<()> {
+    let venv = Path::new(crate::chart::VENV);
+    let item = format!("{KUBERNETES_VALIDATE} in {}", venv.display());
+    let wanted = KUBERNETES_VALIDATE.rsplit("==").next().unwrap_or_default();
+    let version = output(Command::new(venv.join("bin/kubernetes-validate")).arg("--version"))
+        .unwrap_or_default();
+    if version.trim() == wanted {
+        ok(&item);
+        return Ok(());
+    }
+    installing(&item);
+    if !venv.join("bin/python").exists() {
+        // Debian's interpreter, not whatever python3 comes first on PATH.
+        util::run(
+            Command::new("/usr/bin/python3")
+                .args(["-m", "venv"])
+                .arg(venv),
+        )?;
+    }
+    util::run(Command::new(venv.join("bin/pip")).args(["install", "--quiet", KUBERNETES_VALIDATE]))
 }

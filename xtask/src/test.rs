@@ -2,7 +2,8 @@ use anyhow::{Context, Result};
 
 use crate::util::{cargo, repo_root, run as run_cmd};
 
-/// fmt, clippy, tests: cheapest first, stopping at the first failure.
+/// fmt, clippy, tests, the Helm chart, the images: cheapest first,
+/// stopping at the first failure.
 pub fn run(extra: &[String]) -> Result<()> {
     run_cmd(cargo().args(["fmt", "--all", "--check"])).context("step `fmt` failed")?;
 
@@ -26,6 +27,9 @@ pub fn run(extra: &[String]) -> Result<()> {
     // The tests set up namespaces and BPF state and manage their own concurrency.
     test.env_remove("RUST_TEST_THREADS");
     run_cmd(&mut test).context("step `test` failed")?;
+
+    crate::chart::run().context("step `chart-check` failed")?;
+    crate::image::run().context("step `image` failed")?;
 
     println!("all checks passed");
     Ok(())

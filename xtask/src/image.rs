@@ -1,0 +1,248 @@
+//! `cargo xtask image`: the container images the Helm chart points at, built
+//! with buildah (no registry is reachable, so both start from scratch):
+//!
+//! - `localhost/xlb-agent:<version>` (also tagged `xlb-agent:dev`) from
+//!   lb-agent/Containerfile: static musl builds of lb-agent and lbctl;
+//! - `localhost/xlb-gobgpd:<version>`: Debian's gobgpd and gobgp with the C
+//!   library they link against, for the chart's BGP sidecar.
+//!
+//! Then each image is checked by running its binaries inside it.
+
+use std::fs;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use anyhow::{bail, ensure, Context, Result};
+
+use crate::chart::workspace_version;
+use crate::util::{cargo, output, repo_root, run as run_cmd};
+
+pub const MUSL_TARGET: &str = "x86_64-unknown-linux-musl";
+/// Debian's busybox-static: a shell for the init container and for debugging.
+pub const BUSYBOX: &str = "/bin/busybox";
+const GOBGP_BINARIES: &[&str] = &["/usr/bin/gobgpd", "/usr/bin/gobgp"];
+
+/// buildah with the settings this machine needs: vfs storage (no overlay
+/// in a container) and chroot isolation (no user namespaces for runc).
+fn buildah() -> Command {
+    let mut cmd = Command::new("buildah");
+    cmd.args(["--storage-driver", "vfs"]);
+    cmd
+}
+
+pub fn run() -> Result<()> {
+    let version = workspace_version()?;
+    let context = repo_root().join("target/image");
+    agent_image(&version, &context.join("agent"))?;
+    gobgpd_image(&version, &context.join("gobgpd"))?;
+    println!(
+        "images built and checked: localhost/xlb-agent:{version}, localhost/xlb-gobgpd:{version}"
+    );
+    Ok(())
+}
+
+fn agent_image(version: &str, context: &Path) -> Result<()> {
+    // build.rs also builds the XDP object (nightly, bpfel) and the gRPC stubs
+    // (protoc); ring's C and assembly parts are compiled with musl-gcc.
+    run_cmd(
+        cargo()
+            .env(format!("CC_{}", MUSL_TARGET.replace('-', "_")), "musl-gcc")
+            .args(["build", "--release", "-p", "lb-agent", "--bins", "--target"])
+            .arg(MUSL_TARGET),
+    )
+    .context("building lb-agent and lbctl for musl")?;
+    let bin_dir = repo_root().join("target").join(MUSL_TARGET).join("release");
+
+    fresh_dir(context)?;
+    for name in ["lb-agent", "lbctl"] {
+        let binary = bin_dir.join(name);
+        ensure_static(&binary)?;
+        copy(&binary, &context.join(name))?;
+    }
+    ensure_static(Path::new(BUSYBOX))?;
+    copy(Path::new(BUSYBOX), &context.join("busybox"))?;
+
+    let image = format!("localhost/xlb-agent:{version}");
+    run_cmd(
+        buildah()
+            .args(["bud", "--isolation", "chroot", "--layers=false"])
+            .arg("--build-arg")
+            .arg(format!("VERSION={version}"))
+            .arg("-f")
+            .arg(repo_root().join("lb-agent/Containerfile"))
+            .args(["-t", &image, "-t", "xlb-agent:dev"])
+            .arg(context),
+    )
+    .context("building the agent image")?;
+
+    in_container(&image, |run| {
+        let out = run(&["lb-agent", "--version"])?;
+        ensure!(
+            out.contains(&format!("lb-agent {version}")),
+            "`lb-agent --version` in the image printed {out:?}"
+        );
+        let out = run(&["lbctl", "--help"])?;
+        ensure!(out.contains("Usage"), "`lbctl --help` printed {out:?}");
+        let out = run(&["lb-agent", "--print-crds"])?;
+        ensure!(out.contains("loadbalancerpools.xlb.dev"), "{out}");
+        // What the chart's accept-local init container needs.
+        run(&[
+            "sh",
+            "-c",
+            "set -e; for i in \"$@\"; do echo \"$i\"; done",
+            "sh",
+            "eth0",
+        ])?;
+        Ok(())
+    })
+}
+
+fn gobgpd_image(version: &str, context: &Path) -> Result<()> {
+    fresh_dir(context)?;
+    let image = format!("localhost/xlb-gobgpd:{version}");
+    let container = format!("xlb-gobgpd-build-{}", std::process::id());
+    run_cmd(buildah().args(["from", "--name", &container, "scratch"]))?;
+    let result = (|| {
+        let mut files: Vec<PathBuf> = GOBGP_BINARIES.iter().map(PathBuf::from).collect();
+        for binary in GOBGP_BINARIES {
+            files.extend(shared_libraries(Path::new(binary))?);
+        }
+        files.push(PathBuf::from(BUSYBOX));
+        files.sort();
+        files.dedup();
+        for file in &files {
+            // The same path inside the image, so the binaries' interpreter
+            // path and the loader's search paths hold; the content from the
+            // end of any symlink chain (/lib64/ld-linux-x86-64.so.2 is one).
+            let source =
+                fs::canonicalize(file).with_context(|| format!("resolving {}", file.display()))?;
+            run_cmd(buildah().arg("copy").arg(&container).arg(source).arg(file))?;
+        }
+        run_cmd(buildah().args([
+            "run",
+            "--isolation",
+            "chroot",
+            &container,
+            "--",
+            BUSYBOX,
+            "--install",
+            "-s",
+            "/bin",
+        ]))?;
+        run_cmd(buildah().args([
+            "config",
+            "--env",
+            "PATH=/usr/bin:/bin",
+            "--entrypoint",
+            r#"["/usr/bin/gobgpd"]"#,
+            "--label",
+            &format!("org.opencontainers.image.version={version}"),
+            "--label",
+            "org.opencontainers.image.description=Debian's gobgpd for xlb's BGP sidecar",
+            &container,
+        ]))?;
+        run_cmd(buildah().args(["commit", "--rm", &container, &image]))
+    })();
+    if result.is_err() {
+        let _ = buildah().args(["rm", &container]).status();
+    }
+    result.context("building the gobgpd image")?;
+
+    in_container(&image, |run| {
+        let out = run(&["gobgpd", "--version"])?;
+        ensure!(out.contains("gobgpd version"), "{out:?}");
+        run(&["gobgp", "--help"])?;
+        // The sidecar's start: the router id substituted with sed, then a
+        // config file gobgpd accepts.
+        let out = run(&[
+            "sh",
+            "-c",
+            "set -e; mkdir -p /tmp/g; \
+             printf '[global.config]\\n  as = 64512\\n  router-id = \"@ROUTER_ID@\"\\n  port = -1\\n' > /tmp/g/in.toml; \
+             sed \"s/@ROUTER_ID@/$ROUTER_ID/\" /tmp/g/in.toml > /tmp/g/gobgpd.toml; \
+             cat /tmp/g/gobgpd.toml; gobgpd --dry-run --config-type=toml --config-file=/tmp/g/gobgpd.toml",
+        ])?;
+        ensure!(out.contains("router-id = \"192.0.2.7\""), "{out}");
+        Ok(())
+    })
+}
+
+/// Run checks in a working container of `image`, removed afterwards.
+fn in_container(
+    image: &str,
+    checks: impl FnOnce(&dyn Fn(&[&str]) -> Result<String>) -> Result<()>,
+) -> Result<()> {
+    let container = format!("xlb-image-check-{}", std::process::id());
+    run_cmd(buildah().args(["from", "--name", &container, image]))?;
+    let run = |argv: &[&str]| -> Result<String> {
+        let mut cmd = buildah();
+        cmd.args([
+            "run",
+            "--isolation",
+            "chroot",
+            "--env",
+            "ROUTER_ID=192.0.2.7",
+        ])
+        .arg(&container)
+        .arg("--")
+        .args(argv);
+        println!("$ (in {image}) {}", argv.join(" "));
+        let out = cmd
+            .output()
+            .with_context(|| format!("could not start buildah run for {argv:?}"))?;
+        let text = format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        if !out.status.success() {
+            bail!("{argv:?} failed in {image} ({}):\n{text}", out.status);
+        }
+        Ok(text)
+    };
+    let result = checks(&run);
+    run_cmd(buildah().args(["rm", &container]))?;
+    result.with_context(|| format!("checking {image}"))?;
+    println!("ok  {image} runs its binaries");
+    Ok(())
+}
+
+fn ensure_static(binary: &Path) -> Result<()> {
+    let description = output(Command::new("file").arg("-L").arg(binary))
+        .with_context(|| format!("`file {}` failed", binary.display()))?;
+    if !(description.contains("statically linked") || description.contains("static-pie linked")) {
+        bail!(
+            "{} is not statically linked: {description}",
+            binary.display()
+        );
+    }
+    Ok(())
+}
+
+/// The libraries (and loader) `ldd` says a binary loads.
+fn shared_libraries(binary: &Path) -> Result<Vec<PathBuf>> {
+    let out = output(Command::new("ldd").arg(binary))
+        .with_context(|| format!("`ldd {}` failed", binary.display()))?;
+    Ok(out
+        .lines()
+        .filter_map(|line| {
+            // "libc.so.6 => /lib/x86_64-linux-gnu/libc.so.6 (0x...)" or
+            // "/lib64/ld-linux-x86-64.so.2 (0x...)"; linux-vdso has no file.
+            let path = line.split("=>").last()?.split_whitespace().next()?;
+            path.starts_with('/').then(|| PathBuf::from(path))
+        })
+        .collect())
+}
+
+fn fresh_dir(dir: &Path) -> Result<()> {
+    if dir.exists() {
+        fs::remove_dir_all(dir).with_context(|| format!("removing {}", dir.display()))?;
+    }
+    fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))
+}
+
+fn copy(from: &Path, to: &Path) -> Result<()> {
+    fs::copy(from, to)
+        .map(|_| ())
+        .with_context(|| format!("copying {} to {}", from.display(), to.display()))
+}
