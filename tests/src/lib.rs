@@ -1,5 +1,6 @@
 //! Test support for xlb: packet fixtures, checkers and helpers shared by the integration tests.
 
+pub mod apiserver;
 pub mod bench_support;
 pub mod ecmp;
 pub mod netns;
