@@ -86,6 +86,29 @@ pub const METRICS_PORT: u16 = 9469;
 /// The VIP's service port.
 pub const VIP_PORT: u16 = 80;
 
+/// The route reflector's address on the nodes' segment
+/// ([`Topology::RouteReflector`]).
+pub const RR_IP: Ipv4Addr = Ipv4Addr::new(10, 101, 0, 2);
+/// The addresses the route reflector accepts sessions from without a
+/// neighbour entry each (its dynamic neighbours): 10.101.0.8-15, the nodes.
+pub const RR_DYNAMIC_RANGE: &str = "10.101.0.8/29";
+/// The route reflector's gobgpd API port, on 127.0.0.1 in its namespace.
+pub const RR_API_PORT: u16 = 50051;
+
+/// How the nodes reach the router.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Topology {
+    /// Every node's speaker peers with the router (eBGP, AS 65001 to 65000).
+    Direct,
+    /// As in the paper (IEICE 2019, Fig. 4 and Appendix C): every node's
+    /// speaker peers with a GoBGP route reflector (iBGP, all in AS 65000),
+    /// which accepts them as dynamic neighbours of a peer group (no entry
+    /// per node) and passes all their paths for a VIP to the router with
+    /// ADD-PATH; the router's BIRD receives them (`add paths rx`) and merges
+    /// them into one ECMP route.
+    RouteReflector,
+}
+
 /// The BGP speaker on the nodes, driven by the agent's `bgp.driver`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Driver {
@@ -198,6 +221,11 @@ pub struct Node {
     dir: PathBuf,
     /// The lab's prefix (`xe<pid><d>`).
     prefix: String,
+    /// The speaker's BGP neighbour (the router, or the route reflector),
+    /// its AS, and the node's own AS.
+    pub peer_ip: Ipv4Addr,
+    pub peer_asn: u32,
+    pub asn: u32,
     agent: Option<Child>,
     speaker: Option<Child>,
     agent_starts: usize,
@@ -248,7 +276,9 @@ impl Node {
             Driver::GoBgp => format!(
                 "  gobgp:\n\
                  \x20   peers:\n\
-                 \x20     - {{ address: {ROUTER_IP}, asn: {ROUTER_ASN}, hold_time: {hold}s }}\n",
+                 \x20     - {{ address: {peer}, asn: {asn}, hold_time: {hold}s }}\n",
+                peer = self.peer_ip,
+                asn = self.peer_asn,
                 hold = HOLD_TIME.as_secs()
             ),
             Driver::Bird => format!(
@@ -274,10 +304,11 @@ impl Node {
     fn prepare_speaker(&self) {
         let hold = HOLD_TIME.as_secs();
         let ip = self.ip();
+        let (peer, peer_asn, asn) = (self.peer_ip, self.peer_asn, self.asn);
         match self.driver {
             Driver::GoBgp => fs::write(
                 self.dir.join("gobgpd.toml"),
-                format!("[global.config]\n  as = {NODE_ASN}\n  router-id = \"{ip}\"\n"),
+                format!("[global.config]\n  as = {asn}\n  router-id = \"{ip}\"\n"),
             )
             .unwrap(),
             Driver::Bird => {
@@ -304,8 +335,8 @@ protocol static xlb_vips6 {{
   include "{base}6";
 }}
 protocol bgp upstream {{
-  local {ip} as {NODE_ASN};
-  neighbor {ROUTER_IP} as {ROUTER_ASN};
+  local {ip} as {asn};
+  neighbor {peer} as {peer_asn};
   hold time {hold};
   keepalive time 1;
   connect delay time 1;
@@ -353,11 +384,11 @@ protocol bgp upstream {{
                 fs::write(
                     self.dir.join("exabgp.conf"),
                     format!(
-                        "neighbor {ROUTER_IP} {{\n\
+                        "neighbor {peer} {{\n\
                          \x20   router-id {ip};\n\
                          \x20   local-address {ip};\n\
-                         \x20   local-as {NODE_ASN};\n\
-                         \x20   peer-as {ROUTER_ASN};\n\
+                         \x20   local-as {asn};\n\
+                         \x20   peer-as {peer_asn};\n\
                          \x20   hold-time {hold};\n\
                          \x20   family {{\n\
                          \x20       ipv4 unicast;\n\
@@ -685,6 +716,10 @@ pub struct EcmpLab {
     pub lan: Netns,
     pub backends: Vec<Netns>,
     pub nodes: Vec<Node>,
+    pub topology: Topology,
+    /// The route reflector's namespace and gobgpd ([`Topology::RouteReflector`]).
+    pub rr: Option<Netns>,
+    rr_gobgpd: Option<Child>,
     bird: Option<Child>,
     /// `ip -ts monitor route` in the router (its FIB's history, for failure reports).
     route_monitor: Option<Child>,
@@ -720,9 +755,9 @@ fn sweep_stale() {
         let Some((id, _)) = rest.split_once('-') else {
             continue;
         };
-        // `<pid>` or `<pid><driver letter>`.
+        // `<pid>`, `<pid><driver letter>` or `<pid>r<driver letter>`.
         let pid = id.trim_end_matches(|c: char| c.is_ascii_lowercase());
-        if pid.is_empty() || !pid.bytes().all(|b| b.is_ascii_digit()) || id.len() > pid.len() + 1 {
+        if pid.is_empty() || !pid.bytes().all(|b| b.is_ascii_digit()) || id.len() > pid.len() + 2 {
             continue;
         }
         if Path::new(&format!("/proc/{pid}")).exists() {
@@ -767,8 +802,20 @@ impl EcmpLab {
     /// router's BIRD and every node's speaker (for BIRD and ExaBGP, waits
     /// until their sessions are established). No agent runs yet.
     pub fn start_with(driver: Driver) -> Self {
+        Self::start_with_topology(driver, Topology::Direct)
+    }
+
+    /// [`start_with`](Self::start_with) in the given topology. With
+    /// [`Topology::RouteReflector`], the route reflector starts before the
+    /// nodes' speakers, and its session with the router is established
+    /// before this returns.
+    pub fn start_with_topology(driver: Driver, topology: Topology) -> Self {
         sweep_stale();
-        let prefix = format!("xe{}{}", std::process::id(), driver.tag());
+        let rr_tag = match topology {
+            Topology::Direct => "",
+            Topology::RouteReflector => "r",
+        };
+        let prefix = format!("xe{}{rr_tag}{}", std::process::id(), driver.tag());
         let dir = std::env::temp_dir().join(format!("xlb-{prefix}"));
         let _ = fs::remove_dir_all(&dir);
         fs::create_dir_all(&dir).unwrap();
@@ -784,6 +831,9 @@ impl EcmpLab {
             lan,
             backends: Vec::new(),
             nodes: Vec::new(),
+            topology,
+            rr: None,
+            rr_gobgpd: None,
             bird: None,
             route_monitor: None,
             nginx: Vec::new(),
@@ -854,6 +904,11 @@ impl EcmpLab {
                 node_backend_ip(i)
             ));
             let pin_dir = PathBuf::from(format!("/sys/fs/bpf/xlb-{prefix}-n{i}"));
+            let (peer_ip, peer_asn, asn) = match topology {
+                Topology::Direct => (ROUTER_IP, ROUTER_ASN, NODE_ASN),
+                // iBGP: the reflector and its clients share the router's AS.
+                Topology::RouteReflector => (RR_IP, ROUTER_ASN, ROUTER_ASN),
+            };
             lab.nodes.push(Node {
                 index: i,
                 driver,
@@ -862,6 +917,9 @@ impl EcmpLab {
                 pin_dir,
                 dir: node_dir,
                 prefix: prefix.clone(),
+                peer_ip,
+                peer_asn,
+                asn,
                 agent: None,
                 speaker: None,
                 agent_starts: 0,
@@ -880,6 +938,9 @@ impl EcmpLab {
             );
         }
         lab.start_bird();
+        if topology == Topology::RouteReflector {
+            lab.start_route_reflector();
+        }
         for node in &mut lab.nodes {
             node.start_speaker();
         }
@@ -890,13 +951,139 @@ impl EcmpLab {
         lab
     }
 
-    /// Waits until the router's sessions with `nodes` are established.
+    /// The route reflector: a namespace on the router's bridge (10.101.0.2)
+    /// running gobgpd with the config of [`rr_config`](Self::rr_config).
+    /// Waits until its session with the router is established.
+    fn start_route_reflector(&mut self) {
+        let ns = Netns::new(&format!("{}-rr", self.prefix));
+        sh(&format!(
+            "ip link add rr netns {r} type veth peer name eth0 netns {n}",
+            r = self.router.name,
+            n = ns.name
+        ));
+        self.router
+            .run("ip link set rr master br0 && ip link set rr up");
+        ns.run(&format!(
+            "ip addr add {RR_IP}/24 dev eth0 && ip link set eth0 up && ip link set lo up"
+        ));
+        let conf = self.dir.join("rr-gobgpd.toml");
+        fs::write(&conf, Self::rr_config()).unwrap();
+        let api = format!("127.0.0.1:{RR_API_PORT}");
+        let child = spawn_in(
+            &ns,
+            &self.dir.join("rr-gobgpd.log"),
+            Path::new("gobgpd"),
+            &[
+                "-f",
+                conf.to_str().unwrap(),
+                "--api-hosts",
+                &api,
+                "--pprof-disable",
+                "-p",
+                "-l",
+                "info",
+            ],
+        );
+        self.rr_gobgpd = Some(child);
+        wait_for_port(&ns, SocketAddr::from((Ipv4Addr::LOCALHOST, RR_API_PORT)));
+        self.rr = Some(ns);
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            let s = self.birdc(&["show", "protocols", "reflector"]);
+            if s.contains("Established") {
+                break;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "the router's session with the route reflector: {s}\n{}",
+                self.logs()
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// The route reflector's gobgpd config (TOML), as the paper's Appendix C
+    /// with gobgpd 3.x keys: a peer group of route-reflector clients whose
+    /// members are whoever connects from [`RR_DYNAMIC_RANGE`] (gobgpd stays
+    /// passive towards them), and the router as an ordinary iBGP neighbour
+    /// to which it sends up to 8 paths per prefix (ADD-PATH), so that the
+    /// router learns one path per node instead of the reflector's best.
+    pub fn rr_config() -> String {
+        let hold = HOLD_TIME.as_secs();
+        format!(
+            r#"[global.config]
+  as = {ROUTER_ASN}
+  router-id = "{RR_IP}"
+
+[[peer-groups]]
+  [peer-groups.config]
+    peer-group-name = "lb-nodes"
+    peer-as = {ROUTER_ASN}
+  [peer-groups.timers.config]
+    hold-time = {hold}
+    keepalive-interval = 1
+  [peer-groups.route-reflector.config]
+    route-reflector-client = true
+    route-reflector-cluster-id = "{RR_IP}"
+  [[peer-groups.afi-safis]]
+    [peer-groups.afi-safis.config]
+      afi-safi-name = "ipv4-unicast"
+
+[[dynamic-neighbors]]
+  [dynamic-neighbors.config]
+    prefix = "{RR_DYNAMIC_RANGE}"
+    peer-group = "lb-nodes"
+
+[[neighbors]]
+  [neighbors.config]
+    neighbor-address = "{ROUTER_IP}"
+    peer-as = {ROUTER_ASN}
+  [neighbors.timers.config]
+    connect-retry = 1
+    hold-time = {hold}
+    keepalive-interval = 1
+  [[neighbors.afi-safis]]
+    [neighbors.afi-safis.config]
+      afi-safi-name = "ipv4-unicast"
+    [neighbors.afi-safis.add-paths.config]
+      send-max = 8
+"#
+        )
+    }
+
+    /// The `gobgp` CLI against the route reflector's gobgpd.
+    pub fn rr_gobgp(&self, args: &[&str]) -> String {
+        let ns = self.rr.as_ref().expect("route reflector topology");
+        let port = RR_API_PORT.to_string();
+        let mut a = vec!["-p", &port];
+        a.extend_from_slice(args);
+        let out = output_in(ns, "gobgp", &a);
+        format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        )
+    }
+
+    /// Waits until the sessions of `nodes` are established: with the router
+    /// (`birdc show protocols nI`), or with the route reflector (`gobgp
+    /// neighbor`, where a dynamic neighbour appears once connected).
     pub fn wait_sessions(&self, nodes: &[usize], timeout: Duration) {
         let deadline = Instant::now() + timeout;
         for &i in nodes {
             loop {
-                let s = self.birdc(&["show", "protocols", &format!("n{i}")]);
-                if s.contains("Established") {
+                let s = match self.topology {
+                    Topology::Direct => self.birdc(&["show", "protocols", &format!("n{i}")]),
+                    Topology::RouteReflector => self.rr_gobgp(&["neighbor"]),
+                };
+                let up = match self.topology {
+                    Topology::Direct => s.contains("Established"),
+                    Topology::RouteReflector => s.lines().any(|l| {
+                        l.split_whitespace().next() == Some(&node_ip(i).to_string())
+                            && l.contains("Establ")
+                    }),
+                };
+                if up {
                     break;
                 }
                 assert!(
@@ -985,11 +1172,34 @@ template bgp lbnode {{
             log = self.dir.join("bird.log").display(),
             hold = HOLD_TIME.as_secs()
         );
-        for i in 1..=NODES {
-            s.push_str(&format!(
-                "protocol bgp n{i} from lbnode {{ neighbor {} as {NODE_ASN}; }}\n",
-                node_ip(i)
-            ));
+        match self.topology {
+            Topology::Direct => {
+                for i in 1..=NODES {
+                    s.push_str(&format!(
+                        "protocol bgp n{i} from lbnode {{ neighbor {} as {NODE_ASN}; }}\n",
+                        node_ip(i)
+                    ));
+                }
+            }
+            // One iBGP session, to the reflector, carrying every node's path
+            // (ADD-PATH receive). `direct`: the reflector is on br0, so the
+            // next hops (the nodes, on br0 too) are used as they are, where
+            // iBGP's default (multihop) would resolve them through an IGP.
+            Topology::RouteReflector => s.push_str(&format!(
+                r#"protocol bgp reflector {{
+  local {ROUTER_IP} as {ROUTER_ASN};
+  neighbor {RR_IP} as {ROUTER_ASN};
+  hold time {hold};
+  keepalive time 1;
+  connect delay time 1;
+  connect retry time 1;
+  error wait time 1, 2;
+  direct;
+  ipv4 {{ import all; export none; add paths rx; }};
+}}
+"#,
+                hold = HOLD_TIME.as_secs()
+            )),
         }
         s
     }
@@ -1085,6 +1295,10 @@ template bgp lbnode {{
         add("bird.log".into(), self.dir.join("bird.log"));
         add("bird.out".into(), self.dir.join("bird.out"));
         add("router FIB changes".into(), self.dir.join("routes.log"));
+        add(
+            "route reflector gobgpd".into(),
+            self.dir.join("rr-gobgpd.log"),
+        );
         for n in &self.nodes {
             add(
                 format!("node {} {}", n.index, n.driver.daemon()),
@@ -1122,6 +1336,7 @@ impl Drop for EcmpLab {
                 unsafe { libc::kill(pid, libc::SIGKILL) };
             }
         }
+        kill_child(&mut self.rr_gobgpd);
         kill_child(&mut self.bird);
         kill_child(&mut self.route_monitor);
         for c in &mut self.nginx {

@@ -40,8 +40,8 @@ use std::{
 
 use serde_json::Value;
 use xlb_tests::ecmp::{
-    backend_ip, node_of_hop, request_from, Driver, EcmpLab, BACKENDS, BACKEND_PORT, CLIENT_IP,
-    HOLD_TIME, NODES, VIP,
+    backend_ip, node_ip, node_of_hop, request_from, Driver, EcmpLab, Topology, BACKENDS,
+    BACKEND_PORT, CLIENT_IP, HOLD_TIME, NODES, ROUTER_IP, RR_IP, VIP,
 };
 use xlb_tests::topology::{agent_bin, lbctl_bin};
 
@@ -593,5 +593,158 @@ fn ecmp_over_three_nodes(driver: Driver) {
         eprintln!("  {what:<40} {d:?}");
     }
     eprintln!("  total {total:?}");
+    assert!(total < Duration::from_secs(90), "took {total:?}");
+}
+
+/// The paper's topology (IEICE 2019, Fig. 4, Appendix C): the nodes' gobgpd
+/// (driven by the agent, as the Helm chart's sidecar) peer with a GoBGP
+/// route reflector that knows them only as dynamic neighbours of a peer
+/// group; the reflector sends every node's path to the router with
+/// ADD-PATH, and the router's BIRD (`add paths rx`, `merge paths on`)
+/// installs one ECMP route. Checked: one next hop per node over the single
+/// router session; flows spread over the three nodes (per-node counters);
+/// SIGTERM removes the node's next hop before the agent exits and no new
+/// flow reaches it; SIGKILL of agent and gobgpd removes it within the hold
+/// time; restarting brings both back.
+#[test]
+fn ecmp_through_a_gobgp_route_reflector() {
+    let _ = (agent_bin(), lbctl_bin());
+    let t0 = Instant::now();
+    let mut lab = EcmpLab::start_with_topology(Driver::GoBgp, Topology::RouteReflector);
+    start_agents(&mut lab, &[1, 2, 3]);
+
+    // 1. One next hop per node, all learnt over the one session with the
+    // reflector: BIRD holds three paths for the VIP from protocol `reflector`.
+    let took = wait_fib(&lab, &[1, 2, 3], Duration::from_secs(30), "start");
+    let shown = lab.birdc(&["show", "route", "for", &VIP.to_string(), "all"]);
+    eprintln!(
+        "router FIB after {took:?}:\n{}\n{shown}",
+        lab.router_route()
+    );
+    assert_eq!(
+        shown.matches("[reflector ").count(),
+        NODES,
+        "the router should hold one path per node from the reflector:\n{shown}"
+    );
+    for i in 1..=NODES {
+        assert!(
+            shown.contains(&format!("BGP.next_hop: {}", node_ip(i))),
+            "node {i}'s path: {shown}"
+        );
+    }
+    let protocols = lab.birdc(&["show", "protocols"]);
+    assert!(
+        protocols.lines().filter(|l| l.contains(" BGP ")).count() == 1,
+        "the router has one BGP session, with the reflector: {protocols}"
+    );
+    // The reflector: the nodes are dynamic neighbours (no entry of their
+    // own in its config), and it sends the router all three paths.
+    lab.wait_sessions(&[1, 2, 3], Duration::from_secs(10));
+    let rr_config = EcmpLab::rr_config();
+    for i in 1..=NODES {
+        assert!(!rr_config.contains(&node_ip(i).to_string()), "{rr_config}");
+    }
+    let adj_out = lab.rr_gobgp(&["neighbor", &ROUTER_IP.to_string(), "adj-out"]);
+    assert_eq!(
+        adj_out
+            .lines()
+            .filter(|l| l.contains(&format!("{VIP}/32")))
+            .count(),
+        NODES,
+        "the reflector's adj-rib-out towards the router: {adj_out}"
+    );
+    for node in &lab.nodes {
+        wait_until(
+            &format!(
+                "node {}: its session with the reflector in xlb_bgp_peer_up",
+                node.index
+            ),
+            Duration::from_secs(10),
+            || {
+                let page = node.get("/metrics").ok()?.1;
+                page.contains(&format!("xlb_bgp_peer_up{{peer=\"{RR_IP}\"}} 1"))
+                    .then_some(())
+            },
+            || node.get("/metrics").map(|r| r.1).unwrap_or_default(),
+        );
+    }
+
+    // 2. Flows from 300 client ports spread over the three nodes.
+    let answers = requests(&lab, 30000..30300, "three nodes (RR)");
+    let per_node = assert_flows_on(&lab, &answers, &[1, 2, 3], "three nodes (RR)");
+    eprintln!("RR: 300 flows per node {per_node:?}");
+    for i in 1..=NODES {
+        assert!(per_node[&i] >= 30, "node {i}: {per_node:?}");
+        let (packets, new_flows, replies) = counters(&lab, i);
+        assert!(
+            packets >= 3 * per_node[&i] as u64 && new_flows >= per_node[&i] as u64 && replies > 0,
+            "node {i} handled {} flows, but lbctl services counts packets {packets}, \
+             new_flows {new_flows}, reply_packets {replies}",
+            per_node[&i]
+        );
+    }
+
+    // 3. SIGTERM on node 1: the reflector withdraws its path, the router
+    // drops the next hop while the agent still drains; no new flow reaches it.
+    lab.node(1).sigterm_agent();
+    let sent = Instant::now();
+    let (running_when_withdrawn, took) = loop {
+        let running = lab.node(1).agent_running();
+        if lab.router_next_hops() == EcmpLab::hops(&[2, 3]) {
+            break (running, sent.elapsed());
+        }
+        assert!(
+            sent.elapsed() < HOLD_TIME + Duration::from_secs(5),
+            "SIGTERM on node 1: its next hop did not leave the router's FIB\n{}",
+            fib_state(&lab)
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    eprintln!("RR: SIGTERM, next hop withdrawn after {took:?}");
+    assert!(took < HOLD_TIME, "SIGTERM: withdrawn after {took:?}");
+    assert!(
+        running_when_withdrawn,
+        "node 1's agent exited before its withdrawal"
+    );
+    assert!(lab
+        .node(1)
+        .wait_agent_exit(Duration::from_secs(10))
+        .success());
+    let before = counters(&lab, 1);
+    let answers = requests(&lab, 31000..31150, "node 1 stopped (RR)");
+    let per_node = assert_flows_on(&lab, &answers, &[2, 3], "node 1 stopped (RR)");
+    assert!(per_node.values().all(|&n| n >= 15), "{per_node:?}");
+    assert_eq!(
+        counters(&lab, 1),
+        before,
+        "node 1's counters moved after its withdrawal"
+    );
+
+    // 4. Node 2 dies with its gobgpd: the reflector loses the session at
+    // once (the kernel closes it), or at the latest when its hold timer
+    // expires, and withdraws the path.
+    lab.node(2).kill_agent();
+    lab.node(2).kill_speaker();
+    let took = wait_fib(
+        &lab,
+        &[3],
+        HOLD_TIME + Duration::from_secs(1),
+        "node 2 killed (RR)",
+    );
+    eprintln!("RR: SIGKILL, next hop withdrawn after {took:?}");
+    let answers = requests(&lab, 32000..32060, "node 2 killed (RR)");
+    assert_flows_on(&lab, &answers, &[3], "node 2 killed (RR)");
+
+    // 5. Both come back: node 1's agent, node 2's gobgpd and agent (which
+    // adds the reflector as its neighbour again).
+    lab.node(2).start_speaker();
+    start_agents(&mut lab, &[1, 2]);
+    let took = wait_fib(&lab, &[1, 2, 3], Duration::from_secs(30), "restart (RR)");
+    eprintln!("RR: restart, 3 next hops {took:?} after the agents were ready");
+    let answers = requests(&lab, 33000..33150, "all back (RR)");
+    let per_node = assert_flows_on(&lab, &answers, &[1, 2, 3], "all back (RR)");
+    assert!(per_node.values().all(|&n| n >= 10), "{per_node:?}");
+    let total = t0.elapsed();
+    eprintln!("route reflector test: {total:?}");
     assert!(total < Duration::from_secs(90), "took {total:?}");
 }
