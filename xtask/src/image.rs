@@ -63,6 +63,7 @@ fn agent_image(version: &str, context: &Path) -> Result<()> {
     copy(Path::new(BUSYBOX), &context.join("busybox"))?;
 
     let image = format!("localhost/xlb-agent:{version}");
+    remove_previous(&[&image, "localhost/xlb-agent:dev"]);
     run_cmd(
         buildah()
             .args(["bud", "--isolation", "chroot", "--layers=false"])
@@ -100,6 +101,7 @@ fn agent_image(version: &str, context: &Path) -> Result<()> {
 fn gobgpd_image(version: &str, context: &Path) -> Result<()> {
     fresh_dir(context)?;
     let image = format!("localhost/xlb-gobgpd:{version}");
+    remove_previous(&[&image]);
     let container = format!("xlb-gobgpd-build-{}", std::process::id());
     run_cmd(buildah().args(["from", "--name", &container, "scratch"]))?;
     let result = (|| {
@@ -205,6 +207,15 @@ fn in_container(
     result.with_context(|| format!("checking {image}"))?;
     println!("ok  {image} runs its binaries");
     Ok(())
+}
+
+/// vfs storage keeps a full copy per image: drop the last build's before
+/// tagging a new one, so repeated runs do not pile up untagged images.
+/// (Absent images, or ones a container still uses, are left alone.)
+fn remove_previous(images: &[&str]) {
+    for image in images {
+        let _ = crate::util::succeeds(buildah().args(["rmi", image]));
+    }
 }
 
 fn ensure_static(binary: &Path) -> Result<()> {
