@@ -149,6 +149,10 @@ impl AddressFamily {
     }
 }
 
+/// The connect-retry time the agent gives the neighbours it adds: gobgpd's
+/// minimum (it waits at least 5 s between attempts).
+pub const AGENT_CONNECT_RETRY: Duration = Duration::from_secs(5);
+
 /// A BGP neighbor to add to `gobgpd` (the local ASN and router id are
 /// `gobgpd`'s global settings).
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -163,6 +167,12 @@ pub struct PeerConfig {
     pub password: Option<String>,
     /// eBGP multihop with this TTL; `None` for a directly connected peer.
     pub multihop_ttl: Option<u8>,
+    /// Time between gobgpd's connection attempts after the first (which
+    /// gobgpd makes 5-10 s after the neighbor is added, whatever this is);
+    /// `None` keeps GoBGP's default of 120 s. A peer that never connects
+    /// itself (a route reflector taking its clients as dynamic neighbours)
+    /// is reached only by these attempts.
+    pub connect_retry: Option<Duration>,
     /// Families to negotiate; empty means GoBGP's default, the family of
     /// the neighbor address. List both to carry IPv6 VIPs over an IPv4
     /// session (or the reverse).
@@ -179,6 +189,7 @@ impl PeerConfig {
             keepalive: None,
             password: None,
             multihop_ttl: None,
+            connect_retry: None,
             families: Vec::new(),
         }
     }
@@ -643,14 +654,16 @@ fn is_local(path: &apipb::Path) -> bool {
 
 fn peer_to_api(p: &PeerConfig) -> apipb::Peer {
     let secs = |d: Option<Duration>| d.map_or(0, |d| d.as_secs());
-    let timers = (p.hold_time.is_some() || p.keepalive.is_some()).then(|| apipb::Timers {
-        config: Some(apipb::TimersConfig {
-            hold_time: secs(p.hold_time),
-            keepalive_interval: secs(p.keepalive),
-            ..Default::default()
-        }),
-        state: None,
-    });
+    let timers = (p.hold_time.is_some() || p.keepalive.is_some() || p.connect_retry.is_some())
+        .then(|| apipb::Timers {
+            config: Some(apipb::TimersConfig {
+                connect_retry: secs(p.connect_retry),
+                hold_time: secs(p.hold_time),
+                keepalive_interval: secs(p.keepalive),
+                ..Default::default()
+            }),
+            state: None,
+        });
     apipb::Peer {
         conf: Some(apipb::PeerConf {
             neighbor_address: p.address.to_string(),
@@ -720,6 +733,19 @@ fn status_error(status: tonic::Status) -> AnnounceError {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn peer_timers_reach_gobgp() {
+        let mut p = PeerConfig::new("10.0.0.254".parse().unwrap(), 65000);
+        assert!(peer_to_api(&p).timers.is_none(), "GoBGP's defaults");
+        p.connect_retry = Some(AGENT_CONNECT_RETRY);
+        p.hold_time = Some(Duration::from_secs(3));
+        let t = peer_to_api(&p).timers.unwrap().config.unwrap();
+        assert_eq!(
+            (t.connect_retry, t.hold_time, t.keepalive_interval),
+            (5, 3, 0)
+        );
+    }
 
     fn route(vip: &str, nh: &str, communities: Vec<(u16, u16)>, lp: Option<u32>) -> Route {
         Route {

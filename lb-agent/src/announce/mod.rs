@@ -158,6 +158,9 @@ pub fn from_config(bgp: &crate::config::BgpConfig) -> Result<Box<dyn Announcer>,
                     keepalive: Some(p.keepalive),
                     password: p.password.clone(),
                     multihop_ttl: p.multihop_ttl,
+                    // GoBGP's 120 s would leave a node cut off from a
+                    // passive peer (a route reflector) for minutes.
+                    connect_retry: Some(gobgp::AGENT_CONNECT_RETRY),
                     // VIPs of both families ride one session per peer.
                     families: vec![
                         gobgp::AddressFamily::Ipv4Unicast,
