@@ -537,6 +537,40 @@ async fn watcher_sees_added_modified_deleted() {
 }
 
 #[tokio::test]
+async fn streaming_list_watcher_gets_initial_events_then_changes() {
+    let server = TestApiServer::start().await;
+    server.create(&service("a", &[])).unwrap();
+    server.create(&service("b", &[])).unwrap();
+    let api: Api<Service> = Api::namespaced(server.client(), "default");
+    let config = watcher::Config::default().streaming_lists();
+    let mut events = watcher(api, config).boxed();
+    assert!(matches!(
+        next_event(&mut events).await,
+        watcher::Event::Init
+    ));
+    let mut initial = Vec::new();
+    loop {
+        match next_event(&mut events).await {
+            watcher::Event::InitApply(s) => initial.push(s.name_any()),
+            watcher::Event::InitDone => break,
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+    assert_eq!(initial, ["a", "b"]);
+    server.create(&service("c", &[])).unwrap();
+    assert!(
+        matches!(next_event(&mut events).await, watcher::Event::Apply(s) if s.name_any() == "c")
+    );
+    let watch = server
+        .requests()
+        .into_iter()
+        .find(|r| r.verb == "watch")
+        .unwrap();
+    assert_eq!(watch.param("sendInitialEvents").as_deref(), Some("true"));
+    assert!(!server.requests().iter().any(|r| r.verb == "list"));
+}
+
+#[tokio::test]
 async fn watch_replays_history_and_selectors_move_objects() {
     let server = TestApiServer::start().await;
     let api: Api<Service> = Api::namespaced(server.client(), "default");
@@ -709,6 +743,12 @@ async fn injected_failures_reach_the_client() {
         .unwrap_err();
     assert_eq!(api_code(err), (409, "Conflict".into()));
     assert!(server.pending_faults().is_empty());
+
+    // Rules can target a Kubernetes verb: a list fails, a get does not.
+    server.inject(Fault::new(500).verb("list"));
+    api.get("web").await.expect("a get is not a list");
+    let err = api.list(&ListParams::default()).await.unwrap_err();
+    assert_eq!(api_code(err).0, 500);
 
     // kube-rs retries 503 by itself: two failures, then success.
     server.clear_requests();

@@ -2,10 +2,10 @@
 //! routing Kubernetes API paths, watch streams, injected faults and the
 //! request log.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::convert::Infallible;
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
@@ -43,7 +43,9 @@ pub(crate) struct Shared {
     pub listening: watch::Sender<bool>,
     connections: Mutex<HashMap<u64, AbortHandle>>,
     next_connection: AtomicU64,
-    pub open_watches: AtomicUsize,
+    /// Ids of the watch streams open now.
+    watches: Mutex<HashSet<u64>>,
+    next_watch: AtomicU64,
 }
 
 /// Poisoning only follows a panic elsewhere; the data is still usable.
@@ -73,20 +75,35 @@ impl Shared {
             listening: watch::Sender::new(false),
             connections: Mutex::new(HashMap::new()),
             next_connection: AtomicU64::new(0),
-            open_watches: AtomicUsize::new(0),
+            watches: Mutex::new(HashSet::new()),
+            next_watch: AtomicU64::new(0),
         }
     }
 
     /// Closes every connection (and with them every watch stream).
-    pub fn abort_connections(&self) {
-        for (_, handle) in lock(&self.connections).drain() {
+    /// Returns what was open, to wait for with [`Self::closed`].
+    pub fn abort_connections(&self) -> (Vec<u64>, Vec<u64>) {
+        // Watches first: any watch open now runs on a connection aborted below.
+        let watches: Vec<u64> = lock(&self.watches).iter().copied().collect();
+        let connections = lock(&self.connections);
+        for handle in connections.values() {
             handle.abort();
         }
-        lock(&self.store).forget_watchers();
+        (connections.keys().copied().collect(), watches)
     }
 
-    pub fn connection_count(&self) -> usize {
-        lock(&self.connections).len()
+    /// Whether these connections and watches have all ended.
+    pub fn closed(&self, connections: &[u64], watches: &[u64]) -> bool {
+        let open_connections = lock(&self.connections);
+        let open_watches = lock(&self.watches);
+        connections
+            .iter()
+            .all(|c| !open_connections.contains_key(c))
+            && watches.iter().all(|w| !open_watches.contains(w))
+    }
+
+    pub fn open_watches(&self) -> usize {
+        lock(&self.watches).len()
     }
 }
 
@@ -143,7 +160,10 @@ pub(crate) async fn serve(shared: Arc<Shared>, first: TcpListener) {
             }
         }
         drop(current);
-        shared.abort_connections();
+        let (connections, watches) = shared.abort_connections();
+        while !shared.closed(&connections, &watches) {
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
         shared.listening.send_replace(false);
     }
 }
@@ -370,11 +390,17 @@ fn resource_list(store: &Store, group: &str, version: &str) -> Option<Value> {
 }
 
 /// Finds and consumes the first injected fault that matches.
-fn take_fault(shared: &Shared, method: &Method, path: &str, watch: bool) -> Option<ApiError> {
+fn take_fault(
+    shared: &Shared,
+    method: &Method,
+    path: &str,
+    verb: &str,
+    watch: bool,
+) -> Option<ApiError> {
     let mut faults = lock(&shared.faults);
     let index = faults
         .iter()
-        .position(|f| f.matches(method.as_str(), path, watch))?;
+        .position(|f| f.matches(method.as_str(), path, verb, watch))?;
     let fault = &mut faults[index];
     fault.times -= 1;
     let mut err = ApiError::new(
@@ -496,7 +522,11 @@ async fn respond(
             .find(|(k, _)| k == name)
             .map(|(_, v)| v.as_str())
     };
-    if let Some(err) = take_fault(shared, &parts.method, path, record.watch) {
+    let routed = route(shared, path);
+    if let Ok(Target::Resource(route)) = &routed {
+        record.verb = verb(&parts.method, route.name.is_some(), record.watch);
+    }
+    if let Some(err) = take_fault(shared, &parts.method, path, record.verb, record.watch) {
         record.injected = true;
         return error_response(&err);
     }
@@ -508,13 +538,12 @@ async fn respond(
     if !authorized {
         return error_response(&ApiError::new(401, "Unauthorized"));
     }
-    let route = match route(shared, path) {
+    let route = match routed {
         Ok(Target::Resource(route)) => route,
         Ok(Target::Fixed(value)) => return json_response(200, &value),
         Ok(Target::Text(text)) => return Response::new(full(text)),
         Err(err) => return error_response(&err),
     };
-    record.verb = verb(&parts.method, route.name.is_some(), record.watch);
     if matches!(
         parts.method,
         Method::POST | Method::PUT | Method::PATCH | Method::DELETE
@@ -668,12 +697,27 @@ fn partial_metadata(object: &Value) -> Value {
 }
 
 /// Counts an open watch stream for as long as its producer runs.
-struct WatchGuard(Arc<Shared>);
+struct WatchGuard {
+    shared: Arc<Shared>,
+    id: u64,
+}
+
+impl WatchGuard {
+    fn new(shared: &Arc<Shared>) -> Self {
+        let id = shared.next_watch.fetch_add(1, Ordering::Relaxed);
+        lock(&shared.watches).insert(id);
+        shared.activity.send_modify(|n| *n += 1);
+        Self {
+            shared: shared.clone(),
+            id,
+        }
+    }
+}
 
 impl Drop for WatchGuard {
     fn drop(&mut self) {
-        self.0.open_watches.fetch_sub(1, Ordering::SeqCst);
-        self.0.activity.send_modify(|n| *n += 1);
+        lock(&self.shared.watches).remove(&self.id);
+        self.shared.activity.send_modify(|n| *n += 1);
     }
 }
 
@@ -722,9 +766,7 @@ fn start_watch<'a>(
         }
     };
     let (tx, rx) = mpsc::channel::<Bytes>(64);
-    shared.open_watches.fetch_add(1, Ordering::SeqCst);
-    shared.activity.send_modify(|n| *n += 1);
-    let guard = WatchGuard(shared.clone());
+    let guard = WatchGuard::new(shared);
     let shared = shared.clone();
     let bookmark = move |rv: u64, initial_end: bool| {
         let (av, k) = if metadata_only {

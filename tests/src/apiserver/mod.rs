@@ -199,7 +199,9 @@ impl ServerOptions {
     }
 }
 
-/// A rule that makes matching requests fail: `Fault::new(503).times(2).method("PATCH")`.
+/// A rule that makes matching requests fail:
+/// `Fault::new(503).times(2).method("PATCH").path_contains("/status")`,
+/// `Fault::new(500).verb("list")`. All set conditions must hold.
 #[derive(Clone, Debug)]
 pub struct Fault {
     pub code: u16,
@@ -209,6 +211,9 @@ pub struct Fault {
     pub method: Option<String>,
     /// Only paths containing this (`"/status"`, `"/leases/"`).
     pub path_contains: Option<String>,
+    /// Only this Kubernetes verb (`"list"`, `"watch"`, `"patch"`, ...; see
+    /// [`RequestRecord::verb`]).
+    pub verb: Option<String>,
     /// Only watch requests (`Some(true)`) or only others (`Some(false)`).
     pub watch: Option<bool>,
     /// Sent as `Retry-After` (429 gets 1 second unless set).
@@ -225,6 +230,7 @@ impl Fault {
             times: 1,
             method: None,
             path_contains: None,
+            verb: None,
             watch: None,
             retry_after_seconds: (code == 429).then_some(1),
             message: None,
@@ -238,6 +244,11 @@ impl Fault {
 
     pub fn method(mut self, method: &str) -> Self {
         self.method = Some(method.to_ascii_uppercase());
+        self
+    }
+
+    pub fn verb(mut self, verb: &str) -> Self {
+        self.verb = Some(verb.to_ascii_lowercase());
         self
     }
 
@@ -266,9 +277,10 @@ impl Fault {
         self
     }
 
-    fn matches(&self, method: &str, path: &str, watch: bool) -> bool {
+    fn matches(&self, method: &str, path: &str, verb: &str, watch: bool) -> bool {
         self.times > 0
             && self.method.as_deref().is_none_or(|m| m == method)
+            && self.verb.as_deref().is_none_or(|v| v == verb)
             && self
                 .path_contains
                 .as_deref()
@@ -288,7 +300,7 @@ pub struct RequestRecord {
     pub content_type: Option<String>,
     /// Kubernetes verb: `get`, `list`, `watch`, `create`, `update`, `patch`,
     /// `delete`, `deletecollection`; empty for other paths and for requests
-    /// refused before routing (injected faults, 401).
+    /// not naming a resource.
     pub verb: &'static str,
     /// HTTP status of the response (200 for watches, even expired ones).
     pub status: u16,
@@ -681,8 +693,15 @@ impl TestApiServer {
     /// Closes every open connection and watch stream, as an API server
     /// restart does; the listener stays up. Returns once they are closed.
     pub fn drop_watches(&self) {
-        self.shared.abort_connections();
-        self.wait_quiet();
+        let (connections, watches) = self.shared.abort_connections();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while !self.shared.closed(&connections, &watches) {
+            assert!(
+                Instant::now() < deadline,
+                "test apiserver connections did not close"
+            );
+            std::thread::sleep(Duration::from_millis(1));
+        }
     }
 
     /// Forgets the change history: watches resuming from any earlier
@@ -718,10 +737,8 @@ impl TestApiServer {
     /// once the change has happened.
     pub fn set_down(&self, down: bool) {
         self.shared.up.send_replace(!down);
+        // Going down, `listening` turns false once every connection is closed.
         self.wait_listening(!down);
-        if down {
-            self.wait_quiet();
-        }
     }
 
     pub fn is_down(&self) -> bool {
@@ -739,23 +756,9 @@ impl TestApiServer {
         }
     }
 
-    /// Waits until no connection and no watch stream is open.
-    fn wait_quiet(&self) {
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while self.shared.connection_count() > 0 || self.open_watches() > 0 {
-            assert!(
-                Instant::now() < deadline,
-                "test apiserver connections did not close"
-            );
-            std::thread::sleep(Duration::from_millis(1));
-        }
-    }
-
     /// Watch streams open now.
     pub fn open_watches(&self) -> usize {
-        self.shared
-            .open_watches
-            .load(std::sync::atomic::Ordering::SeqCst)
+        self.shared.open_watches()
     }
 
     /// Every HTTP request answered so far, oldest first.

@@ -933,11 +933,6 @@ impl Store {
         self.history.clear();
         self.compacted = self.rv;
     }
-
-    /// Drops the senders of every open watch (their streams end).
-    pub fn forget_watchers(&mut self) {
-        self.watchers.clear();
-    }
 }
 
 #[cfg(test)]
