@@ -786,6 +786,10 @@ fn start_watch<'a>(
         let mut last_rv = 0u64;
         let render = |change: &Change, last_rv: &mut u64| -> Option<Bytes> {
             *last_rv = (*last_rv).max(change.rv);
+            // A watch from a resourceVersion not reached yet starts there.
+            if matches!(from, WatchFrom::After(n) if change.rv <= n) {
+                return None;
+            }
             let event_type = event_type(change, &filter)?;
             let object = if metadata_only {
                 partial_metadata(&change.object)
