@@ -58,6 +58,8 @@ pub struct Agent {
     announce: Option<AnnounceTask>,
     /// Services from Kubernetes, when configured.
     k8s: Option<DesiredRx>,
+    /// This agent's candidacy for handing out LoadBalancer addresses.
+    allocator: Option<crate::k8s::allocator::Running>,
     /// VIPs both the file and Kubernetes define (the file wins), logged once.
     shadowed: BTreeSet<(IpAddr, u16, Protocol)>,
 }
@@ -138,6 +140,7 @@ impl Agent {
             attached: BTreeSet::new(),
             announce: None,
             k8s: None,
+            allocator: None,
             shadowed: BTreeSet::new(),
         };
         if let Some(kcfg) = agent.config.kubernetes.clone() {
@@ -153,7 +156,19 @@ impl Agent {
                     node_name: node_name.clone(),
                 },
             );
-            crate::k8s::start_allocator(client, &kcfg, &node_name, agent.metrics.registry());
+            if kcfg.allocate_addresses {
+                agent.allocator = Some(
+                    crate::k8s::allocator::start(
+                        client,
+                        &kcfg,
+                        &node_name,
+                        agent.metrics.registry(),
+                    )
+                    .context("registering the allocator's metrics")?,
+                );
+            } else {
+                info!("allocate_addresses is off: this agent hands out no addresses");
+            }
             // Until the cluster's state is known, the data plane keeps what it
             // has (a restart during an API server outage changes nothing).
             info!("waiting for the first sync with the Kubernetes API server");
@@ -216,6 +231,10 @@ impl Agent {
                 _ = term.recv() => break,
                 _ = int.recv() => break,
             }
+        }
+        if let Some(allocator) = self.allocator.take() {
+            // Free the Lease so another agent takes over at once.
+            allocator.stop().await;
         }
         if let (Some(task), Some(bgp)) = (&self.announce, &self.config.bgp) {
             // Withdraw first, so the router stops sending before we stop

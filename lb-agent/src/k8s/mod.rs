@@ -48,21 +48,6 @@ pub fn serves(svc: &Service, class: &str, default_class: bool) -> bool {
     }
 }
 
-/// Starts this agent's part in handing out LoadBalancer addresses: a
-/// candidate in the Lease election, allocating while it leads.
-pub fn start_allocator(
-    client: kube::Client,
-    cfg: &crate::config::KubernetesConfig,
-    identity: &str,
-    registry: &prometheus::Registry,
-) {
-    if !cfg.allocate_addresses {
-        tracing::info!("allocate_addresses is off: another agent or tool hands out addresses");
-        return;
-    }
-    let _ = (client, identity, registry);
-}
-
 /// The CRDs xlb defines, as the YAML documents the Helm chart ships.
 pub fn crds_yaml() -> String {
     use kube::CustomResourceExt;
