@@ -6,4 +6,5 @@ pub mod ecmp;
 pub mod netns;
 pub mod packet;
 pub mod topology;
+pub mod traffic;
 pub mod xdp;

@@ -25,6 +25,7 @@ use xlb_tests::topology::{
     agent_bin, allowed_cpus, backend_ip, in_netns, set_affinity, set_rcvbuf, HttpConn, Topology,
     BACKEND_PORT, CLIENT_IP, LB_CLIENT_SIDE, VIP,
 };
+use xlb_tests::traffic::{self, count, wait_until};
 
 const SVC: &str = "192.0.2.10:80/tcp";
 const UDP_SVC: &str = "192.0.2.10:53/udp";
@@ -85,70 +86,21 @@ fn dns(mode: &str) -> String {
 // ---------------------------------------------------------------------------
 // Client traffic.
 
-/// One `GET /` on a new connection to the VIP (closed by nginx after the
-/// answer). Returns the client port and the backend's name.
-fn one_request() -> io::Result<(u16, String)> {
-    let mut s = TcpStream::connect_timeout(&vip(), Duration::from_secs(5))?;
-    let port = s.local_addr()?.port();
-    s.set_read_timeout(Some(Duration::from_secs(5)))?;
-    s.write_all(b"GET / HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")?;
-    let mut buf = Vec::new();
-    s.read_to_end(&mut buf)?;
-    let text = String::from_utf8_lossy(&buf);
-    match text.split_once("\r\n\r\n") {
-        Some((head, body)) if head.starts_with("HTTP/1.1 200") => Ok((port, body.trim().into())),
-        _ => Err(io::Error::other(format!("bad response {text:?}"))),
-    }
-}
-
-/// `n` connections from the client, one after another; every one must be
-/// answered. Returns (client port, backend name) per connection.
+/// [`traffic::requests_on`] to the web VIP from any CPU.
 fn requests(t: &Topology, n: usize) -> Vec<(u16, String)> {
     requests_on(t, n, None)
 }
 
-/// [`requests`] from a client thread restricted to `cpu`.
 fn requests_on(t: &Topology, n: usize, cpu: Option<usize>) -> Vec<(u16, String)> {
-    let results = in_netns(&t.client, move || {
-        if let Some(c) = cpu {
-            set_affinity(0, &[c]);
-        }
-        (0..n)
-            .map(|_| one_request())
-            .collect::<Vec<io::Result<(u16, String)>>>()
-    })
-    .join()
-    .expect("client thread");
-    results
-        .into_iter()
-        .enumerate()
-        .map(|(i, r)| r.unwrap_or_else(|e| panic!("connection {i} of {n} failed: {e}")))
-        .collect()
-}
-
-/// Connections per backend name.
-fn count(results: &[(u16, String)]) -> BTreeMap<String, usize> {
-    let mut m = BTreeMap::new();
-    for (_, b) in results {
-        *m.entry(b.clone()).or_insert(0) += 1;
-    }
-    m
+    traffic::requests_on(t, vip(), n, cpu)
 }
 
 fn keepalive(t: &Topology) -> HttpConn {
     HttpConn::connect_in(&t.client, vip()).expect("keep-alive connection")
 }
 
-/// Opens keep-alive connections until one lands on backend `n` (the others
-/// are dropped).
 fn keepalive_to(t: &Topology, n: usize) -> HttpConn {
-    for _ in 0..200 {
-        let mut c = keepalive(t);
-        if c.get().expect("first request") == backend_name(n) {
-            return c;
-        }
-    }
-    panic!("no keep-alive connection reached b{n} in 200 tries");
+    traffic::keepalive_to(t, vip(), &backend_name(n))
 }
 
 /// Restores the calling thread's CPU affinity when dropped.
@@ -188,21 +140,6 @@ fn assert_sticky(c: &mut HttpConn, expected: &str, k: usize, when: &str) {
 
 // ---------------------------------------------------------------------------
 // Waiting, lbctl, metrics.
-
-/// Polls `f` every 50 ms until it returns `Some`, at most `timeout`.
-fn wait_until<T>(what: &str, timeout: Duration, mut f: impl FnMut() -> Option<T>) -> T {
-    let deadline = Instant::now() + timeout;
-    loop {
-        if let Some(v) = f() {
-            return v;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "timed out after {timeout:?}: {what}"
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    }
-}
 
 /// The backend addresses in the service's live Maglev table.
 fn table_backends(t: &Topology, svc: &str) -> Vec<String> {

@@ -1,0 +1,89 @@
+//! Client traffic for the end-to-end tests: HTTP requests to a VIP from the
+//! client namespace, counted by the backend (nginx `b<N>`) that answered.
+
+use std::{
+    collections::BTreeMap,
+    io::{self, Read, Write},
+    net::{SocketAddr, TcpStream},
+    time::{Duration, Instant},
+};
+
+use crate::topology::{in_netns, set_affinity, HttpConn, Topology};
+
+/// One `GET /` on a new connection to `vip` (closed by nginx after the
+/// answer). Returns the client port and the backend's name.
+pub fn one_request(vip: SocketAddr) -> io::Result<(u16, String)> {
+    let mut s = TcpStream::connect_timeout(&vip, Duration::from_secs(5))?;
+    let port = s.local_addr()?.port();
+    s.set_read_timeout(Some(Duration::from_secs(5)))?;
+    s.write_all(b"GET / HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")?;
+    let mut buf = Vec::new();
+    s.read_to_end(&mut buf)?;
+    let text = String::from_utf8_lossy(&buf);
+    match text.split_once("\r\n\r\n") {
+        Some((head, body)) if head.starts_with("HTTP/1.1 200") => Ok((port, body.trim().into())),
+        _ => Err(io::Error::other(format!("bad response {text:?}"))),
+    }
+}
+
+/// `n` connections from the client to `vip`, one after another, from a
+/// thread restricted to `cpu` if given; every one must be answered.
+/// Returns (client port, backend name) per connection.
+pub fn requests_on(
+    t: &Topology,
+    vip: SocketAddr,
+    n: usize,
+    cpu: Option<usize>,
+) -> Vec<(u16, String)> {
+    let results = in_netns(&t.client, move || {
+        if let Some(c) = cpu {
+            set_affinity(0, &[c]);
+        }
+        (0..n)
+            .map(|_| one_request(vip))
+            .collect::<Vec<io::Result<(u16, String)>>>()
+    })
+    .join()
+    .expect("client thread");
+    results
+        .into_iter()
+        .enumerate()
+        .map(|(i, r)| r.unwrap_or_else(|e| panic!("connection {i} of {n} failed: {e}")))
+        .collect()
+}
+
+/// Connections per backend name.
+pub fn count(results: &[(u16, String)]) -> BTreeMap<String, usize> {
+    let mut m = BTreeMap::new();
+    for (_, b) in results {
+        *m.entry(b.clone()).or_insert(0) += 1;
+    }
+    m
+}
+
+/// Opens keep-alive connections to `vip` until one lands on the backend
+/// named `name` (the others are dropped).
+pub fn keepalive_to(t: &Topology, vip: SocketAddr, name: &str) -> HttpConn {
+    for _ in 0..200 {
+        let mut c = HttpConn::connect_in(&t.client, vip).expect("keep-alive connection");
+        if c.get().expect("first request") == name {
+            return c;
+        }
+    }
+    panic!("no keep-alive connection reached {name} in 200 tries");
+}
+
+/// Polls `f` every 50 ms until it returns `Some`, at most `timeout`.
+pub fn wait_until<T>(what: &str, timeout: Duration, mut f: impl FnMut() -> Option<T>) -> T {
+    let deadline = Instant::now() + timeout;
+    loop {
+        if let Some(v) = f() {
+            return v;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "timed out after {timeout:?}: {what}"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
