@@ -410,6 +410,8 @@ impl<'a> Term<'a> {
             })
             .collect();
         let allocation = ipam::allocate(&requests, &model);
+        // Metrics follow the decision (set before any write goes out).
+        self.allocator.metrics.update(&model, &allocation);
         let mut ok = true;
 
         // Writes that take addresses away first; an address whose removal
@@ -487,7 +489,6 @@ impl<'a> Term<'a> {
         self.pending.retain(|k, _| live_keys.contains(k));
 
         ok &= self.publish_events().await;
-        self.allocator.metrics.update(&model, &allocation);
         ok
     }
 
