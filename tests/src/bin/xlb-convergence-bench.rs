@@ -1,20 +1,22 @@
 //! `cargo xtask bench` (last part): how long the router of the ECMP lab
-//! (`xlb_tests::ecmp`: BIRD with multipath, 3 nodes each running gobgpd +
-//! lb-agent + XDP) takes to reflect a change in the set of serving nodes,
-//! in the spirit of Figure 13(c) of the IEICE 2019 paper: the number of
-//! serving nodes changes at random, many times, and each change's delay is
-//! measured until the router's FIB shows the new next-hop set.
+//! (`xlb_tests::ecmp`: BIRD with multipath, 3 nodes each running a BGP
+//! speaker + lb-agent + XDP) takes to reflect a change in the set of
+//! serving nodes, in the spirit of Figure 13(c) of the IEICE 2019 paper: the
+//! number of serving nodes changes at random, many times, and each change's
+//! delay is measured until the router's FIB shows the new next-hop set. One
+//! run per speaker driver (GoBGP, BIRD, ExaBGP), each in a fresh lab and
+//! with the same seed, hence the same sequence of changes.
 //!
 //! Two series, each starting with all 3 nodes serving. Every event picks a
 //! node at random; a serving node is taken out, a node that is out is
 //! brought back:
 //!
 //! * graceful: out = SIGTERM to the agent (withdraw, drain, exit); back =
-//!   start the agent again (its gobgpd kept running);
-//! * failure: out = either SIGKILL to the agent and its gobgpd, or the
+//!   start the agent again (its speaker kept running);
+//! * failure: out = either SIGKILL to the agent and its speaker, or the
 //!   node's port on the router's bridge set down (nothing is closed: the
 //!   router's hold timer, 3 s, has to expire), at random; back = start
-//!   gobgpd and the agent again, or set the port up again.
+//!   the speaker and the agent again, or set the port up again.
 //!
 //! The delay runs from just before the action (the signal, the `ip link`
 //! command, the start of the processes) to the moment the router's kernel
@@ -25,10 +27,11 @@
 //! since the action gives the time. After each change a random pause of
 //! 100-600 ms precedes the next event.
 //!
-//! Prints a markdown table (count, median, p90, p99, max per kind) and
-//! writes a histogram (docs/benchmarks-convergence.svg). Needs what
-//! `tests/tests/ecmp_e2e.rs` needs: root, bpffs, nginx, ethtool, iproute2,
-//! gobgpd/gobgp 3.x and BIRD 2.
+//! Prints a markdown table per driver (count, median, p90, p99, max per
+//! kind) and writes a histogram with one panel per driver
+//! (docs/benchmarks-convergence.svg). Needs what `tests/tests/ecmp_e2e.rs`
+//! needs: root, bpffs, nginx, ethtool, iproute2, gobgpd/gobgp 3.x, BIRD 2
+//! and ExaBGP 4.2.
 
 use std::{
     collections::BTreeSet,
@@ -44,11 +47,12 @@ use std::{
 
 use xlb_tests::{
     bench_support::{install_sigint_flag, interrupted, workspace_root},
-    ecmp::{node_ip, EcmpLab, HOLD_TIME, NODES, VIP},
+    ecmp::{node_ip, Driver, EcmpLab, HOLD_TIME, NODES, VIP},
     topology::{agent_bin, lbctl_bin},
 };
 
 const USAGE: &str = "xlb-convergence-bench [options]
+  --drivers LIST   speaker drivers to run, comma-separated (gobgp,bird,exabgp)
   --graceful N     events of the graceful series (60)
   --failure N      events of the failure series (50)
   --seed N         random seed (default: from the clock; printed)
@@ -56,6 +60,7 @@ const USAGE: &str = "xlb-convergence-bench [options]
   --svg PATH       where to write the histogram (docs/benchmarks-convergence.svg); --no-svg: none";
 
 struct Opts {
+    drivers: Vec<Driver>,
     graceful: usize,
     failure: usize,
     seed: u64,
@@ -65,6 +70,7 @@ struct Opts {
 
 fn parse_args() -> Result<Opts, String> {
     let mut o = Opts {
+        drivers: vec![Driver::GoBgp, Driver::Bird, Driver::ExaBgp],
         graceful: 60,
         failure: 50,
         seed: SystemTime::now()
@@ -79,6 +85,22 @@ fn parse_args() -> Result<Opts, String> {
         let mut value = || args.next().ok_or(format!("{a} needs a value"));
         let num = |v: String| v.parse::<u64>().map_err(|e| format!("{a} {v}: {e}"));
         match a.as_str() {
+            "--drivers" => {
+                o.drivers = value()?
+                    .split(',')
+                    .map(|d| match d.trim() {
+                        "gobgp" => Ok(Driver::GoBgp),
+                        "bird" => Ok(Driver::Bird),
+                        "exabgp" => Ok(Driver::ExaBgp),
+                        other => Err(format!(
+                            "--drivers: unknown driver {other:?} (gobgp, bird, exabgp)"
+                        )),
+                    })
+                    .collect::<Result<_, _>>()?;
+                if o.drivers.is_empty() {
+                    return Err("--drivers: none given".into());
+                }
+            }
             "--graceful" => o.graceful = num(value()?)? as usize,
             "--failure" => o.failure = num(value()?)? as usize,
             "--seed" => o.seed = num(value()?)?,
@@ -138,10 +160,10 @@ impl Kind {
     fn label(self) -> &'static str {
         match self {
             Kind::GracefulStop => "graceful stop (SIGTERM agent)",
-            Kind::Start => "start (agent; gobgpd kept running)",
-            Kind::Kill => "kill (SIGKILL agent + gobgpd)",
+            Kind::Start => "start (agent; speaker kept running)",
+            Kind::Kill => "kill (SIGKILL agent + speaker)",
             Kind::HoldExpiry => "link cut (hold-timer expiry)",
-            Kind::StartAfterKill => "start after kill (gobgpd + agent)",
+            Kind::StartAfterKill => "start after kill (speaker + agent)",
             Kind::LinkUp => "link restored",
         }
     }
@@ -355,7 +377,7 @@ fn restore_all(
                 };
             }
             State::Killed => {
-                lab.node(i).start_gobgpd();
+                lab.node(i).start_speaker();
                 {
                     let c = lab.agent_config(i, 1);
                     lab.node(i).start_agent(&c)
@@ -428,11 +450,11 @@ fn series(
             }
             Kind::Kill => {
                 lab.node(i).kill_agent();
-                lab.node(i).kill_gobgpd();
+                lab.node(i).kill_speaker();
             }
             Kind::HoldExpiry => router_link(lab, i, false)?,
             Kind::StartAfterKill => {
-                lab.node(i).start_gobgpd();
+                lab.node(i).start_speaker();
                 {
                     let c = lab.agent_config(i, 1);
                     lab.node(i).spawn_agent(&c)
@@ -563,7 +585,37 @@ fn esc(s: &str) -> String {
         .replace('>', "&gt;")
 }
 
-fn svg(samples: &[Sample], caption: &str) -> String {
+/// Panel size of the histogram, one panel per driver.
+const PANEL_W: f64 = 1100.0;
+const PANEL_H: f64 = 440.0;
+
+/// The histogram: one panel per driver, stacked.
+fn svg(runs: &[DriverRun], caption: &str) -> String {
+    let (w, h) = (PANEL_W, PANEL_H * runs.len() as f64);
+    let mut s = format!(
+        "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{w}\" height=\"{h}\" viewBox=\"0 0 {w} {h}\" \
+         font-family=\"sans-serif\" font-size=\"12\">\n\
+         <rect width=\"100%\" height=\"100%\" fill=\"white\"/>\n"
+    );
+    for (k, run) in runs.iter().enumerate() {
+        let title = format!(
+            "Router FIB convergence after a change of the serving nodes (ECMP lab, {})",
+            run.driver.daemon()
+        );
+        let _ = writeln!(
+            s,
+            "<g transform=\"translate(0 {:.0})\">",
+            PANEL_H * k as f64
+        );
+        s.push_str(&panel(&run.samples, &title, caption));
+        s.push_str("</g>\n");
+    }
+    s.push_str("</svg>\n");
+    s
+}
+
+/// One driver's histogram, at the origin, `PANEL_W` x `PANEL_H`.
+fn panel(samples: &[Sample], title: &str, caption: &str) -> String {
     let kinds: Vec<Kind> = KINDS
         .iter()
         .copied()
@@ -581,7 +633,7 @@ fn svg(samples: &[Sample], caption: &str) -> String {
         .find(|&s| max / s <= 6)
         .unwrap_or(100);
     let top = max.div_ceil(step) * step;
-    let (w, h) = (1100.0, 440.0);
+    let (w, h) = (PANEL_W, PANEL_H);
     let (left, right, up, down) = (50.0, 210.0, 40.0, 60.0);
     let pw = w - left - right;
     let ph = h - up - down;
@@ -589,10 +641,8 @@ fn svg(samples: &[Sample], caption: &str) -> String {
     let bar = (slot - 6.0) / kinds.len().max(1) as f64;
     let y = |c: usize| up + ph - ph * c as f64 / top as f64;
     let mut s = format!(
-        "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{w}\" height=\"{h}\" viewBox=\"0 0 {w} {h}\" \
-         font-family=\"sans-serif\" font-size=\"12\">\n\
-         <rect width=\"100%\" height=\"100%\" fill=\"white\"/>\n\
-         <text x=\"{left}\" y=\"22\" font-size=\"15\" font-weight=\"bold\">Router FIB convergence after a change of the serving nodes (ECMP lab, GoBGP)</text>\n"
+        "<text x=\"{left}\" y=\"22\" font-size=\"15\" font-weight=\"bold\">{}</text>\n",
+        esc(title)
     );
     let mut c = 0;
     while c <= top {
@@ -664,21 +714,26 @@ fn svg(samples: &[Sample], caption: &str) -> String {
             lab = kind.short()
         );
     }
-    s.push_str("</svg>\n");
     s
 }
 
-fn run(o: &Opts) -> Result<(), String> {
-    // Build lb-agent/lbctl (if stale) before anything is timed.
-    let _ = (agent_bin(), lbctl_bin());
+/// One driver's run: its samples and how long its series took.
+struct DriverRun {
+    driver: Driver,
+    samples: Vec<Sample>,
+    graceful_took: Duration,
+    failure_took: Duration,
+    took: Duration,
+}
+
+/// Both series for `driver`, in a lab of its own.
+fn run_driver(o: &Opts, driver: Driver) -> Result<DriverRun, String> {
     let t0 = Instant::now();
-    let mut lab = EcmpLab::start();
+    let mut lab = EcmpLab::start_with(driver);
     let mon = RouteMonitor::start(&lab.router.name.clone())?;
     for i in 1..=NODES {
-        {
-            let c = lab.agent_config(i, 1);
-            lab.node(i).spawn_agent(&c)
-        };
+        let c = lab.agent_config(i, 1);
+        lab.node(i).spawn_agent(&c);
     }
     for i in 1..=NODES {
         lab.node(i).wait_agent_ready();
@@ -692,7 +747,13 @@ fn run(o: &Opts) -> Result<(), String> {
         Duration::from_secs(30),
     )
     .ok_or_else(|| format!("the router never got 3 next hops\n{}", lab.logs()))?;
-    eprintln!("lab up after {:?}; seed {}", t0.elapsed(), o.seed);
+    eprintln!(
+        "{}: lab up after {:?}; seed {}",
+        driver.daemon(),
+        t0.elapsed(),
+        o.seed
+    );
+    // The same seed for every driver: the same sequence of changes.
     let mut rng = Rng(o.seed | 1);
     let mut samples = Vec::new();
     let t = Instant::now();
@@ -721,34 +782,56 @@ fn run(o: &Opts) -> Result<(), String> {
     )?;
     let failure_took = t.elapsed();
     restore_all(&mut lab, &mut states, &mon, o.timeout)?;
-    drop(mon);
-    drop(lab);
+    Ok(DriverRun {
+        driver,
+        samples,
+        graceful_took,
+        failure_took,
+        took: t0.elapsed(),
+    })
+}
+
+fn run(o: &Opts) -> Result<(), String> {
+    // Build lb-agent/lbctl (if stale) before anything is timed.
+    let _ = (agent_bin(), lbctl_bin());
+    let t0 = Instant::now();
+    let mut runs = Vec::new();
+    for &driver in &o.drivers {
+        runs.push(run_driver(o, driver)?);
+    }
 
     let kernel = fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default();
     let cpus = std::thread::available_parallelism().map_or(0, |n| n.get());
     println!(
-        "\nRouter FIB convergence, ECMP lab (BIRD 2 multipath, 3 nodes with gobgpd + lb-agent), \
-         hold time {}s; seed {}; {} graceful events in {:.0} s, {} failure events in {:.0} s; \
-         whole run {:.0} s (Linux {}, {cpus} CPUs):\n",
+        "\nRouter FIB convergence, ECMP lab (BIRD 2 multipath, 3 nodes with a BGP speaker + \
+         lb-agent), hold time {}s; seed {}; {} graceful and {} failure events per driver; \
+         whole run {:.0} s (Linux {}, {cpus} CPUs)",
         HOLD_TIME.as_secs(),
         o.seed,
         o.graceful,
-        graceful_took.as_secs_f64(),
         o.failure,
-        failure_took.as_secs_f64(),
         t0.elapsed().as_secs_f64(),
         kernel.trim()
     );
-    print!("{}", table(&rows(&samples, o.timeout)));
+    for r in &runs {
+        println!(
+            "\n{} (graceful series {:.0} s, failure series {:.0} s, with the lab {:.0} s):\n",
+            r.driver.daemon(),
+            r.graceful_took.as_secs_f64(),
+            r.failure_took.as_secs_f64(),
+            r.took.as_secs_f64()
+        );
+        print!("{}", table(&rows(&r.samples, o.timeout)));
+    }
     if let Some(path) = &o.svg {
         let caption = format!(
-            "{} events, seed {}, Linux {}, {cpus} CPUs; hold time {} s",
-            samples.len(),
+            "{} events per driver, seed {}, Linux {}, {cpus} CPUs; hold time {} s",
+            o.graceful + o.failure,
             o.seed,
             kernel.trim(),
             HOLD_TIME.as_secs()
         );
-        fs::write(path, svg(&samples, &caption))
+        fs::write(path, svg(&runs, &caption))
             .map_err(|e| format!("write {}: {e}", path.display()))?;
         eprintln!("wrote {}", path.display());
     }
