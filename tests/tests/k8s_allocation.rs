@@ -178,6 +178,8 @@ fn events_about(server: &TestApiServer, name: &str) -> Vec<(String, String)> {
         .map(|e| {
             assert_eq!(e["type"], "Warning", "{e}");
             assert_eq!(e["reportingController"], "xlb.dev/lb-agent", "{e}");
+            // Published once: a repeat would have made it a series.
+            assert!(e["series"].is_null(), "the Event was published again: {e}");
             (
                 e["reason"].as_str().unwrap_or_default().to_string(),
                 e["note"].as_str().unwrap_or_default().to_string(),
