@@ -520,6 +520,24 @@ impl Topology {
     /// answers 200. Starting again after the previous agent has exited
     /// reuses the pins (the agent adopts the running data plane).
     pub fn start_agent(&mut self, config_yaml: &str) -> AgentHandle {
+        let mut agent = self.spawn_agent(config_yaml);
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            if let Some(st) = agent.child.try_wait().expect("wait lb-agent") {
+                panic!("lb-agent exited ({st}) before ready; log:\n{}", agent.log());
+            }
+            if let Ok((200, _)) = agent.get("/readyz") {
+                return agent;
+            }
+            if Instant::now() > deadline {
+                panic!("lb-agent not ready within 30 s; log:\n{}", agent.log());
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    /// [`start_agent`](Self::start_agent) without waiting for readiness.
+    pub fn spawn_agent(&mut self, config_yaml: &str) -> AgentHandle {
         static NEXT_PORT: AtomicU16 = AtomicU16::new(19470);
         let port = NEXT_PORT.fetch_add(1, Ordering::Relaxed);
         let metrics_addr = SocketAddr::from((Ipv4Addr::LOCALHOST, port));
@@ -544,25 +562,12 @@ impl Topology {
             .stderr(log)
             .spawn()
             .expect("spawn lb-agent");
-        let mut agent = AgentHandle {
+        AgentHandle {
             child,
             log_path,
             config_path,
             metrics_addr,
             lb_ns: self.lb.name.clone(),
-        };
-        let deadline = Instant::now() + Duration::from_secs(30);
-        loop {
-            if let Some(st) = agent.child.try_wait().expect("wait lb-agent") {
-                panic!("lb-agent exited ({st}) before ready; log:\n{}", agent.log());
-            }
-            if let Ok((200, _)) = agent.get("/readyz") {
-                return agent;
-            }
-            if Instant::now() > deadline {
-                panic!("lb-agent not ready within 30 s; log:\n{}", agent.log());
-            }
-            std::thread::sleep(Duration::from_millis(50));
         }
     }
 
