@@ -646,6 +646,15 @@ async fn an_api_server_outage_leaves_allocations_intact() {
     // Meanwhile (straight into the store): a goes, c comes.
     server.delete::<Service>(Some("default"), "a").unwrap();
     create(&server, lb_service("c", json!({}), json!({})));
+    // Back, but listing pools fails for a while: nothing is decided from
+    // Services alone (that would take every address away).
+    server.inject(
+        Fault::new(500)
+            .times(2)
+            .method("GET")
+            .path_contains("/loadbalancerpools")
+            .non_watches_only(),
+    );
     server.set_down(false);
 
     agent.wait_leading(true, DEADLINE).await;
@@ -657,4 +666,8 @@ async fn an_api_server_outage_leaves_allocations_intact() {
         "b was not rewritten"
     );
     assert_no_address_twice(&server);
+    assert!(
+        server.pending_faults().is_empty(),
+        "the pool lists did fail"
+    );
 }
