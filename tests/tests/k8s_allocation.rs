@@ -252,13 +252,21 @@ async fn a_service_gets_an_address_and_the_status_patch_is_what_the_server_store
 
     // The allocator merge-patched the status subresource, and what the
     // server stores is what it sent.
-    let patches: Vec<_> = server
-        .requests()
-        .into_iter()
-        .filter(|r| {
-            r.method == "PATCH" && r.path == "/api/v1/namespaces/default/services/web/status"
+    // (The log entry is written once the response is sent: wait for it.)
+    let patches = server
+        .wait_for(DEADLINE, |s| {
+            let patches: Vec<_> = s
+                .requests()
+                .into_iter()
+                .filter(|r| {
+                    r.method == "PATCH"
+                        && r.path == "/api/v1/namespaces/default/services/web/status"
+                })
+                .collect();
+            (!patches.is_empty()).then_some(patches)
         })
-        .collect();
+        .await
+        .expect("the PATCH is logged");
     assert_eq!(patches.len(), 1, "{patches:#?}");
     let patch = &patches[0];
     assert_eq!(patch.status, 200);
@@ -530,12 +538,22 @@ async fn a_conflict_on_the_status_patch_is_retried() {
     let _agent = Agent::start(&server, "node-a", Duration::from_secs(15));
     create(&server, lb_service("web", json!({}), json!({})));
     wait_allocated(&server, "web", &["192.0.2.0"]).await;
-    let statuses: Vec<(u16, bool)> = server
-        .requests()
-        .into_iter()
-        .filter(|r| r.method == "PATCH" && r.path.ends_with("/services/web/status"))
-        .map(|r| (r.status, r.injected))
-        .collect();
+    // The log entry is written once the response is sent: wait for it.
+    let statuses = server
+        .wait_for(DEADLINE, |s| {
+            let statuses: Vec<(u16, bool)> = s
+                .requests()
+                .into_iter()
+                .filter(|r| r.method == "PATCH" && r.path.ends_with("/services/web/status"))
+                .map(|r| (r.status, r.injected))
+                .collect();
+            statuses
+                .iter()
+                .any(|(code, _)| *code == 200)
+                .then_some(statuses)
+        })
+        .await
+        .expect("a successful PATCH is logged");
     assert_eq!(statuses, vec![(409, true), (409, true), (200, false)]);
     assert!(server.pending_faults().is_empty());
 }
