@@ -51,6 +51,15 @@ pub fn run(args: &[String]) -> Result<()> {
             ])
             .args(&args),
     )?;
+    // EndpointSlice change -> data plane, through the test API server.
+    run_cmd(cargo().args([
+        "run",
+        "--release",
+        "-p",
+        "xlb-tests",
+        "--bin",
+        "xlb-k8s-latency-bench",
+    ]))?;
     // BGP convergence in the ECMP lab (`xlb-convergence-bench`, defaults only).
     run_cmd(cargo().args([
         "run",

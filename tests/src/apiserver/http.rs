@@ -149,6 +149,9 @@ pub(crate) async fn serve(shared: Arc<Shared>, first: TcpListener) {
             tokio::select! {
                 accepted = current.accept() => {
                     if let Ok((stream, _)) = accepted {
+                        // As the real server: a watch event goes out at once
+                        // (Nagle would hold small ones for the peer's ACK).
+                        let _ = stream.set_nodelay(true);
                         spawn_connection(&shared, stream);
                     }
                 }
