@@ -32,6 +32,20 @@
 //!   `exabgp.env` (`[exabgp.api] cli, ack, pipename`); its config holds the
 //!   session to the router.
 //!
+//! With [`Topology::RouteReflector`] (the paper's topology) a fifth kind of
+//! namespace joins the router's bridge:
+//!
+//! ```text
+//!  <p>-rr  route reflector  eth0 10.101.0.2/24 (port rr of the router's br0),
+//!                           gobgpd (API on 127.0.0.1:50051), AS 65000
+//! ```
+//!
+//! and every BGP session changes: the nodes' speakers (AS 65000) peer with
+//! the reflector, which takes them as dynamic neighbours (10.101.0.8/29) and
+//! reflects their paths to the router over one iBGP session with ADD-PATH
+//! (see [`EcmpLab::rr_config`]); the router's BIRD has that one session
+//! (`add paths rx`). Traffic still flows router -> node directly.
+//!
 //! Every session has a hold time of 3 s. The router's BIRD peers with the
 //! three nodes over the bridge and installs what it learns into its kernel
 //! table with `merge paths on` (ECMP), and hashes flows over the next hops
@@ -43,7 +57,8 @@
 //! partial checksums). Processes are started with `nsenter --net` (not `ip
 //! netns exec`, which remounts /sys and hides bpffs).
 //!
-//! Names are `xe<pid><d>-...` (`<d>`: `g`, `b` or `x`, the driver), so
+//! Names are `xe<pid><d>-...` (`<d>`: `g`, `b` or `x`, the driver; `xe<pid>r<d>` for
+//! the route reflector topology), so
 //! parallel runs, and the three drivers' tests in one run, do not collide;
 //! leftovers of a killed run (its pid gone) are removed by the next one. Dropping the lab
 //! (test passed or panicked) kills every process it started, detaches and

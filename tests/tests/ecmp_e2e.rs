@@ -29,6 +29,11 @@
 //! 7. a service without usable backends (all weights 0) is withdrawn
 //!    everywhere: the router has no route to the VIP.
 //!
+//! A fourth test runs the paper's topology: the nodes' gobgpd peer with a
+//! GoBGP route reflector (dynamic neighbours, ADD-PATH towards the router),
+//! and the router learns every node's path over its one session with it
+//! (`ecmp_through_a_gobgp_route_reflector`).
+//!
 //! Needs root, bpffs at /sys/fs/bpf, nginx, ethtool, iproute2, `gobgpd` and
 //! `gobgp` 3.x, BIRD 2 and ExaBGP 4.2. Every wait polls its condition with a deadline.
 
