@@ -520,7 +520,13 @@ impl Topology {
     /// answers 200. Starting again after the previous agent has exited
     /// reuses the pins (the agent adopts the running data plane).
     pub fn start_agent(&mut self, config_yaml: &str) -> AgentHandle {
-        let mut agent = self.spawn_agent(config_yaml);
+        self.start_agent_wrapped(&[], config_yaml)
+    }
+
+    /// [`start_agent`](Self::start_agent), running the agent under
+    /// `wrapper` (a command that execs its arguments, e.g. `setpriv ...`).
+    pub fn start_agent_wrapped(&mut self, wrapper: &[&str], config_yaml: &str) -> AgentHandle {
+        let mut agent = self.spawn_agent_wrapped(wrapper, config_yaml);
         let deadline = Instant::now() + Duration::from_secs(30);
         loop {
             if let Some(st) = agent.child.try_wait().expect("wait lb-agent") {
@@ -538,6 +544,10 @@ impl Topology {
 
     /// [`start_agent`](Self::start_agent) without waiting for readiness.
     pub fn spawn_agent(&mut self, config_yaml: &str) -> AgentHandle {
+        self.spawn_agent_wrapped(&[], config_yaml)
+    }
+
+    fn spawn_agent_wrapped(&mut self, wrapper: &[&str], config_yaml: &str) -> AgentHandle {
         static NEXT_PORT: AtomicU16 = AtomicU16::new(19470);
         let port = NEXT_PORT.fetch_add(1, Ordering::Relaxed);
         let metrics_addr = SocketAddr::from((Ipv4Addr::LOCALHOST, port));
@@ -548,6 +558,7 @@ impl Topology {
         let log = fs::File::create(&log_path).expect("create agent log");
         let child = Command::new("nsenter")
             .arg(format!("--net=/var/run/netns/{}", self.lb.name))
+            .args(wrapper)
             .arg(agent_bin())
             .arg("--config")
             .arg(&config_path)

@@ -1005,3 +1005,39 @@ fn lbctl_counts_and_traces_match_traffic() {
     );
     assert_no_drops(&t, "lbctl test traffic");
 }
+
+/// The Helm chart gives the agent only BPF, NET_ADMIN and PERFMON (no
+/// SYS_ADMIN by default): with exactly those, it loads, attaches, pins and
+/// forwards.
+#[test]
+fn agent_runs_with_only_the_charts_capabilities() {
+    let mut t = Topology::new("caps", 3);
+    let agent = t.start_agent_wrapped(
+        &[
+            "setpriv",
+            "--bounding-set",
+            "-all,+bpf,+net_admin,+perfmon",
+            "--",
+        ],
+        &config(&[web("snat", &[(1, 1), (2, 1), (3, 1)], "")]),
+    );
+    // The process really runs with that set and nothing more.
+    let status = std::fs::read_to_string(format!("/proc/{}/status", agent.pid())).unwrap();
+    let eff = status
+        .lines()
+        .find_map(|l| l.strip_prefix("CapEff:"))
+        .map(|v| u64::from_str_radix(v.trim(), 16).unwrap())
+        .unwrap();
+    const CAP_NET_ADMIN: u32 = 12;
+    const CAP_PERFMON: u32 = 38;
+    const CAP_BPF: u32 = 39;
+    assert_eq!(
+        eff,
+        (1 << CAP_NET_ADMIN) | (1 << CAP_PERFMON) | (1 << CAP_BPF),
+        "CapEff of the agent"
+    );
+    warm_neighbours(&t);
+    let counts = count(&requests(&t, 60));
+    assert_eq!(counts.len(), 3, "every backend answers: {counts:?}");
+    assert!(!agent.log().contains("setting /proc"), "{}", agent.log());
+}
