@@ -874,6 +874,13 @@ impl EcmpLab {
              && ip link set br0 up \
              && sysctl -qw net.ipv4.ip_forward=1 net.ipv4.fib_multipath_hash_policy=1",
         );
+        // A port that stays up: a bridge whose ports are all down loses its
+        // carrier and BIRD drops every session on it at once, where a real
+        // segment leaves a vanished node to the hold timer.
+        lab.router.run(
+            "ip link add keep0 type veth peer name keep1 && ip link set keep0 master br0 \
+             && ip link set keep1 up && ip link set keep0 up",
+        );
         // The backend LAN.
         lab.lan
             .run("ip link add br0 type bridge forward_delay 0 && ip link set br0 up");
