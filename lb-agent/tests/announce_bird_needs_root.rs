@@ -356,14 +356,10 @@ fn route(vip: &str, nh: &str, communities: &[(u16, u16)], local_pref: Option<u32
     }
 }
 
-fn set(routes: &[&Route]) -> BTreeSet<Route> {
-    routes.iter().map(|r| (*r).clone()).collect()
-}
-
-#[tokio::test]
-async fn bird_announces_withdraws_refuses_and_recovers() {
-    let mut topo = Topology::new("a");
-    let mut bird = BirdAnnouncer::new(topo.path("xlb-vips"), topo.path("node.ctl"));
+/// The node's BIRD configured with the announcer's static protocols, both
+/// daemons started, the session up; returns the announcer.
+async fn start_established(topo: &mut Topology) -> BirdAnnouncer {
+    let bird = BirdAnnouncer::new(topo.path("xlb-vips"), topo.path("node.ctl"));
     bird.ensure_files().unwrap();
     fs::write(
         topo.path("node.conf"),
@@ -376,6 +372,17 @@ async fn bird_announces_withdraws_refuses_and_recovers() {
     topo.start_router();
     topo.start_node();
     topo.wait_established().await;
+    bird
+}
+
+fn set(routes: &[&Route]) -> BTreeSet<Route> {
+    routes.iter().map(|r| (*r).clone()).collect()
+}
+
+#[tokio::test]
+async fn bird_announces_withdraws_refuses_and_recovers() {
+    let mut topo = Topology::new("a");
+    let mut bird = start_established(&mut topo).await;
 
     // Nothing announced yet.
     assert_eq!(
@@ -627,19 +634,7 @@ fn metrics_page(registry: &prometheus::Registry) -> String {
 #[tokio::test]
 async fn bird_session_state_per_peer() {
     let mut topo = Topology::new("p");
-    let mut bird = BirdAnnouncer::new(topo.path("xlb-vips"), topo.path("node.ctl"));
-    bird.ensure_files().unwrap();
-    fs::write(
-        topo.path("node.conf"),
-        format!(
-            "log stderr all;\nrouter id 10.99.0.1;\nprotocol device {{}}\n\n{}{NODE_CONF_TAIL}",
-            bird.static_protocols_config()
-        ),
-    )
-    .unwrap();
-    topo.start_router();
-    topo.start_node();
-    topo.wait_established().await;
+    let mut bird = start_established(&mut topo).await;
 
     let v4: std::net::IpAddr = "10.99.0.2".parse().unwrap();
     let v6: std::net::IpAddr = "fd99::2".parse().unwrap();

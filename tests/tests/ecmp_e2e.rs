@@ -142,6 +142,26 @@ fn wait_until<T>(
     }
 }
 
+/// SIGTERM to node 1's agent; waits until the router's FIB has only nodes 2
+/// and 3. Returns whether the agent was still running (draining) when its
+/// next hop left, and how long that took.
+fn sigterm_node_1(lab: &mut EcmpLab) -> (bool, Duration) {
+    lab.node(1).sigterm_agent();
+    let sent = Instant::now();
+    loop {
+        let running = lab.node(1).agent_running();
+        if lab.router_next_hops() == EcmpLab::hops(&[2, 3]) {
+            return (running, sent.elapsed());
+        }
+        assert!(
+            sent.elapsed() < HOLD_TIME + Duration::from_secs(5),
+            "SIGTERM on node 1: its next hop did not leave the router's FIB\n{}",
+            fib_state(lab)
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
 fn fib_state(lab: &EcmpLab) -> String {
     format!(
         "router FIB: {:?}\nbirdc show protocols:\n{}",
@@ -444,20 +464,8 @@ fn ecmp_over_three_nodes(driver: Driver) {
 
     // 4. SIGTERM on node 1: withdrawn before the agent exits, within the
     // hold time; new flows avoid node 1.
-    lab.node(1).sigterm_agent();
     let sent = Instant::now();
-    let (running_when_withdrawn, took) = loop {
-        let running = lab.node(1).agent_running();
-        if lab.router_next_hops() == EcmpLab::hops(&[2, 3]) {
-            break (running, sent.elapsed());
-        }
-        assert!(
-            sent.elapsed() < HOLD_TIME + Duration::from_secs(5),
-            "SIGTERM on node 1: its next hop did not leave the router's FIB\n{}",
-            fib_state(&lab)
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    };
+    let (running_when_withdrawn, took) = sigterm_node_1(&mut lab);
     eprintln!("SIGTERM: next hop withdrawn after {took:?}");
     assert!(
         took < HOLD_TIME,
@@ -691,20 +699,7 @@ fn ecmp_through_a_gobgp_route_reflector() {
 
     // 3. SIGTERM on node 1: the reflector withdraws its path, the router
     // drops the next hop while the agent still drains; no new flow reaches it.
-    lab.node(1).sigterm_agent();
-    let sent = Instant::now();
-    let (running_when_withdrawn, took) = loop {
-        let running = lab.node(1).agent_running();
-        if lab.router_next_hops() == EcmpLab::hops(&[2, 3]) {
-            break (running, sent.elapsed());
-        }
-        assert!(
-            sent.elapsed() < HOLD_TIME + Duration::from_secs(5),
-            "SIGTERM on node 1: its next hop did not leave the router's FIB\n{}",
-            fib_state(&lab)
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    };
+    let (running_when_withdrawn, took) = sigterm_node_1(&mut lab);
     eprintln!("RR: SIGTERM, next hop withdrawn after {took:?}");
     assert!(took < HOLD_TIME, "SIGTERM: withdrawn after {took:?}");
     assert!(

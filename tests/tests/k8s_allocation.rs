@@ -115,12 +115,8 @@ fn get(server: &TestApiServer, name: &str) -> Option<Service> {
 }
 
 fn ingress_ips(svc: &Service) -> Vec<String> {
-    svc.status
-        .as_ref()
-        .and_then(|s| s.load_balancer.as_ref())
-        .and_then(|lb| lb.ingress.as_ref())
-        .into_iter()
-        .flatten()
+    lb_agent::k8s::ingress(svc)
+        .iter()
         .filter_map(|i| i.ip.clone())
         .collect()
 }

@@ -157,9 +157,7 @@ fn wait_programmed(t: &Topology) {
 /// The address the allocator wrote into the Service's status.
 fn ingress_ip(api: &TestApiServer) -> Option<IpAddr> {
     let svc: Service = api.get(Some(NS), "web")?;
-    svc.status?
-        .load_balancer?
-        .ingress?
+    lb_agent::k8s::ingress(&svc)
         .first()?
         .ip
         .as_deref()?

@@ -616,18 +616,13 @@ impl<'a> Term<'a> {
             return Ok(());
         }
         let key = key_of(svc);
-        let ingress = svc
-            .status
-            .as_ref()
-            .and_then(|s| s.load_balancer.as_ref())
-            .and_then(|lb| lb.ingress.clone())
-            .unwrap_or_default();
-        let kept: Vec<LoadBalancerIngress> = ingress
-            .into_iter()
+        let kept: Vec<LoadBalancerIngress> = super::ingress(svc)
+            .iter()
             .filter(|i| {
                 let ip: Option<IpAddr> = i.ip.as_deref().and_then(|s| s.parse().ok());
                 !ip.is_some_and(|ip| pools.in_any_range(ip))
             })
+            .cloned()
             .collect();
         let patch = json!({
             "metadata": {"resourceVersion": svc.metadata.resource_version},
@@ -766,12 +761,8 @@ fn our_condition(svc: &Service) -> Option<&Condition> {
 
 /// The ingress entries as (ip, ipMode); hostnames count as a difference.
 fn ingress_of(svc: &Service) -> Vec<(String, Option<String>)> {
-    svc.status
-        .as_ref()
-        .and_then(|s| s.load_balancer.as_ref())
-        .and_then(|lb| lb.ingress.as_ref())
-        .into_iter()
-        .flatten()
+    super::ingress(svc)
+        .iter()
         .map(|i| {
             (
                 i.ip.clone().unwrap_or_else(|| {

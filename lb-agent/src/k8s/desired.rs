@@ -208,12 +208,7 @@ fn service_configs(
     let local = spec.external_traffic_policy.as_deref() == Some("Local");
     let mut notes = Vec::new();
     let mut vips = Vec::new();
-    let ingress = svc
-        .status
-        .as_ref()
-        .and_then(|s| s.load_balancer.as_ref())
-        .and_then(|lb| lb.ingress.as_ref());
-    for ing in ingress.into_iter().flatten() {
+    for ing in super::ingress(svc) {
         match ing.ip.as_deref().map(str::parse::<IpAddr>) {
             Some(Ok(ip)) => vips.push(ip),
             Some(Err(_)) => notes.push(format!(

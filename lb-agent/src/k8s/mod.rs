@@ -31,7 +31,16 @@ pub const SERVICE_NAME_LABEL: &str = "kubernetes.io/service-name";
 /// The field manager / event reporter name.
 pub const CONTROLLER_NAME: &str = "xlb.dev/lb-agent";
 
-use k8s_openapi::api::core::v1::Service;
+use k8s_openapi::api::core::v1::{LoadBalancerIngress, Service};
+
+/// The Service's `status.loadBalancer.ingress` entries (none when unset).
+pub fn ingress(svc: &Service) -> &[LoadBalancerIngress] {
+    svc.status
+        .as_ref()
+        .and_then(|s| s.load_balancer.as_ref())
+        .and_then(|lb| lb.ingress.as_deref())
+        .unwrap_or_default()
+}
 
 /// Whether xlb serves this Service: `type: LoadBalancer` with xlb's class
 /// (or no class, when `default_class` is set).
