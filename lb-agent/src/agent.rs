@@ -485,6 +485,14 @@ fn with_node_addresses(mut config: AgentConfig) -> AgentConfig {
                 config.snat_ipv6 = Some(a);
             }
         }
+        for (family, missing) in [
+            ("IPv4", config.snat_ipv4.is_none()),
+            ("IPv6", config.snat_ipv6.is_none()),
+        ] {
+            if missing {
+                warn!(interface = %first, "no {family} address to use as SNAT source (set snat_ipv4/snat_ipv6): {family} Services in snat mode are forwarded without SNAT");
+            }
+        }
     }
     config
 }

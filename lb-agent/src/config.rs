@@ -829,14 +829,6 @@ impl Validator<'_> {
             None => None,
             Some(k) => Some(self.kubernetes(k)?),
         };
-        if let Some(k) = &kubernetes {
-            if k.mode == Mode::Snat && interfaces.is_empty() && snat_ipv4.is_none() {
-                return Err(self.err(
-                    root().key("kubernetes").key("mode"),
-                    "mode snat needs snat_ipv4 or an interface to take the address from",
-                ));
-            }
-        }
         let mut services: Vec<ServiceConfig> = Vec::with_capacity(raw.services.len());
         // name -> index; (vip, port, protocol) -> index
         let mut names: HashMap<String, usize> = HashMap::with_capacity(raw.services.len());
@@ -2312,6 +2304,70 @@ services:
         assert_eq!(e.line(), Some(text.lines().count()));
         eprintln!("and with an error on its last line: {:?}", start.elapsed());
     }
+    #[test]
+    fn kubernetes_section_parses_and_checks() {
+        let k = AgentConfig::parse("interfaces: [eth0]\nkubernetes: {}\n")
+            .unwrap()
+            .kubernetes
+            .unwrap();
+        assert_eq!(k.load_balancer_class, DEFAULT_LOAD_BALANCER_CLASS);
+        assert_eq!(
+            (k.default_class, k.mode, k.allocate_addresses),
+            (false, Mode::Snat, true)
+        );
+        assert_eq!(
+            (k.lease_namespace.as_str(), k.lease_name.as_str()),
+            (DEFAULT_LEASE_NAMESPACE, DEFAULT_LEASE_NAME)
+        );
+        assert_eq!(k.lease_duration, DEFAULT_LEASE_DURATION);
+        assert_eq!((k.kubeconfig, k.node_name), (None, None));
+
+        let full = "interfaces: [eth0]\nkubernetes:\n  kubeconfig: /etc/xlb/kc\n  node_name: worker-1\n  \
+                    load_balancer_class: example.com/lb\n  default_class: true\n  mode: nat\n  \
+                    allocate_addresses: false\n  lease_namespace: lb\n  lease_name: ipam\n  lease_duration: 30s\n";
+        let k = AgentConfig::parse(full).unwrap().kubernetes.unwrap();
+        assert_eq!(k.kubeconfig.as_deref(), Some(Path::new("/etc/xlb/kc")));
+        assert_eq!(k.node_name.as_deref(), Some("worker-1"));
+        assert_eq!(k.load_balancer_class, "example.com/lb");
+        assert_eq!(
+            (k.default_class, k.mode, k.allocate_addresses),
+            (true, Mode::Nat, false)
+        );
+        assert_eq!(
+            (k.lease_namespace.as_str(), k.lease_name.as_str()),
+            ("lb", "ipam")
+        );
+        assert_eq!(k.lease_duration, Duration::from_secs(30));
+
+        let bad = |line: &str| format!("interfaces: [eth0]\nkubernetes:\n  {line}\n");
+        rejects(
+            &bad("node_name: Worker_1"),
+            3,
+            "kubernetes.node_name",
+            "not a Kubernetes name",
+        );
+        rejects(
+            &bad("lease_namespace: -x"),
+            3,
+            "kubernetes.lease_namespace",
+            "not a Kubernetes name",
+        );
+        rejects(
+            &bad("lease_duration: 1s"),
+            3,
+            "kubernetes.lease_duration",
+            "outside 2s..=1h",
+        );
+        rejects(
+            &bad("load_balancer_class: \"a b\""),
+            3,
+            "kubernetes.load_balancer_class",
+            "not a loadBalancerClass",
+        );
+        rejects(&bad("mode: dsr"), 3, "kubernetes.mode", "nat");
+        rejects(&bad("watch: all"), 3, "kubernetes.watch", "unknown field");
+    }
+
     #[test]
     fn bgp_section_parses_and_checks() {
         let text = format!(
