@@ -36,6 +36,9 @@ pub const MAX_BACKENDS: u32 = 131072;
 pub const MAGLEV_POOL_ENTRIES: u32 = 1 << 22;
 /// `CONNTRACK`: flows per CPU (LRU, per-CPU).
 pub const CONNTRACK_ENTRIES: u32 = 1 << 18;
+/// `SHARED_FLOWS`: the same flows, shared by all CPUs (LRU), for a CPU that
+/// has not seen a flow yet.
+pub const SHARED_FLOWS_ENTRIES: u32 = CONNTRACK_ENTRIES;
 /// `REPLY_NAT`: reverse translations, shared by all CPUs (LRU).
 pub const REPLY_NAT_ENTRIES: u32 = 1 << 19;
 /// `TX_PORTS`: interfaces the program may redirect to (devmap).
@@ -62,6 +65,7 @@ pub mod map_names {
     pub const BACKENDS: &str = "BACKENDS";
     pub const MAGLEV: &str = "MAGLEV";
     pub const CONNTRACK: &str = "CONNTRACK";
+    pub const SHARED_FLOWS: &str = "SHARED_FLOWS";
     pub const REPLY_NAT: &str = "REPLY_NAT";
     pub const TX_PORTS: &str = "TX_PORTS";
     pub const PORT_FLAGS: &str = "PORT_FLAGS";
@@ -69,11 +73,12 @@ pub mod map_names {
     pub const SERVICE_STATS: &str = "SERVICE_STATS";
     pub const BACKEND_STATS: &str = "BACKEND_STATS";
     pub const REASON_STATS: &str = "REASON_STATS";
-    pub const ALL: [&str; 11] = [
+    pub const ALL: [&str; 12] = [
         SERVICES,
         BACKENDS,
         MAGLEV,
         CONNTRACK,
+        SHARED_FLOWS,
         REPLY_NAT,
         TX_PORTS,
         PORT_FLAGS,
@@ -146,7 +151,9 @@ pub struct FlowKey {
     pub _pad: [u8; 2],
 }
 
-/// Value of `CONNTRACK` (per CPU). Written by the data path on a new flow.
+/// Value of `CONNTRACK` (per CPU) and of `SHARED_FLOWS` (where
+/// `last_seen_ns` stays the creation time). Written by the data path on a
+/// new flow.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Flow {

@@ -8,7 +8,7 @@ use lb_common::{
     REPLY_F_CLOSING, SERVICE_F_SNAT, SNAT_PROBES,
 };
 
-use crate::maps::{BACKENDS, CONFIG, CONNTRACK, MAGLEV, REPLY_NAT};
+use crate::maps::{BACKENDS, CONFIG, CONNTRACK, MAGLEV, REPLY_NAT, SHARED_FLOWS};
 
 const NS: u64 = 1_000_000_000;
 /// Flow timestamps and reply-entry lifetimes are refreshed at most this often,
@@ -23,10 +23,18 @@ pub struct Target {
     pub backend_id: u32,
     /// Network order; 0 in NAT mode.
     pub snat_port: u16,
-    /// 1 when this packet created the flow. (Not a bool: a bool's niche would
-    /// put `Result<Target, _>`'s tag mid-struct, which kernel BTF rejects.)
+    /// [`NEW_FLOW`] when this packet created the flow, [`ADOPTED_FLOW`] when
+    /// it is another CPU's flow new to this one, else 0. (Not a bool: a
+    /// bool's niche would put `Result<Target, _>`'s tag mid-struct, which
+    /// kernel BTF rejects.)
     pub new_flow: u16,
 }
+
+/// `Target::new_flow`: a new flow, counted and written to both flow tables.
+pub const NEW_FLOW: u16 = 1;
+/// `Target::new_flow`: a flow found in `SHARED_FLOWS`, written to this CPU's
+/// `CONNTRACK` only.
+pub const ADOPTED_FLOW: u16 = 2;
 
 /// `lookup_or_create`'s "no error" return.
 pub const FOUND: u32 = u32::MAX;
@@ -175,7 +183,69 @@ pub fn lookup_or_create(svc: &ServiceInfo, closing: bool, syn: bool, s: &mut Scr
             return FOUND;
         }
     }
+    if !syn && adopt(svc, closing, t, s) {
+        return FOUND;
+    }
     create(svc, closing, s)
+}
+
+/// Takes over a flow another CPU created (from `SHARED_FLOWS`), so that it
+/// keeps its backend after a backend change. An SNAT flow whose port has gone
+/// to another flow meanwhile is not taken: it starts afresh.
+#[inline(always)]
+fn adopt(svc: &ServiceInfo, closing: bool, t: u64, s: &mut Scratch) -> bool {
+    let Some(f) = SHARED_FLOWS.get_ptr(&s.key) else {
+        return false;
+    };
+    // SAFETY: shared entry, written once when the flow was created.
+    let f = unsafe { &*f };
+    if f.service_id != svc.id {
+        return false;
+    }
+    s.flow.backend_addr = f.backend_addr;
+    s.flow.backend_port = f.backend_port;
+    s.flow.snat_port = f.snat_port;
+    s.flow.backend_id = f.backend_id;
+    s.flow.service_id = f.service_id;
+    s.flow._pad = 0;
+    s.flow.created_ns = f.created_ns;
+    s.flow.last_seen_ns = t;
+    s.target.backend.addr = f.backend_addr;
+    s.target.backend.port = f.backend_port;
+    s.target.backend.family = s.key.family;
+    s.target.backend_id = f.backend_id;
+    s.target.snat_port = f.snat_port;
+    s.target.new_flow = ADOPTED_FLOW;
+    let cfg = config();
+    set_reply_key(
+        &mut s.reply_key,
+        &s.key,
+        svc,
+        &s.target.backend,
+        s.target.snat_port,
+    );
+    match REPLY_NAT.get_ptr_mut(&s.reply_key) {
+        // SAFETY: shared entry; plain stores, a racing CPU writes similar values.
+        Some(r) if svc.flags & SERVICE_F_SNAT == 0 || same_client(unsafe { &*r }, &s.key) => {
+            refresh(unsafe { &mut *r }, &cfg, s.key.proto, closing, t);
+            true
+        }
+        Some(_) => false,
+        None if svc.flags & SERVICE_F_SNAT != 0 => false,
+        None => {
+            // NAT mode: the reply key is this flow's own; put it back.
+            set_reply_value(
+                &mut s.reply,
+                &s.key,
+                svc.id,
+                s.target.backend_id,
+                closing,
+                t + lifetime_ns(&cfg, s.key.proto, closing),
+            );
+            let _ = REPLY_NAT.insert(&s.reply_key, &s.reply, 0);
+            true
+        }
+    }
 }
 
 #[inline(always)]
@@ -220,7 +290,7 @@ fn create(svc: &ServiceInfo, closing: bool, s: &mut Scratch) -> u32 {
     s.target.backend.family = backend.family;
     s.target.backend_id = backend_id;
     s.target.snat_port = snat_port;
-    s.target.new_flow = 1;
+    s.target.new_flow = NEW_FLOW;
     FOUND
 }
 
@@ -285,7 +355,7 @@ fn claim_snat_port(svc: &ServiceInfo, backend: &Backend, cfg: &Config, s: &mut S
 }
 
 /// Read-only lookup of an existing flow (for ICMP errors, which may arrive on
-/// any CPU): this CPU's table, else Maglev plus, in SNAT mode, the reply
+/// any CPU): this CPU's table, else the shared one, else Maglev plus, in SNAT mode, the reply
 /// table entry that proves the flow and gives its port. Reads `s.key`,
 /// fills `s.target`.
 #[inline(always)]
@@ -304,6 +374,19 @@ pub fn find(svc: &ServiceInfo, s: &mut Scratch) -> Option<()> {
         s.target.snat_port = flow.snat_port;
         s.target.new_flow = 0;
         return Some(());
+    }
+    if let Some(f) = SHARED_FLOWS.get_ptr(&s.key) {
+        // SAFETY: shared entry, written once when the flow was created.
+        let f = unsafe { &*f };
+        if f.service_id == svc.id {
+            s.target.backend.addr = f.backend_addr;
+            s.target.backend.port = f.backend_port;
+            s.target.backend.family = s.key.family;
+            s.target.backend_id = f.backend_id;
+            s.target.snat_port = f.snat_port;
+            s.target.new_flow = 0;
+            return Some(());
+        }
     }
     let (backend_id, backend) = pick(&s.key, svc).ok()?;
     s.target.backend.addr = backend.addr;

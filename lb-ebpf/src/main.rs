@@ -24,7 +24,7 @@ use lb_common::{
 
 use crate::{
     forward::{forward, ttl},
-    maps::{BACKENDS, CONNTRACK, PORT_FLAGS, SCRATCH, SERVICES},
+    maps::{BACKENDS, CONNTRACK, PORT_FLAGS, SCRATCH, SERVICES, SHARED_FLOWS},
     nat::{l4_min_len, rewrite},
     parse::{load8, parse, ports, ptr_at, Headers, ParseError},
 };
@@ -220,7 +220,13 @@ fn to_backend(ctx: &XdpContext, h: &Headers, svc: &lb_common::ServiceInfo) -> Ve
         return drop(Reason::DropMalformed);
     }
     let bytes = (ctx.data_end() - ctx.data()) as u64;
-    stats::count_traffic(svc.id, t.backend_id, bytes, t.new_flow != 0, false);
+    stats::count_traffic(
+        svc.id,
+        t.backend_id,
+        bytes,
+        t.new_flow == conntrack::NEW_FLOW,
+        false,
+    );
     // The route to a backend is cached in its BACKENDS entry, shared by
     // all its flows. A flow whose backend id has since been given to another
     // backend (it left the service, its flows stay) looks its route up itself.
@@ -244,6 +250,9 @@ fn to_backend(ctx: &XdpContext, h: &Headers, svc: &lb_common::ServiceInfo) -> Ve
     if scratch.target.new_flow != 0 {
         // A full LRU evicts its oldest entry; failure only costs a re-pick later.
         let _ = CONNTRACK.insert(&scratch.key, &scratch.flow, 0);
+        if scratch.target.new_flow == conntrack::NEW_FLOW {
+            let _ = SHARED_FLOWS.insert(&scratch.key, &scratch.flow, 0);
+        }
     }
     v
 }

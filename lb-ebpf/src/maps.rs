@@ -9,7 +9,7 @@ use aya_ebpf::{
 use lb_common::{
     BackendEntry, Config, Flow, FlowKey, ReplyNat, ServiceInfo, ServiceKey, TrafficStats,
     CONNTRACK_ENTRIES, MAGLEV_POOL_ENTRIES, MAX_BACKENDS, MAX_SERVICES, MAX_TX_PORTS,
-    PORT_FLAGS_ENTRIES, REASON_COUNT, REPLY_NAT_ENTRIES,
+    PORT_FLAGS_ENTRIES, REASON_COUNT, REPLY_NAT_ENTRIES, SHARED_FLOWS_ENTRIES,
 };
 
 const NO_PREALLOC: usize = BPF_F_NO_PREALLOC as usize;
@@ -43,6 +43,18 @@ pub static CONNTRACK: LruPerCpuHashMap<
     { CONNTRACK_ENTRIES as usize },
     NO_COMMON_LRU,
 > = LruPerCpuHashMap::new();
+
+/// Client flow -> chosen backend, shared by all CPUs and written once per
+/// new flow. A CPU without the flow in `CONNTRACK` looks here before it
+/// re-picks: RSS is only stable until IRQ affinity or the indirection table
+/// changes, and a re-pick after a backend change would break the connection.
+#[btf_map]
+pub static SHARED_FLOWS: LruHashMap<
+    FlowKey,
+    Flow,
+    { SHARED_FLOWS_ENTRIES as usize },
+    NO_COMMON_LRU,
+> = LruHashMap::new();
 
 /// Reply flow -> how to translate it back. Shared by all CPUs: replies hash
 /// to a different receive queue than the requests they answer.

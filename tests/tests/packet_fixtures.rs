@@ -1462,3 +1462,116 @@ fn a_flow_continues_on_another_cpu_needs_root() {
     assert!(out == want, "{}", hexdump_diff(&want, &out));
     assert_eq!(xlb_tests::packet::parse(&first).unwrap().sport, Some(p));
 }
+
+/// A flow that moves to another CPU after its backend left the service (an
+/// IRQ moved while pods were replaced) keeps its backend, and its SNAT port:
+/// the other CPU finds it in `SHARED_FLOWS` instead of re-picking. It is not
+/// counted as a new flow. A SYN still starts afresh, and resetting a
+/// backend's flows removes the shared entries too.
+#[test]
+fn a_moved_flow_keeps_its_backend_after_a_backend_change_needs_root() {
+    let cpus = std::thread::available_parallelism()
+        .map(|n| n.get())
+        .unwrap_or(1);
+    assert!(
+        cpus >= 2,
+        "this test needs two CPUs to move a flow between them (found {cpus})"
+    );
+    let FixtureBed {
+        mut dp,
+        cl0,
+        ns: _ns,
+        ..
+    } = FixtureBed::new("xlb-fix-move");
+    for s in base_services() {
+        dp.set_service(&s).unwrap();
+    }
+    let c4 = |t: Tcp| from_client().ipv4(ip4(CLIENT, VIP, 64)).tcp(t).build();
+    pin_to_cpu(0);
+    assert_eq!(run(&dp, cl0, &c4(syn(46000, 80))).0, XDP_REDIRECT);
+    let (v, first) = run(&dp, cl0, &c4(syn(46001, 443)));
+    assert_eq!(v, XDP_REDIRECT);
+    let p = xlb_tests::packet::parse(&first).unwrap().sport.unwrap();
+
+    // Both backends are replaced: Maglev now sends these flows elsewhere.
+    dp.set_service(&svc(
+        VIP.into(),
+        80,
+        Protocol::Tcp,
+        None,
+        &[(B3.into(), 8080)],
+    ))
+    .unwrap();
+    dp.set_service(&svc(
+        VIP.into(),
+        443,
+        Protocol::Tcp,
+        Some(SNAT4.into()),
+        &[(B2.into(), 8443)],
+    ))
+    .unwrap();
+    let key80 = lb_agent::dataplane::service_key(VIP.into(), 80, 6);
+    let id80 = dp.service_info(&key80).unwrap().id;
+    let new_flows_before = dp.service_stats(id80).unwrap().new_flows;
+
+    pin_to_cpu(1);
+    let (v, out) = run(&dp, cl0, &c4(ack(46000, 80)));
+    assert_eq!(v, XDP_REDIRECT);
+    let want = to_backend(B2_MAC)
+        .ipv4(ip4(CLIENT, B2, 63))
+        .tcp(ack(46000, 8080))
+        .build();
+    assert!(
+        out == want,
+        "NAT flow on CPU 1\n{}",
+        hexdump_diff(&want, &out)
+    );
+    let (v, out) = run(&dp, cl0, &c4(ack(46001, 443)));
+    assert_eq!(v, XDP_REDIRECT);
+    let want = to_backend(B3_MAC)
+        .ipv4(ip4(SNAT4, B3, 63))
+        .tcp(ack(p, 8443))
+        .build();
+    assert!(
+        out == want,
+        "SNAT flow on CPU 1\n{}",
+        hexdump_diff(&want, &out)
+    );
+    assert_eq!(
+        dp.service_stats(id80).unwrap().new_flows,
+        new_flows_before,
+        "a flow taken over from another CPU is not a new flow"
+    );
+
+    // A flow no CPU has seen goes where Maglev says.
+    let (_, out) = run(&dp, cl0, &c4(ack(46002, 80)));
+    let want = to_backend(B3_MAC)
+        .ipv4(ip4(CLIENT, B3, 63))
+        .tcp(ack(46002, 8080))
+        .build();
+    assert!(out == want, "unknown flow\n{}", hexdump_diff(&want, &out));
+
+    // Resetting B3:8443's flows forgets the SNAT flow on every CPU and in
+    // the shared table: its next packet, on CPU 0, goes to B2.
+    assert!(dp.reset_flows_to(sa(B3, 8443)).unwrap() >= 1);
+    pin_to_cpu(0);
+    let (v, out) = run(&dp, cl0, &c4(ack(46001, 443)));
+    assert_eq!(v, XDP_REDIRECT);
+    let got = xlb_tests::packet::parse(&out).unwrap();
+    assert_eq!(got.dst, IpAddr::V4(B2), "after the reset");
+
+    // A SYN reusing the NAT flow's port starts afresh on the new backend,
+    // and the shared entry follows it.
+    let (_, out) = run(&dp, cl0, &c4(syn(46000, 80)));
+    let want = to_backend(B3_MAC)
+        .ipv4(ip4(CLIENT, B3, 63))
+        .tcp(syn(46000, 8080))
+        .build();
+    assert!(out == want, "SYN on CPU 0\n{}", hexdump_diff(&want, &out));
+    let shared = dp.shared_flows().unwrap();
+    let k = shared
+        .iter()
+        .find(|(k, _)| u16::from_be(k.sport) == 46000)
+        .expect("the flow is in SHARED_FLOWS");
+    assert_eq!(k.1.backend_addr, lb_agent::dataplane::ip_words(B3.into()));
+}

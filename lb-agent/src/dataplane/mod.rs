@@ -222,6 +222,7 @@ pub struct Dataplane {
     config: Array<MapData, Config>,
     tx_ports: DevMapHash<MapData>,
     conntrack: PerCpuHashMap<MapData, FlowKey, Flow>,
+    shared_flows: HashMap<MapData, FlowKey, Flow>,
     reply_nat: HashMap<MapData, FlowKey, ReplyNat>,
     service_stats: PerCpuArray<MapData, TrafficStats>,
     backend_stats: PerCpuArray<MapData, TrafficStats>,
@@ -319,6 +320,8 @@ impl Dataplane {
                 .map_err(map_err(names::TX_PORTS))?,
             conntrack: PerCpuHashMap::try_from(take(&mut ebpf, names::CONNTRACK)?)
                 .map_err(map_err(names::CONNTRACK))?,
+            shared_flows: HashMap::try_from(take(&mut ebpf, names::SHARED_FLOWS)?)
+                .map_err(map_err(names::SHARED_FLOWS))?,
             reply_nat: HashMap::try_from(take(&mut ebpf, names::REPLY_NAT)?)
                 .map_err(map_err(names::REPLY_NAT))?,
             service_stats: PerCpuArray::try_from(take(&mut ebpf, names::SERVICE_STATS)?)
@@ -862,6 +865,12 @@ impl Dataplane {
         for k in &keys {
             let _ = self.conntrack.remove(&k.0);
         }
+        for (k, f) in self.shared_flows()? {
+            if f.backend_addr == addr && f.backend_port == port {
+                let _ = self.shared_flows.remove(&k);
+                keys.insert(FlowKeyOrd(k));
+            }
+        }
         for (k, _) in self.reply_entries()? {
             if k.src == addr && k.sport == port {
                 let _ = self.reply_nat.remove(&k);
@@ -923,6 +932,14 @@ impl Dataplane {
         Ok(out)
     }
 
+    /// Every entry of the shared flow table.
+    pub fn shared_flows(&self) -> Result<Vec<(FlowKey, Flow)>> {
+        self.shared_flows
+            .iter()
+            .map(|r| r.map_err(map_err(names::SHARED_FLOWS)))
+            .collect()
+    }
+
     pub fn reply_entries(&self) -> Result<Vec<(FlowKey, ReplyNat)>> {
         self.reply_nat
             .iter()
@@ -939,6 +956,14 @@ impl Dataplane {
             .map_err(map_err(names::CONNTRACK))?;
         for k in keys {
             let _ = self.conntrack.remove(&k);
+        }
+        let keys: Vec<_> = self
+            .shared_flows
+            .keys()
+            .collect::<Result<_, _>>()
+            .map_err(map_err(names::SHARED_FLOWS))?;
+        for k in keys {
+            let _ = self.shared_flows.remove(&k);
         }
         let keys: Vec<_> = self
             .reply_nat
@@ -995,7 +1020,7 @@ fn expected_layout(name: &str) -> Option<(usize, usize)> {
         names::SERVICES => (size_of::<ServiceKey>(), size_of::<ServiceInfo>()),
         names::BACKENDS => (4, size_of::<BackendEntry>()),
         names::MAGLEV => (4, 4),
-        names::CONNTRACK => (size_of::<FlowKey>(), size_of::<Flow>()),
+        names::CONNTRACK | names::SHARED_FLOWS => (size_of::<FlowKey>(), size_of::<Flow>()),
         names::REPLY_NAT => (size_of::<FlowKey>(), size_of::<ReplyNat>()),
         names::PORT_FLAGS => (4, 1),
         names::CONFIG => (4, size_of::<Config>()),
