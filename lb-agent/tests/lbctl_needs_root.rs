@@ -367,6 +367,51 @@ fn lbctl_reads_pinned_maps_needs_root() {
         (Some(1), Some(0))
     );
 
+    // A SHARED_FLOWS entry (a flow another CPU created) decides for a flow
+    // no CPU holds; one naming another service id is not used.
+    let key = flow_key("198.51.100.8", 1234, &nat);
+    let (maglev_id, _, _) = expected_pick(&dp, &nat, &key);
+    let other = nat
+        .backends
+        .iter()
+        .map(|b| b.addr)
+        .find(|a| dp.backend_id(&nat.key(), *a) != Some(maglev_id))
+        .unwrap();
+    let other_id = dp.backend_id(&nat.key(), other).unwrap();
+    let service_id = dp.service_id(&nat.key()).unwrap();
+    let shared = |service_id: u32| {
+        let data = MapData::from_pin(dir.join(names::SHARED_FLOWS)).unwrap();
+        let mut m: aya::maps::HashMap<MapData, FlowKey, Flow> =
+            aya::maps::HashMap::try_from(Map::from_map_data(data).unwrap()).unwrap();
+        let flow = Flow {
+            backend_addr: ip_words(other.ip()),
+            backend_port: other.port().to_be(),
+            backend_id: other_id,
+            service_id,
+            created_ns: coarse_now_ns().saturating_sub(2_000_000_000),
+            ..Flow::default()
+        };
+        m.insert(key, flow, 0).unwrap();
+    };
+    let trace = || {
+        lbctl_json(
+            &dir,
+            &["trace", "198.51.100.8", "192.0.2.10", "1234", "80", "tcp"],
+            0,
+        )
+    };
+    shared(service_id);
+    let v = trace();
+    assert_eq!(v["decided_by"], "shared_flows", "{v}");
+    assert_eq!(v["backend_id"], other_id);
+    assert_eq!(as_sockaddr(&v["shared"]["backend"]), other);
+    assert!(v["shared"]["unusable"].is_null(), "{v}");
+    shared(service_id + 1000);
+    let v = trace();
+    assert_eq!(v["decided_by"], "maglev", "{v}");
+    assert_eq!(v["backend_id"], maglev_id);
+    assert!(v["shared"]["unusable"].is_string(), "{v}");
+
     // stats: every reason, zero counters, no warning.
     let v = lbctl_json(&dir, &["stats"], 0);
     let reasons: Vec<&str> = v["reasons"]

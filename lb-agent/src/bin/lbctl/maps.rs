@@ -119,6 +119,10 @@ impl Maps {
         self.typed(names::CONNTRACK)
     }
 
+    pub fn shared_flows(&self) -> Result<HashMap<MapData, FlowKey, Flow>> {
+        self.typed(names::SHARED_FLOWS)
+    }
+
     pub fn reply_nat(&self) -> Result<HashMap<MapData, FlowKey, ReplyNat>> {
         self.typed(names::REPLY_NAT)
     }

@@ -1,7 +1,8 @@
 //! `lbctl trace SRC DST SPORT DPORT PROTO`: where a client flow goes now,
 //! worked out from the live maps the way the XDP program does it
 //! (lb-ebpf/src/conntrack.rs: `lookup_or_create`, `pick`,
-//! `claim_snat_port`): this CPU's CONNTRACK entry if there is one, else
+//! `adopt`, `claim_snat_port`): this CPU's CONNTRACK entry if there is one,
+//! else the SHARED_FLOWS entry, else
 //! `MAGLEV[table_base + active * M + flow_hash(key) % M]`.
 
 use std::net::{IpAddr, SocketAddr};
@@ -147,6 +148,18 @@ pub struct ConntrackHit {
     pub stale: bool,
 }
 
+/// The flow's `SHARED_FLOWS` entry: what a CPU without a CONNTRACK entry
+/// uses (for a packet other than a TCP SYN).
+#[derive(Serialize)]
+pub struct SharedHit {
+    pub backend: SocketAddr,
+    pub backend_id: u32,
+    pub snat_port: Option<u16>,
+    pub age_ns: u64,
+    /// Why the data plane would not use it (then it picks again), if so.
+    pub unusable: Option<String>,
+}
+
 #[derive(Serialize)]
 pub struct SnatInfo {
     pub snat_addr: IpAddr,
@@ -174,8 +187,10 @@ pub struct TraceReport {
     pub port_flag_set: Option<bool>,
     /// CONNTRACK entries of this flow, per CPU that holds one.
     pub conntrack: Vec<ConntrackHit>,
+    pub shared: Option<SharedHit>,
     pub maglev: Option<MaglevPick>,
-    /// `conntrack`, `maglev`, or `none` (the flow is dropped or passed).
+    /// `conntrack`, `shared_flows`, `maglev`, or `none` (the flow is
+    /// dropped or passed).
     pub decided_by: &'static str,
     pub backend: Option<SocketAddr>,
     pub backend_id: Option<u32>,
@@ -205,6 +220,7 @@ pub fn run(maps: &Maps, args: &Args) -> Result<TraceReport> {
         mode: None,
         port_flag_set: None,
         conntrack: Vec::new(),
+        shared: None,
         maglev: None,
         decided_by: "none",
         backend: None,
@@ -254,8 +270,44 @@ pub fn run(maps: &Maps, args: &Args) -> Result<TraceReport> {
         });
     }
 
-    // The Maglev pick, which a new flow (or a packet on a CPU without the
-    // entry, or a TCP SYN) gets.
+    // SHARED_FLOWS next: a CPU without the flow takes it from there.
+    report.shared = match maps.shared_flows()?.get(&key, 0) {
+        Ok(f) => {
+            let e = crate::conntrack::entry(&key, 0, &f, now);
+            let unusable = if f.service_id != info.id {
+                Some(format!(
+                    "it names service id {}, not {}: the service was re-created",
+                    f.service_id, info.id
+                ))
+            } else if snat {
+                let backend = lb_common::Backend {
+                    addr: f.backend_addr,
+                    port: f.backend_port,
+                    family: key.family,
+                    ..Default::default()
+                };
+                let rk = snat_reply_key(&key, info.snat_addr, &backend, f.snat_port);
+                match maps.reply_nat()?.get(&rk, 0) {
+                    Ok(r) if same_client(&r, &key) => None,
+                    _ => Some("its SNAT port has gone to another flow".into()),
+                }
+            } else {
+                None
+            };
+            Some(SharedHit {
+                backend: e.backend,
+                backend_id: f.backend_id,
+                snat_port: e.snat_port,
+                age_ns: e.age_ns,
+                unusable,
+            })
+        }
+        Err(aya::maps::MapError::KeyNotFound) => None,
+        Err(e) => return Err(e).context("reading SHARED_FLOWS"),
+    };
+
+    // The Maglev pick, which a new flow (or a packet no table knows, or a
+    // TCP SYN) gets.
     let hash = flow_hash(&key);
     let mut picked = None;
     if let Some(index) = table_index(&info, hash) {
@@ -291,6 +343,14 @@ pub fn run(maps: &Maps, args: &Args) -> Result<TraceReport> {
     let live = report.conntrack.iter().find(|h| !h.stale);
     let chosen = if let Some(h) = live {
         report.decided_by = "conntrack";
+        report.backend = Some(h.backend);
+        report.backend_id = Some(h.backend_id);
+        backends
+            .get(&h.backend_id, 0)
+            .ok()
+            .map(|e| (h.backend_id, e.backend))
+    } else if let Some(h) = report.shared.as_ref().filter(|h| h.unusable.is_none()) {
+        report.decided_by = "shared_flows";
         report.backend = Some(h.backend);
         report.backend_id = Some(h.backend_id);
         backends
@@ -395,6 +455,22 @@ impl Render for TraceReport {
                 }
             ));
         }
+        match &self.shared {
+            None => s.push_str("shared    not in SHARED_FLOWS\n"),
+            Some(h) => s.push_str(&format!(
+                "shared    backend {} (id {}){}, age {}{}\n",
+                h.backend,
+                h.backend_id,
+                h.snat_port
+                    .map(|p| format!(", snat port {p}"))
+                    .unwrap_or_default(),
+                table::duration_ns(h.age_ns),
+                h.unusable
+                    .as_ref()
+                    .map(|u| format!(" (not used: {u})"))
+                    .unwrap_or_default()
+            )),
+        }
         if let Some(m) = &self.maglev {
             s.push_str(&format!(
                 "maglev    hash {:#010x}: entry {} of {} (MAGLEV[{}]) -> {} (id {})\n",
@@ -427,7 +503,7 @@ impl Render for TraceReport {
                     "backend   {b} (id {id}, by {})\n",
                     self.decided_by
                 ));
-                if self.decided_by == "conntrack" {
+                if self.decided_by != "maglev" {
                     if let Some(m) = self.maglev.as_ref().and_then(|m| m.backend) {
                         let tcp = self.protocol == "tcp";
                         if Some(m) != self.backend || tcp {
