@@ -68,15 +68,41 @@ fn a_new_driver_adopts_pinned_services_and_tables() {
     assert_eq!(dp.live_table(&api.key()).unwrap(), api_table);
 
     // Applying the same spec again: same service id, same table contents
-    // (Maglev is deterministic), flipped to the other half.
+    // (Maglev is deterministic), written to a table no packet reads: the
+    // inactive half, or a fresh region while the adopted table is new.
     dp.set_service(&web).unwrap();
     let info = dp.service_info(&web.key()).unwrap();
     assert_eq!(info.id, web_info.id);
     assert_ne!(
-        info.active, web_info.active,
-        "the update went to the inactive table"
+        (info.table_base, info.active),
+        (web_info.table_base, web_info.active),
+        "the update went to the live table"
     );
     assert_eq!(dp.live_table(&web.key()).unwrap(), web_table);
+
+    // A change at once: the half just retired may still be read by a
+    // packet, so it is not written within the quarantine (20 ms); the
+    // change goes to a fresh region instead of waiting.
+    let retired = std::time::Instant::now();
+    let web = spec(80, None, &[1, 2, 3, 7]);
+    dp.set_service(&web).unwrap();
+    let again = dp.service_info(&web.key()).unwrap();
+    if (again.table_base, again.active) == (info.table_base, 1 - info.active) {
+        assert!(
+            retired.elapsed() >= std::time::Duration::from_millis(20),
+            "the retired half was rewritten within the quarantine"
+        );
+    }
+    assert_ne!(
+        (again.table_base, again.active),
+        (info.table_base, info.active),
+        "the update went to the live table"
+    );
+    let seven = dp
+        .backend_id(&web.key(), "10.9.0.7:8080".parse().unwrap())
+        .unwrap();
+    assert!(dp.live_table(&web.key()).unwrap().contains(&seven));
+    let info = again;
 
     // A new service does not collide with adopted ids or table regions.
     let other = spec(8443, None, &[6]);

@@ -515,8 +515,18 @@ impl Dataplane {
         let (base, active, new_region) = match &old {
             Some(o) if o.info.table_size == m => {
                 let wait = TABLE_QUARANTINE.saturating_sub(o.flipped.elapsed());
-                std::thread::sleep(wait);
-                (o.info.table_base, 1 - o.info.active, false)
+                if wait.is_zero() {
+                    (o.info.table_base, 1 - o.info.active, false)
+                } else if let Some(base) = self.regions.alloc(2 * m) {
+                    // Changed again while the half it retired may still be
+                    // read: a fresh region now beats waiting (the old one
+                    // is quarantined once the new one is live).
+                    (base, 0, true)
+                } else {
+                    // No room for a second region: wait the quarantine out.
+                    std::thread::sleep(wait);
+                    (o.info.table_base, 1 - o.info.active, false)
+                }
             }
             _ => match self.regions.alloc(2 * m) {
                 Some(base) => (base, 0, true),
