@@ -4,8 +4,11 @@
 //! serving nodes, in the spirit of Figure 13(c) of the IEICE 2019 paper: the
 //! number of serving nodes changes at random, many times, and each change's
 //! delay is measured until the router's FIB shows the new next-hop set. One
-//! run per speaker driver (GoBGP, BIRD, ExaBGP), each in a fresh lab and
-//! with the same seed, hence the same sequence of changes.
+//! run per lab, each fresh and with the same seed, hence the same sequence
+//! of changes: one per speaker driver (GoBGP, BIRD, ExaBGP) with every
+//! node peering with the router, and the paper's own topology (`gobgp-rr`:
+//! GoBGP nodes peering with a GoBGP route reflector, which passes every
+//! node's path to the router with ADD-PATH; `Topology::RouteReflector`).
 //!
 //! Two series, each starting with all 3 nodes serving. Every event picks a
 //! node at random; a serving node is taken out, a node that is out is
@@ -15,8 +18,9 @@
 //!   start the agent again (its speaker kept running);
 //! * failure: out = either SIGKILL to the agent and its speaker, or the
 //!   node's port on the router's bridge set down (nothing is closed: the
-//!   router's hold timer, 3 s, has to expire), at random; back = start
-//!   the speaker and the agent again, or set the port up again.
+//!   hold timer, 3 s, of the node's peer, the router or the reflector, has
+//!   to expire), at random; back = start the speaker and the agent again,
+//!   or set the port up again.
 //!
 //! The delay runs from just before the action (the signal, the `ip link`
 //! command, the start of the processes) to the moment the router's kernel
@@ -27,8 +31,8 @@
 //! since the action gives the time. After each change a random pause of
 //! 100-600 ms precedes the next event.
 //!
-//! Prints a markdown table per driver (count, median, p90, p99, max per
-//! kind) and writes a histogram with one panel per driver
+//! Prints a markdown table per lab (count, median, p90, p99, max per kind)
+//! and writes a histogram with one panel per lab
 //! (docs/benchmarks-convergence.svg). Needs what `tests/tests/ecmp_e2e.rs`
 //! needs: root, bpffs, nginx, ethtool, iproute2, gobgpd/gobgp 3.x, BIRD 2
 //! and ExaBGP 4.2.
@@ -47,20 +51,78 @@ use std::{
 
 use xlb_tests::{
     bench_support::{install_sigint_flag, interrupted, workspace_root},
-    ecmp::{node_ip, Driver, EcmpLab, HOLD_TIME, NODES, VIP},
+    ecmp::{node_ip, Driver, EcmpLab, Topology, HOLD_TIME, NODES, VIP},
     topology::{agent_bin, lbctl_bin},
 };
 
 const USAGE: &str = "xlb-convergence-bench [options]
-  --drivers LIST   speaker drivers to run, comma-separated (gobgp,bird,exabgp)
+  --drivers LIST   labs to run, comma-separated (default: all four)
+                     gobgp, bird, exabgp: that speaker on every node, each
+                       node peering with the router;
+                     gobgp-rr: GoBGP on every node, peering with a GoBGP
+                       route reflector that passes all paths to the router
+                       (ADD-PATH), the paper's topology
   --graceful N     events of the graceful series (60)
   --failure N      events of the failure series (50)
   --seed N         random seed (default: from the clock; printed)
-  --timeout SECS   give up on one change after this long (15)
+  --timeout SECS   give up on one change after this long (20)
   --svg PATH       where to write the histogram (docs/benchmarks-convergence.svg); --no-svg: none";
 
+/// One lab of the benchmark: a speaker driver in a topology.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum LabKind {
+    GoBgp,
+    Bird,
+    ExaBgp,
+    GoBgpRouteReflector,
+}
+
+const LAB_KINDS: [LabKind; 4] = [
+    LabKind::GoBgp,
+    LabKind::Bird,
+    LabKind::ExaBgp,
+    LabKind::GoBgpRouteReflector,
+];
+
+impl LabKind {
+    /// Its name in `--drivers`.
+    fn name(self) -> &'static str {
+        match self {
+            LabKind::GoBgp => "gobgp",
+            LabKind::Bird => "bird",
+            LabKind::ExaBgp => "exabgp",
+            LabKind::GoBgpRouteReflector => "gobgp-rr",
+        }
+    }
+
+    /// Its name in tables and the histogram.
+    fn label(self) -> &'static str {
+        match self {
+            LabKind::GoBgp => "GoBGP",
+            LabKind::Bird => "BIRD",
+            LabKind::ExaBgp => "ExaBGP",
+            LabKind::GoBgpRouteReflector => "GoBGP via route reflector",
+        }
+    }
+
+    fn driver(self) -> Driver {
+        match self {
+            LabKind::GoBgp | LabKind::GoBgpRouteReflector => Driver::GoBgp,
+            LabKind::Bird => Driver::Bird,
+            LabKind::ExaBgp => Driver::ExaBgp,
+        }
+    }
+
+    fn topology(self) -> Topology {
+        match self {
+            LabKind::GoBgpRouteReflector => Topology::RouteReflector,
+            _ => Topology::Direct,
+        }
+    }
+}
+
 struct Opts {
-    drivers: Vec<Driver>,
+    labs: Vec<LabKind>,
     graceful: usize,
     failure: usize,
     seed: u64,
@@ -70,14 +132,16 @@ struct Opts {
 
 fn parse_args() -> Result<Opts, String> {
     let mut o = Opts {
-        drivers: vec![Driver::GoBgp, Driver::Bird, Driver::ExaBgp],
+        labs: LAB_KINDS.to_vec(),
         graceful: 60,
         failure: 50,
         seed: SystemTime::now()
             .duration_since(UNIX_EPOCH)
             .map(|d| d.as_nanos() as u64)
             .unwrap_or(1),
-        timeout: Duration::from_secs(15),
+        // gobgpd towards a passive route reflector: 5 s idle after a
+        // session drop, then 5-9 s before it connects, so 15 s was too tight.
+        timeout: Duration::from_secs(20),
         svg: Some(workspace_root().join("docs/benchmarks-convergence.svg")),
     };
     let mut args = std::env::args().skip(1);
@@ -86,18 +150,16 @@ fn parse_args() -> Result<Opts, String> {
         let num = |v: String| v.parse::<u64>().map_err(|e| format!("{a} {v}: {e}"));
         match a.as_str() {
             "--drivers" => {
-                o.drivers = value()?
+                o.labs = value()?
                     .split(',')
-                    .map(|d| match d.trim() {
-                        "gobgp" => Ok(Driver::GoBgp),
-                        "bird" => Ok(Driver::Bird),
-                        "exabgp" => Ok(Driver::ExaBgp),
-                        other => Err(format!(
-                            "--drivers: unknown driver {other:?} (gobgp, bird, exabgp)"
-                        )),
+                    .map(|d| {
+                        let d = d.trim();
+                        LAB_KINDS.into_iter().find(|l| l.name() == d).ok_or(format!(
+                            "--drivers: unknown lab {d:?} (gobgp, bird, exabgp, gobgp-rr)"
+                        ))
                     })
                     .collect::<Result<_, _>>()?;
-                if o.drivers.is_empty() {
+                if o.labs.is_empty() {
                     return Err("--drivers: none given".into());
                 }
             }
@@ -418,6 +480,9 @@ fn series(
     samples: &mut Vec<Sample>,
 ) -> Result<(), String> {
     let name = if failure { "failure" } else { "graceful" };
+    // When each node's removal reached the FIB: a come-back's line says how
+    // long the node had been out (what a speaker's retry timers count from).
+    let mut out_since: Vec<Option<Instant>> = vec![None; NODES];
     for e in 1..=events {
         if interrupted() {
             return Err("interrupted (Ctrl-C)".into());
@@ -463,11 +528,20 @@ fn series(
             Kind::LinkUp => router_link(lab, i, true)?,
         }
         let delay = measure(lab, mon, action, &want, timeout);
+        let out_for = if after == State::Serving {
+            out_since[i - 1]
+                .take()
+                .map(|t| format!(" (out for {})", fmt_d(action.saturating_duration_since(t))))
+        } else {
+            out_since[i - 1] = delay.map(|d| action + d);
+            None
+        };
         eprintln!(
-            "{name} {e:>3}/{events}: node {i} {:<36} -> {} serving: {}",
+            "{name} {e:>3}/{events}: node {i} {:<36} -> {} serving: {}{}",
             kind.label(),
             want.len(),
-            delay.map_or(format!("TIMEOUT (> {timeout:?})"), fmt_d)
+            delay.map_or(format!("TIMEOUT (> {timeout:?})"), fmt_d),
+            out_for.unwrap_or_default()
         );
         if delay.is_none() {
             eprintln!(
@@ -475,6 +549,9 @@ fn series(
                 lab.router_route(),
                 lab.birdc(&["show", "protocols"])
             );
+            if lab.topology == Topology::RouteReflector {
+                eprintln!("route reflector: {}", lab.rr_gobgp(&["neighbor"]));
+            }
         }
         samples.push(Sample { kind, delay });
         if matches!(kind, Kind::Start | Kind::StartAfterKill) && lab.node(i).agent_running() {
@@ -585,12 +662,12 @@ fn esc(s: &str) -> String {
         .replace('>', "&gt;")
 }
 
-/// Panel size of the histogram, one panel per driver.
+/// Panel size of the histogram, one panel per lab.
 const PANEL_W: f64 = 1100.0;
 const PANEL_H: f64 = 440.0;
 
-/// The histogram: one panel per driver, stacked.
-fn svg(runs: &[DriverRun], caption: &str) -> String {
+/// The histogram: one panel per lab, stacked.
+fn svg(runs: &[LabRun], caption: &str) -> String {
     let (w, h) = (PANEL_W, PANEL_H * runs.len() as f64);
     let mut s = format!(
         "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{w}\" height=\"{h}\" viewBox=\"0 0 {w} {h}\" \
@@ -600,7 +677,7 @@ fn svg(runs: &[DriverRun], caption: &str) -> String {
     for (k, run) in runs.iter().enumerate() {
         let title = format!(
             "Router FIB convergence after a change of the serving nodes (ECMP lab, {})",
-            run.driver.daemon()
+            run.lab.label()
         );
         let _ = writeln!(
             s,
@@ -614,7 +691,7 @@ fn svg(runs: &[DriverRun], caption: &str) -> String {
     s
 }
 
-/// One driver's histogram, at the origin, `PANEL_W` x `PANEL_H`.
+/// One lab's histogram, at the origin, `PANEL_W` x `PANEL_H`.
 fn panel(samples: &[Sample], title: &str, caption: &str) -> String {
     let kinds: Vec<Kind> = KINDS
         .iter()
@@ -717,19 +794,19 @@ fn panel(samples: &[Sample], title: &str, caption: &str) -> String {
     s
 }
 
-/// One driver's run: its samples and how long its series took.
-struct DriverRun {
-    driver: Driver,
+/// One lab's run: its samples and how long its series took.
+struct LabRun {
+    lab: LabKind,
     samples: Vec<Sample>,
     graceful_took: Duration,
     failure_took: Duration,
     took: Duration,
 }
 
-/// Both series for `driver`, in a lab of its own.
-fn run_driver(o: &Opts, driver: Driver) -> Result<DriverRun, String> {
+/// Both series in a fresh lab of kind `kind`.
+fn run_lab(o: &Opts, kind: LabKind) -> Result<LabRun, String> {
     let t0 = Instant::now();
-    let mut lab = EcmpLab::start_with(driver);
+    let mut lab = EcmpLab::start_with_topology(kind.driver(), kind.topology());
     let mon = RouteMonitor::start(&lab.router.name.clone())?;
     for i in 1..=NODES {
         let c = lab.agent_config(i, 1);
@@ -749,11 +826,11 @@ fn run_driver(o: &Opts, driver: Driver) -> Result<DriverRun, String> {
     .ok_or_else(|| format!("the router never got 3 next hops\n{}", lab.logs()))?;
     eprintln!(
         "{}: lab up after {:?}; seed {}",
-        driver.daemon(),
+        kind.label(),
         t0.elapsed(),
         o.seed
     );
-    // The same seed for every driver: the same sequence of changes.
+    // The same seed for every lab: the same sequence of changes.
     let mut rng = Rng(o.seed | 1);
     let mut samples = Vec::new();
     let t = Instant::now();
@@ -782,8 +859,8 @@ fn run_driver(o: &Opts, driver: Driver) -> Result<DriverRun, String> {
     )?;
     let failure_took = t.elapsed();
     restore_all(&mut lab, &mut states, &mon, o.timeout)?;
-    Ok(DriverRun {
-        driver,
+    Ok(LabRun {
+        lab: kind,
         samples,
         graceful_took,
         failure_took,
@@ -796,16 +873,17 @@ fn run(o: &Opts) -> Result<(), String> {
     let _ = (agent_bin(), lbctl_bin());
     let t0 = Instant::now();
     let mut runs = Vec::new();
-    for &driver in &o.drivers {
-        runs.push(run_driver(o, driver)?);
+    for &kind in &o.labs {
+        runs.push(run_lab(o, kind)?);
     }
 
     let kernel = fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default();
     let cpus = std::thread::available_parallelism().map_or(0, |n| n.get());
     println!(
         "\nRouter FIB convergence, ECMP lab (BIRD 2 multipath, 3 nodes with a BGP speaker + \
-         lb-agent), hold time {}s; seed {}; {} graceful and {} failure events per driver; \
-         whole run {:.0} s (Linux {}, {cpus} CPUs)",
+         lb-agent, peering with the router, or for gobgp-rr with a GoBGP route reflector \
+         that passes all paths on with ADD-PATH), hold time {}s; seed {}; {} graceful and {} \
+         failure events per lab; whole run {:.0} s (Linux {}, {cpus} CPUs)",
         HOLD_TIME.as_secs(),
         o.seed,
         o.graceful,
@@ -816,7 +894,7 @@ fn run(o: &Opts) -> Result<(), String> {
     for r in &runs {
         println!(
             "\n{} (graceful series {:.0} s, failure series {:.0} s, with the lab {:.0} s):\n",
-            r.driver.daemon(),
+            r.lab.label(),
             r.graceful_took.as_secs_f64(),
             r.failure_took.as_secs_f64(),
             r.took.as_secs_f64()
@@ -825,7 +903,7 @@ fn run(o: &Opts) -> Result<(), String> {
     }
     if let Some(path) = &o.svg {
         let caption = format!(
-            "{} events per driver, seed {}, Linux {}, {cpus} CPUs; hold time {} s",
+            "{} events per lab, seed {}, Linux {}, {cpus} CPUs; hold time {} s",
             o.graceful + o.failure,
             o.seed,
             kernel.trim(),
