@@ -156,3 +156,31 @@ fn pinned_maps_of_another_layout_are_refused() {
         "{err}"
     );
 }
+
+/// Quick successive changes retire regions into the quarantine; a service
+/// added while they fill the pool waits for them instead of failing with
+/// "MAGLEV is full".
+#[test]
+fn quarantined_regions_do_not_make_the_pool_look_full() {
+    let m = 211; // prime, room for 2 backends
+    let sized = |port: u16, backends: &[u8]| ServiceSpec {
+        table_size: Some(m),
+        ..spec(port, None, backends)
+    };
+    // Room for exactly two services (two tables of M each).
+    let mut dp = Dataplane::open_with(None, 4 * m).expect("open (root needed)");
+    let a = sized(80, &[1, 2]);
+    dp.set_service(&a).unwrap();
+    // Changed again at once: a fresh region, the first one quarantined.
+    dp.set_service(&sized(80, &[1])).unwrap();
+    // The pool is now full (a's live region + the quarantined one), until
+    // the quarantine ends.
+    let b = sized(81, &[3]);
+    dp.set_service(&b)
+        .expect("waits for the quarantined region");
+    assert_eq!(dp.live_table(&b.key()).unwrap().len(), m as usize);
+    assert_eq!(dp.live_table(&a.key()).unwrap().len(), m as usize);
+    // A third service does not fit whatever happens: a clear error.
+    let c = sized(82, &[4]);
+    assert!(dp.set_service(&c).is_err(), "the pool holds two services");
+}

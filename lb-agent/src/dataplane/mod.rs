@@ -528,7 +528,7 @@ impl Dataplane {
                     (o.info.table_base, 1 - o.info.active, false)
                 }
             }
-            _ => match self.regions.alloc(2 * m) {
+            _ => match self.alloc_region(2 * m) {
                 Some(base) => (base, 0, true),
                 None => {
                     fresh.iter().for_each(|&id| self.backend_ids.free(id));
@@ -698,6 +698,20 @@ impl Dataplane {
         self.service_ids.free(p.info.id);
         self.sync_echo_markers(p.spec.vip)?;
         self.sync_port_flags()
+    }
+
+    /// A free region of `len` entries. When the pool is full but regions
+    /// are quarantined (retired by quick successive changes), waits for them
+    /// rather than report the pool full.
+    fn alloc_region(&mut self, len: u32) -> Option<u32> {
+        loop {
+            if let Some(base) = self.regions.alloc(len) {
+                return Some(base);
+            }
+            let oldest = self.quarantined.iter().map(|(t, _, _)| *t).min()?;
+            std::thread::sleep(TABLE_QUARANTINE.saturating_sub(oldest.elapsed()));
+            self.release_quarantine();
+        }
     }
 
     fn release_quarantine(&mut self) {
