@@ -294,15 +294,19 @@ fn lbctl_reads_pinned_maps_needs_root() {
 
     // A CONNTRACK entry on CPU 0 naming another backend than Maglev's: it
     // wins in trace, and conntrack lists it.
+    // Maglev's pick for a flow, and a backend of the service other than it.
+    let maglev_and_other = |key: &FlowKey| {
+        let (maglev_id, _, _) = expected_pick(&dp, &nat, key);
+        let other = nat
+            .backends
+            .iter()
+            .map(|b| b.addr)
+            .find(|a| dp.backend_id(&nat.key(), *a) != Some(maglev_id))
+            .unwrap();
+        (maglev_id, other, dp.backend_id(&nat.key(), other).unwrap())
+    };
     let key = flow_key("198.51.100.7", 40000, &nat);
-    let (maglev_id, _, _) = expected_pick(&dp, &nat, &key);
-    let other = nat
-        .backends
-        .iter()
-        .map(|b| b.addr)
-        .find(|a| dp.backend_id(&nat.key(), *a) != Some(maglev_id))
-        .unwrap();
-    let other_id = dp.backend_id(&nat.key(), other).unwrap();
+    let (maglev_id, other, other_id) = maglev_and_other(&key);
     let now = coarse_now_ns();
     let flow = Flow {
         backend_addr: ip_words(other.ip()),
@@ -370,14 +374,7 @@ fn lbctl_reads_pinned_maps_needs_root() {
     // A SHARED_FLOWS entry (a flow another CPU created) decides for a flow
     // no CPU holds; one naming another service id is not used.
     let key = flow_key("198.51.100.8", 1234, &nat);
-    let (maglev_id, _, _) = expected_pick(&dp, &nat, &key);
-    let other = nat
-        .backends
-        .iter()
-        .map(|b| b.addr)
-        .find(|a| dp.backend_id(&nat.key(), *a) != Some(maglev_id))
-        .unwrap();
-    let other_id = dp.backend_id(&nat.key(), other).unwrap();
+    let (maglev_id, other, other_id) = maglev_and_other(&key);
     let service_id = dp.service_id(&nat.key()).unwrap();
     let shared = |service_id: u32| {
         let data = MapData::from_pin(dir.join(names::SHARED_FLOWS)).unwrap();

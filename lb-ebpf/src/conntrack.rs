@@ -139,6 +139,17 @@ pub struct Scratch {
     pub flow: Flow,
 }
 
+/// Points `s.target` at a remembered flow's backend.
+#[inline(always)]
+fn set_target(s: &mut Scratch, flow: &Flow, new_flow: u16) {
+    s.target.backend.addr = flow.backend_addr;
+    s.target.backend.port = flow.backend_port;
+    s.target.backend.family = s.key.family;
+    s.target.backend_id = flow.backend_id;
+    s.target.snat_port = flow.snat_port;
+    s.target.new_flow = new_flow;
+}
+
 /// Finds the flow's backend, creating the flow (and its reply entry, and in
 /// SNAT mode its source port) on a miss. `closing`: a TCP FIN or RST;
 /// `syn`: a TCP SYN without ACK, which starts a connection afresh even when
@@ -163,12 +174,7 @@ pub fn lookup_or_create(svc: &ServiceInfo, closing: bool, syn: bool, s: &mut Scr
         // zeroed values elsewhere: created_ns 0 means "not seen on this CPU".
         // An SNAT flow idle past its lifetime may have lost its port to another flow.
         if flow.created_ns != 0 && !(snat && idle > lifetime_ns(&cfg, s.key.proto, false)) {
-            s.target.backend.addr = flow.backend_addr;
-            s.target.backend.port = flow.backend_port;
-            s.target.backend.family = s.key.family;
-            s.target.backend_id = flow.backend_id;
-            s.target.snat_port = flow.snat_port;
-            s.target.new_flow = 0;
+            set_target(s, flow, 0);
             if idle > REFRESH_NS || closing {
                 flow.last_seen_ns = t;
                 set_reply_key(
@@ -210,12 +216,7 @@ fn adopt(svc: &ServiceInfo, closing: bool, t: u64, s: &mut Scratch) -> bool {
     s.flow._pad = 0;
     s.flow.created_ns = f.created_ns;
     s.flow.last_seen_ns = t;
-    s.target.backend.addr = f.backend_addr;
-    s.target.backend.port = f.backend_port;
-    s.target.backend.family = s.key.family;
-    s.target.backend_id = f.backend_id;
-    s.target.snat_port = f.snat_port;
-    s.target.new_flow = ADOPTED_FLOW;
+    set_target(s, f, ADOPTED_FLOW);
     let cfg = config();
     set_reply_key(
         &mut s.reply_key,
@@ -366,25 +367,14 @@ pub fn find(svc: &ServiceInfo, s: &mut Scratch) -> Option<()> {
         .filter(|f| unsafe { (**f).created_ns } != 0)
     {
         // SAFETY: per-CPU value.
-        let flow = unsafe { &*flow };
-        s.target.backend.addr = flow.backend_addr;
-        s.target.backend.port = flow.backend_port;
-        s.target.backend.family = s.key.family;
-        s.target.backend_id = flow.backend_id;
-        s.target.snat_port = flow.snat_port;
-        s.target.new_flow = 0;
+        set_target(s, unsafe { &*flow }, 0);
         return Some(());
     }
     if let Some(f) = SHARED_FLOWS.get_ptr(&s.key) {
         // SAFETY: shared entry, written once when the flow was created.
         let f = unsafe { &*f };
         if f.service_id == svc.id {
-            s.target.backend.addr = f.backend_addr;
-            s.target.backend.port = f.backend_port;
-            s.target.backend.family = s.key.family;
-            s.target.backend_id = f.backend_id;
-            s.target.snat_port = f.snat_port;
-            s.target.new_flow = 0;
+            set_target(s, f, 0);
             return Some(());
         }
     }

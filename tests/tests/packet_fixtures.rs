@@ -1416,11 +1416,9 @@ fn pin_to_cpu(cpu: usize) {
     }
 }
 
-/// The connection table is per CPU: a flow's packets that land on another
-/// CPU than its first one (RSS changes, IRQ moves) find a zeroed value there
-/// and must be treated as a miss, not as a flow to 0.0.0.0.
-#[test]
-fn a_flow_continues_on_another_cpu_needs_root() {
+/// A fixture bed with the base services, for tests that move a flow between
+/// CPUs 0 and 1.
+fn two_cpu_bed(name: &str) -> FixtureBed {
     let cpus = std::thread::available_parallelism()
         .map(|n| n.get())
         .unwrap_or(1);
@@ -1428,16 +1426,25 @@ fn a_flow_continues_on_another_cpu_needs_root() {
         cpus >= 2,
         "this test needs two CPUs to move a flow between them (found {cpus})"
     );
-    let FixtureBed {
-        mut dp,
-        cl0,
-        ns: _ns,
-        ..
-    } = FixtureBed::new("xlb-fix-cpu");
+    let mut bed = FixtureBed::new(name);
     for s in base_services() {
-        dp.set_service(&s).unwrap();
+        bed.dp.set_service(&s).unwrap();
     }
-    let c4 = |t: Tcp| from_client().ipv4(ip4(CLIENT, VIP, 64)).tcp(t).build();
+    bed
+}
+
+/// A TCP segment from the client to the IPv4 VIP.
+fn c4(t: Tcp) -> Vec<u8> {
+    from_client().ipv4(ip4(CLIENT, VIP, 64)).tcp(t).build()
+}
+
+/// The connection table is per CPU: a flow's packets that land on another
+/// CPU than its first one (RSS changes, IRQ moves) find a zeroed value there
+/// and must be treated as a miss, not as a flow to 0.0.0.0.
+#[test]
+fn a_flow_continues_on_another_cpu_needs_root() {
+    let mut bed = two_cpu_bed("xlb-fix-cpu");
+    let (dp, cl0) = (&mut bed.dp, bed.cl0);
     pin_to_cpu(0);
     let (v, _) = run(&dp, cl0, &c4(syn(45000, 80)));
     assert_eq!(v, XDP_REDIRECT);
@@ -1470,23 +1477,8 @@ fn a_flow_continues_on_another_cpu_needs_root() {
 /// backend's flows removes the shared entries too.
 #[test]
 fn a_moved_flow_keeps_its_backend_after_a_backend_change_needs_root() {
-    let cpus = std::thread::available_parallelism()
-        .map(|n| n.get())
-        .unwrap_or(1);
-    assert!(
-        cpus >= 2,
-        "this test needs two CPUs to move a flow between them (found {cpus})"
-    );
-    let FixtureBed {
-        mut dp,
-        cl0,
-        ns: _ns,
-        ..
-    } = FixtureBed::new("xlb-fix-move");
-    for s in base_services() {
-        dp.set_service(&s).unwrap();
-    }
-    let c4 = |t: Tcp| from_client().ipv4(ip4(CLIENT, VIP, 64)).tcp(t).build();
+    let mut bed = two_cpu_bed("xlb-fix-move");
+    let (dp, cl0) = (&mut bed.dp, bed.cl0);
     pin_to_cpu(0);
     assert_eq!(run(&dp, cl0, &c4(syn(46000, 80))).0, XDP_REDIRECT);
     let (v, first) = run(&dp, cl0, &c4(syn(46001, 443)));

@@ -340,23 +340,20 @@ pub fn run(maps: &Maps, args: &Args) -> Result<TraceReport> {
         picked = backend.map(|b| (id, b));
     }
 
-    let live = report.conntrack.iter().find(|h| !h.stale);
-    let chosen = if let Some(h) = live {
-        report.decided_by = "conntrack";
-        report.backend = Some(h.backend);
-        report.backend_id = Some(h.backend_id);
-        backends
-            .get(&h.backend_id, 0)
-            .ok()
-            .map(|e| (h.backend_id, e.backend))
-    } else if let Some(h) = report.shared.as_ref().filter(|h| h.unusable.is_none()) {
-        report.decided_by = "shared_flows";
-        report.backend = Some(h.backend);
-        report.backend_id = Some(h.backend_id);
-        backends
-            .get(&h.backend_id, 0)
-            .ok()
-            .map(|e| (h.backend_id, e.backend))
+    // A remembered flow (this CPU's table, else the shared one) wins.
+    let remembered = match report.conntrack.iter().find(|h| !h.stale) {
+        Some(h) => Some(("conntrack", h.backend, h.backend_id)),
+        None => report
+            .shared
+            .as_ref()
+            .filter(|h| h.unusable.is_none())
+            .map(|h| ("shared_flows", h.backend, h.backend_id)),
+    };
+    let chosen = if let Some((by, backend, id)) = remembered {
+        report.decided_by = by;
+        report.backend = Some(backend);
+        report.backend_id = Some(id);
+        backends.get(&id, 0).ok().map(|e| (id, e.backend))
     } else if let Some((id, b)) = picked {
         report.decided_by = "maglev";
         report.backend = Some(services::socket_of(&b.addr, b.port, b.family));
