@@ -1446,20 +1446,20 @@ fn a_flow_continues_on_another_cpu_needs_root() {
     let mut bed = two_cpu_bed("xlb-fix-cpu");
     let (dp, cl0) = (&mut bed.dp, bed.cl0);
     pin_to_cpu(0);
-    let (v, _) = run(&dp, cl0, &c4(syn(45000, 80)));
+    let (v, _) = run(dp, cl0, &c4(syn(45000, 80)));
     assert_eq!(v, XDP_REDIRECT);
     // SNAT flow too: the other CPU must find the same source port again.
-    let (v, first) = run(&dp, cl0, &c4(syn(45001, 443)));
+    let (v, first) = run(dp, cl0, &c4(syn(45001, 443)));
     assert_eq!(v, XDP_REDIRECT);
     pin_to_cpu(1);
-    let (v, out) = run(&dp, cl0, &c4(ack(45000, 80)));
+    let (v, out) = run(dp, cl0, &c4(ack(45000, 80)));
     assert_eq!(v, XDP_REDIRECT, "established packet on the other CPU");
     let want = to_backend(B2_MAC)
         .ipv4(ip4(CLIENT, B2, 63))
         .tcp(ack(45000, 8080))
         .build();
     assert!(out == want, "{}", hexdump_diff(&want, &out));
-    let (v, out) = run(&dp, cl0, &c4(ack(45001, 443)));
+    let (v, out) = run(dp, cl0, &c4(ack(45001, 443)));
     assert_eq!(v, XDP_REDIRECT);
     let p = first_snat_port(CLIENT.into(), VIP.into(), 45001, 443, 6);
     let want = to_backend(B3_MAC)
@@ -1480,8 +1480,8 @@ fn a_moved_flow_keeps_its_backend_after_a_backend_change_needs_root() {
     let mut bed = two_cpu_bed("xlb-fix-move");
     let (dp, cl0) = (&mut bed.dp, bed.cl0);
     pin_to_cpu(0);
-    assert_eq!(run(&dp, cl0, &c4(syn(46000, 80))).0, XDP_REDIRECT);
-    let (v, first) = run(&dp, cl0, &c4(syn(46001, 443)));
+    assert_eq!(run(dp, cl0, &c4(syn(46000, 80))).0, XDP_REDIRECT);
+    let (v, first) = run(dp, cl0, &c4(syn(46001, 443)));
     assert_eq!(v, XDP_REDIRECT);
     let p = xlb_tests::packet::parse(&first).unwrap().sport.unwrap();
 
@@ -1507,7 +1507,7 @@ fn a_moved_flow_keeps_its_backend_after_a_backend_change_needs_root() {
     let new_flows_before = dp.service_stats(id80).unwrap().new_flows;
 
     pin_to_cpu(1);
-    let (v, out) = run(&dp, cl0, &c4(ack(46000, 80)));
+    let (v, out) = run(dp, cl0, &c4(ack(46000, 80)));
     assert_eq!(v, XDP_REDIRECT);
     let want = to_backend(B2_MAC)
         .ipv4(ip4(CLIENT, B2, 63))
@@ -1518,7 +1518,7 @@ fn a_moved_flow_keeps_its_backend_after_a_backend_change_needs_root() {
         "NAT flow on CPU 1\n{}",
         hexdump_diff(&want, &out)
     );
-    let (v, out) = run(&dp, cl0, &c4(ack(46001, 443)));
+    let (v, out) = run(dp, cl0, &c4(ack(46001, 443)));
     assert_eq!(v, XDP_REDIRECT);
     let want = to_backend(B3_MAC)
         .ipv4(ip4(SNAT4, B3, 63))
@@ -1536,7 +1536,7 @@ fn a_moved_flow_keeps_its_backend_after_a_backend_change_needs_root() {
     );
 
     // A flow no CPU has seen goes where Maglev says.
-    let (_, out) = run(&dp, cl0, &c4(ack(46002, 80)));
+    let (_, out) = run(dp, cl0, &c4(ack(46002, 80)));
     let want = to_backend(B3_MAC)
         .ipv4(ip4(CLIENT, B3, 63))
         .tcp(ack(46002, 8080))
@@ -1547,14 +1547,14 @@ fn a_moved_flow_keeps_its_backend_after_a_backend_change_needs_root() {
     // the shared table: its next packet, on CPU 0, goes to B2.
     assert!(dp.reset_flows_to(sa(B3, 8443)).unwrap() >= 1);
     pin_to_cpu(0);
-    let (v, out) = run(&dp, cl0, &c4(ack(46001, 443)));
+    let (v, out) = run(dp, cl0, &c4(ack(46001, 443)));
     assert_eq!(v, XDP_REDIRECT);
     let got = xlb_tests::packet::parse(&out).unwrap();
     assert_eq!(got.dst, IpAddr::V4(B2), "after the reset");
 
     // A SYN reusing the NAT flow's port starts afresh on the new backend,
     // and the shared entry follows it.
-    let (_, out) = run(&dp, cl0, &c4(syn(46000, 80)));
+    let (_, out) = run(dp, cl0, &c4(syn(46000, 80)));
     let want = to_backend(B3_MAC)
         .ipv4(ip4(CLIENT, B3, 63))
         .tcp(syn(46000, 8080))
