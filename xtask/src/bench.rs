@@ -20,53 +20,24 @@ pub fn run(args: &[String]) -> Result<()> {
         .collect();
     wait_through_ctrl_c();
     if !e2e_only {
-        run_cmd(
-            cargo()
-                .args([
-                    "run",
-                    "--release",
-                    "-p",
-                    "xlb-tests",
-                    "--bin",
-                    "xlb-bench",
-                    "--",
-                ])
-                .args(&args),
-        )?;
+        run_bench("xlb-bench", &args)?;
     }
     if per_packet_only {
         return Ok(());
     }
     build_agent()?;
+    run_bench("xlb-e2e-bench", &args)?;
+    // EndpointSlice change -> data plane, through the test API server.
+    run_bench("xlb-k8s-latency-bench", &[])?;
+    // BGP convergence in the ECMP lab (defaults only).
+    run_bench("xlb-convergence-bench", &[])
+}
+
+/// `cargo run --release -p xlb-tests --bin BIN -- ARGS`.
+fn run_bench(bin: &str, args: &[&String]) -> Result<()> {
     run_cmd(
         cargo()
-            .args([
-                "run",
-                "--release",
-                "-p",
-                "xlb-tests",
-                "--bin",
-                "xlb-e2e-bench",
-                "--",
-            ])
-            .args(&args),
-    )?;
-    // EndpointSlice change -> data plane, through the test API server.
-    run_cmd(cargo().args([
-        "run",
-        "--release",
-        "-p",
-        "xlb-tests",
-        "--bin",
-        "xlb-k8s-latency-bench",
-    ]))?;
-    // BGP convergence in the ECMP lab (`xlb-convergence-bench`, defaults only).
-    run_cmd(cargo().args([
-        "run",
-        "--release",
-        "-p",
-        "xlb-tests",
-        "--bin",
-        "xlb-convergence-bench",
-    ]))
+            .args(["run", "--release", "-p", "xlb-tests", "--bin", bin, "--"])
+            .args(args),
+    )
 }

@@ -497,19 +497,19 @@ impl TestApiServer {
     /// Replaces an object (PUT semantics: status kept where there is a
     /// status subresource; a stale resourceVersion is a 409).
     pub fn update_json(&self, object: Value) -> Result<Value, ApiError> {
-        let (rt, ns) = self.target(&object)?;
-        let name = Self::name_of(&object)?;
-        lock(&self.shared.store)
-            .update(rt, &ns, &name, object, false)
-            .map(|(o, _)| o)
+        self.put(object, false)
     }
 
     /// Replaces only the status (PUT to `/status`).
     pub fn update_status_json(&self, object: Value) -> Result<Value, ApiError> {
+        self.put(object, true)
+    }
+
+    fn put(&self, object: Value, status_only: bool) -> Result<Value, ApiError> {
         let (rt, ns) = self.target(&object)?;
         let name = Self::name_of(&object)?;
         lock(&self.shared.store)
-            .update(rt, &ns, &name, object, true)
+            .update(rt, &ns, &name, object, status_only)
             .map(|(o, _)| o)
     }
 
