@@ -1507,6 +1507,39 @@ fn a_moved_flow_keeps_its_backend_after_a_backend_change_needs_root() {
     let new_flows_before = dp.service_stats(id80).unwrap().new_flows;
 
     pin_to_cpu(1);
+    // An ICMP error about the NAT flow, on CPU 1 before any of its packets:
+    // it reaches the flow's backend, not Maglev's new pick.
+    let quoted = PacketBuilder::new()
+        .ipv4(ip4(VIP, CLIENT, 63))
+        .tcp(ack(80, 46000))
+        .build_ip();
+    let backend_view = PacketBuilder::new()
+        .ipv4(ip4(B2, CLIENT, 63))
+        .tcp(ack(8080, 46000))
+        .build_ip();
+    let input = PacketBuilder::new()
+        .eth(ROUTER_MAC, CL0_MAC)
+        .ipv4(ip4(ROUTER, VIP, 64))
+        .icmpv4(Icmpv4::frag_needed(1400, &quoted, Quote::HeaderPlus8))
+        .build();
+    let (v, out) = run(dp, cl0, &input);
+    assert_eq!(v, XDP_REDIRECT);
+    let want = to_backend(B2_MAC)
+        .ipv4(ip4(ROUTER, B2, 63))
+        .icmpv4(Icmpv4::frag_needed(1400, &backend_view, Quote::HeaderPlus8))
+        .build();
+    assert!(out == want, "ICMP on CPU 1\n{}", hexdump_diff(&want, &out));
+
+    // The NAT flow's reply translation was lost (evicted): taking the flow
+    // over puts it back.
+    let nat_reply = |dp: &Dataplane| {
+        dp.reply_entries()
+            .unwrap()
+            .into_iter()
+            .find(|(k, _)| u16::from_be(k.dport) == 46000)
+    };
+    let (reply_key, _) = nat_reply(dp).expect("the NAT flow's reply entry");
+    dp.remove_reply(&reply_key).unwrap();
     let (v, out) = run(dp, cl0, &c4(ack(46000, 80)));
     assert_eq!(v, XDP_REDIRECT);
     let want = to_backend(B2_MAC)
@@ -1518,6 +1551,9 @@ fn a_moved_flow_keeps_its_backend_after_a_backend_change_needs_root() {
         "NAT flow on CPU 1\n{}",
         hexdump_diff(&want, &out)
     );
+    let (k, r) = nat_reply(dp).expect("the reply entry is back");
+    assert_eq!(k, reply_key);
+    assert_eq!(r.vip, lb_agent::dataplane::ip_words(VIP.into()));
     let (v, out) = run(dp, cl0, &c4(ack(46001, 443)));
     assert_eq!(v, XDP_REDIRECT);
     let want = to_backend(B3_MAC)

@@ -1022,6 +1022,13 @@ impl Dataplane {
             .map_err(map_err(names::REPLY_NAT))
     }
 
+    /// Removes a reply translation (tests of reply handling).
+    pub fn remove_reply(&mut self, key: &FlowKey) -> Result<()> {
+        self.reply_nat
+            .remove(key)
+            .map_err(map_err(names::REPLY_NAT))
+    }
+
     /// The live Maglev table of a service (backend ids).
     pub fn live_table(&self, key: &ServiceKey) -> Result<Vec<u32>> {
         let info = self.service_info(key)?;
