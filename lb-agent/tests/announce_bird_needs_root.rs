@@ -18,15 +18,18 @@
 //! lands in separate tables on the router that are not exported anywhere,
 //! where the local preference (and the next hop over iBGP) is checked.
 
+mod common;
+
 use std::{
     collections::BTreeSet,
     fs,
     future::Future,
     path::{Path, PathBuf},
     process::{Child, Command, Stdio},
-    time::{Duration, Instant},
+    time::Duration,
 };
 
+use common::{ip, kernel_route, route, wait_metrics, wait_until, wait_until_blocking, WAIT};
 use lb_agent::announce::{
     bird::BirdAnnouncer, task::AnnounceTask, AnnounceError, Announcer, Route,
 };
@@ -91,8 +94,6 @@ protocol bgp node_ibgp {
 }
 "#;
 
-const DEADLINE: Duration = Duration::from_secs(30);
-
 /// A BIRD running in a namespace; killed (and reaped) when dropped.
 struct Bird {
     child: Child,
@@ -145,11 +146,12 @@ impl Bird {
     fn stop(mut self) {
         // SAFETY: kill(2) on our own child's pid.
         unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
-        let deadline = Instant::now() + DEADLINE;
-        while self.child.try_wait().unwrap().is_none() {
-            assert!(Instant::now() < deadline, "bird did not stop on SIGTERM");
-            std::thread::sleep(Duration::from_millis(50));
-        }
+        wait_until_blocking("bird to stop on SIGTERM", WAIT, || {
+            match self.child.try_wait().unwrap() {
+                Some(_) => Ok(()),
+                None => Err("still running".into()),
+            }
+        });
     }
 }
 
@@ -179,22 +181,6 @@ struct Topology {
     router: Option<Bird>,
 }
 
-fn ip(args: &[&str]) {
-    let out = Command::new("ip").args(args).output().expect("run ip");
-    assert!(
-        out.status.success(),
-        "ip {}: {}",
-        args.join(" "),
-        String::from_utf8_lossy(&out.stderr)
-    );
-}
-
-fn ip_out(args: &[&str]) -> String {
-    let out = Command::new("ip").args(args).output().expect("run ip");
-    assert!(out.status.success(), "ip {}", args.join(" "));
-    String::from_utf8_lossy(&out.stdout).into_owned()
-}
-
 impl Topology {
     /// `tag` keeps the tests of this file (one process) apart.
     fn new(tag: &str) -> Topology {
@@ -214,15 +200,8 @@ impl Topology {
         ip(&[
             "-n", n, "link", "add", "veth0", "type", "veth", "peer", "name", "veth0", "netns", r,
         ]);
-        for (ns, v4, v6) in [
-            (n, "10.99.0.1/24", "fd99::1/64"),
-            (r, "10.99.0.2/24", "fd99::2/64"),
-        ] {
-            ip(&["-n", ns, "addr", "add", v4, "dev", "veth0"]);
-            ip(&["-n", ns, "addr", "add", v6, "dev", "veth0", "nodad"]);
-            ip(&["-n", ns, "link", "set", "veth0", "up"]);
-            ip(&["-n", ns, "link", "set", "lo", "up"]);
-        }
+        common::set_up_veth_end(n, "veth0", "10.99.0.1/24", "fd99::1/64");
+        common::set_up_veth_end(r, "veth0", "10.99.0.2/24", "fd99::2/64");
         topo
     }
 
@@ -260,26 +239,27 @@ impl Topology {
 
     /// The router's kernel route for `dst` (`ip route show DST`), "" if none.
     fn router_fib(&self, dst: &str) -> String {
-        let family = if dst.contains(':') { "-6" } else { "-4" };
-        ip_out(&["-n", &self.router_ns, family, "route", "show", dst])
-            .trim()
-            .to_string()
+        kernel_route(&self.router_ns, dst)
     }
 
     /// Polls until both of the node's sessions are up.
     async fn wait_established(&mut self) {
-        wait_for("both BGP sessions Established", || {
+        wait_until("both BGP sessions Established", WAIT, async || {
             for bird in [&mut self.node, &mut self.router].into_iter().flatten() {
                 if let Some(status) = bird.child.try_wait().unwrap() {
                     panic!("bird {} exited: {status}", bird.ctl.display());
                 }
             }
-            let out = self.node().birdc(&["show", "protocols"]).ok()?;
+            let out = self.node().birdc(&["show", "protocols"])?;
             let up = out
                 .lines()
                 .filter(|l| l.starts_with("upstream") && l.contains("Established"))
                 .count();
-            (up == 2).then_some(())
+            if up == 2 {
+                Ok(())
+            } else {
+                Err(out)
+            }
         })
         .await;
     }
@@ -287,16 +267,28 @@ impl Topology {
     /// Polls until the router's FIB holds `dst` via `via`.
     async fn wait_fib(&self, dst: &str, via: &str) {
         let want = format!("{dst} via {via} ");
-        wait_for(&format!("{dst} via {via} in the router's FIB"), || {
-            self.router_fib(dst).starts_with(&want).then_some(())
+        let what = format!("{dst} via {via} in the router's FIB");
+        wait_until(&what, WAIT, async || {
+            let got = self.router_fib(dst);
+            if got.starts_with(&want) {
+                Ok(())
+            } else {
+                Err(got)
+            }
         })
         .await;
     }
 
     /// Polls until the router's FIB has no route for `dst`.
     async fn wait_no_fib(&self, dst: &str) {
-        wait_for(&format!("{dst} gone from the router's FIB"), || {
-            self.router_fib(dst).is_empty().then_some(())
+        let what = format!("{dst} gone from the router's FIB");
+        wait_until(&what, WAIT, async || {
+            let got = self.router_fib(dst);
+            if got.is_empty() {
+                Ok(())
+            } else {
+                Err(got)
+            }
         })
         .await;
     }
@@ -306,13 +298,15 @@ impl Topology {
         let mut cmd = vec!["show", "route"];
         cmd.extend_from_slice(args);
         cmd.push("all");
-        wait_for(
-            &format!("router: `{}` shows {want:?}", cmd.join(" ")),
-            || {
-                let out = self.router().birdc(&cmd).ok()?;
-                want.iter().all(|w| out.contains(w)).then_some(out)
-            },
-        )
+        let what = format!("router: `{}` shows {want:?}", cmd.join(" "));
+        wait_until(&what, WAIT, async || {
+            let out = self.router().birdc(&cmd)?;
+            if want.iter().all(|w| out.contains(w)) {
+                Ok(out)
+            } else {
+                Err(out)
+            }
+        })
         .await
     }
 }
@@ -328,32 +322,10 @@ impl Drop for Topology {
     }
 }
 
-/// Polls `check` every 100 ms until it returns something, or panics after
-/// [`DEADLINE`].
-async fn wait_for<T>(what: &str, mut check: impl FnMut() -> Option<T>) -> T {
-    let deadline = Instant::now() + DEADLINE;
-    loop {
-        if let Some(v) = check() {
-            return v;
-        }
-        assert!(Instant::now() < deadline, "timed out waiting for {what}");
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-}
-
 async fn with_deadline<T>(f: impl Future<Output = T>) -> T {
-    tokio::time::timeout(DEADLINE, f)
+    tokio::time::timeout(WAIT, f)
         .await
         .expect("announcer call hung")
-}
-
-fn route(vip: &str, nh: &str, communities: &[(u16, u16)], local_pref: Option<u32>) -> Route {
-    Route {
-        vip: vip.parse().unwrap(),
-        next_hop: nh.parse().unwrap(),
-        communities: communities.to_vec(),
-        local_pref,
-    }
 }
 
 /// The node's BIRD configured with the announcer's static protocols, both
@@ -417,33 +389,34 @@ async fn bird_announces_withdraws_refuses_and_recovers() {
     topo.wait_fib("2001:db8::10", "fd99::1").await;
 
     // Communities crossed eBGP; LOCAL_PREF and the next hop crossed iBGP.
-    topo.wait_router_route(
-        &["192.0.2.10/32", "protocol", "node"],
-        &[
-            "BGP.community: (65000,7) (65000,100)",
-            "BGP.next_hop: 10.99.0.1",
-        ],
-    )
-    .await;
-    topo.wait_router_route(
-        &["2001:db8::10/128", "protocol", "node"],
-        &["BGP.community: (65000,600)", "BGP.next_hop: fd99::1"],
-    )
-    .await;
-    topo.wait_router_route(
-        &["table", "ibgp4", "192.0.2.10/32"],
-        &[
-            "BGP.local_pref: 200",
-            "BGP.next_hop: 10.99.0.1",
-            "(65000,100)",
-        ],
-    )
-    .await;
-    topo.wait_router_route(
-        &["table", "ibgp6", "2001:db8::10/128"],
-        &["BGP.local_pref: 150", "BGP.next_hop: fd99::1"],
-    )
-    .await;
+    let router_shows: [(&[&str], &[&str]); 4] = [
+        (
+            &["192.0.2.10/32", "protocol", "node"],
+            &[
+                "BGP.community: (65000,7) (65000,100)",
+                "BGP.next_hop: 10.99.0.1",
+            ],
+        ),
+        (
+            &["2001:db8::10/128", "protocol", "node"],
+            &["BGP.community: (65000,600)", "BGP.next_hop: fd99::1"],
+        ),
+        (
+            &["table", "ibgp4", "192.0.2.10/32"],
+            &[
+                "BGP.local_pref: 200",
+                "BGP.next_hop: 10.99.0.1",
+                "(65000,100)",
+            ],
+        ),
+        (
+            &["table", "ibgp6", "2001:db8::10/128"],
+            &["BGP.local_pref: 150", "BGP.next_hop: fd99::1"],
+        ),
+    ];
+    for (query, want) in router_shows {
+        topo.wait_router_route(query, want).await;
+    }
     let no_lp = topo
         .wait_router_route(
             &["table", "ibgp4", "192.0.2.11/32"],
@@ -620,13 +593,6 @@ async fn bird_announces_withdraws_refuses_and_recovers() {
     assert_eq!(with_deadline(bird.apply(&desired)).await.unwrap(), (0, 0));
 }
 
-/// The agent's Prometheus page from `registry`.
-fn metrics_page(registry: &prometheus::Registry) -> String {
-    prometheus::TextEncoder::new()
-        .encode_to_string(&registry.gather())
-        .unwrap()
-}
-
 /// Per-peer session state: BIRD's two sessions are read from `birdc show
 /// protocols all`, and the announce task exports them as `xlb_bgp_peer_up`:
 /// 1 while established, 0 once the router is gone, 0 too while the node's
@@ -657,35 +623,25 @@ async fn bird_session_state_per_peer() {
         "xlb_bgp_peer_up{peer=\"10.99.0.2\"} 0",
         "xlb_bgp_peer_up{peer=\"fd99::2\"} 0",
     ];
-    let wait_page = |want: [&'static str; 2], what: &'static str| {
-        let registry = registry.clone();
-        async move {
-            wait_for(what, || {
-                let page = metrics_page(&registry);
-                want.iter().all(|w| page.contains(w)).then_some(())
-            })
-            .await
-        }
-    };
-    wait_page(up, "both peers up in the metrics").await;
+    wait_metrics("both peers up", WAIT, &registry, &up).await;
 
     // The router goes away: the node's sessions leave Established.
     topo.router.take().unwrap().stop();
-    let deadline = Instant::now() + DEADLINE;
-    loop {
+    wait_until("both sessions down", WAIT, async || {
         let peers = with_deadline(bird.peers()).await.unwrap();
         if peers == vec![(v4, false), (v6, false)] {
-            break;
+            Ok(())
+        } else {
+            Err(format!("{peers:?}"))
         }
-        assert!(Instant::now() < deadline, "sessions still up: {peers:?}");
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-    wait_page(down, "both peers down in the metrics").await;
+    })
+    .await;
+    wait_metrics("both peers down", WAIT, &registry, &down).await;
 
     // The router comes back: up again.
     topo.start_router();
     topo.wait_established().await;
-    wait_page(up, "both peers up again in the metrics").await;
+    wait_metrics("both peers up again", WAIT, &registry, &up).await;
 
     // The node's BIRD stops: it cannot be asked, so its peers read 0.
     topo.node.take().unwrap().stop();
@@ -693,6 +649,6 @@ async fn bird_session_state_per_peer() {
         with_deadline(bird.peers()).await,
         Err(AnnounceError::Unreachable(_))
     ));
-    wait_page(down, "peers 0 while BIRD is gone").await;
+    wait_metrics("peers 0 while BIRD is gone", WAIT, &registry, &down).await;
     drop(task);
 }

@@ -4,6 +4,8 @@
 //! router runs BIRD 2 (AS 65000), which exports what it learns to its kernel
 //! table, so the checks read the router's real FIB.
 
+mod common;
+
 use std::{
     collections::BTreeSet,
     fs::{self, File, OpenOptions},
@@ -11,9 +13,10 @@ use std::{
     path::{Path, PathBuf},
     process::{Child, Command, Stdio},
     thread,
-    time::{Duration, Instant},
+    time::Duration,
 };
 
+use common::{ip, kernel_route, route, run, wait_metrics, wait_until_blocking, WAIT};
 use lb_agent::announce::{
     exabgp::ExaBgpAnnouncer, task::AnnounceTask, AnnounceError, Announcer, Route,
 };
@@ -22,7 +25,6 @@ const NODE_V4: &str = "10.200.0.2";
 const ROUTER_V4: &str = "10.200.0.1";
 const NODE_V6: &str = "fd00:200::2";
 const ROUTER_V6: &str = "fd00:200::1";
-const WAIT: Duration = Duration::from_secs(30);
 
 /// Two namespaces, a veth, the daemons and their files. Dropping it (also
 /// when a check panics) kills the daemons and removes everything.
@@ -35,34 +37,6 @@ struct Lab {
     pipe_name: String,
     exabgp: Option<Child>,
     bird: Option<Child>,
-}
-
-fn run(args: &[&str]) -> String {
-    let out = Command::new(args[0])
-        .args(&args[1..])
-        .output()
-        .unwrap_or_else(|e| panic!("running {args:?}: {e}"));
-    assert!(
-        out.status.success(),
-        "{args:?} failed: {}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8_lossy(&out.stdout).into_owned()
-}
-
-/// Runs `f` until it returns `Ok`, every 100 ms, for at most `limit`.
-fn wait_for<T>(what: &str, limit: Duration, mut f: impl FnMut() -> Result<T, String>) -> T {
-    let deadline = Instant::now() + limit;
-    loop {
-        match f() {
-            Ok(v) => return v,
-            Err(last) if Instant::now() >= deadline => {
-                panic!("timed out after {limit:?} waiting for {what}; last: {last}")
-            }
-            Err(_) => thread::sleep(Duration::from_millis(100)),
-        }
-    }
 }
 
 impl Lab {
@@ -86,41 +60,19 @@ impl Lab {
             lab.veth_router.as_str(),
         );
         fs::create_dir_all(lab.dir.join("run")).unwrap();
-        run(&["ip", "netns", "add", n]);
-        run(&["ip", "netns", "add", r]);
-        run(&[
-            "ip", "link", "add", vn, "netns", n, "type", "veth", "peer", "name", vr, "netns", r,
+        ip(&["netns", "add", n]);
+        ip(&["netns", "add", r]);
+        ip(&[
+            "link", "add", vn, "netns", n, "type", "veth", "peer", "name", vr, "netns", r,
         ]);
         for (ns, dev, v4, v6) in [(n, vn, NODE_V4, NODE_V6), (r, vr, ROUTER_V4, ROUTER_V6)] {
-            run(&["ip", "-n", ns, "link", "set", "lo", "up"]);
-            run(&[
-                "ip",
-                "-n",
-                ns,
-                "addr",
-                "add",
-                &format!("{v4}/24"),
-                "dev",
-                dev,
-            ]);
-            run(&[
-                "ip",
-                "-n",
-                ns,
-                "addr",
-                "add",
-                &format!("{v6}/64"),
-                "dev",
-                dev,
-                "nodad",
-            ]);
-            run(&["ip", "-n", ns, "link", "set", dev, "up"]);
+            common::set_up_veth_end(ns, dev, &format!("{v4}/24"), &format!("{v6}/64"));
         }
 
         // The API pipes, where ExaBGP looks for them under --root.
         for end in ["in", "out"] {
             let path = lab.pipes().join(format!("{}.{end}", lab.pipe_name));
-            run(&["mkfifo", "-m", "0600", path.to_str().unwrap()]);
+            run(Command::new("mkfifo").args(["-m", "0600"]).arg(&path));
         }
         fs::write(
             lab.dir.join("exabgp.conf"),
@@ -191,7 +143,7 @@ impl Lab {
             .spawn()
             .expect("start bird");
         self.bird = Some(child);
-        wait_for("bird's control socket", WAIT, || {
+        wait_until_blocking("bird's control socket", WAIT, || {
             self.birdc(&["show", "status"])
                 .filter(|s| s.contains("Daemon is up"))
                 .ok_or_else(|| "not up".to_string())
@@ -233,7 +185,7 @@ impl Lab {
             let _ = child.wait();
         }
         // Its CLI helper notices its parent is gone on its own.
-        wait_for("exabgp's helper to exit", WAIT, || {
+        wait_until_blocking("exabgp's helper to exit", WAIT, || {
             let pids = self.ns_pids(&self.node);
             if pids.is_empty() {
                 Ok(())
@@ -268,19 +220,13 @@ impl Lab {
 
     /// `ip route show <vip>` in the router: the kernel route BIRD installed.
     fn fib(&self, vip: IpAddr) -> String {
-        let family = if vip.is_ipv4() { "-4" } else { "-6" };
-        let prefix = if vip.is_ipv4() {
-            format!("{vip}/32")
-        } else {
-            format!("{vip}/128")
-        };
-        run(&["ip", family, "-n", &self.router, "route", "show", &prefix])
+        kernel_route(&self.router, &vip.to_string())
     }
 
     /// Waits until the router's FIB routes each of `present` via the node,
     /// and none of `absent`.
     fn wait_fib(&self, present: &[&Route], absent: &[IpAddr]) {
-        wait_for("the router's FIB", WAIT, || {
+        wait_until_blocking("the router's FIB", WAIT, || {
             for r in present {
                 let got = self.fib(r.vip);
                 let want = format!("via {}", r.next_hop);
@@ -290,7 +236,7 @@ impl Lab {
             }
             for vip in absent {
                 let got = self.fib(*vip);
-                if !got.trim().is_empty() {
+                if !got.is_empty() {
                     return Err(format!("{vip} still routed: {got:?}"));
                 }
             }
@@ -345,15 +291,6 @@ impl Drop for Lab {
     }
 }
 
-fn route(vip: &str, nh: &str, communities: &[(u16, u16)], local_pref: Option<u32>) -> Route {
-    Route {
-        vip: vip.parse().unwrap(),
-        next_hop: nh.parse().unwrap(),
-        communities: communities.to_vec(),
-        local_pref,
-    }
-}
-
 fn rt() -> tokio::runtime::Runtime {
     tokio::runtime::Builder::new_current_thread()
         .enable_all()
@@ -363,7 +300,7 @@ fn rt() -> tokio::runtime::Runtime {
 
 /// Waits until ExaBGP answers on its pipes; returns what it announces.
 fn wait_api(rt: &tokio::runtime::Runtime, ann: &mut ExaBgpAnnouncer) -> BTreeSet<Route> {
-    wait_for("exabgp's API", WAIT, || {
+    wait_until_blocking("exabgp's API", WAIT, || {
         rt.block_on(ann.announced()).map_err(|e| e.to_string())
     })
 }
@@ -391,7 +328,7 @@ fn exabgp_announces_to_a_real_router() {
 
     // Announce two IPv4 and one IPv6 VIPs.
     assert_eq!(rt.block_on(ann.apply(&all)).unwrap(), (3, 0));
-    wait_for("the BGP session", WAIT, || lab.established());
+    wait_until_blocking("the BGP session", WAIT, || lab.established());
     lab.wait_fib(&[&a, &b, &v6], &[]);
 
     // ExaBGP lists them back (communities sorted).
@@ -433,7 +370,7 @@ fn exabgp_announces_to_a_real_router() {
     let a2 = route("192.0.2.10", NODE_V4, &[(65000, 300)], Some(200));
     let two: BTreeSet<Route> = [a2.clone(), v6.clone()].into();
     assert_eq!(rt.block_on(ann.apply(&two)).unwrap(), (1, 1));
-    wait_for("the new community on the router", WAIT, || {
+    wait_until_blocking("the new community on the router", WAIT, || {
         let shown = bird_route_all(&lab, "192.0.2.10/32");
         if shown.contains("BGP.community: (65000,300)") {
             Ok(())
@@ -470,7 +407,7 @@ fn exabgp_announces_to_a_real_router() {
     assert!(matches!(err, AnnounceError::Unreachable(_)), "{err}");
     let err = rt.block_on(ann.announced()).unwrap_err();
     assert!(matches!(err, AnnounceError::Unreachable(_)), "{err}");
-    wait_for("the session to drop", WAIT, || match lab.established() {
+    wait_until_blocking("the session to drop", WAIT, || match lab.established() {
         Ok(()) => Err("still established".into()),
         Err(_) => Ok(()),
     });
@@ -480,7 +417,7 @@ fn exabgp_announces_to_a_real_router() {
     lab.start_exabgp();
     assert!(wait_api(&rt, &mut ann).is_empty());
     assert_eq!(rt.block_on(ann.apply(&all)).unwrap(), (3, 0));
-    wait_for("the BGP session again", WAIT, || lab.established());
+    wait_until_blocking("the BGP session again", WAIT, || lab.established());
     lab.wait_fib(&[&a, &b, &v6], &[]);
     assert_eq!(rt.block_on(ann.apply(&all)).unwrap(), (0, 0));
 
@@ -533,27 +470,6 @@ fn missing_or_unread_pipes_are_unreachable() {
     assert!(matches!(err, AnnounceError::Unreachable(_)), "{err}");
 }
 
-/// Waits (polling, at most [`WAIT`]) until the page of `registry` holds
-/// every line of `want`, letting the announce task run meanwhile.
-fn wait_metrics(rt: &tokio::runtime::Runtime, registry: &prometheus::Registry, want: &[&str]) {
-    rt.block_on(async {
-        let deadline = Instant::now() + WAIT;
-        loop {
-            let page = prometheus::TextEncoder::new()
-                .encode_to_string(&registry.gather())
-                .unwrap();
-            if want.iter().all(|w| page.contains(w)) {
-                return;
-            }
-            assert!(
-                Instant::now() < deadline,
-                "timed out waiting for {want:?} in:\n{page}"
-            );
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
-    })
-}
-
 /// Per-peer session state from `show neighbor extensive`: the configured
 /// router (up once BIRD answers, down when BIRD is gone) and a configured
 /// neighbor nobody answers (always down); the announce task exports them
@@ -572,7 +488,7 @@ fn exabgp_session_state_per_peer() {
     wait_api(&rt, &mut ann);
     let router: IpAddr = ROUTER_V4.parse().unwrap();
     let silent: IpAddr = "10.200.0.9".parse().unwrap();
-    let peers = wait_for("the session with the router", WAIT, || {
+    let peers = wait_until_blocking("the session with the router", WAIT, || {
         let peers = rt.block_on(ann.peers()).map_err(|e| e.to_string())?;
         if peers.contains(&(router, true)) {
             Ok(peers)
@@ -588,7 +504,7 @@ fn exabgp_session_state_per_peer() {
         let _ = bird.kill();
         let _ = bird.wait();
     }
-    wait_for("the session to drop", WAIT, || {
+    wait_until_blocking("the session to drop", WAIT, || {
         let peers = rt.block_on(ann.peers()).map_err(|e| e.to_string())?;
         if peers == vec![(router, false), (silent, false)] {
             Ok(())
@@ -607,23 +523,26 @@ fn exabgp_session_state_per_peer() {
             &registry,
         )
     });
-    wait_metrics(
-        &rt,
+    // On the current-thread runtime the task runs only while block_on waits.
+    rt.block_on(wait_metrics(
+        "the router up, the silent neighbor down",
+        WAIT,
         &registry,
         &[
             "xlb_bgp_peer_up{peer=\"10.200.0.1\"} 1",
             "xlb_bgp_peer_up{peer=\"10.200.0.9\"} 0",
         ],
-    );
+    ));
     // ExaBGP killed: nothing can be asked, every peer reads 0.
     lab.kill_exabgp();
-    wait_metrics(
-        &rt,
+    rt.block_on(wait_metrics(
+        "every peer down",
+        WAIT,
         &registry,
         &[
             "xlb_bgp_peer_up{peer=\"10.200.0.1\"} 0",
             "xlb_bgp_peer_up{peer=\"10.200.0.9\"} 0",
         ],
-    );
+    ));
     drop(task);
 }

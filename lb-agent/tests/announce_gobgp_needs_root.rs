@@ -7,6 +7,8 @@
 //! driver's AddPeer, never the config file, and every check polls the
 //! router's FIB or the speaker with a deadline.
 
+mod common;
+
 use std::{
     collections::BTreeSet,
     fs::File,
@@ -19,6 +21,7 @@ use std::{
     time::Duration,
 };
 
+use common::{ip, kernel_route, run, wait_until, WAIT};
 use lb_agent::announce::{
     gobgp::{
         AddressFamily, GoBgpAnnouncer, GoBgpConfig, Ownership, PeerConfig, PeerEvents, SessionState,
@@ -40,23 +43,6 @@ const MARKER: (u16, u16) = (65001, 1);
 const FOREIGN: &str = "198.51.100.7";
 /// Announced by the router: learned from a peer, never ours.
 const LEARNED: &str = "203.0.113.5";
-
-fn run(cmd: &mut Command) -> String {
-    let out = cmd
-        .output()
-        .unwrap_or_else(|e| panic!("running {cmd:?}: {e}"));
-    assert!(
-        out.status.success(),
-        "{cmd:?}: {}\n{}",
-        out.status,
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8_lossy(&out.stdout).into_owned()
-}
-
-fn ip(args: &[&str]) -> String {
-    run(Command::new("ip").args(args))
-}
 
 /// The two namespaces, the daemons and their files. Dropping it (test passed
 /// or not) stops the daemons and removes the namespaces (and with them the
@@ -102,19 +88,7 @@ impl Lab {
             (&lab.node, &vn, NODE_V4, NODE_V6),
             (&lab.router, &vr, ROUTER_V4, ROUTER_V6),
         ] {
-            ip(&["-n", ns, "link", "set", "lo", "up"]);
-            ip(&["-n", ns, "addr", "add", &format!("{v4}/24"), "dev", dev]);
-            ip(&[
-                "-n",
-                ns,
-                "addr",
-                "add",
-                &format!("{v6}/64"),
-                "dev",
-                dev,
-                "nodad",
-            ]);
-            ip(&["-n", ns, "link", "set", dev, "up"]);
+            common::set_up_veth_end(ns, dev, &format!("{v4}/24"), &format!("{v6}/64"));
         }
         std::fs::write(
             lab.dir.join("gobgpd.toml"),
@@ -232,10 +206,8 @@ protocol bgp node {{
 
     /// The router's kernel route to `vip` (`ip route show`), if any.
     fn router_route(&self, vip: &str) -> Option<String> {
-        let fam = if vip.contains(':') { "-6" } else { "-4" };
-        let out = ip(&["-n", &self.router, fam, "route", "show", vip]);
-        let out = out.trim();
-        (!out.is_empty()).then(|| out.to_string())
+        let route = kernel_route(&self.router, vip);
+        (!route.is_empty()).then_some(route)
     }
 
     /// Runs `f` on a thread that entered the node namespace, on a runtime
@@ -290,49 +262,29 @@ impl Drop for Lab {
     }
 }
 
-/// Polls `f` every 100 ms until it gives `Some`, for at most `secs`.
-async fn eventually<T>(what: &str, secs: u64, mut f: impl FnMut() -> Option<T>) -> T {
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(secs);
-    loop {
-        if let Some(v) = f() {
-            return v;
-        }
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "timed out after {secs}s waiting for {what}"
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-}
-
 /// Polls the speaker until its API answers (e.g. right after a start).
 async fn wait_api(gobgp: &mut GoBgpAnnouncer) {
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(15);
-    loop {
-        match gobgp.list_peers().await {
-            Ok(_) => return,
-            Err(e) => assert!(
-                tokio::time::Instant::now() < deadline,
-                "gobgpd API not up: {e}"
-            ),
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    wait_until("gobgpd's API", Duration::from_secs(15), async || {
+        gobgp
+            .list_peers()
+            .await
+            .map(drop)
+            .map_err(|e| e.to_string())
+    })
+    .await
 }
 
 async fn wait_established(gobgp: &mut GoBgpAnnouncer, peer: IpAddr) {
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
-    loop {
+    let what = format!("peer {peer} established");
+    wait_until(&what, WAIT, async || {
         let peers = gobgp.list_peers().await.expect("ListPeer");
         if peers.contains(&(peer, SessionState::Established)) {
-            return;
+            Ok(())
+        } else {
+            Err(format!("{peers:?}"))
         }
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "peer {peer} not established: {peers:?}"
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    })
+    .await
 }
 
 /// Reads `events` until one says `peer` is Established.
@@ -349,9 +301,9 @@ async fn watch_established(events: &mut PeerEvents, peer: IpAddr) {
             }
         }
     };
-    tokio::time::timeout(Duration::from_secs(30), wait)
+    tokio::time::timeout(WAIT, wait)
         .await
-        .unwrap_or_else(|_| panic!("no Established event for {peer} within 30s"));
+        .unwrap_or_else(|_| panic!("no Established event for {peer} within {WAIT:?}"));
 }
 
 fn peer_config() -> PeerConfig {
@@ -383,18 +335,25 @@ fn vip(addr: &str, extra_community: Option<(u16, u16)>) -> Route {
 /// Waits until the router's FIB has every route of `present` via the node
 /// and none of `absent`.
 async fn router_converges(lab: &Lab, present: &[&str], absent: &[&str]) {
-    eventually(
-        &format!("router FIB with {present:?} and without {absent:?}"),
-        30,
-        || {
-            let ok = present.iter().all(|v| {
-                let via = if v.contains(':') { NODE_V6 } else { NODE_V4 };
-                lab.router_route(v)
-                    .is_some_and(|r| r.contains(&format!("via {via} ")))
-            }) && absent.iter().all(|v| lab.router_route(v).is_none());
-            ok.then_some(())
-        },
-    )
+    let what = format!("router FIB with {present:?} and without {absent:?}");
+    wait_until(&what, WAIT, async || {
+        for v in present {
+            let via = if v.contains(':') { NODE_V6 } else { NODE_V4 };
+            let got = lab.router_route(v);
+            if !got
+                .as_ref()
+                .is_some_and(|r| r.contains(&format!("via {via} ")))
+            {
+                return Err(format!("{v}: {got:?}"));
+            }
+        }
+        for v in absent {
+            if let Some(got) = lab.router_route(v) {
+                return Err(format!("{v} still routed: {got}"));
+            }
+        }
+        Ok(())
+    })
     .await
 }
 
@@ -427,10 +386,13 @@ fn gobgp_driver_against_gobgpd_and_bird_needs_root() {
         ));
 
         // A host route learned from the router.
-        eventually("gobgpd to learn the router's route", 30, || {
-            lab.gobgp_cli(&["global", "rib", "-j"])
-                .contains(&format!("\"{LEARNED}/32\""))
-                .then_some(())
+        wait_until("gobgpd to learn the router's route", WAIT, async || {
+            let rib = lab.gobgp_cli(&["global", "rib", "-j"]);
+            if rib.contains(&format!("\"{LEARNED}/32\"")) {
+                Ok(())
+            } else {
+                Err(rib)
+            }
         })
         .await;
 

@@ -1,0 +1,128 @@
+//! Helpers shared by the BGP driver tests (`announce_*_needs_root.rs`).
+//! Each test file is a crate of its own and uses only some of them.
+#![allow(dead_code)]
+
+use std::{
+    process::Command,
+    thread,
+    time::{Duration, Instant},
+};
+
+use lb_agent::announce::Route;
+
+/// The longest any one wait of these tests may take.
+pub const WAIT: Duration = Duration::from_secs(30);
+/// How often the waits below look again.
+const POLL_EVERY: Duration = Duration::from_millis(100);
+
+/// Runs `cmd`; panics (with its output) unless it succeeds. Returns stdout.
+pub fn run(cmd: &mut Command) -> String {
+    let out = cmd
+        .output()
+        .unwrap_or_else(|e| panic!("running {cmd:?}: {e}"));
+    assert!(
+        out.status.success(),
+        "{cmd:?}: {}\n{}{}",
+        out.status,
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// `ip ARGS`, which must succeed; returns stdout.
+pub fn ip(args: &[&str]) -> String {
+    run(Command::new("ip").args(args))
+}
+
+/// Brings up `lo` and the veth end `dev` in `ns` with the addresses
+/// `v4_cidr` and `v6_cidr` (without duplicate address detection, so the
+/// IPv6 address is usable at once).
+pub fn set_up_veth_end(ns: &str, dev: &str, v4_cidr: &str, v6_cidr: &str) {
+    ip(&["-n", ns, "link", "set", "lo", "up"]);
+    ip(&["-n", ns, "addr", "add", v4_cidr, "dev", dev]);
+    ip(&["-n", ns, "addr", "add", v6_cidr, "dev", dev, "nodad"]);
+    ip(&["-n", ns, "link", "set", dev, "up"]);
+}
+
+/// The kernel route for `dst` in `ns` (`ip route show DST`), "" if none.
+pub fn kernel_route(ns: &str, dst: &str) -> String {
+    let family = if dst.contains(':') { "-6" } else { "-4" };
+    ip(&["-n", ns, family, "route", "show", dst])
+        .trim()
+        .to_string()
+}
+
+/// Polls `check` until it gives `Ok`, or panics after `limit` with its last
+/// `Err` (what it saw instead).
+pub async fn wait_until<T>(
+    what: &str,
+    limit: Duration,
+    mut check: impl AsyncFnMut() -> Result<T, String>,
+) -> T {
+    let deadline = Instant::now() + limit;
+    loop {
+        match check().await {
+            Ok(v) => return v,
+            Err(last) if Instant::now() >= deadline => {
+                panic!("timed out after {limit:?} waiting for {what}; last: {last}")
+            }
+            Err(_) => tokio::time::sleep(POLL_EVERY).await,
+        }
+    }
+}
+
+/// [`wait_until`] for callers outside a runtime: sleeps the thread between
+/// checks.
+pub fn wait_until_blocking<T>(
+    what: &str,
+    limit: Duration,
+    mut check: impl FnMut() -> Result<T, String>,
+) -> T {
+    let deadline = Instant::now() + limit;
+    loop {
+        match check() {
+            Ok(v) => return v,
+            Err(last) if Instant::now() >= deadline => {
+                panic!("timed out after {limit:?} waiting for {what}; last: {last}")
+            }
+            Err(_) => thread::sleep(POLL_EVERY),
+        }
+    }
+}
+
+/// The agent's Prometheus page from `registry`.
+pub fn metrics_page(registry: &prometheus::Registry) -> String {
+    prometheus::TextEncoder::new()
+        .encode_to_string(&registry.gather())
+        .unwrap()
+}
+
+/// Waits (at most `limit`) until the page of `registry` holds every line of
+/// `want`. Async so that the announce task filling it runs meanwhile.
+pub async fn wait_metrics(
+    what: &str,
+    limit: Duration,
+    registry: &prometheus::Registry,
+    want: &[&str],
+) {
+    wait_until(what, limit, async || {
+        let page = metrics_page(registry);
+        if want.iter().all(|w| page.contains(w)) {
+            Ok(())
+        } else {
+            Err(format!("want {want:?} in:\n{page}"))
+        }
+    })
+    .await
+}
+
+/// A route from its text form.
+pub fn route(vip: &str, nh: &str, communities: &[(u16, u16)], local_pref: Option<u32>) -> Route {
+    Route {
+        vip: vip.parse().unwrap(),
+        next_hop: nh.parse().unwrap(),
+        communities: communities.to_vec(),
+        local_pref,
+    }
+}
