@@ -79,6 +79,7 @@ use std::{
 use crate::{
     netns::{sh, Netns},
     topology::{agent_bin, http_get, in_netns, lbctl_bin, strip_ansi, wait_for_port, write_atomic},
+    traffic::poll_until,
 };
 
 pub use crate::topology::{BACKEND_PORT, VIP};
@@ -477,8 +478,10 @@ protocol bgp upstream {{
             ),
             Driver::Bird => {
                 let sock = self.bird_socket();
-                let deadline = Instant::now() + Duration::from_secs(10);
-                while !sock.exists() {
+                poll_until(Duration::from_secs(10), Duration::from_millis(20), || {
+                    if sock.exists() {
+                        return Ok(());
+                    }
                     let child = self.speaker.as_mut().unwrap();
                     if let Ok(Some(st)) = child.try_wait() {
                         panic!(
@@ -487,14 +490,15 @@ protocol bgp upstream {{
                             tail(&self.speaker_log_path(), 20)
                         );
                     }
-                    assert!(
-                        Instant::now() < deadline,
+                    Err(())
+                })
+                .unwrap_or_else(|()| {
+                    panic!(
                         "node {}: BIRD did not start: {}",
                         self.index,
                         tail(&self.speaker_log_path(), 20)
-                    );
-                    std::thread::sleep(Duration::from_millis(20));
-                }
+                    )
+                });
             }
             Driver::ExaBgp => {}
         }
@@ -531,24 +535,25 @@ protocol bgp upstream {{
             }
             Driver::ExaBgp => {}
         }
-        let deadline = Instant::now() + Duration::from_secs(10);
-        loop {
+        poll_until(Duration::from_secs(10), Duration::from_millis(20), || {
             let agent = self.agent_pid();
             let left: Vec<i32> = ns_pids(&self.ns)
                 .into_iter()
                 .filter(|p| Some(*p) != agent)
                 .collect();
             if left.is_empty() {
-                return;
+                Ok(())
+            } else {
+                Err(left)
             }
-            assert!(
-                Instant::now() < deadline,
+        })
+        .unwrap_or_else(|left| {
+            panic!(
                 "node {}: processes {left:?} still run after killing {}",
                 self.index,
                 self.driver.daemon()
-            );
-            std::thread::sleep(Duration::from_millis(20));
-        }
+            )
+        });
     }
 
     /// Writes the agent's config file (atomically; a running agent notices
@@ -585,8 +590,7 @@ protocol bgp upstream {{
 
     /// Waits (at most 30 s) until the agent's /readyz answers 200.
     pub fn wait_agent_ready(&mut self) {
-        let deadline = Instant::now() + Duration::from_secs(30);
-        loop {
+        poll_until(Duration::from_secs(30), Duration::from_millis(50), || {
             let child = self.agent.as_mut().expect("agent started");
             if let Some(st) = child.try_wait().expect("wait lb-agent") {
                 panic!(
@@ -595,17 +599,18 @@ protocol bgp upstream {{
                     self.agent_log()
                 );
             }
-            if let Ok((200, _)) = self.get("/readyz") {
-                return;
+            match self.get("/readyz") {
+                Ok((200, _)) => Ok(()),
+                _ => Err(()),
             }
-            assert!(
-                Instant::now() < deadline,
+        })
+        .unwrap_or_else(|()| {
+            panic!(
                 "node {}: lb-agent not ready within 30 s; log:\n{}",
                 self.index,
                 self.agent_log()
-            );
-            std::thread::sleep(Duration::from_millis(50));
-        }
+            )
+        });
     }
 
     /// [`spawn_agent`](Self::spawn_agent) and wait until ready.
@@ -635,14 +640,16 @@ protocol bgp upstream {{
 
     /// Waits (at most `timeout`) for the agent to exit; returns its status.
     pub fn wait_agent_exit(&mut self, timeout: Duration) -> ExitStatus {
-        let deadline = Instant::now() + timeout;
-        loop {
+        let exited = poll_until(timeout, Duration::from_millis(10), || {
             let child = self.agent.as_mut().expect("agent started");
-            if let Some(st) = child.try_wait().expect("wait lb-agent") {
+            child.try_wait().expect("wait lb-agent").ok_or(())
+        });
+        match exited {
+            Ok(st) => {
                 self.agent = None;
-                return st;
+                st
             }
-            if Instant::now() > deadline {
+            Err(()) => {
                 let log = self.agent_log();
                 kill_child(&mut self.agent);
                 panic!(
@@ -650,7 +657,6 @@ protocol bgp upstream {{
                     self.index
                 );
             }
-            std::thread::sleep(Duration::from_millis(10));
         }
     }
 
@@ -1009,19 +1015,20 @@ impl EcmpLab {
         self.rr_gobgpd = Some(child);
         wait_for_port(&ns, SocketAddr::from((Ipv4Addr::LOCALHOST, RR_API_PORT)));
         self.rr = Some(ns);
-        let deadline = Instant::now() + Duration::from_secs(20);
-        loop {
+        poll_until(Duration::from_secs(20), Duration::from_millis(20), || {
             let s = self.birdc(&["show", "protocols", "reflector"]);
             if s.contains("Established") {
-                break;
+                Ok(())
+            } else {
+                Err(s)
             }
-            assert!(
-                Instant::now() < deadline,
+        })
+        .unwrap_or_else(|s| {
+            panic!(
                 "the router's session with the route reflector: {s}\n{}",
                 self.logs()
-            );
-            std::thread::sleep(Duration::from_millis(20));
-        }
+            )
+        });
     }
 
     /// The route reflector's gobgpd config (TOML), as the paper's Appendix C
@@ -1091,9 +1098,11 @@ impl EcmpLab {
     /// (`birdc show protocols nI`), or with the route reflector (`gobgp
     /// neighbor`, where a dynamic neighbour appears once connected).
     pub fn wait_sessions(&self, nodes: &[usize], timeout: Duration) {
+        // One deadline for all nodes: each waits only for what is left.
         let deadline = Instant::now() + timeout;
         for &i in nodes {
-            loop {
+            let remaining = deadline.saturating_duration_since(Instant::now());
+            poll_until(remaining, Duration::from_millis(20), || {
                 let s = match self.topology {
                     Topology::Direct => self.birdc(&["show", "protocols", &format!("n{i}")]),
                     Topology::RouteReflector => self.rr_gobgp(&["neighbor"]),
@@ -1106,15 +1115,17 @@ impl EcmpLab {
                     }),
                 };
                 if up {
-                    break;
+                    Ok(())
+                } else {
+                    Err(s)
                 }
-                assert!(
-                    Instant::now() < deadline,
+            })
+            .unwrap_or_else(|s| {
+                panic!(
                     "node {i}: no session with the router within {timeout:?}: {s}\n{}",
                     self.logs()
-                );
-                std::thread::sleep(Duration::from_millis(20));
-            }
+                )
+            });
         }
     }
 
@@ -1249,15 +1260,19 @@ template bgp lbnode {{
             Path::new("ip"),
             &["-ts", "-4", "monitor", "route"],
         ));
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while !sock.exists() {
-            assert!(
-                Instant::now() < deadline,
+        poll_until(Duration::from_secs(10), Duration::from_millis(20), || {
+            if sock.exists() {
+                Ok(())
+            } else {
+                Err(())
+            }
+        })
+        .unwrap_or_else(|()| {
+            panic!(
                 "BIRD did not start: {}",
                 tail(&self.dir.join("bird.out"), 20)
-            );
-            std::thread::sleep(Duration::from_millis(20));
-        }
+            )
+        });
     }
 
     /// `birdc` against the router's BIRD.

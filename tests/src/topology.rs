@@ -29,10 +29,13 @@ use std::{
         Arc, OnceLock,
     },
     thread::JoinHandle,
-    time::{Duration, Instant, SystemTime},
+    time::{Duration, SystemTime},
 };
 
-use crate::netns::{sh, Netns};
+use crate::{
+    netns::{sh, Netns},
+    traffic::poll_until,
+};
 
 pub const CLIENT_IP: Ipv4Addr = Ipv4Addr::new(10, 0, 0, 2);
 pub const LB_CLIENT_SIDE: Ipv4Addr = Ipv4Addr::new(10, 0, 0, 1);
@@ -227,17 +230,13 @@ pub fn nginx_config(dir: &std::path::Path, n: usize) -> String {
 
 /// Waits until `addr` accepts TCP connections from inside `ns`.
 pub fn wait_for_port(ns: &Netns, addr: SocketAddr) {
-    let deadline = Instant::now() + Duration::from_secs(10);
     let ns_name = ns.name.clone();
     let ok = std::thread::spawn(move || {
         Netns::enter_by_name(&ns_name);
-        while Instant::now() < deadline {
-            if TcpStream::connect_timeout(&addr, Duration::from_millis(200)).is_ok() {
-                return true;
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        false
+        poll_until(Duration::from_secs(10), Duration::from_millis(20), || {
+            TcpStream::connect_timeout(&addr, Duration::from_millis(200))
+        })
+        .is_ok()
     })
     .join()
     .unwrap();
@@ -437,20 +436,16 @@ impl AgentHandle {
     /// SIGTERM, and waits (at most 15 s) for the agent to exit.
     pub fn sigterm_and_wait(&mut self) -> ExitStatus {
         self.signal(libc::SIGTERM);
-        let deadline = Instant::now() + Duration::from_secs(15);
-        loop {
-            if let Some(st) = self.child.try_wait().expect("wait lb-agent") {
-                return st;
-            }
-            if Instant::now() > deadline {
-                self.sigkill();
-                panic!(
-                    "lb-agent did not exit within 15 s of SIGTERM; log:\n{}",
-                    self.log()
-                );
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
+        poll_until(Duration::from_secs(15), Duration::from_millis(20), || {
+            self.child.try_wait().expect("wait lb-agent").ok_or(())
+        })
+        .unwrap_or_else(|()| {
+            self.sigkill();
+            panic!(
+                "lb-agent did not exit within 15 s of SIGTERM; log:\n{}",
+                self.log()
+            )
+        })
     }
 
     /// Whether the process is still running.
@@ -465,17 +460,17 @@ impl AgentHandle {
 
     /// Waits until the log contains `needle` at least `count` times; returns the log.
     pub fn wait_for_log(&self, needle: &str, count: usize, timeout: Duration) -> String {
-        let deadline = Instant::now() + timeout;
-        loop {
+        poll_until(timeout, Duration::from_millis(25), || {
             let log = self.log();
             if log.matches(needle).count() >= count {
-                return log;
+                Ok(log)
+            } else {
+                Err(log)
             }
-            if Instant::now() > deadline {
-                panic!("no {count}x {needle:?} in the agent's log within {timeout:?}:\n{log}");
-            }
-            std::thread::sleep(Duration::from_millis(25));
-        }
+        })
+        .unwrap_or_else(|log| {
+            panic!("no {count}x {needle:?} in the agent's log within {timeout:?}:\n{log}")
+        })
     }
 
     /// Replaces the config file (atomically; the agent notices within 500 ms).
@@ -527,19 +522,17 @@ impl Topology {
     /// `wrapper` (a command that execs its arguments, e.g. `setpriv ...`).
     pub fn start_agent_wrapped(&mut self, wrapper: &[&str], config_yaml: &str) -> AgentHandle {
         let mut agent = self.spawn_agent_wrapped(wrapper, config_yaml);
-        let deadline = Instant::now() + Duration::from_secs(30);
-        loop {
+        poll_until(Duration::from_secs(30), Duration::from_millis(50), || {
             if let Some(st) = agent.child.try_wait().expect("wait lb-agent") {
                 panic!("lb-agent exited ({st}) before ready; log:\n{}", agent.log());
             }
-            if let Ok((200, _)) = agent.get("/readyz") {
-                return agent;
+            match agent.get("/readyz") {
+                Ok((200, _)) => Ok(()),
+                _ => Err(()),
             }
-            if Instant::now() > deadline {
-                panic!("lb-agent not ready within 30 s; log:\n{}", agent.log());
-            }
-            std::thread::sleep(Duration::from_millis(50));
-        }
+        })
+        .unwrap_or_else(|()| panic!("lb-agent not ready within 30 s; log:\n{}", agent.log()));
+        agent
     }
 
     /// [`start_agent`](Self::start_agent) without waiting for readiness.

@@ -75,15 +75,25 @@ pub fn keepalive_to(t: &Topology, vip: SocketAddr, name: &str) -> HttpConn {
 
 /// Polls `f` every 50 ms until it returns `Some`, at most `timeout`.
 pub fn wait_until<T>(what: &str, timeout: Duration, mut f: impl FnMut() -> Option<T>) -> T {
+    poll_until(timeout, Duration::from_millis(50), || f().ok_or(()))
+        .unwrap_or_else(|()| panic!("timed out after {timeout:?}: {what}"))
+}
+
+/// Calls `attempt` every `interval` until it returns `Ok`, at most
+/// `timeout`; then returns its last `Err`. Failing is left to the caller,
+/// whose message can then borrow what `attempt` borrowed mutably (a child
+/// process, say) to add logs.
+pub fn poll_until<T, E>(
+    timeout: Duration,
+    interval: Duration,
+    mut attempt: impl FnMut() -> Result<T, E>,
+) -> Result<T, E> {
     let deadline = Instant::now() + timeout;
     loop {
-        if let Some(v) = f() {
-            return v;
+        match attempt() {
+            Ok(v) => return Ok(v),
+            Err(e) if Instant::now() >= deadline => return Err(e),
+            Err(_) => std::thread::sleep(interval),
         }
-        assert!(
-            Instant::now() < deadline,
-            "timed out after {timeout:?}: {what}"
-        );
-        std::thread::sleep(Duration::from_millis(50));
     }
 }

@@ -45,10 +45,11 @@ use std::{
 
 use serde_json::Value;
 use xlb_tests::ecmp::{
-    backend_ip, node_ip, node_of_hop, request_from, Driver, EcmpLab, Topology, BACKENDS,
+    backend_ip, node_ip, node_of_hop, request_from, Driver, EcmpLab, Node, Topology, BACKENDS,
     BACKEND_PORT, CLIENT_IP, HOLD_TIME, NODES, ROUTER_IP, RR_IP, VIP,
 };
 use xlb_tests::topology::{agent_bin, lbctl_bin};
+use xlb_tests::traffic::poll_until;
 
 const SVC: &str = "192.0.2.10:80/tcp";
 
@@ -131,15 +132,22 @@ fn wait_until<T>(
     state: impl FnOnce() -> String,
 ) -> (T, Duration) {
     let start = Instant::now();
-    loop {
-        if let Some(v) = f() {
-            return (v, start.elapsed());
-        }
-        if start.elapsed() > timeout {
-            panic!("timed out after {timeout:?}: {what}\n{}", state());
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    let v = poll_until(timeout, Duration::from_millis(20), || f().ok_or(()))
+        .unwrap_or_else(|()| panic!("timed out after {timeout:?}: {what}\n{}", state()));
+    (v, start.elapsed())
+}
+
+/// Waits (at most 5 s) until `node`'s `xlb_bgp_announced_prefixes` is `want`.
+fn wait_announced_prefixes(node: &Node, want: u32) {
+    wait_until(
+        &format!("node {}: xlb_bgp_announced_prefixes {want}", node.index),
+        Duration::from_secs(5),
+        || {
+            let page = node.get("/metrics").ok()?.1;
+            (metric(&page, "xlb_bgp_announced_prefixes") == Some(f64::from(want))).then_some(())
+        },
+        || node.get("/metrics").map(|r| r.1).unwrap_or_default(),
+    );
 }
 
 /// SIGTERM to node 1's agent; waits until the router's FIB has only nodes 2
@@ -375,15 +383,7 @@ fn ecmp_over_three_nodes(driver: Driver) {
         lab.birdc(&["show", "route", "for", &VIP.to_string(), "all"])
     );
     for node in &lab.nodes {
-        wait_until(
-            &format!("node {}: xlb_bgp_announced_prefixes 1", node.index),
-            Duration::from_secs(5),
-            || {
-                let page = node.get("/metrics").ok()?.1;
-                (metric(&page, "xlb_bgp_announced_prefixes") == Some(1.0)).then_some(())
-            },
-            || node.get("/metrics").map(|r| r.1).unwrap_or_default(),
-        );
+        wait_announced_prefixes(node, 1);
         check_speaker(&lab, node.index, true);
     }
     mark("1. FIB has 3 next hops", &mut phase);
@@ -587,15 +587,7 @@ fn ecmp_over_three_nodes(driver: Driver) {
     eprintln!("all weights 0: route gone after {took:?}");
     assert_eq!(lab.router_route(), "", "the router still routes the VIP");
     for node in &lab.nodes {
-        wait_until(
-            &format!("node {}: xlb_bgp_announced_prefixes 0", node.index),
-            Duration::from_secs(5),
-            || {
-                let page = node.get("/metrics").ok()?.1;
-                (metric(&page, "xlb_bgp_announced_prefixes") == Some(0.0)).then_some(())
-            },
-            || node.get("/metrics").map(|r| r.1).unwrap_or_default(),
-        );
+        wait_announced_prefixes(node, 0);
         check_speaker(&lab, node.index, false);
     }
     mark("7. all weights 0", &mut phase);
