@@ -1438,26 +1438,31 @@ pub fn connect_from(
         let fd = libc::socket(libc::AF_INET, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0);
         check(fd)?;
         let fd = OwnedFd::from_raw_fd(fd);
+        let socket_option = |name: libc::c_int, value: *const libc::c_void, len: usize| {
+            check(libc::setsockopt(
+                fd.as_raw_fd(),
+                libc::SOL_SOCKET,
+                name,
+                value,
+                len as libc::socklen_t,
+            ))
+        };
         let one: libc::c_int = 1;
-        check(libc::setsockopt(
-            fd.as_raw_fd(),
-            libc::SOL_SOCKET,
+        socket_option(
             libc::SO_REUSEADDR,
             (&one as *const libc::c_int).cast(),
-            std::mem::size_of::<libc::c_int>() as libc::socklen_t,
-        ))?;
+            std::mem::size_of_val(&one),
+        )?;
         // Linux bounds a blocking connect by the send timeout.
         let tv = libc::timeval {
             tv_sec: timeout.as_secs() as libc::time_t,
             tv_usec: timeout.subsec_micros() as libc::suseconds_t,
         };
-        check(libc::setsockopt(
-            fd.as_raw_fd(),
-            libc::SOL_SOCKET,
+        socket_option(
             libc::SO_SNDTIMEO,
             (&tv as *const libc::timeval).cast(),
-            std::mem::size_of::<libc::timeval>() as libc::socklen_t,
-        ))?;
+            std::mem::size_of_val(&tv),
+        )?;
         let s = sockaddr(src);
         check(libc::bind(
             fd.as_raw_fd(),

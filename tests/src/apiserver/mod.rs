@@ -640,15 +640,7 @@ impl TestApiServer {
         name: &str,
         merge_patch: &Value,
     ) -> Result<K, ApiError> {
-        Self::from_value(self.patch_json(
-            &K::api_version(&()),
-            &K::kind(&()),
-            namespace,
-            name,
-            PatchType::Merge,
-            merge_patch,
-            false,
-        )?)
+        self.merge_patch(namespace, name, merge_patch, false)
     }
 
     /// Merge-patches (RFC 7386) an object's status.
@@ -658,6 +650,16 @@ impl TestApiServer {
         name: &str,
         merge_patch: &Value,
     ) -> Result<K, ApiError> {
+        self.merge_patch(namespace, name, merge_patch, true)
+    }
+
+    fn merge_patch<K: ApiObject>(
+        &self,
+        namespace: Option<&str>,
+        name: &str,
+        merge_patch: &Value,
+        status_only: bool,
+    ) -> Result<K, ApiError> {
         Self::from_value(self.patch_json(
             &K::api_version(&()),
             &K::kind(&()),
@@ -665,7 +667,7 @@ impl TestApiServer {
             name,
             PatchType::Merge,
             merge_patch,
-            true,
+            status_only,
         )?)
     }
 
