@@ -77,11 +77,21 @@ struct Labels {
 /// hands the rewritten packet to the kernel to forward (and resolve the
 /// neighbour). In snat mode that packet's source is this node's own address,
 /// which the kernel drops as a martian unless the interface accepts local
-/// sources. (IPv4 only: IPv6 has no such switch.)
+/// sources. (IPv4 only: IPv6 has no such switch.) Set through rtnetlink, so
+/// CAP_NET_ADMIN is enough and no privileged container is needed.
 fn accept_local(iface: &str) {
-    let path = format!("/proc/sys/net/ipv4/conf/{iface}/accept_local");
-    if let Err(e) = std::fs::write(&path, "1") {
-        warn!(interface = %iface, "setting {path}: {e}; snat flows to backends with no neighbour entry yet will stall");
+    let set = ifindex(iface).and_then(|index| crate::netconf::set_accept_local(index, true));
+    if let Err(e) = set {
+        warn!(interface = %iface, "setting accept_local: {e}; snat flows to backends with no neighbour entry yet will stall");
+    }
+}
+
+fn ifindex(iface: &str) -> std::io::Result<u32> {
+    let name = std::ffi::CString::new(iface).map_err(std::io::Error::other)?;
+    // SAFETY: a valid NUL-terminated string.
+    match unsafe { libc::if_nametoindex(name.as_ptr()) } {
+        0 => Err(std::io::Error::last_os_error()),
+        index => Ok(index),
     }
 }
 
@@ -145,6 +155,9 @@ impl Agent {
         };
         if let Some(kcfg) = agent.config.kubernetes.clone() {
             let client = crate::k8s::watch::client(&kcfg).await?;
+            crate::k8s::api_health::api_health()
+                .register(agent.metrics.registry())
+                .context("registering the Kubernetes API metrics")?;
             let node_name = crate::k8s::watch::node_name(&kcfg);
             info!(node = %node_name, class = %kcfg.load_balancer_class, "taking Services from Kubernetes");
             let mut rx = crate::k8s::watch::spawn(

@@ -7,3 +7,4 @@ pub mod dataplane;
 pub mod health;
 pub mod k8s;
 pub mod metrics;
+pub mod netconf;

@@ -37,15 +37,48 @@ struct Cli {
     /// Log filter (tracing's EnvFilter syntax), also from RUST_LOG.
     #[arg(long, default_value = "info")]
     log: String,
+    /// Log lines as plain text (colours only on a terminal) or one JSON
+    /// object per line, for log pipelines.
+    #[arg(long, value_enum, default_value = "text")]
+    log_format: LogFormat,
+}
+
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+enum LogFormat {
+    Text,
+    Json,
+}
+
+/// The kube client logs every failed request at ERROR from inside its HTTP
+/// stack; during an API server outage that is a line per retry. The agent
+/// reports the outage itself (once when it starts, once when it ends, a
+/// metric in between), so that target is off unless the filter names it.
+const QUIET_KUBE_CLIENT: &str = "kube_client::client::builder=off";
+
+fn init_logging(filter: &str, format: LogFormat) {
+    use std::io::IsTerminal;
+    let mut env_filter = tracing_subscriber::EnvFilter::new(filter);
+    if !filter.contains("kube_client") {
+        env_filter = env_filter.add_directive(QUIET_KUBE_CLIENT.parse().expect("valid directive"));
+    }
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(env_filter)
+        .with_target(false);
+    match format {
+        LogFormat::Json => builder.json().flatten_event(true).init(),
+        LogFormat::Text => {
+            // Escape codes only where a person reads them: log collectors
+            // store them verbatim.
+            let colour = std::io::stdout().is_terminal() && std::env::var_os("NO_COLOR").is_none();
+            builder.with_ansi(colour).init()
+        }
+    }
 }
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let filter = std::env::var("RUST_LOG").unwrap_or_else(|_| cli.log.clone());
-    tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_target(false)
-        .init();
+    init_logging(&filter, cli.log_format);
 
     if cli.print_crds {
         print!("{}", lb_agent::k8s::crds_yaml());

@@ -2,7 +2,9 @@
 
 pub mod apiserver;
 pub mod bench_support;
+pub mod cluster;
 pub mod ecmp;
+pub mod k8s_topology;
 pub mod netns;
 pub mod packet;
 pub mod topology;

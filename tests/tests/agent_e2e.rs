@@ -1015,6 +1015,12 @@ fn lbctl_counts_and_traces_match_traffic() {
 #[test]
 fn agent_runs_with_only_the_charts_capabilities() {
     let mut t = Topology::new("caps", 3);
+    // The agent turns accept_local on by itself (rtnetlink, NET_ADMIN): the
+    // chart needs no privileged container for it.
+    let ifaces = t.lb_interfaces();
+    for iface in &ifaces {
+        t.lb.run(&format!("sysctl -qw net.ipv4.conf.{iface}.accept_local=0"));
+    }
     let agent = t.start_agent_wrapped(
         &[
             "setpriv",
@@ -1042,5 +1048,21 @@ fn agent_runs_with_only_the_charts_capabilities() {
     warm_neighbours(&t);
     let counts = count(&requests(&t, 60));
     assert_eq!(counts.len(), 3, "every backend answers: {counts:?}");
-    assert!(!agent.log().contains("setting /proc"), "{}", agent.log());
+    assert!(
+        !agent.log().contains("setting accept_local"),
+        "{}",
+        agent.log()
+    );
+    for iface in &ifaces {
+        let out = t.output_in(
+            &t.lb,
+            "sysctl",
+            &["-n", &format!("net.ipv4.conf.{iface}.accept_local")],
+        );
+        assert_eq!(
+            String::from_utf8_lossy(&out.stdout).trim(),
+            "1",
+            "accept_local on {iface}"
+        );
+    }
 }

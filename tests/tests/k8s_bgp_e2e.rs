@@ -3,11 +3,12 @@
 //! `externalTrafficPolicy: Local` only while it has a local endpoint that
 //! takes new flows.
 //!
-//! The agents' single-LB topology (`xlb_tests::topology`) with, in the LB
-//! namespace, the test API server (`xlb_tests::apiserver`; no kube-apiserver
-//! can run here) and a real `gobgpd` without peers: the agent's paths land
-//! in gobgpd's global RIB, which is what the node would send to its routers.
-//! Every check reads that RIB with the `gobgp` CLI, polled with a deadline.
+//! The agents' single-LB topology with the real control plane
+//! (`xlb_tests::k8s_topology`: the EndpointSlice controller writes every
+//! slice from Pods) and, in the LB namespace, a real `gobgpd` without
+//! peers: the agent's paths land in gobgpd's global RIB, which is what the
+//! node would send to its routers. Every check reads that RIB with the
+//! `gobgp` CLI, polled with a deadline.
 
 use std::{
     collections::BTreeMap,
@@ -19,14 +20,13 @@ use std::{
 
 use serde_json::{json, Value};
 use xlb_tests::{
-    apiserver::{PatchType, TestApiServer},
-    topology::{backend_ip, in_netns, wait_for_port, Topology, BACKEND_PORT, LB_CLIENT_SIDE, VIP},
+    cluster::Pod,
+    k8s_topology::{K8sTopology, NODE, NS},
+    topology::{backend_ip, wait_for_port, Topology, BACKEND_PORT, LB_CLIENT_SIDE, VIP},
     traffic::wait_until,
 };
 
-const NODE: &str = "node-1";
 const OTHER_NODE: &str = "node-2";
-const NS: &str = "shop";
 const EXCLUDE_LABEL: &str = "node.kubernetes.io/exclude-from-external-load-balancers";
 /// Service `shop/web`, `externalTrafficPolicy: Cluster`.
 const CLUSTER_SVC: &str = "web";
@@ -150,117 +150,84 @@ fn programmed(t: &Topology, vip: Ipv4Addr) -> bool {
         .any(|s| s["vip"].as_str() == Some(vip.to_string().as_str()))
 }
 
-/// A LoadBalancer Service of xlb's class with the given policy, its address
-/// written into the status (the allocator is off in this test).
-fn create_service(api: &TestApiServer, name: &str, policy: &str, vip: Ipv4Addr) {
-    api.create_json(json!({
+/// A LoadBalancer Service of xlb's class with the given policy, selecting
+/// Pods labelled `<name>: "yes"`, its address written into the status by
+/// the test (the allocator is off here).
+fn create_service(k: &K8sTopology, name: &str, policy: &str, vip: Ipv4Addr) {
+    k.cluster.create(&json!({
         "apiVersion": "v1", "kind": "Service",
         "metadata": {"name": name, "namespace": NS},
         "spec": {
             "type": "LoadBalancer",
             "loadBalancerClass": "xlb.dev/xlb",
             "externalTrafficPolicy": policy,
-            "selector": {"app": "web"},
+            "selector": {name: "yes"},
             "ports": [{"name": "http", "port": 80, "targetPort": "http", "protocol": "TCP"}],
         },
-    }))
-    .unwrap();
-    api.patch_json(
-        "v1",
-        "Service",
+    }));
+    k.cluster.patch(
+        "service",
         Some(NS),
         name,
-        PatchType::Merge,
         &json!({"status": {"loadBalancer": {"ingress": [{"ip": vip.to_string()}]}}}),
         true,
-    )
-    .unwrap();
+    );
 }
 
-/// Backend `n`'s endpoint on `node` with its conditions.
-fn endpoint(n: usize, node: &str, ready: bool, serving: bool, terminating: bool) -> Value {
-    json!({
-        "addresses": [backend_ip(n).to_string()],
-        "conditions": {"ready": ready, "serving": serving, "terminating": terminating},
-        "nodeName": node,
-        "targetRef": {"kind": "Pod", "namespace": NS, "name": format!("web-{n}")},
-    })
-}
-
-fn ready(n: usize, node: &str) -> Value {
-    endpoint(n, node, true, true, false)
-}
-
-/// Creates or replaces Service `service`'s one EndpointSlice.
-fn set_slice(api: &TestApiServer, service: &str, endpoints: Vec<Value>) {
-    let name = format!("{service}-abc12");
-    let slice = json!({
-        "apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
-        "metadata": {
-            "name": name, "namespace": NS,
-            "labels": {
-                "kubernetes.io/service-name": service,
-                "endpointslice.kubernetes.io/managed-by": "endpointslice-controller.k8s.io",
-            },
-        },
-        "addressType": "IPv4",
-        "ports": [{"name": "http", "port": BACKEND_PORT, "protocol": "TCP"}],
-        "endpoints": endpoints,
-    });
-    if api
-        .get_json("discovery.k8s.io/v1", "EndpointSlice", Some(NS), &name)
-        .is_some()
-    {
-        api.update_json(slice).unwrap();
-    } else {
-        api.create_json(slice).unwrap();
+/// Backend `n`'s Pod on `node`, in the Services named by `services`.
+fn pod(n: usize, node: &str, services: &[&str]) -> Pod {
+    let labels: serde_json::Map<String, Value> = services
+        .iter()
+        .map(|s| (s.to_string(), json!("yes")))
+        .collect();
+    Pod {
+        namespace: NS.into(),
+        name: format!("web-{n}"),
+        labels: Value::Object(labels),
+        node: node.into(),
+        ip: backend_ip(n).into(),
+        port: BACKEND_PORT,
+        ready: true,
     }
 }
 
 /// Sets (`Some("")`) or removes (`None`) the exclusion label on this node.
-fn set_excluded(api: &TestApiServer, excluded: bool) {
+fn set_excluded(k: &K8sTopology, excluded: bool) {
     let value = if excluded { json!("") } else { Value::Null };
-    api.patch_json(
-        "v1",
-        "Node",
+    k.cluster.patch(
+        "node",
         None,
         NODE,
-        PatchType::Merge,
         &json!({"metadata": {"labels": {EXCLUDE_LABEL: value}}}),
         false,
-    )
-    .unwrap();
+    );
+}
+
+/// Puts Pod `n` into or out of a Service by its label.
+fn set_member(k: &K8sTopology, n: usize, service: &str, member: bool) {
+    let value = if member { json!("yes") } else { Value::Null };
+    k.cluster.patch(
+        "pod",
+        Some(NS),
+        &format!("web-{n}"),
+        &json!({"metadata": {"labels": {service: value}}}),
+        false,
+    );
 }
 
 #[test]
 fn vips_are_announced_only_while_this_node_can_serve_them() {
-    let mut t = Topology::new("k8b", 2);
-    let api = in_netns(&t.lb, TestApiServer::start_blocking)
-        .join()
-        .expect("start the test API server");
-    for node in [NODE, OTHER_NODE] {
-        api.create_json(json!({
-            "apiVersion": "v1", "kind": "Node",
-            "metadata": {"name": node, "labels": {"kubernetes.io/hostname": node}},
-        }))
-        .unwrap();
-    }
-    create_service(&api, CLUSTER_SVC, "Cluster", CLUSTER_VIP);
-    create_service(&api, LOCAL_SVC, "Local", LOCAL_VIP);
-    // The same pod, on the other node, behind both Services.
-    set_slice(&api, CLUSTER_SVC, vec![ready(1, OTHER_NODE)]);
-    set_slice(&api, LOCAL_SVC, vec![ready(1, OTHER_NODE)]);
+    let mut k = K8sTopology::new("k8b", 2);
+    k.cluster.add_node(OTHER_NODE, "zone-b");
+    create_service(&k, CLUSTER_SVC, "Cluster", CLUSTER_VIP);
+    create_service(&k, LOCAL_SVC, "Local", LOCAL_VIP);
+    // The same Pod, on the other node, behind both Services.
+    k.cluster
+        .run_pod(&pod(1, OTHER_NODE, &[CLUSTER_SVC, LOCAL_SVC]));
 
-    start_gobgpd(&mut t);
-    let kubeconfig = t.dir.join("kubeconfig");
-    api.write_kubeconfig(&kubeconfig).unwrap();
-    let config = format!(
-        "interfaces: [{ifaces}]\n\
-         kubernetes:\n\
-         \x20 kubeconfig: {kubeconfig}\n\
-         \x20 node_name: {NODE}\n\
-         \x20 mode: nat\n\
-         \x20 allocate_addresses: false\n\
+    start_gobgpd(&mut k.t);
+    let config = k.agent_config(&format!(
+        "  allocate_addresses: false\n\
          bgp:\n\
          \x20 driver: gobgp\n\
          \x20 next_hop_ipv4: {NEXT_HOP}\n\
@@ -268,61 +235,64 @@ fn vips_are_announced_only_while_this_node_can_serve_them() {
          \x20 resync_interval: {resync}ms\n\
          \x20 gobgp:\n\
          \x20   address: http://127.0.0.1:{GOBGP_PORT}\n",
-        ifaces = t.lb_interfaces().join(", "),
-        kubeconfig = kubeconfig.display(),
         resync = RESYNC.as_millis(),
-    );
-    let _agent = t.start_agent(&config);
+    ));
+    let _agent = k.t.start_agent(&config);
+    let t = &k.t;
 
     // 1. The Cluster Service is announced: the agent talks to gobgpd. The
     //    Local one is in the data plane (so the agent has seen it) but has
     //    no endpoint here: not announced, and it stays that way.
-    wait_announced(&t, "the Cluster VIP is announced", &[CLUSTER_VIP]);
+    wait_announced(t, "the Cluster VIP is announced", &[CLUSTER_VIP]);
     wait_until(
         "the Local Service is in the data plane",
         CHANGE_TIMEOUT,
-        || programmed(&t, LOCAL_VIP).then_some(()),
+        || programmed(t, LOCAL_VIP).then_some(()),
     );
-    stays_announced(&t, "Local VIP without a local endpoint", &[CLUSTER_VIP]);
+    stays_announced(t, "Local VIP without a local endpoint", &[CLUSTER_VIP]);
 
-    // 2. A ready endpoint on this node: the Local VIP is announced, with
-    //    this node as next hop.
-    set_slice(&api, LOCAL_SVC, vec![ready(1, OTHER_NODE), ready(2, NODE)]);
+    // 2. A ready Pod on this node: the Local VIP is announced, with this
+    //    node as next hop.
+    let local = pod(2, NODE, &[LOCAL_SVC]);
+    k.cluster.run_pod(&local);
     wait_announced(
-        &t,
+        t,
         "the Local VIP after a local endpoint became ready",
         &[CLUSTER_VIP, LOCAL_VIP],
     );
 
-    // 3. That endpoint terminates (still serving its flows, taking no new
-    //    ones): this node can no longer take new flows for the VIP.
-    set_slice(
-        &api,
-        LOCAL_SVC,
-        vec![ready(1, OTHER_NODE), endpoint(2, NODE, false, true, true)],
-    );
+    // 3. That Pod terminates (still serving its flows, taking no new ones):
+    //    this node can no longer take new flows for the VIP.
+    k.cluster.terminate_pod(&local);
     wait_announced(
-        &t,
+        t,
         "the Local VIP after its local endpoint started terminating",
         &[CLUSTER_VIP],
     );
 
     // 4. The Cluster Service loses all its endpoints: withdrawn too.
-    set_slice(&api, CLUSTER_SVC, vec![]);
-    wait_announced(&t, "the Cluster VIP without endpoints", &[]);
+    set_member(&k, 1, CLUSTER_SVC, false);
+    wait_announced(t, "the Cluster VIP without endpoints", &[]);
 
     // 5. Both servable again, then the node is excluded from external load
     //    balancers: nothing is announced; lifting the label brings them back.
-    set_slice(&api, CLUSTER_SVC, vec![ready(1, OTHER_NODE)]);
-    set_slice(&api, LOCAL_SVC, vec![ready(1, OTHER_NODE), ready(2, NODE)]);
+    set_member(&k, 1, CLUSTER_SVC, true);
+    k.cluster.remove_pod(&local);
+    wait_until("the terminated Pod is gone", CHANGE_TIMEOUT, || {
+        k.cluster
+            .get("pod", Some(NS), &local.name)
+            .is_none()
+            .then_some(())
+    });
+    k.cluster.run_pod(&local);
     wait_announced(
-        &t,
+        t,
         "both VIPs once servable again",
         &[CLUSTER_VIP, LOCAL_VIP],
     );
-    set_excluded(&api, true);
-    wait_announced(&t, "the node labelled as excluded", &[]);
-    stays_announced(&t, "the node labelled as excluded", &[]);
-    set_excluded(&api, false);
-    wait_announced(&t, "the exclusion label removed", &[CLUSTER_VIP, LOCAL_VIP]);
+    set_excluded(&k, true);
+    wait_announced(t, "the node labelled as excluded", &[]);
+    stays_announced(t, "the node labelled as excluded", &[]);
+    set_excluded(&k, false);
+    wait_announced(t, "the exclusion label removed", &[CLUSTER_VIP, LOCAL_VIP]);
 }

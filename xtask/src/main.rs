@@ -4,6 +4,7 @@ mod bench;
 mod chart;
 mod demo;
 mod image;
+mod kube;
 mod setup;
 mod test;
 mod util;
@@ -22,7 +23,8 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
-    /// Install whatever this machine lacks (toolchain parts, bpf-linker, Debian packages, bpffs).
+    /// Install whatever this machine lacks (toolchain parts, bpf-linker, Debian packages, bpffs,
+    /// the Kubernetes control plane the tests run against).
     Setup,
     /// Run fmt, clippy and the workspace tests; arguments after `--` go to `cargo test`.
     Test {
@@ -60,6 +62,13 @@ fn main() -> ExitCode {
 fn run(command: Command) -> Result<()> {
     // Every task needs the machine set up, so do it first rather than fail halfway.
     setup::run()?;
+    // The demo needs no Kubernetes; everything else may run the control plane.
+    if !matches!(
+        command,
+        Command::Demo | Command::ClippyEbpf | Command::Image
+    ) {
+        kube::setup()?;
+    }
     match command {
         Command::Setup => Ok(()),
         Command::Test { args } => test::run(&args),

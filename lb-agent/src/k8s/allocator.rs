@@ -44,6 +44,7 @@ use tokio::task::JoinHandle;
 use tokio::time::{sleep_until, Instant};
 use tracing::{debug, info, warn};
 
+use super::api_health::{api_health, QuickRetry};
 use super::crd::{LoadBalancerPool, LoadBalancerPoolStatus};
 use super::ipam::{self, Allocation, Decision, Failure, FailureReason, PoolInput, Pools};
 use super::ipam::{ServiceKey, ServiceRequest};
@@ -319,7 +320,7 @@ impl<'a> Term<'a> {
                 Api::<Service>::all(client.clone()),
                 watcher::Config::default(),
             )
-            .default_backoff(),
+            .backoff(QuickRetry::default()),
         )
         .map(|e| e.map(|e| (Kind::Service, matches!(e, watcher::Event::InitDone))));
         let pool_events = reflector::reflector(
@@ -328,7 +329,7 @@ impl<'a> Term<'a> {
                 Api::<LoadBalancerPool>::all(client),
                 watcher::Config::default(),
             )
-            .default_backoff(),
+            .backoff(QuickRetry::default()),
         )
         .map(|e| e.map(|e| (Kind::Pool, matches!(e, watcher::Event::InitDone))));
         let mut changes = stream::select(svc_events.boxed(), pool_events.boxed());
@@ -347,6 +348,7 @@ impl<'a> Term<'a> {
                 }
                 item = changes.next() => match item {
                     Some(Ok((kind, listed))) => {
+                        api_health().succeeded("allocator");
                         if listed {
                             match kind {
                                 Kind::Service => services_listed = true,
@@ -357,7 +359,7 @@ impl<'a> Term<'a> {
                         next_attempt = if dirty { next_attempt.min(soon) } else { soon };
                         dirty = true;
                     }
-                    Some(Err(e)) => warn!("watch failed (retrying with backoff): {e}"),
+                    Some(Err(e)) => api_health().watch_failed("allocator", &e),
                     None => return,
                 },
                 _ = sleep_until(next_attempt), if ready => {

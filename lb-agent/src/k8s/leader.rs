@@ -22,6 +22,8 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::{MicroTime, ObjectMeta};
 use k8s_openapi::jiff::{SignedDuration, Timestamp};
 use kube::api::PostParams;
 use kube::{Api, Client};
+
+use super::api_health::api_health;
 use tokio::sync::{oneshot, watch};
 use tokio::task::JoinHandle;
 use tokio::time::{sleep_until, timeout, Instant};
@@ -147,6 +149,7 @@ async fn campaign(
         let outcome = timeout(limit, try_acquire_or_renew(&api, &cfg, &mut observed)).await;
         let next = match outcome {
             Ok(Ok(true)) => {
+                api_health().succeeded("lease");
                 if renewed_at.is_none() {
                     info!(lease = %cfg.name, identity = %cfg.identity, "became the leader");
                 }
@@ -155,6 +158,7 @@ async fn campaign(
                 started + cfg.renew_interval
             }
             Ok(Ok(false)) => {
+                api_health().succeeded("lease");
                 if renewed_at.take().is_some() {
                     warn!(lease = %cfg.name, "lost the lease to another candidate");
                 }
@@ -162,11 +166,11 @@ async fn campaign(
                 Instant::now() + cfg.retry_period
             }
             Ok(Err(e)) => {
-                warn!(lease = %cfg.name, "lease update failed: {e}");
+                api_health().failed("lease", &e);
                 Instant::now() + cfg.retry_period
             }
             Err(_) => {
-                warn!(lease = %cfg.name, "lease update timed out");
+                api_health().failed("lease", &"the lease update timed out");
                 Instant::now()
             }
         };

@@ -8,8 +8,10 @@
 //! - [`ipam`]: pure address-pool arithmetic and allocation decisions.
 //! - [`leader`]: Lease-based leader election.
 //! - [`allocator`]: the controller that writes `status.loadBalancer`.
+//! - [`api_health`]: one view of whether the API answers, logged once per outage.
 
 pub mod allocator;
+pub mod api_health;
 pub mod crd;
 pub mod desired;
 pub mod ipam;

@@ -24,6 +24,7 @@ use tokio::sync::{watch, Notify};
 use tracing::{debug, info, warn};
 
 use super::{
+    api_health::{api_health, QuickRetry},
     desired::{desired_services, ClusterView, Desired, SourceOptions},
     SERVICE_NAME_LABEL,
 };
@@ -82,7 +83,7 @@ pub fn spawn(client: Client, opts: SourceOptions) -> DesiredRx {
             Api::<Service>::all(client.clone()),
             watcher::Config::default(),
         )
-        .default_backoff()
+        .backoff(QuickRetry::default())
         .reflect(services_w),
         changed.clone(),
     );
@@ -93,7 +94,7 @@ pub fn spawn(client: Client, opts: SourceOptions) -> DesiredRx {
             // Only slices that belong to a Service.
             watcher::Config::default().labels(SERVICE_NAME_LABEL),
         )
-        .default_backoff()
+        .backoff(QuickRetry::default())
         .reflect(slices_w),
         changed.clone(),
     );
@@ -103,7 +104,7 @@ pub fn spawn(client: Client, opts: SourceOptions) -> DesiredRx {
             Api::<Node>::all(client),
             watcher::Config::default().fields(&format!("metadata.name={}", opts.node_name)),
         )
-        .default_backoff()
+        .backoff(QuickRetry::default())
         .reflect(nodes_w),
         changed.clone(),
     );
@@ -166,7 +167,8 @@ pub fn spawn(client: Client, opts: SourceOptions) -> DesiredRx {
 }
 
 /// Polls one reflector stream forever, waking the desired-state task on
-/// every event. Errors are logged; the watcher retries with backoff.
+/// every event. Errors go to the shared API health (logged once per
+/// outage); the watcher retries within a second.
 fn drive<K, S>(what: &'static str, stream: S, changed: Arc<Notify>)
 where
     K: Resource + Send + Sync + 'static,
@@ -175,25 +177,15 @@ where
 {
     tokio::spawn(async move {
         let mut stream = std::pin::pin!(stream);
-        let mut failing = false;
         while let Some(event) = stream.next().await {
             match event {
-                Ok(watcher::Event::InitApply(_)) | Ok(watcher::Event::Init) => {}
-                Ok(_) => {
-                    if failing {
-                        info!(resource = what, "watching again");
-                        failing = false;
-                    }
-                    changed.notify_one();
-                }
-                Err(e) => {
-                    if !failing {
-                        warn!(resource = what, "watch failed (retrying with backoff; the data plane keeps its state): {e}");
-                        failing = true;
-                    } else {
-                        debug!(resource = what, "watch still failing: {e}");
+                Ok(event) => {
+                    api_health().succeeded(what);
+                    if !matches!(event, watcher::Event::InitApply(_) | watcher::Event::Init) {
+                        changed.notify_one();
                     }
                 }
+                Err(e) => api_health().watch_failed(what, &e),
             }
         }
     });

@@ -1,0 +1,163 @@
+//! Per-interface IPv4 settings through rtnetlink, which needs only
+//! CAP_NET_ADMIN: `/proc/sys` is read-only in an unprivileged container, so
+//! writing `net.ipv4.conf.<if>.accept_local` there would need a privileged
+//! one. The kernel takes the same setting as an `IFLA_INET_CONF` attribute
+//! of an RTM_NEWLINK request.
+
+use std::io;
+
+/// `IPV4_DEVCONF_ACCEPT_LOCAL` in linux/ip.h (the sysctl's index, 1-based).
+const IPV4_DEVCONF_ACCEPT_LOCAL: u16 = 23;
+/// linux/if_link.h: `IFLA_AF_SPEC`, and `IFLA_INET_CONF` inside its AF_INET part.
+const IFLA_AF_SPEC: u16 = 26;
+const IFLA_INET_CONF: u16 = 1;
+const NLA_F_NESTED: u16 = 1 << 15;
+
+/// Sets `accept_local` on `ifindex` in the caller's network namespace.
+pub fn set_accept_local(ifindex: u32, on: bool) -> io::Result<()> {
+    let request = accept_local_request(ifindex, on);
+    rtnetlink_request(&request)
+}
+
+/// Appends one netlink attribute (header, payload, padding to 4 bytes).
+fn attr(buf: &mut Vec<u8>, kind: u16, payload: &[u8]) {
+    let len = 4 + payload.len();
+    buf.extend_from_slice(&(len as u16).to_ne_bytes());
+    buf.extend_from_slice(&kind.to_ne_bytes());
+    buf.extend_from_slice(payload);
+    buf.resize(buf.len().next_multiple_of(4), 0);
+}
+
+/// RTM_NEWLINK { ifinfomsg, IFLA_AF_SPEC { AF_INET { IFLA_INET_CONF { ACCEPT_LOCAL = on } } } }.
+fn accept_local_request(ifindex: u32, on: bool) -> Vec<u8> {
+    let mut conf = Vec::new();
+    attr(
+        &mut conf,
+        IPV4_DEVCONF_ACCEPT_LOCAL,
+        &u32::from(on).to_ne_bytes(),
+    );
+    let mut inet = Vec::new();
+    attr(&mut inet, IFLA_INET_CONF | NLA_F_NESTED, &conf);
+    let mut af_spec = Vec::new();
+    attr(&mut af_spec, libc::AF_INET as u16 | NLA_F_NESTED, &inet);
+
+    let mut body = Vec::new();
+    // struct ifinfomsg: family, pad, type, index, flags, change.
+    body.extend_from_slice(&[libc::AF_UNSPEC as u8, 0]);
+    body.extend_from_slice(&0u16.to_ne_bytes());
+    body.extend_from_slice(&(ifindex as i32).to_ne_bytes());
+    body.extend_from_slice(&0u32.to_ne_bytes());
+    body.extend_from_slice(&0u32.to_ne_bytes());
+    attr(&mut body, IFLA_AF_SPEC | NLA_F_NESTED, &af_spec);
+
+    let mut msg = Vec::with_capacity(16 + body.len());
+    msg.extend_from_slice(&((16 + body.len()) as u32).to_ne_bytes());
+    msg.extend_from_slice(&libc::RTM_NEWLINK.to_ne_bytes());
+    msg.extend_from_slice(&((libc::NLM_F_REQUEST | libc::NLM_F_ACK) as u16).to_ne_bytes());
+    msg.extend_from_slice(&1u32.to_ne_bytes()); // sequence number
+    msg.extend_from_slice(&0u32.to_ne_bytes()); // port id: the kernel's
+    msg.extend_from_slice(&body);
+    msg
+}
+
+/// Sends one request on a fresh NETLINK_ROUTE socket and reads the ack.
+fn rtnetlink_request(request: &[u8]) -> io::Result<()> {
+    // SAFETY: plain socket calls on a descriptor owned by this function;
+    // buffers are valid for the lengths passed.
+    unsafe {
+        let fd = libc::socket(
+            libc::AF_NETLINK,
+            libc::SOCK_RAW | libc::SOCK_CLOEXEC,
+            libc::NETLINK_ROUTE,
+        );
+        if fd < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        let result = (|| {
+            let mut addr: libc::sockaddr_nl = std::mem::zeroed();
+            addr.nl_family = libc::AF_NETLINK as u16;
+            let sent = libc::sendto(
+                fd,
+                request.as_ptr().cast(),
+                request.len(),
+                0,
+                (&addr as *const libc::sockaddr_nl).cast(),
+                std::mem::size_of::<libc::sockaddr_nl>() as u32,
+            );
+            if sent < 0 {
+                return Err(io::Error::last_os_error());
+            }
+            let mut reply = [0u8; 4096];
+            let n = libc::recv(fd, reply.as_mut_ptr().cast(), reply.len(), 0);
+            if n < 0 {
+                return Err(io::Error::last_os_error());
+            }
+            parse_ack(&reply[..n as usize])
+        })();
+        libc::close(fd);
+        result
+    }
+}
+
+/// An NLMSG_ERROR reply carries 0 for success, else a negated errno.
+fn parse_ack(reply: &[u8]) -> io::Result<()> {
+    if reply.len() < 20 {
+        return Err(io::Error::other("short netlink reply"));
+    }
+    let kind = u16::from_ne_bytes([reply[4], reply[5]]);
+    if kind != libc::NLMSG_ERROR as u16 {
+        return Err(io::Error::other(format!(
+            "unexpected netlink reply type {kind}"
+        )));
+    }
+    let errno = i32::from_ne_bytes([reply[16], reply[17], reply[18], reply[19]]);
+    match errno {
+        0 => Ok(()),
+        e => Err(io::Error::from_raw_os_error(-e)),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_request_nests_the_setting_as_the_kernel_expects() {
+        let msg = accept_local_request(7, true);
+        assert_eq!(
+            msg.len() as u32,
+            u32::from_ne_bytes(msg[0..4].try_into().unwrap())
+        );
+        // ifindex in ifinfomsg.
+        assert_eq!(i32::from_ne_bytes(msg[20..24].try_into().unwrap()), 7);
+        // AF_SPEC(nested) > AF_INET(nested) > INET_CONF(nested) > [23] = 1.
+        let attrs = &msg[32..];
+        assert_eq!(
+            u16::from_ne_bytes([attrs[2], attrs[3]]),
+            IFLA_AF_SPEC | NLA_F_NESTED
+        );
+        assert_eq!(u16::from_ne_bytes([attrs[6], attrs[7]]), 2 | NLA_F_NESTED);
+        assert_eq!(
+            u16::from_ne_bytes([attrs[10], attrs[11]]),
+            IFLA_INET_CONF | NLA_F_NESTED
+        );
+        assert_eq!(
+            u16::from_ne_bytes([attrs[14], attrs[15]]),
+            IPV4_DEVCONF_ACCEPT_LOCAL
+        );
+        assert_eq!(u32::from_ne_bytes(attrs[16..20].try_into().unwrap()), 1);
+        assert_eq!(attrs.len(), 20);
+    }
+
+    #[test]
+    fn acks_and_errors_are_told_apart() {
+        let mut ack = vec![0u8; 36];
+        ack[4..6].copy_from_slice(&(libc::NLMSG_ERROR as u16).to_ne_bytes());
+        assert!(parse_ack(&ack).is_ok());
+        ack[16..20].copy_from_slice(&(-libc::EPERM).to_ne_bytes());
+        assert_eq!(
+            parse_ack(&ack).unwrap_err().raw_os_error(),
+            Some(libc::EPERM)
+        );
+    }
+}
