@@ -49,17 +49,25 @@ enum LogFormat {
     Json,
 }
 
-/// The kube client logs every failed request at ERROR from inside its HTTP
-/// stack; during an API server outage that is a line per retry. The agent
-/// reports the outage itself (once when it starts, once when it ends, a
-/// metric in between), so that target is off unless the filter names it.
-const QUIET_KUBE_CLIENT: &str = "kube_client::client::builder=off";
+/// kube-rs logs every failed request and watch itself (the HTTP stack at
+/// ERROR, the watcher and stream at WARN): during an API server outage, or
+/// the 403s of its permission cache loading after a restart, that is a line
+/// per retry. The agent reports the outage itself (once when it starts,
+/// once when it ends, a metric in between), so these are off unless the
+/// filter names kube's crates.
+const QUIET_KUBE: &[&str] = &[
+    "kube_client::client::builder=off",
+    "kube_client::client=error",
+    "kube_runtime::watcher=error",
+];
 
 fn init_logging(filter: &str, format: LogFormat) {
     use std::io::IsTerminal;
     let mut env_filter = tracing_subscriber::EnvFilter::new(filter);
-    if !filter.contains("kube_client") {
-        env_filter = env_filter.add_directive(QUIET_KUBE_CLIENT.parse().expect("valid directive"));
+    if !filter.contains("kube") {
+        for directive in QUIET_KUBE {
+            env_filter = env_filter.add_directive(directive.parse().expect("valid directive"));
+        }
     }
     let builder = tracing_subscriber::fmt()
         .with_env_filter(env_filter)

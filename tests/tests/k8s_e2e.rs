@@ -194,6 +194,7 @@ fn api_server_restarts_change_nothing_then_changes_apply_within_two_seconds() {
     let in_api = wait_slice_has(&k, 2);
     let forwarded = wait_forwarded_to(&k, 2, Duration::from_secs(30));
     let took = forwarded.saturating_duration_since(in_api);
+    println!("after the restart: forwarded {took:?} after the slice was in the API");
     assert!(
         took <= CHANGE_DEADLINE,
         "forwarded {took:?} after the slice was in the API; log:\n{}",
@@ -204,9 +205,9 @@ fn api_server_restarts_change_nothing_then_changes_apply_within_two_seconds() {
     // A restart during an outage: the agent adopts the pinned data plane
     // and waits for the cluster; forwarding never stops, and it is not
     // ready until it has synced.
+    let config = k.agent_config("");
     assert!(agent.sigterm_and_wait().success());
     k.cluster.stop_apiserver();
-    let config = k.agent_config("");
     let restarted = k.t.spawn_agent(&config);
     restarted.wait_for_log("waiting for the first sync", 1, Duration::from_secs(20));
     assert!(

@@ -59,6 +59,25 @@ const ALLOCATED_REASON: &str = "Allocated";
 /// Event reason for a pool whose spec is unusable.
 const INVALID_POOL_REASON: &str = "InvalidPool";
 /// Changes arriving within this window are handled together.
+/// Where a watcher event leaves its (re-)list: `Init` is sent before any
+/// request is answered, `InitDone` once the list is complete.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum ListProgress {
+    Starting,
+    Done,
+    Other,
+}
+
+impl ListProgress {
+    fn of<K>(e: &watcher::Event<K>) -> Self {
+        match e {
+            watcher::Event::Init => ListProgress::Starting,
+            watcher::Event::InitDone => ListProgress::Done,
+            _ => ListProgress::Other,
+        }
+    }
+}
+
 const DEBOUNCE: Duration = Duration::from_millis(50);
 const RETRY_MIN: Duration = Duration::from_millis(200);
 const RETRY_MAX: Duration = Duration::from_secs(30);
@@ -322,7 +341,7 @@ impl<'a> Term<'a> {
             )
             .backoff(QuickRetry::default()),
         )
-        .map(|e| e.map(|e| (Kind::Service, matches!(e, watcher::Event::InitDone))));
+        .map(|e| e.map(|e| (Kind::Service, ListProgress::of(&e))));
         let pool_events = reflector::reflector(
             pool_writer,
             watcher(
@@ -331,7 +350,7 @@ impl<'a> Term<'a> {
             )
             .backoff(QuickRetry::default()),
         )
-        .map(|e| e.map(|e| (Kind::Pool, matches!(e, watcher::Event::InitDone))));
+        .map(|e| e.map(|e| (Kind::Pool, ListProgress::of(&e))));
         let mut changes = stream::select(svc_events.boxed(), pool_events.boxed());
 
         let (mut services_listed, mut pools_listed) = (false, false);
@@ -347,9 +366,11 @@ impl<'a> Term<'a> {
                     }
                 }
                 item = changes.next() => match item {
-                    Some(Ok((kind, listed))) => {
-                        api_health().succeeded("allocator");
-                        if listed {
+                    Some(Ok((kind, progress))) => {
+                        if progress != ListProgress::Starting {
+                            api_health().succeeded("allocator");
+                        }
+                        if progress == ListProgress::Done {
                             match kind {
                                 Kind::Service => services_listed = true,
                                 Kind::Pool => pools_listed = true,

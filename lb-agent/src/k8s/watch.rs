@@ -179,9 +179,11 @@ where
         let mut stream = std::pin::pin!(stream);
         while let Some(event) = stream.next().await {
             match event {
+                // Init only says a list is about to start: no request was answered yet.
+                Ok(watcher::Event::Init) => {}
                 Ok(event) => {
                     api_health().succeeded(what);
-                    if !matches!(event, watcher::Event::InitApply(_) | watcher::Event::Init) {
+                    if !matches!(event, watcher::Event::InitApply(_)) {
                         changed.notify_one();
                     }
                 }
