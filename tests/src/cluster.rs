@@ -361,7 +361,8 @@ impl Cluster {
             format!("--service-account-key-file={}", p("sa.pub")),
             format!("--service-account-signing-key-file={}", p("sa.key")),
             "--service-account-issuer=https://kubernetes.default.svc".into(),
-            "--service-cluster-ip-range=10.96.0.0/16".into(),
+            // Both families, so dual-stack Services can be made.
+            "--service-cluster-ip-range=10.96.0.0/16,fd00:10:96::/112".into(),
             "--authorization-mode=Node,RBAC".into(),
             // What a hardened cluster has: the chart must not need more.
             "--allow-privileged=false".into(),

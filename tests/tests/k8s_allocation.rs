@@ -255,7 +255,11 @@ async fn a_service_gets_an_address_and_the_status_patch_is_what_the_server_store
     );
     create(
         &server,
-        lb_service("internal", json!({}), json!({"type": "ClusterIP"})),
+        lb_service(
+            "internal",
+            json!({}),
+            json!({"type": "ClusterIP", "loadBalancerClass": null}),
+        ),
     );
 
     let svc = wait_allocated(&server, "web", &["192.0.2.0"]);

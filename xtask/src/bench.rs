@@ -27,8 +27,9 @@ pub fn run(args: &[String]) -> Result<()> {
     }
     build_agent()?;
     run_bench("xlb-e2e-bench", &args)?;
-    // EndpointSlice change -> data plane, through the test API server.
-    run_bench("xlb-k8s-latency-bench", &[])?;
+    // Pod readiness -> EndpointSlice -> data plane, and 1,000 Services'
+    // memory, on the real control plane.
+    run_bench("xlb-k8s-bench", &[])?;
     // BGP convergence in the ECMP lab (defaults only).
     run_bench("xlb-convergence-bench", &[])
 }

@@ -86,7 +86,7 @@ fn agent_image(version: &str, context: &Path) -> Result<()> {
         ensure!(out.contains("Usage"), "`lbctl --help` printed {out:?}");
         let out = run(&["lb-agent", "--print-crds"])?;
         ensure!(out.contains("loadbalancerpools.xlb.dev"), "{out}");
-        // What the chart's accept-local init container needs.
+        // busybox's shell, for `kubectl exec` into the agent.
         run(&[
             "sh",
             "-c",
