@@ -39,6 +39,23 @@ fn set_pod_security(cluster: &Cluster, level: &str) {
     ]);
 }
 
+/// The Pod the DaemonSet controller would create: the template's spec.
+fn agent_pod(cluster: &Cluster) -> String {
+    let rendered = cluster.helm_template(&[]);
+    let daemonset: serde_json::Value = rendered
+        .split("\n---")
+        .filter_map(|d| serde_yaml::from_str(d).ok())
+        .find(|d: &serde_json::Value| d["kind"] == "DaemonSet")
+        .expect("a DaemonSet");
+    json!({
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": {"name": "xlb-agent", "namespace": AGENT_NAMESPACE,
+                     "labels": daemonset["spec"]["template"]["metadata"]["labels"]},
+        "spec": daemonset["spec"]["template"]["spec"],
+    })
+    .to_string()
+}
+
 #[test]
 fn every_rendered_object_is_accepted_by_the_real_api_server() {
     let mut cluster = Cluster::start("chart");
@@ -64,17 +81,16 @@ fn every_rendered_object_is_accepted_by_the_real_api_server() {
         assert!(!rendered.contains("privileged: true"), "{what}");
     }
 
-    // Under `baseline` the DaemonSet is refused for what the agent cannot
-    // do without (docs/helm.md says to label the namespace privileged).
+    // Pod Security judges Pods: under `baseline` the Pods the DaemonSet
+    // would create are refused for what the agent cannot do without
+    // (docs/helm.md says to label the namespace privileged).
+    let pod = agent_pod(&cluster);
     set_pod_security(&cluster, "baseline");
-    let daemonset: String = cluster
-        .helm_template(&[])
-        .split("\n---")
-        .filter(|d| d.contains("kind: DaemonSet"))
-        .collect();
-    let refused = dry_run(&cluster, &daemonset).expect_err("baseline admits the agent");
+    let refused = dry_run(&cluster, &pod).expect_err("baseline admits the agent's Pod");
     assert!(refused.contains("host namespaces"), "{refused}");
     assert!(refused.contains("hostPath"), "{refused}");
+    set_pod_security(&cluster, "privileged");
+    dry_run(&cluster, &pod).expect("the agent's Pod under privileged");
 
     // A privileged container is refused by this server even in a
     // privileged namespace: what the chart no longer needs.

@@ -278,8 +278,9 @@ async fn a_service_gets_an_address_and_the_status_patch_is_what_the_server_store
     let c = condition(&svc).unwrap();
     assert_eq!(c.reason, "Allocated");
     assert_eq!(c.message, "192.0.2.0 (pool public)");
+    // kube-apiserver keeps no metadata.generation for Services (the test
+    // server this suite used to run against did), so there is none to echo.
     assert_eq!(c.observed_generation, created.metadata.generation);
-    assert!(c.observed_generation.is_some());
 
     // Services that are not xlb's are left alone.
     for name in ["other", "internal"] {
