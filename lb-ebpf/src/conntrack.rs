@@ -189,7 +189,12 @@ pub fn lookup_or_create(svc: &ServiceInfo, closing: bool, syn: bool, s: &mut Scr
             return FOUND;
         }
     }
-    if !syn && adopt(svc, closing, t, s) {
+    if syn {
+        // A new connection on a reused tuple: other CPUs may still hold the
+        // old connection's flow, and would send this one's later packets to
+        // the old backend. Deleting a per-CPU key removes every CPU's value.
+        let _ = CONNTRACK.remove(&s.key);
+    } else if adopt(svc, closing, t, s) {
         return FOUND;
     }
     create(svc, closing, s)

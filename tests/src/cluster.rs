@@ -94,15 +94,9 @@ impl Pki {
     }
 
     fn openssl(&self, args: &[&str]) {
-        let out = Command::new("openssl")
-            .current_dir(&self.dir)
-            .args(args)
-            .output()
-            .expect("run openssl");
-        assert!(
-            out.status.success(),
-            "openssl {args:?}: {}",
-            String::from_utf8_lossy(&out.stderr)
+        checked(
+            Command::new("openssl").current_dir(&self.dir).args(args),
+            &format!("openssl {args:?}"),
         );
     }
 
@@ -193,6 +187,18 @@ impl Pki {
             "copy",
         ]);
     }
+}
+
+/// Runs a command to completion and returns its stdout; panics with its
+/// stderr if it cannot start or fails.
+fn checked(cmd: &mut Command, what: &str) -> Vec<u8> {
+    let out = cmd.output().unwrap_or_else(|e| panic!("{what}: {e}"));
+    assert!(
+        out.status.success(),
+        "{what}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    out.stdout
 }
 
 /// A kubeconfig with a client certificate (admin, controller-manager).
@@ -761,24 +767,16 @@ impl Cluster {
     /// version, with extra arguments.
     pub fn helm_template(&self, extra: &[&str]) -> String {
         let chart = crate::topology::workspace_root().join("charts/xlb");
-        let out = Command::new("helm")
-            .args(["template", "xlb"])
-            .arg(&chart)
-            .args([
-                "-n",
-                AGENT_NAMESPACE,
-                "--kube-version",
-                &self.server_version(),
-            ])
-            .args(extra)
-            .output()
-            .expect("run helm (cargo xtask setup installs it)");
-        assert!(
-            out.status.success(),
-            "helm template: {}",
-            String::from_utf8_lossy(&out.stderr)
+        let version = self.server_version();
+        let out = checked(
+            Command::new("helm")
+                .args(["template", "xlb"])
+                .arg(&chart)
+                .args(["-n", AGENT_NAMESPACE, "--kube-version", &version])
+                .args(extra),
+            "helm template (cargo xtask setup installs helm)",
         );
-        String::from_utf8_lossy(&out.stdout).into_owned()
+        String::from_utf8_lossy(&out).into_owned()
     }
 
     /// A token for the chart's ServiceAccount: whatever the agent does with

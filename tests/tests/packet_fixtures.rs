@@ -1438,6 +1438,52 @@ fn c4(t: Tcp) -> Vec<u8> {
     from_client().ipv4(ip4(CLIENT, VIP, 64)).tcp(t).build()
 }
 
+/// A client that reuses its source port for a new connection (common once
+/// the server closed first and holds the TIME_WAIT) must not meet the old
+/// connection on another CPU: that CPU's stale entry would send the new
+/// connection's packets to the old backend, which answers with a reset.
+#[test]
+fn a_reused_tuple_leaves_no_stale_flow_on_another_cpu_needs_root() {
+    let mut bed = two_cpu_bed("xlb-fix-reuse");
+    let (dp, cl0) = (&mut bed.dp, bed.cl0);
+    // The first connection from port 46100 lives on CPU 1, at B2.
+    pin_to_cpu(1);
+    let (v, out) = run(dp, cl0, &c4(syn(46100, 80)));
+    assert_eq!(v, XDP_REDIRECT);
+    let first = xlb_tests::packet::parse(&out).unwrap();
+    assert_eq!(first.dst, std::net::IpAddr::from(B2));
+    // The backends change; a new connection from the same port starts on
+    // CPU 0, where Maglev now picks B3.
+    dp.set_service(&svc(
+        VIP.into(),
+        80,
+        Protocol::Tcp,
+        None,
+        &[(B3.into(), 8080)],
+    ))
+    .unwrap();
+    pin_to_cpu(0);
+    let (v, out) = run(dp, cl0, &c4(syn(46100, 80)));
+    assert_eq!(v, XDP_REDIRECT);
+    assert_eq!(
+        xlb_tests::packet::parse(&out).unwrap().dst,
+        std::net::IpAddr::from(B3)
+    );
+    // Its next segment lands on CPU 1, which saw the old connection.
+    pin_to_cpu(1);
+    let (v, out) = run(dp, cl0, &c4(ack(46100, 80)));
+    assert_eq!(v, XDP_REDIRECT);
+    let want = to_backend(B3_MAC)
+        .ipv4(ip4(CLIENT, B3, 63))
+        .tcp(ack(46100, 8080))
+        .build();
+    assert!(
+        out == want,
+        "the new connection on CPU 1\n{}",
+        hexdump_diff(&want, &out)
+    );
+}
+
 /// The connection table is per CPU: a flow's packets that land on another
 /// CPU than its first one (RSS changes, IRQ moves) find a zeroed value there
 /// and must be treated as a miss, not as a flow to 0.0.0.0.
