@@ -14,6 +14,8 @@
 //! 2. Scale: `--scale-services S` (default 1000) Services × `--endpoints E`
 //!    (default 100) endpoints, slices in the controller's shape: the agent's
 //!    time from start to ready, VmRSS once ready, and its peak (VmHWM).
+//!
+//! `--only latency` or `--only scale` runs one part.
 
 use std::{
     net::{IpAddr, Ipv4Addr},
@@ -146,14 +148,22 @@ fn bed(prefix: &str) -> (Topology, Cluster) {
     (t, cluster)
 }
 
-fn agent_config(t: &Topology, cluster: &mut Cluster) -> String {
+/// `extra`: top-level config lines.
+fn agent_config(t: &Topology, cluster: &mut Cluster, extra: &str) -> String {
     let kubeconfig = t.dir.join("kubeconfig");
     cluster.write_agent_kubeconfig(&kubeconfig, API_HOST);
     format!(
-        "interfaces: [{}]\nkubernetes:\n  kubeconfig: {}\n  node_name: {NODE}\n  mode: nat\n  allocate_addresses: false\n",
+        "interfaces: [{}]\n{extra}kubernetes:\n  kubeconfig: {}\n  node_name: {NODE}\n  mode: nat\n  allocate_addresses: false\n",
         t.lb_interfaces().join(", "),
         kubeconfig.display()
     )
+}
+
+/// Maglev entries for `services` Services of `endpoints` endpoints: each
+/// takes two tables of the size the agent picks (docs/config.md).
+fn pool_entries(services: usize, endpoints: usize) -> usize {
+    let table = if endpoints <= 32 { 16381 } else { 65537 };
+    (services * 2 * table).clamp(4_194_304, 268_435_456)
 }
 
 struct Latencies {
@@ -201,7 +211,7 @@ fn latency_run(others: usize, changes: usize) -> Result<Latencies, String> {
         }
     });
 
-    let config = agent_config(&t, &mut cluster);
+    let config = agent_config(&t, &mut cluster, "");
     let _agent = t.start_agent(&config);
     let key = lb_agent::dataplane::service_key(IpAddr::V4(VIP), 80, PROTO_TCP);
     let deadline = Instant::now() + Duration::from_secs(30);
@@ -272,7 +282,9 @@ fn scale_run(count: usize, endpoints: usize) -> Result<Scale, String> {
     let rt = tokio::runtime::Runtime::new().map_err(|e| e.to_string())?;
     let client = rt.block_on(cluster.admin_client());
     rt.block_on(add_services(&client, count, endpoints))?;
-    let config = agent_config(&t, &mut cluster);
+    // The default pool holds 32 Services of 100 endpoints (65537-entry tables).
+    let pool = format!("maglev_pool_entries: {}\n", pool_entries(count, endpoints));
+    let config = agent_config(&t, &mut cluster, &pool);
     let started = Instant::now();
     let agent = t.start_agent(&config);
     let ready_after = started.elapsed();
@@ -292,6 +304,7 @@ fn scale_run(count: usize, endpoints: usize) -> Result<Scale, String> {
 
 fn main() -> ExitCode {
     let (mut others, mut changes, mut scale, mut endpoints) = (1000, 100, 1000, 100);
+    let mut only = String::new();
     let args: Vec<String> = std::env::args().skip(1).collect();
     let mut it = args.iter();
     while let Some(a) = it.next() {
@@ -301,6 +314,7 @@ fn main() -> ExitCode {
             "--changes" => changes = value(changes),
             "--scale-services" => scale = value(scale),
             "--endpoints" => endpoints = value(endpoints),
+            "--only" => only = it.next().cloned().unwrap_or_default(),
             _ => {} // other benchmarks' arguments
         }
     }
@@ -309,7 +323,8 @@ fn main() -> ExitCode {
     );
     println!("| other Services | changes | controller: median / p99 ms | xlb: median / p99 / max ms | goal (xlb p99 < 20 ms) |");
     println!("|---|---|---|---|---|");
-    for n in [0, others] {
+    let runs: &[usize] = if only == "scale" { &[] } else { &[0, others] };
+    for &n in runs {
         match latency_run(n, changes) {
             Ok(mut l) => {
                 l.controller.sort();
@@ -335,6 +350,9 @@ fn main() -> ExitCode {
                 return ExitCode::FAILURE;
             }
         }
+    }
+    if only == "latency" {
+        return ExitCode::SUCCESS;
     }
     println!("\n## {scale} Services × {endpoints} endpoints: the agent's start and memory\n");
     println!("| start → ready | VmRSS when ready | peak (VmHWM) | goal (peak < 100 MB, steady < 60 MB) |");
