@@ -201,6 +201,12 @@ fn api_server_restarts_change_nothing_then_changes_apply_within_two_seconds() {
         agent.log()
     );
     agent.wait_for_log("Kubernetes API is back", 1, Duration::from_secs(10));
+    // The resumed watches met the compaction: a real 410, then a re-list.
+    agent.wait_for_log(
+        "watch history expired (410 Gone)",
+        1,
+        Duration::from_secs(10),
+    );
 
     // A restart during an outage: the agent adopts the pinned data plane
     // and waits for the cluster; forwarding never stops, and it is not
