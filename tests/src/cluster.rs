@@ -653,28 +653,25 @@ impl Cluster {
     /// Deletes the Pod with its grace period: it keeps running and stays
     /// terminating, since no kubelet confirms it stopped.
     pub fn terminate_pod(&self, pod: &Pod) {
-        self.kubectl_ok(&[
-            "delete",
-            "pod",
-            &pod.name,
-            "-n",
-            &pod.namespace,
-            "--wait=false",
-        ]);
+        self.delete_pod(pod, &[]);
     }
 
     /// Removes the Pod at once (what the kubelet does once it has stopped).
     pub fn remove_pod(&self, pod: &Pod) {
-        self.kubectl_ok(&[
+        self.delete_pod(pod, &["--grace-period=0", "--force"]);
+    }
+
+    fn delete_pod(&self, pod: &Pod, options: &[&str]) {
+        let mut args = vec![
             "delete",
             "pod",
             &pod.name,
             "-n",
             &pod.namespace,
-            "--grace-period=0",
-            "--force",
             "--wait=false",
-        ]);
+        ];
+        args.extend_from_slice(options);
+        self.kubectl_ok(&args);
     }
 
     /// The EndpointSlices the controller wrote for a Service.

@@ -1471,17 +1471,19 @@ fn a_reused_tuple_leaves_no_stale_flow_on_another_cpu_needs_root() {
     );
     // Its next segment lands on CPU 1, which saw the old connection.
     pin_to_cpu(1);
-    let (v, out) = run(dp, cl0, &c4(ack(46100, 80)));
-    assert_eq!(v, XDP_REDIRECT);
-    let want = to_backend(B3_MAC)
-        .ipv4(ip4(CLIENT, B3, 63))
-        .tcp(ack(46100, 8080))
+    ack_reaches(dp, cl0, 46100, (B3_MAC, B3), "the new connection on CPU 1");
+}
+
+/// An ACK from the client's `sport` to VIP:80 is forwarded, NATed, to
+/// `backend` (its MAC and address) on port 8080.
+fn ack_reaches(dp: &mut Dataplane, cl0: u32, sport: u16, backend: (Mac, Ipv4Addr), what: &str) {
+    let (v, out) = run(dp, cl0, &c4(ack(sport, 80)));
+    assert_eq!(v, XDP_REDIRECT, "{what}");
+    let want = to_backend(backend.0)
+        .ipv4(ip4(CLIENT, backend.1, 63))
+        .tcp(ack(sport, 8080))
         .build();
-    assert!(
-        out == want,
-        "the new connection on CPU 1\n{}",
-        hexdump_diff(&want, &out)
-    );
+    assert!(out == want, "{what}\n{}", hexdump_diff(&want, &out));
 }
 
 /// The connection table is per CPU: a flow's packets that land on another
@@ -1586,17 +1588,7 @@ fn a_moved_flow_keeps_its_backend_after_a_backend_change_needs_root() {
     };
     let (reply_key, _) = nat_reply(dp).expect("the NAT flow's reply entry");
     dp.remove_reply(&reply_key).unwrap();
-    let (v, out) = run(dp, cl0, &c4(ack(46000, 80)));
-    assert_eq!(v, XDP_REDIRECT);
-    let want = to_backend(B2_MAC)
-        .ipv4(ip4(CLIENT, B2, 63))
-        .tcp(ack(46000, 8080))
-        .build();
-    assert!(
-        out == want,
-        "NAT flow on CPU 1\n{}",
-        hexdump_diff(&want, &out)
-    );
+    ack_reaches(dp, cl0, 46000, (B2_MAC, B2), "NAT flow on CPU 1");
     let (k, r) = nat_reply(dp).expect("the reply entry is back");
     assert_eq!(k, reply_key);
     assert_eq!(r.vip, lb_agent::dataplane::ip_words(VIP.into()));
