@@ -83,6 +83,7 @@ pub fn spawn(client: Client, opts: SourceOptions) -> DesiredRx {
             Api::<Service>::all(client.clone()),
             watcher::Config::default(),
         )
+        .modify(strip)
         .backoff(QuickRetry::default())
         .reflect(services_w),
         changed.clone(),
@@ -94,6 +95,7 @@ pub fn spawn(client: Client, opts: SourceOptions) -> DesiredRx {
             // Only slices that belong to a Service.
             watcher::Config::default().labels(SERVICE_NAME_LABEL),
         )
+        .modify(strip_slice)
         .backoff(QuickRetry::default())
         .reflect(slices_w),
         changed.clone(),
@@ -104,6 +106,7 @@ pub fn spawn(client: Client, opts: SourceOptions) -> DesiredRx {
             Api::<Node>::all(client),
             watcher::Config::default().fields(&format!("metadata.name={}", opts.node_name)),
         )
+        .modify(strip)
         .backoff(QuickRetry::default())
         .reflect(nodes_w),
         changed.clone(),
@@ -166,6 +169,32 @@ pub fn spawn(client: Client, opts: SourceOptions) -> DesiredRx {
     rx
 }
 
+/// Drops what the agent never reads before an object enters a store: the
+/// field-manager records and kubectl's copy of the last applied object are
+/// most of a small object's size, and the stores hold every Service and
+/// EndpointSlice of the cluster.
+fn strip<K: Resource>(object: &mut K) {
+    let meta = object.meta_mut();
+    meta.managed_fields = None;
+    if let Some(annotations) = &mut meta.annotations {
+        annotations.remove(LAST_APPLIED);
+    }
+}
+
+/// An EndpointSlice also carries, per endpoint, a reference to its Pod and
+/// other fields the desired state does not read; with 100 endpoints a slice
+/// they are most of it.
+fn strip_slice(slice: &mut EndpointSlice) {
+    strip(slice);
+    for e in &mut slice.endpoints {
+        e.target_ref = None;
+        e.hostname = None;
+        e.deprecated_topology = None;
+    }
+}
+
+const LAST_APPLIED: &str = "kubectl.kubernetes.io/last-applied-configuration";
+
 /// Polls one reflector stream forever, waking the desired-state task on
 /// every event. Errors go to the shared API health (logged once per
 /// outage); the watcher retries within a second.
@@ -191,4 +220,46 @@ where
             }
         }
     });
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn stores_keep_what_desired_state_reads_and_drop_the_rest() {
+        let mut svc: Service = serde_json::from_value(serde_json::json!({
+            "metadata": {
+                "name": "web", "namespace": "shop",
+                "annotations": {"xlb.dev/mode": "nat", LAST_APPLIED: "{\"big\": true}"},
+                "managedFields": [{"manager": "kubectl", "operation": "Apply"}],
+            },
+            "spec": {"type": "LoadBalancer"},
+        }))
+        .unwrap();
+        strip(&mut svc);
+        assert_eq!(svc.metadata.managed_fields, None);
+        let annotations = svc.metadata.annotations.unwrap();
+        assert_eq!(annotations.len(), 1);
+        assert_eq!(annotations["xlb.dev/mode"], "nat");
+        assert_eq!(svc.spec.unwrap().type_.as_deref(), Some("LoadBalancer"));
+
+        let mut slice: EndpointSlice = serde_json::from_value(serde_json::json!({
+            "metadata": {"name": "web-x", "labels": {SERVICE_NAME_LABEL: "web"}},
+            "addressType": "IPv4",
+            "endpoints": [{
+                "addresses": ["10.0.0.1"], "conditions": {"ready": true},
+                "nodeName": "n1", "zone": "z1", "hostname": "web-0",
+                "targetRef": {"kind": "Pod", "name": "web-0"},
+            }],
+        }))
+        .unwrap();
+        strip_slice(&mut slice);
+        let e = &slice.endpoints[0];
+        assert_eq!((e.target_ref.as_ref(), e.hostname.as_ref()), (None, None));
+        assert_eq!(e.addresses, ["10.0.0.1"]);
+        assert_eq!(e.node_name.as_deref(), Some("n1"));
+        assert_eq!(e.zone.as_deref(), Some("z1"));
+        assert_eq!(slice.metadata.labels.unwrap()[SERVICE_NAME_LABEL], "web");
+    }
 }
