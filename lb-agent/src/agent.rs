@@ -95,6 +95,17 @@ fn ifindex(iface: &str) -> std::io::Result<u32> {
     }
 }
 
+/// The first sync decodes every Service and EndpointSlice of the cluster at
+/// once; glibc keeps the freed pages of that peak unless asked to return
+/// them. (musl, the image's libc, returns them by itself.)
+fn release_free_memory() {
+    #[cfg(target_env = "gnu")]
+    // SAFETY: malloc_trim only walks the allocator's own free lists.
+    unsafe {
+        libc::malloc_trim(0);
+    }
+}
+
 fn xdp_mode(m: XdpAttachMode) -> XdpMode {
     match m {
         XdpAttachMode::Native => XdpMode::Driver,
@@ -209,6 +220,7 @@ impl Agent {
         }
         agent.ready.store(true, Ordering::Relaxed);
         agent.metrics.set_ready(true);
+        release_free_memory();
         info!("ready");
         Ok(agent)
     }

@@ -190,6 +190,9 @@ fn api_server_restarts_change_nothing_then_changes_apply_within_two_seconds() {
         .status
         .success());
     k.cluster.start_apiserver();
+    // The whole control plane restarts, as in an upgrade: the controller
+    // would otherwise take minutes to retry (its own backoff, not xlb's).
+    k.cluster.restart_controllers();
     k.cluster.run_pod(&k.pod(2, true));
     let in_api = wait_slice_has(&k, 2);
     let forwarded = wait_forwarded_to(&k, 2, Duration::from_secs(30));
@@ -226,6 +229,7 @@ fn api_server_restarts_change_nothing_then_changes_apply_within_two_seconds() {
         Duration::from_secs(5),
     );
     k.cluster.start_apiserver();
+    k.cluster.restart_controllers();
     wait_until("the restarted agent syncs", Duration::from_secs(30), || {
         matches!(restarted.get("/readyz"), Ok((200, _))).then_some(())
     });

@@ -93,7 +93,11 @@ pub fn spawn(client: Client, opts: SourceOptions) -> DesiredRx {
         watcher(
             Api::<EndpointSlice>::all(client.clone()),
             // Only slices that belong to a Service.
-            watcher::Config::default().labels(SERVICE_NAME_LABEL),
+            // Small pages: a slice of 100 endpoints is ~20 kB of JSON, and a
+            // page is held whole while it is decoded.
+            watcher::Config::default()
+                .labels(SERVICE_NAME_LABEL)
+                .page_size(SLICE_PAGE),
         )
         .modify(strip_slice)
         .backoff(QuickRetry::default())
@@ -192,6 +196,8 @@ fn strip_slice(slice: &mut EndpointSlice) {
         e.deprecated_topology = None;
     }
 }
+
+const SLICE_PAGE: u32 = 50;
 
 const LAST_APPLIED: &str = "kubectl.kubernetes.io/last-applied-configuration";
 

@@ -285,6 +285,8 @@ fn scale_run(count: usize, endpoints: usize) -> Result<Scale, String> {
     // The default pool holds 32 Services of 100 endpoints (65537-entry tables).
     let pool = format!("maglev_pool_entries: {}\n", pool_entries(count, endpoints));
     let config = agent_config(&t, &mut cluster, &pool);
+    // Built (if it must be) before the clock starts.
+    xlb_tests::topology::agent_bin();
     let started = Instant::now();
     let agent = t.start_agent(&config);
     let ready_after = started.elapsed();
