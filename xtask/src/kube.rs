@@ -66,6 +66,7 @@ pub fn setup() -> Result<()> {
 fn built(binary: &Path, version: &str) -> bool {
     let args: &[&str] = match binary.file_name().and_then(|n| n.to_str()) {
         Some("kubectl") => &["version", "--client"],
+        Some("etcdctl") => &["version"],
         _ => &["--version"],
     };
     output(Command::new(binary).args(args)).is_some_and(|out| out.contains(version))
