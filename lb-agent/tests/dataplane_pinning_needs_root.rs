@@ -20,6 +20,8 @@ fn spec(port: u16, snat: Option<IpAddr>, backends: &[u8]) -> ServiceSpec {
         protocol: Protocol::Tcp,
         snat,
         table_size: None,
+        source_ranges: None,
+        client_affinity: false,
         backends: backends
             .iter()
             .map(|&n| BackendSpec {
@@ -165,6 +167,8 @@ fn quarantined_regions_do_not_make_the_pool_look_full() {
     let m = 211; // prime, room for 2 backends
     let sized = |port: u16, backends: &[u8]| ServiceSpec {
         table_size: Some(m),
+        source_ranges: None,
+        client_affinity: false,
         ..spec(port, None, backends)
     };
     // Room for exactly two services (two tables of M each).

@@ -64,6 +64,8 @@ fn spec(vip: &str, port: u16, snat: Option<&str>, backends: &[&str]) -> ServiceS
         protocol: Protocol::Tcp,
         snat: snat.map(|s| s.parse().unwrap()),
         table_size: None,
+        source_ranges: None,
+        client_affinity: false,
         backends: backends
             .iter()
             .map(|b| BackendSpec {

@@ -45,6 +45,30 @@ pub fn flow_hash(k: &FlowKey) -> u32 {
     finish(h ^ 40)
 }
 
+/// Hash of a client address alone (session affinity: every connection of
+/// a client lands on the same Maglev entry).
+#[inline(always)]
+pub fn client_hash(k: &FlowKey) -> u32 {
+    let mut h = SEED;
+    h = mix(h, k.src[0]);
+    h = mix(h, k.src[1]);
+    h = mix(h, k.src[2]);
+    h = mix(h, k.src[3]);
+    h = mix(h, k.family as u32);
+    finish(h ^ 20)
+}
+
+/// The hash that places a new flow in a service's Maglev table: by client
+/// address under session affinity, else by the whole flow.
+#[inline(always)]
+pub fn maglev_hash(k: &FlowKey, service_flags: u32) -> u32 {
+    if service_flags & crate::SERVICE_F_CLIENT_AFFINITY != 0 {
+        client_hash(k)
+    } else {
+        flow_hash(k)
+    }
+}
+
 /// The SNAT port the program tries at `probe` (0-based) for a flow with
 /// hash `hash`, in host order, within `[min, max]`. Deterministic, so that a
 /// CPU that has not seen the flow can find its port again.
@@ -98,5 +122,26 @@ mod tests {
             assert_ne!(ports[0], ports[1]);
         }
         assert_eq!(snat_port_candidate(7, 0, 5, 5), 5);
+    }
+
+    #[test]
+    fn affinity_hash_ignores_ports_but_not_the_client() {
+        let mut k = FlowKey {
+            src: [0x0100_000a, 0, 0, 0],
+            dst: [0x0a02_00c0, 0, 0, 0],
+            sport: 1234,
+            dport: 80,
+            proto: 6,
+            family: 2,
+            _pad: [0; 2],
+        };
+        let flags = crate::SERVICE_F_CLIENT_AFFINITY;
+        let a = maglev_hash(&k, flags);
+        k.sport = 4321;
+        assert_eq!(a, maglev_hash(&k, flags));
+        assert_ne!(flow_hash(&k), maglev_hash(&k, flags));
+        assert_eq!(flow_hash(&k), maglev_hash(&k, 0));
+        k.src[0] = 0x0200_000a;
+        assert_ne!(a, maglev_hash(&k, flags));
     }
 }

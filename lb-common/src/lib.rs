@@ -41,6 +41,9 @@ pub const CONNTRACK_ENTRIES: u32 = 1 << 18;
 pub const SHARED_FLOWS_ENTRIES: u32 = CONNTRACK_ENTRIES;
 /// `REPLY_NAT`: reverse translations, shared by all CPUs (LRU).
 pub const REPLY_NAT_ENTRIES: u32 = 1 << 19;
+/// `SOURCE_RANGES`: allowed client prefixes of all services. Each service
+/// holds its ranges twice while a change is being made (old and new table).
+pub const MAX_SOURCE_RANGES: u32 = 16384;
 /// `TX_PORTS`: interfaces the program may redirect to (devmap).
 pub const MAX_TX_PORTS: u32 = 256;
 /// `PORT_FLAGS`: one byte per L4 port number.
@@ -73,7 +76,8 @@ pub mod map_names {
     pub const SERVICE_STATS: &str = "SERVICE_STATS";
     pub const BACKEND_STATS: &str = "BACKEND_STATS";
     pub const REASON_STATS: &str = "REASON_STATS";
-    pub const ALL: [&str; 12] = [
+    pub const SOURCE_RANGES: &str = "SOURCE_RANGES";
+    pub const ALL: [&str; 13] = [
         SERVICES,
         BACKENDS,
         MAGLEV,
@@ -86,6 +90,7 @@ pub mod map_names {
         SERVICE_STATS,
         BACKEND_STATS,
         REASON_STATS,
+        SOURCE_RANGES,
     ];
 }
 
@@ -103,6 +108,13 @@ pub struct ServiceKey {
 
 /// `ServiceInfo::flags`: also rewrite the source (SNAT mode).
 pub const SERVICE_F_SNAT: u32 = 1;
+/// `ServiceInfo::flags`: session affinity by client address. New flows are
+/// placed by a hash of the client address alone, so every connection of a
+/// client goes to one backend, on every node alike.
+pub const SERVICE_F_CLIENT_AFFINITY: u32 = 2;
+/// `ServiceInfo::flags`: only clients in the service's `SOURCE_RANGES`
+/// entries (scope [`ServiceInfo::range_scope`]) may reach it.
+pub const SERVICE_F_SOURCE_RANGES: u32 = 4;
 
 /// Value of `SERVICES`. Written by the agent as one whole value, so the data
 /// path sees either the old or the new table, never a mix.
@@ -123,6 +135,31 @@ pub struct ServiceInfo {
     /// Source address for SNAT mode (same family as the VIP).
     pub snat_addr: [u32; 4],
 }
+
+impl ServiceInfo {
+    /// Scope of this service's entries in `SOURCE_RANGES`: the Maglev slot
+    /// of its live table, which is unique among live services and changes
+    /// with every update, so the ranges flip together with the table.
+    #[inline(always)]
+    pub fn range_scope(&self) -> u32 {
+        self.table_base + self.active * self.table_size
+    }
+}
+
+/// Data of a `SOURCE_RANGES` key (after the LPM trie's prefix length): the
+/// service's scope, matched in full, then the client prefix. An entry for
+/// `a.b.c.d/n` has prefix length `32 + n`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct RangeKey {
+    /// Big-endian, so that the trie's bitwise match reads it as one number.
+    pub scope: [u8; 4],
+    /// As in keys: network order, IPv4 in the first word.
+    pub addr: [u32; 4],
+}
+
+/// Prefix length of a `SOURCE_RANGES` key that matches any client address.
+pub const RANGE_LOOKUP_PREFIX: u32 = 32 + 128;
 
 /// A backend's address; part of `BackendEntry` (the value of `BACKENDS`).
 #[repr(C)]
@@ -305,9 +342,11 @@ pub enum Reason {
     IcmpToBackend = 15,
     /// IP fragment to a non-VIP address: passed.
     PassFragment = 16,
+    /// A client outside the service's source ranges (`loadBalancerSourceRanges`).
+    DropSourceRange = 17,
 }
 
-pub const REASON_COUNT: u32 = 17;
+pub const REASON_COUNT: u32 = 18;
 
 impl Reason {
     pub const ALL: [Reason; REASON_COUNT as usize] = [
@@ -328,6 +367,7 @@ impl Reason {
         Reason::EchoReply,
         Reason::IcmpToBackend,
         Reason::PassFragment,
+        Reason::DropSourceRange,
     ];
 
     /// Stable snake_case name, used in metrics and lbctl.
@@ -350,6 +390,7 @@ impl Reason {
             Reason::EchoReply => "echo_reply",
             Reason::IcmpToBackend => "icmp_to_backend",
             Reason::PassFragment => "pass_fragment",
+            Reason::DropSourceRange => "drop_source_range",
         }
     }
 }
@@ -392,6 +433,7 @@ mod pod {
     unsafe impl aya::Pod for TrafficStats {}
     unsafe impl aya::Pod for FibCache {}
     unsafe impl aya::Pod for BackendEntry {}
+    unsafe impl aya::Pod for RangeKey {}
 }
 
 // Layouts are part of the pinned-map ABI: a change here needs a new map name.
@@ -406,4 +448,5 @@ const _: () = {
     assert!(core::mem::size_of::<FibCache>() == 24);
     assert!(core::mem::size_of::<BackendEntry>() == 48);
     assert!(core::mem::size_of::<TrafficStats>() == 40);
+    assert!(core::mem::size_of::<RangeKey>() == 20);
 };

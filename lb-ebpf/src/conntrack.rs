@@ -3,7 +3,7 @@
 
 use aya_ebpf::{bindings::BPF_NOEXIST, helpers::bpf_ktime_get_coarse_ns};
 use lb_common::{
-    hash::{flow_hash, snat_port_candidate},
+    hash::{flow_hash, maglev_hash, snat_port_candidate},
     Backend, Config, FibCache, Flow, FlowKey, Reason, ReplyNat, ServiceInfo, PROTO_TCP,
     REPLY_F_CLOSING, SERVICE_F_SNAT, SNAT_PROBES,
 };
@@ -116,7 +116,7 @@ pub fn pick(key: &FlowKey, svc: &ServiceInfo) -> Result<(u32, Backend), Reason> 
         return Err(Reason::DropNoBackend);
     }
     let m = svc.table_size;
-    let idx = svc.table_base + svc.active * m + flow_hash(key) % m;
+    let idx = svc.table_base + svc.active * m + maglev_hash(key, svc.flags) % m;
     let id = *MAGLEV.get(idx).ok_or(Reason::DropTableError)?;
     let backend = BACKENDS.get(id).ok_or(Reason::DropTableError)?.backend;
     if backend.family != key.family {

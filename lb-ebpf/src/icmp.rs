@@ -152,6 +152,9 @@ fn too_big_to_backend(ctx: &XdpContext, h: &Headers) -> Option<Verdict> {
     };
     // SAFETY: SERVICES is not preallocated: the element outlives this run.
     let svc = unsafe { &*SERVICES.get_ptr(&svc_key)? };
+    if !crate::policy::source_allowed(svc, &s.key.src) {
+        return None;
+    }
     conntrack::find(svc, s)?;
     let (isrc, idst, isport, idport) = (&s.key.dst, &s.key.src, s.key.dport, s.key.sport);
     let t = &s.target;

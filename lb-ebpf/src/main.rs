@@ -14,6 +14,7 @@ mod icmp;
 mod maps;
 mod nat;
 mod parse;
+mod policy;
 mod stats;
 
 use aya_ebpf::{bindings::xdp_action, macros::xdp, programs::XdpContext};
@@ -182,6 +183,11 @@ fn tcp_flags(ctx: &XdpContext, h: &Headers) -> u8 {
 /// stack frame, keeping every frame under the verifier's 512 bytes.
 #[inline(never)]
 fn to_backend(ctx: &XdpContext, h: &Headers, svc: &lb_common::ServiceInfo) -> Verdict {
+    // Before any flow state: a refused client creates none, and an
+    // established flow from a range since removed is cut here.
+    if !policy::source_allowed(svc, &h.src) {
+        return drop(Reason::DropSourceRange);
+    }
     if ptr_at(ctx, h.l4, l4_min_len(h.proto)).is_none() {
         return drop(Reason::DropMalformed);
     }

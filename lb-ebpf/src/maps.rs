@@ -3,13 +3,13 @@
 
 use aya_ebpf::{
     bindings::{BPF_F_MMAPABLE, BPF_F_NO_COMMON_LRU, BPF_F_NO_PREALLOC},
-    btf_maps::{Array, DevMapHash, HashMap, LruHashMap, LruPerCpuHashMap, PerCpuArray},
+    btf_maps::{Array, DevMapHash, HashMap, LpmTrie, LruHashMap, LruPerCpuHashMap, PerCpuArray},
     macros::btf_map,
 };
 use lb_common::{
-    BackendEntry, Config, Flow, FlowKey, ReplyNat, ServiceInfo, ServiceKey, TrafficStats,
-    CONNTRACK_ENTRIES, MAGLEV_POOL_ENTRIES, MAX_BACKENDS, MAX_SERVICES, MAX_TX_PORTS,
-    PORT_FLAGS_ENTRIES, REASON_COUNT, REPLY_NAT_ENTRIES, SHARED_FLOWS_ENTRIES,
+    BackendEntry, Config, Flow, FlowKey, RangeKey, ReplyNat, ServiceInfo, ServiceKey, TrafficStats,
+    CONNTRACK_ENTRIES, MAGLEV_POOL_ENTRIES, MAX_BACKENDS, MAX_SERVICES, MAX_SOURCE_RANGES,
+    MAX_TX_PORTS, PORT_FLAGS_ENTRIES, REASON_COUNT, REPLY_NAT_ENTRIES, SHARED_FLOWS_ENTRIES,
 };
 
 const NO_PREALLOC: usize = BPF_F_NO_PREALLOC as usize;
@@ -84,6 +84,12 @@ pub static BACKEND_STATS: PerCpuArray<TrafficStats, { MAX_BACKENDS as usize }> =
 /// Packets per `lb_common::Reason`.
 #[btf_map]
 pub static REASON_STATS: PerCpuArray<u64, { REASON_COUNT as usize }> = PerCpuArray::new();
+
+/// (service scope, client prefix) -> 1: the clients a service with
+/// `SERVICE_F_SOURCE_RANGES` admits. Longest-prefix match, so a lookup
+/// costs the same with one range or thousands.
+#[btf_map]
+pub static SOURCE_RANGES: LpmTrie<RangeKey, u8, { MAX_SOURCE_RANGES as usize }> = LpmTrie::new();
 
 /// Per-CPU scratch space for large temporaries (see `conntrack::Scratch`).
 #[btf_map]

@@ -87,6 +87,8 @@ fn svc(
         protocol,
         snat,
         table_size: None,
+        source_ranges: None,
+        client_affinity: false,
         backends: backends(b),
     }
 }
@@ -1172,6 +1174,95 @@ fn fixtures() -> Vec<Fixture> {
                 .build(),
         )
         .traffic(Traffic::Forward(0, sa(B4, 8080), true)),
+        // ---- Source ranges (loadBalancerSourceRanges) ----
+        fx(
+            "source ranges: a client outside them is dropped and counted",
+            Clients,
+            c4(syn(40200, 80)),
+            XDP_DROP,
+            DropSourceRange,
+        )
+        .change(|dp| with_ranges(dp, 0, &["10.9.0.0/16", "198.51.100.0/24"])),
+        fx(
+            "source ranges: a client inside them is forwarded",
+            Clients,
+            c4(syn(40201, 80)),
+            XDP_REDIRECT,
+            Redirect,
+        )
+        .change(|dp| with_ranges(dp, 0, &["10.9.0.0/16", "10.0.0.0/24"]))
+        .out(
+            to_backend(B2_MAC)
+                .ipv4(ip4(CLIENT, B2, 63))
+                .tcp(syn(40201, 8080))
+                .build(),
+        )
+        .traffic(Traffic::Forward(0, sa(B2, 8080), true)),
+        fx(
+            "source ranges: an established flow is cut once its client is no longer allowed",
+            Clients,
+            c4(ack(40202, 80)),
+            XDP_DROP,
+            DropSourceRange,
+        )
+        .after(Clients, c4(syn(40202, 80)))
+        .change(|dp| with_ranges(dp, 0, &["10.0.0.3/32"])),
+        fx(
+            "source ranges: an empty allowed set refuses everyone",
+            Clients,
+            c4(syn(40203, 80)),
+            XDP_DROP,
+            DropSourceRange,
+        )
+        .change(|dp| with_ranges(dp, 0, &[])),
+        fx(
+            "source ranges: another service on the VIP stays open",
+            Clients,
+            c4(syn(40204, 443)),
+            XDP_REDIRECT,
+            Redirect,
+        )
+        .change(|dp| with_ranges(dp, 0, &["10.9.0.0/16"]))
+        .out(
+            to_backend(B3_MAC)
+                .ipv4(ip4(
+                    SNAT4,
+                    B3,
+                    63,
+                ))
+                .tcp(syn(first_snat_port(CLIENT.into(), VIP.into(), 40204, 443, 6), 8443))
+                .build(),
+        )
+        .traffic(Traffic::Forward(2, sa(B3, 8443), true)),
+        fx(
+            "source ranges: v6 client outside them is dropped",
+            Clients,
+            from_client()
+                .ipv6(ip6(client6(), vip6(), 64))
+                .tcp(syn(40205, 80))
+                .build(),
+            XDP_DROP,
+            DropSourceRange,
+        )
+        .change(|dp| with_ranges(dp, 4, &["2001:db8:ffff::/48"])),
+        fx(
+            "source ranges: v6 client inside them is forwarded",
+            Clients,
+            from_client()
+                .ipv6(ip6(client6(), vip6(), 64))
+                .tcp(syn(40206, 80))
+                .build(),
+            XDP_REDIRECT,
+            Redirect,
+        )
+        .change(|dp| with_ranges(dp, 4, &["2001:db8:ffff::/48", "::/0"]))
+        .out(
+            to_backend(B2_MAC)
+                .ipv6(ip6(client6(), b6_2(), 63))
+                .tcp(syn(40206, 8080))
+                .build(),
+        )
+        .traffic(Traffic::Forward(4, sa(b6_2(), 8080), true)),
     ];
     // Multi-backend service: the expected backend is computed from the live
     // table exactly as the data plane does (checked by the harness).
@@ -1186,6 +1277,13 @@ fn fixtures() -> Vec<Fixture> {
         Redirect,
     ));
     v
+}
+
+/// Restricts base service `index` to `ranges`.
+fn with_ranges(dp: &mut Dataplane, index: usize, ranges: &[&str]) {
+    let mut s = base_services()[index].clone();
+    s.source_ranges = Some(ranges.iter().map(|r| r.parse().unwrap()).collect());
+    dp.set_service(&s).unwrap();
 }
 
 fn run(dp: &Dataplane, ingress: u32, input: &[u8]) -> (u32, Vec<u8>) {
@@ -1640,4 +1738,133 @@ fn a_moved_flow_keeps_its_backend_after_a_backend_change_needs_root() {
         .find(|(k, _)| u16::from_be(k.sport) == 46000)
         .expect("the flow is in SHARED_FLOWS");
     assert_eq!(k.1.backend_addr, lb_agent::dataplane::ip_words(B3.into()));
+}
+
+/// A refused client leaves nothing behind (no flow, no reply translation),
+/// a change of ranges takes effect at once, and ranges the map cannot hold
+/// are refused whole, leaving the service as it was.
+#[test]
+fn source_ranges_refuse_before_any_flow_state_needs_root() {
+    let mut bed = two_cpu_bed("xlb-fix-ranges");
+    let (dp, cl0) = (&mut bed.dp, bed.cl0);
+    with_ranges(dp, 0, &["10.9.0.0/16"]);
+    for sport in 46200..46210 {
+        let (v, _) = run(dp, cl0, &c4(syn(sport, 80)));
+        assert_eq!(v, XDP_DROP);
+    }
+    assert!(
+        dp.conntrack().unwrap().is_empty(),
+        "no flow for a refused client"
+    );
+    assert!(dp.shared_flows().unwrap().is_empty());
+    assert!(dp.reply_entries().unwrap().is_empty());
+    let drops = dp.reason_counts().unwrap()[Reason::DropSourceRange as usize];
+    assert_eq!(drops, 10);
+
+    // Many ranges, the client's among them: a longest-prefix match.
+    let mut many: Vec<String> = (0..2000)
+        .map(|i| format!("172.{}.{}.0/24", 16 + i / 256, i % 256))
+        .collect();
+    many.push("10.0.0.2/32".into());
+    let mut s = base_services()[0].clone();
+    s.source_ranges = Some(many.iter().map(|r| r.parse().unwrap()).collect());
+    dp.set_service(&s).unwrap();
+    ack_reaches(dp, cl0, 46210, (B2_MAC, B2), "a client among 2001 ranges");
+
+    // Too many for the map: refused, and the service keeps its 2001 ranges.
+    let info = dp.service_info(&s.key()).unwrap();
+    let mut huge = s.clone();
+    huge.source_ranges = Some(
+        (0..lb_common::MAX_SOURCE_RANGES)
+            .map(|i| {
+                format!("10.{}.{}.0/24", 100 + i / 65536, (i / 256) % 256)
+                    .replace(".0/24", &format!(".{}/32", i % 256))
+                    .parse()
+                    .unwrap()
+            })
+            .collect(),
+    );
+    let err = dp.set_service(&huge).unwrap_err();
+    assert!(err.to_string().contains("SOURCE_RANGES"), "{err}");
+    assert_eq!(dp.service_info(&s.key()).unwrap(), info);
+    assert_eq!(
+        dp.services().find(|(k, _)| **k == s.key()).unwrap().1,
+        &s,
+        "the driver's view is unchanged too"
+    );
+    ack_reaches(dp, cl0, 46211, (B2_MAC, B2), "after the refused change");
+    let (v, _) = run(
+        dp,
+        cl0,
+        &from_client()
+            .eth(ROUTER_MAC, CL0_MAC)
+            .ipv4(ip4(REMOTE_CLIENT, VIP, 50))
+            .tcp(syn(46212, 80))
+            .build(),
+    );
+    assert_eq!(v, XDP_DROP, "a client outside the kept ranges");
+}
+
+/// The backends `count` connections (distinct source ports) from `client` to
+/// VIP_MULTI:80 reach.
+fn backends_reached(bed: &FixtureBed, client: Ipv4Addr, count: u16) -> Vec<IpAddr> {
+    (0..count)
+        .map(|i| {
+            let pkt = from_client()
+                .eth(ROUTER_MAC, CL0_MAC)
+                .ipv4(ip4(client, VIP_MULTI, 50))
+                .tcp(syn(47000 + i, 80))
+                .build();
+            let (v, out) = run(&bed.dp, bed.cl0, &pkt);
+            assert_eq!(v, XDP_REDIRECT);
+            xlb_tests::packet::parse(&out).unwrap().dst
+        })
+        .collect()
+}
+
+/// Session affinity: every connection of a client goes to one backend, and
+/// a second node (another data plane with the same service) picks the same
+/// one: the choice is computed, not remembered. Different clients still
+/// spread, and without affinity one client's connections spread too.
+#[test]
+fn client_affinity_is_the_same_on_every_node_needs_root() {
+    let multi = base_services().pop().unwrap();
+    let mut affine = multi.clone();
+    affine.client_affinity = true;
+    let mut node1 = two_cpu_bed("xlb-fix-aff1");
+    node1.dp.set_service(&affine).unwrap();
+    let clients: Vec<Ipv4Addr> = (1..=20).map(|i| Ipv4Addr::new(198, 51, 100, i)).collect();
+    let on_node1: Vec<IpAddr> = clients
+        .iter()
+        .map(|&c| {
+            let reached = backends_reached(&node1, c, 50);
+            assert!(
+                reached.iter().all(|b| *b == reached[0]),
+                "client {c} reached {reached:?}"
+            );
+            reached[0]
+        })
+        .collect();
+    let distinct: std::collections::BTreeSet<_> = on_node1.iter().collect();
+    assert!(
+        distinct.len() >= 2,
+        "clients spread over backends: {distinct:?}"
+    );
+
+    node1.dp.set_service(&multi).unwrap();
+    let spread: std::collections::BTreeSet<_> = backends_reached(&node1, clients[0], 50)
+        .into_iter()
+        .collect();
+    assert!(spread.len() >= 2, "without affinity connections spread");
+    drop(node1);
+
+    let mut node2 = two_cpu_bed("xlb-fix-aff2");
+    node2.dp.set_service(&affine).unwrap();
+    for (c, want) in clients.iter().zip(&on_node1) {
+        assert_eq!(
+            backends_reached(&node2, *c, 5),
+            vec![*want; 5],
+            "client {c} on node 2"
+        );
+    }
 }

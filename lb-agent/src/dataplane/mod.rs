@@ -5,6 +5,7 @@
 
 mod alloc;
 mod maglev_pool;
+mod source_ranges;
 
 use std::{
     collections::{BTreeMap, BTreeSet},
@@ -15,8 +16,8 @@ use std::{
 
 use aya::{
     maps::{
-        Array, DevMapHash, HashMap, Map, MapData, MapError, PerCpuArray, PerCpuHashMap,
-        PerCpuValues,
+        lpm_trie::LpmTrie, Array, DevMapHash, HashMap, Map, MapData, MapError, PerCpuArray,
+        PerCpuHashMap, PerCpuValues,
     },
     programs::{
         links::{FdLink, PinnedLink},
@@ -25,16 +26,19 @@ use aya::{
     },
     Ebpf, EbpfLoader,
 };
+use ipnet::IpNet;
 use lb_common::{
     addr_from_v4, addr_from_v6, maglev, map_names as names, Backend, BackendEntry, Config, Flow,
     FlowKey, Reason, ReplyNat, ServiceInfo, ServiceKey, TrafficStats, FAMILY_V4, FAMILY_V6,
     MAGLEV_POOL_ENTRIES, MAX_BACKENDS, MAX_SERVICES, PORT_F_BACKEND, PORT_F_SERVICE, PROTO_ICMP,
-    PROTO_ICMPV6, PROTO_TCP, PROTO_UDP, REASON_COUNT, SERVICE_F_SNAT,
+    PROTO_ICMPV6, PROTO_TCP, PROTO_UDP, REASON_COUNT, SERVICE_F_CLIENT_AFFINITY, SERVICE_F_SNAT,
+    SERVICE_F_SOURCE_RANGES,
 };
 
 use self::{
     alloc::{IdPool, RegionPool},
     maglev_pool::MaglevPool,
+    source_ranges::SourceRanges,
 };
 
 /// The XDP object, built from lb-ebpf by build.rs.
@@ -113,6 +117,11 @@ pub struct ServiceSpec {
     /// Maglev table size; `None` picks [`maglev::default_table_size`].
     pub table_size: Option<u32>,
     pub backends: Vec<BackendSpec>,
+    /// Client networks allowed to reach the service (of the VIP's family,
+    /// host bits clear). `None`: everyone; `Some` and empty: no one.
+    pub source_ranges: Option<Vec<IpNet>>,
+    /// Every connection of a client address goes to one backend.
+    pub client_affinity: bool,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -152,6 +161,19 @@ impl ServiceSpec {
             if snat.is_ipv4() != self.vip.is_ipv4() {
                 return Err(bad(format!(
                     "SNAT address {snat} is not of the VIP's address family"
+                )));
+            }
+        }
+        for net in self.source_ranges.iter().flatten() {
+            if net.addr().is_ipv4() != self.vip.is_ipv4() {
+                return Err(bad(format!(
+                    "source range {net} is not of the VIP's address family"
+                )));
+            }
+            if net.trunc() != *net {
+                return Err(bad(format!(
+                    "source range {net} has host bits set (the network is {})",
+                    net.trunc()
                 )));
             }
         }
@@ -227,6 +249,7 @@ pub struct Dataplane {
     service_stats: PerCpuArray<MapData, TrafficStats>,
     backend_stats: PerCpuArray<MapData, TrafficStats>,
     reason_stats: PerCpuArray<MapData, u64>,
+    ranges: SourceRanges,
     state: BTreeMap<ServiceKey, Programmed>,
     service_ids: IdPool,
     backend_ids: IdPool,
@@ -330,6 +353,11 @@ impl Dataplane {
                 .map_err(map_err(names::BACKEND_STATS))?,
             reason_stats: PerCpuArray::try_from(take(&mut ebpf, names::REASON_STATS)?)
                 .map_err(map_err(names::REASON_STATS))?,
+            ranges: SourceRanges::open(
+                LpmTrie::try_from(take(&mut ebpf, names::SOURCE_RANGES)?)
+                    .map_err(map_err(names::SOURCE_RANGES))?,
+            )
+            .map_err(map_err(names::SOURCE_RANGES))?,
             ebpf,
             state: BTreeMap::new(),
             service_ids: IdPool::new(MAX_SERVICES),
@@ -607,6 +635,15 @@ impl Dataplane {
         m: u32,
         new_service: bool,
     ) -> Result<ServiceInfo> {
+        // The ranges go under the scope of the table about to go live.
+        let scope = base + active * m;
+        let ranges = spec.source_ranges.as_deref().unwrap_or_default();
+        if !self.ranges.fits(scope, ranges.len()) {
+            return Err(DataplaneError::Full(names::SOURCE_RANGES));
+        }
+        self.ranges
+            .write(scope, ranges)
+            .map_err(map_err(names::SOURCE_RANGES))?;
         for (b, (_, id)) in spec.backends.iter().zip(ids) {
             let value = Backend {
                 addr: ip_words(b.addr.ip()),
@@ -659,11 +696,7 @@ impl Dataplane {
         }
         let info = ServiceInfo {
             id: service_id,
-            flags: if spec.snat.is_some() {
-                SERVICE_F_SNAT
-            } else {
-                0
-            },
+            flags: service_flags(spec),
             table_base: base,
             table_size: m,
             active,
@@ -722,6 +755,10 @@ impl Dataplane {
             .partition(|(t, _, _)| now.duration_since(*t) >= TABLE_QUARANTINE);
         self.quarantined = keep;
         for (_, start, len) in due {
+            if let Err(e) = self.ranges.clear_region(start, len) {
+                // Harmless but for the space: only a live scope is read.
+                log::warn!("could not remove retired source ranges: {e}");
+            }
             self.regions.free(start, len);
         }
     }
@@ -843,6 +880,9 @@ impl Dataplane {
                 snat: (info.flags & SERVICE_F_SNAT != 0)
                     .then(|| words_ip(&info.snat_addr, key.family)),
                 table_size: Some(m),
+                source_ranges: (info.flags & SERVICE_F_SOURCE_RANGES != 0)
+                    .then(|| self.ranges.ranges(info.range_scope(), key.family)),
+                client_affinity: info.flags & SERVICE_F_CLIENT_AFFINITY != 0,
                 backends: backend_ids
                     .iter()
                     .map(|(a, _)| BackendSpec {
@@ -866,6 +906,15 @@ impl Dataplane {
                 let _ = self.services.remove(&key);
             }
         }
+        let live: Vec<u32> = self
+            .state
+            .values()
+            .filter(|p| p.info.flags & SERVICE_F_SOURCE_RANGES != 0)
+            .map(|p| p.info.range_scope())
+            .collect();
+        self.ranges
+            .retain(&live)
+            .map_err(map_err(names::SOURCE_RANGES))?;
         for (port, have) in self.ports.iter_mut().enumerate() {
             *have = self
                 .port_flags
@@ -1044,6 +1093,21 @@ impl Dataplane {
     }
 }
 
+/// `ServiceInfo::flags` for a spec.
+fn service_flags(spec: &ServiceSpec) -> u32 {
+    let mut flags = 0;
+    if spec.snat.is_some() {
+        flags |= SERVICE_F_SNAT;
+    }
+    if spec.client_affinity {
+        flags |= SERVICE_F_CLIENT_AFFINITY;
+    }
+    if spec.source_ranges.is_some() {
+        flags |= SERVICE_F_SOURCE_RANGES;
+    }
+    flags
+}
+
 /// Key and value sizes of each pinned map, as this build lays them out.
 fn expected_layout(name: &str) -> Option<(usize, usize)> {
     use std::mem::size_of;
@@ -1057,6 +1121,7 @@ fn expected_layout(name: &str) -> Option<(usize, usize)> {
         names::CONFIG => (4, size_of::<Config>()),
         names::SERVICE_STATS | names::BACKEND_STATS => (4, size_of::<TrafficStats>()),
         names::REASON_STATS => (4, 8),
+        names::SOURCE_RANGES => (4 + size_of::<lb_common::RangeKey>(), 1),
         _ => return None,
     })
 }
@@ -1075,6 +1140,16 @@ fn check_pinned_layout(name: &'static str, path: &Path) -> Result<()> {
             info.key_size(),
             info.value_size()
         )));
+    }
+    // Counters only: a table from a version with fewer reasons is replaced
+    // (the new reasons would go uncounted) rather than refused.
+    if name == names::REASON_STATS && info.max_entries() < REASON_COUNT {
+        log::info!(
+            "{} counts {} reasons, this version {REASON_COUNT}: starting the reason counters afresh",
+            path.display(),
+            info.max_entries()
+        );
+        std::fs::remove_file(path).map_err(|e| DataplaneError::Pin(path.to_path_buf(), e))?;
     }
     Ok(())
 }

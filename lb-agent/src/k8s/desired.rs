@@ -23,6 +23,7 @@ use std::{
     net::IpAddr,
 };
 
+use ipnet::IpNet;
 use k8s_openapi::api::{
     core::v1::{Node, Service},
     discovery::v1::EndpointSlice,
@@ -30,7 +31,10 @@ use k8s_openapi::api::{
 
 use super::{serves, EXCLUDE_LABEL, MODE_ANNOTATION, SERVICE_NAME_LABEL};
 use crate::{
-    config::{BackendConfig, Mode, RemovedBackendFlows, ServiceConfig},
+    config::{
+        parse_source_range, ranges_for, BackendConfig, ClientAffinity, Mode, RemovedBackendFlows,
+        ServiceConfig, DEFAULT_AFFINITY_TIMEOUT, MAX_AFFINITY_TIMEOUT,
+    },
     dataplane::Protocol,
 };
 
@@ -206,6 +210,8 @@ fn service_configs(
         }
     };
     let local = spec.external_traffic_policy.as_deref() == Some("Local");
+    let source_ranges = source_ranges(svc)?;
+    let affinity = affinity(svc)?;
     let mut notes = Vec::new();
     let mut vips = Vec::new();
     for ing in super::ingress(svc) {
@@ -257,10 +263,91 @@ fn service_configs(
                 // Kubernetes semantics: a removed endpoint's flows end on
                 // their own (the pod has its grace period).
                 removed_backend_flows: RemovedBackendFlows::Keep,
+                source_ranges: source_ranges.as_ref().map(|r| ranges_for(vip, r)),
+                affinity,
             });
         }
     }
     Ok((out, notes))
+}
+
+/// The annotation kube-proxy reads when `spec.loadBalancerSourceRanges` is empty.
+pub const SOURCE_RANGES_ANNOTATION: &str = "service.beta.kubernetes.io/load-balancer-source-ranges";
+
+/// `spec.loadBalancerSourceRanges`, or when that is empty the annotation
+/// (comma-separated), as kube-proxy reads them; `None`: open to all.
+/// Host bits are cleared, as kube-proxy does. A range the API server let
+/// through but that is not a CIDR makes the whole Service unusable (it keeps
+/// its last good state): serving it open would be a hole.
+fn source_ranges(svc: &Service) -> Result<Option<Vec<IpNet>>, String> {
+    let field: Vec<&str> = svc
+        .spec
+        .as_ref()
+        .and_then(|s| s.load_balancer_source_ranges.as_ref())
+        .into_iter()
+        .flatten()
+        .map(String::as_str)
+        .filter(|s| !s.trim().is_empty())
+        .collect();
+    let (entries, what) = if field.is_empty() {
+        let annotation = svc
+            .metadata
+            .annotations
+            .as_ref()
+            .and_then(|a| a.get(SOURCE_RANGES_ANNOTATION));
+        let Some(a) = annotation.filter(|a| !a.trim().is_empty()) else {
+            return Ok(None);
+        };
+        let entries: Vec<&str> = a.split(',').filter(|s| !s.trim().is_empty()).collect();
+        (entries, format!("annotation {SOURCE_RANGES_ANNOTATION}"))
+    } else {
+        (field, "loadBalancerSourceRanges".to_string())
+    };
+    if entries.len() > lb_common::MAX_SOURCE_RANGES as usize / 2 {
+        return Err(format!(
+            "{what}: {} ranges are more than the data plane holds for one Service ({})",
+            entries.len(),
+            lb_common::MAX_SOURCE_RANGES / 2
+        ));
+    }
+    entries
+        .iter()
+        .map(|e| parse_source_range(e, false).map_err(|m| format!("{what}: {m}")))
+        .collect::<Result<Vec<_>, _>>()
+        .map(Some)
+}
+
+/// `sessionAffinity: ClientIP` and its timeout (validated as the API server
+/// does, for objects that reached us some other way).
+fn affinity(svc: &Service) -> Result<Option<ClientAffinity>, String> {
+    let Some(spec) = svc.spec.as_ref() else {
+        return Ok(None);
+    };
+    match spec.session_affinity.as_deref() {
+        None | Some("None") => Ok(None),
+        Some("ClientIP") => {
+            let secs = spec
+                .session_affinity_config
+                .as_ref()
+                .and_then(|c| c.client_ip.as_ref())
+                .and_then(|c| c.timeout_seconds);
+            let timeout = match secs {
+                None => DEFAULT_AFFINITY_TIMEOUT,
+                Some(s) if s >= 1 && s as u64 <= MAX_AFFINITY_TIMEOUT.as_secs() => {
+                    std::time::Duration::from_secs(s as u64)
+                }
+                Some(s) => {
+                    return Err(format!(
+                        "sessionAffinityConfig.clientIP.timeoutSeconds {s} is out of range (1 to 86400)"
+                    ))
+                }
+            };
+            Ok(Some(ClientAffinity { timeout }))
+        }
+        Some(other) => Err(format!(
+            "sessionAffinity {other:?} is not supported (None and ClientIP are)"
+        )),
+    }
 }
 
 /// Backends of one (VIP family, port) from the Service's slices. An address

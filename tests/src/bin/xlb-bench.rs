@@ -50,13 +50,29 @@ fn main() {
         be0,
         ns: _ns,
     } = FixtureBed::new("xlb-bench");
-    for (port, protocol, bport) in [(80, Protocol::Tcp, 8080), (53, Protocol::Udp, 5353)] {
+    // Port 81: the same service behind 1,000 source ranges, the client's
+    // the most specific, to show what `loadBalancerSourceRanges` costs.
+    let mut ranges: Vec<ipnet::IpNet> = (0..999u32)
+        .map(|i| {
+            format!("172.{}.{}.0/24", 16 + i / 256, i % 256)
+                .parse()
+                .unwrap()
+        })
+        .collect();
+    ranges.push("10.0.0.0/30".parse().unwrap());
+    for (port, protocol, bport, ranges) in [
+        (80, Protocol::Tcp, 8080, None),
+        (53, Protocol::Udp, 5353, None),
+        (81, Protocol::Tcp, 8080, Some(ranges)),
+    ] {
         dp.set_service(&ServiceSpec {
             vip: VIP.into(),
             port,
             protocol,
             snat: None,
             table_size: None,
+            source_ranges: ranges,
+            client_affinity: false,
             backends: vec![BackendSpec {
                 addr: SocketAddr::new(B2.into(), bport),
                 weight: 1,
@@ -94,6 +110,8 @@ fn main() {
     let syn = tcp(CLIENT, VIP, 40000, 80, tcp_flags::SYN, client);
     assert_eq!(run(prog, cl0, &syn).0, XDP_REDIRECT);
     assert_eq!(run(prog, cl0, &udp).0, XDP_REDIRECT);
+    let syn81 = tcp(CLIENT, VIP, 40002, 81, tcp_flags::SYN, client);
+    assert_eq!(run(prog, cl0, &syn81).0, XDP_REDIRECT);
 
     let est = tcp(CLIENT, VIP, 40000, 80, tcp_flags::ACK, client);
     let reply = tcp(B2, CLIENT, 8080, 40000, tcp_flags::ACK, backend);
@@ -123,6 +141,18 @@ fn main() {
             verdict: XDP_REDIRECT,
             packet: Box::new({
                 let p = tcp(CLIENT, VIP, 40000, 80, tcp_flags::ACK, client);
+                move |_| p.clone()
+            }),
+            floor: false,
+            samples: vec![],
+        },
+        Case {
+            name: "TCP established flow, 1,000 source ranges",
+            katran: None,
+            ingress: cl0,
+            verdict: XDP_REDIRECT,
+            packet: Box::new({
+                let p = tcp(CLIENT, VIP, 40002, 81, tcp_flags::ACK, client);
                 move |_| p.clone()
             }),
             floor: false,
