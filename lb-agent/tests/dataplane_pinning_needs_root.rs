@@ -188,3 +188,49 @@ fn quarantined_regions_do_not_make_the_pool_look_full() {
     let c = sized(82, &[4]);
     assert!(dp.set_service(&c).is_err(), "the pool holds two services");
 }
+
+/// A restarted agent adopts each service's source ranges and affinity, and
+/// entries no live service uses are removed.
+#[test]
+fn source_ranges_and_affinity_are_adopted() {
+    let dir = PinDir(format!("/sys/fs/bpf/xlb-test-adopt-ranges-{}", std::process::id()).into());
+    let mut web = spec(80, None, &[1, 2]);
+    web.source_ranges = Some(vec![
+        "198.51.100.0/24".parse().unwrap(),
+        "203.0.113.0/25".parse().unwrap(),
+    ]);
+    web.client_affinity = true;
+    let mut closed = spec(81, None, &[3]);
+    closed.source_ranges = Some(vec![]);
+    {
+        let mut dp = Dataplane::open(Some(&dir.0)).expect("open (root needed)");
+        dp.set_service(&web).unwrap();
+        dp.set_service(&closed).unwrap();
+        // A change leaves the previous scope's entries behind for a while.
+        web.source_ranges = Some(vec!["198.51.100.0/24".parse().unwrap()]);
+        dp.set_service(&web).unwrap();
+    }
+    let dp = Dataplane::open(Some(&dir.0)).unwrap();
+    let adopted = |k| dp.services().find(|(key, _)| **key == k).unwrap().1.clone();
+    let w = adopted(web.key());
+    assert_eq!(w.source_ranges, web.source_ranges);
+    assert!(w.client_affinity);
+    let c = adopted(closed.key());
+    assert_eq!(
+        c.source_ranges,
+        Some(vec![]),
+        "no ranges still means closed"
+    );
+    assert!(!c.client_affinity);
+    let trie = aya::maps::lpm_trie::LpmTrie::<_, lb_common::RangeKey, u8>::try_from(
+        aya::maps::Map::LpmTrie(
+            aya::maps::MapData::from_pin(dir.0.join(lb_common::map_names::SOURCE_RANGES)).unwrap(),
+        ),
+    )
+    .unwrap();
+    assert_eq!(
+        trie.keys().count(),
+        1,
+        "only the live scope's entry is left"
+    );
+}

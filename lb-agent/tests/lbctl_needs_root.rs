@@ -255,7 +255,7 @@ fn lbctl_reads_pinned_maps_needs_root() {
         assert_eq!(v["backend_id"], id);
         assert_eq!(as_sockaddr(&v["backend"]), addr);
         assert_eq!(v["maglev"]["entry"], entry);
-        assert_eq!(v["maglev"]["flow_hash"], flow_hash(&key));
+        assert_eq!(v["maglev"]["hash"], flow_hash(&key));
         assert!(v["snat"].is_null());
     }
     // trace on the SNAT service: the first port candidate too.
@@ -462,4 +462,102 @@ fn lbctl_reads_pinned_maps_needs_root() {
         .unwrap()
         .iter()
         .any(|r| r["service_id"] == nat_id));
+}
+
+/// `services`, `trace` and `conntrack` show source ranges and session
+/// affinity as the data plane holds them, and trace's verdicts match the
+/// kernel's: an outside client is refused, an inside one is placed by the
+/// hash of its address alone.
+#[test]
+fn lbctl_shows_source_ranges_and_affinity_needs_root() {
+    let pin_dir = PinDir(PathBuf::from(format!(
+        "/sys/fs/bpf/xlb-test-lbctl-policy-{}",
+        std::process::id()
+    )));
+    let dir = pin_dir.0.clone();
+    let mut dp = Dataplane::open(Some(&dir)).expect("load the XDP program and pin maps (root)");
+    let mut svc = spec(
+        "192.0.2.20",
+        80,
+        None,
+        &["10.2.0.2:8080", "10.2.0.3:8080", "10.2.0.4:8080"],
+    );
+    svc.source_ranges = Some(vec![
+        "198.51.100.0/24".parse().unwrap(),
+        "203.0.113.7/32".parse().unwrap(),
+    ]);
+    svc.client_affinity = true;
+    dp.set_service(&svc).unwrap();
+
+    let v = lbctl_json(&dir, &["services"], 0);
+    let row = &v["services"][0];
+    assert_eq!(row["affinity"], "client_ip", "{v}");
+    assert_eq!(
+        row["source_ranges"],
+        serde_json::json!(["198.51.100.0/24", "203.0.113.7/32"])
+    );
+    let human = String::from_utf8_lossy(&lbctl(&dir, &["services"]).stdout).into_owned();
+    assert!(
+        human.contains("client_ip") && human.contains("198.51.100.0/24,203.0.113.7/32"),
+        "{human}"
+    );
+
+    // Outside the ranges: refused before any flow state.
+    let v = lbctl_json(
+        &dir,
+        &["trace", "192.0.2.99", "192.0.2.20", "40000", "80", "tcp"],
+        0,
+    );
+    assert_eq!(v["source_allowed"], false, "{v}");
+    assert_eq!(v["decided_by"], "none");
+    assert!(v["note"].as_str().unwrap().contains("drop_source_range"));
+
+    // Inside: the Maglev entry of the client-address hash, for any port.
+    let table = dp.live_table(&svc.key()).unwrap();
+    for sport in [40000u16, 40001, 55555] {
+        let key = flow_key("198.51.100.7", sport, &svc);
+        let h = lb_common::hash::client_hash(&key);
+        let v = lbctl_json(
+            &dir,
+            &[
+                "trace",
+                "198.51.100.7",
+                "192.0.2.20",
+                &sport.to_string(),
+                "80",
+                "tcp",
+            ],
+            0,
+        );
+        assert_eq!(v["source_allowed"], true);
+        assert_eq!(v["maglev"]["hashed_on"], "client");
+        assert_eq!(v["maglev"]["hash"], h);
+        assert_eq!(v["backend_id"], table[(h % table.len() as u32) as usize]);
+    }
+
+    // A flow in CONNTRACK is listed with its service's affinity.
+    let key = flow_key("198.51.100.7", 40000, &svc);
+    let now = coarse_now_ns();
+    let flow = Flow {
+        backend_addr: ip_words("10.2.0.2".parse().unwrap()),
+        backend_port: 8080u16.to_be(),
+        backend_id: dp
+            .backend_id(&svc.key(), "10.2.0.2:8080".parse().unwrap())
+            .unwrap(),
+        service_id: dp.service_id(&svc.key()).unwrap(),
+        created_ns: now,
+        last_seen_ns: now,
+        ..Default::default()
+    };
+    {
+        let data = MapData::from_pin(dir.join(names::CONNTRACK)).unwrap();
+        let mut ct: PerCpuHashMap<MapData, FlowKey, Flow> =
+            PerCpuHashMap::try_from(Map::from_map_data(data).unwrap()).unwrap();
+        let mut values = vec![Flow::default(); possible_cpus()];
+        values[0] = flow;
+        ct.insert(key, PerCpuValues::try_from(values).unwrap(), 0)
+            .unwrap();
+    }
+    let v = lbctl_json(&dir, &["conntrack"], 0);
+    assert_eq!(v["entries"][0]["affinity"], "client_ip", "{v}");
 }

@@ -35,6 +35,7 @@ use lb_common::{
     SERVICE_F_SOURCE_RANGES,
 };
 
+pub use self::source_ranges::{admits, read_ranges};
 use self::{
     alloc::{IdPool, RegionPool},
     maglev_pool::MaglevPool,

@@ -91,6 +91,9 @@ pub struct Entry {
     pub backend: SocketAddr,
     pub backend_id: u32,
     pub service_id: u32,
+    /// `client_ip` when the flow's service has session affinity: its
+    /// backend was picked by the client address alone.
+    pub affinity: Option<&'static str>,
     /// SNAT source port (host order); absent in NAT mode.
     pub snat_port: Option<u16>,
     /// Since the flow was created / since its timestamp was last refreshed
@@ -108,6 +111,7 @@ pub fn entry(key: &FlowKey, cpu: usize, flow: &Flow, now_ns: u64) -> Entry {
         backend: services::socket_of(&flow.backend_addr, flow.backend_port, key.family),
         backend_id: flow.backend_id,
         service_id: flow.service_id,
+        affinity: None,
         snat_port: (flow.snat_port != 0).then(|| u16::from_be(flow.snat_port)),
         age_ns: now_ns.saturating_sub(flow.created_ns),
         idle_ns: now_ns.saturating_sub(flow.last_seen_ns),
@@ -128,6 +132,12 @@ pub fn run(maps: &Maps, args: &Args) -> Result<ConntrackReport> {
     let filter = Filter::from_args(args);
     let now = maps::coarse_now_ns();
     let limit = args.limit.unwrap_or(usize::MAX);
+    // Service id -> its affinity, from the live services.
+    let affinity: std::collections::BTreeMap<u32, Option<&'static str>> =
+        maps::list_services(&maps.services()?)?
+            .into_iter()
+            .map(|(_, info)| (info.id, services::affinity(&info)))
+            .collect();
     let mut count = 0;
     let mut entries = Vec::new();
     for item in map.iter() {
@@ -140,7 +150,9 @@ pub fn run(maps: &Maps, args: &Args) -> Result<ConntrackReport> {
             }
             count += 1;
             if entries.len() < limit {
-                entries.push(entry(&key, cpu, flow, now));
+                let mut e = entry(&key, cpu, flow, now);
+                e.affinity = affinity.get(&flow.service_id).copied().flatten();
+                entries.push(e);
             }
         }
     }
@@ -163,6 +175,7 @@ impl Render for ConntrackReport {
                 ("VIP", Align::Left),
                 ("BACKEND", Align::Left),
                 ("SNAT PORT", Align::Right),
+                ("AFFINITY", Align::Left),
                 ("AGE", Align::Right),
                 ("IDLE", Align::Right),
             ]);
@@ -176,6 +189,7 @@ impl Render for ConntrackReport {
                     e.snat_port
                         .map(|p| p.to_string())
                         .unwrap_or_else(|| "-".into()),
+                    e.affinity.unwrap_or("-").into(),
                     table::duration_ns(e.age_ns),
                     table::duration_ns(e.idle_ns),
                 ]);

@@ -10,10 +10,13 @@ use std::{
 };
 
 use anyhow::{anyhow, bail, Context, Result};
-use aya::maps::{Array, HashMap, Map, MapData, MapError, PerCpuArray, PerCpuHashMap, PerCpuValues};
+use aya::maps::{
+    lpm_trie::LpmTrie, Array, HashMap, Map, MapData, MapError, PerCpuArray, PerCpuHashMap,
+    PerCpuValues,
+};
 use lb_common::{
-    map_names as names, BackendEntry, Config, Flow, FlowKey, ReplyNat, ServiceInfo, ServiceKey,
-    TrafficStats, PROTO_ICMP, PROTO_ICMPV6, REASON_COUNT,
+    map_names as names, BackendEntry, Config, Flow, FlowKey, RangeKey, ReplyNat, ServiceInfo,
+    ServiceKey, TrafficStats, PROTO_ICMP, PROTO_ICMPV6, REASON_COUNT,
 };
 
 /// `BPF_F_MMAPABLE` (uapi/linux/bpf.h): the map's memory can be mapped.
@@ -113,6 +116,10 @@ impl Maps {
 
     pub fn maglev(&self) -> Result<Maglev> {
         Maglev::new(self.data(names::MAGLEV)?)
+    }
+
+    pub fn source_ranges(&self) -> Result<LpmTrie<MapData, RangeKey, u8>> {
+        self.typed(names::SOURCE_RANGES)
     }
 
     pub fn conntrack(&self) -> Result<PerCpuHashMap<MapData, FlowKey, Flow>> {

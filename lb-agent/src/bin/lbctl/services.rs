@@ -11,7 +11,7 @@ use anyhow::Result;
 use lb_agent::dataplane::service_key;
 use lb_common::{
     addr_octets, map_names as names, ServiceInfo, ServiceKey, FAMILY_V4, PROTO_ICMP, PROTO_ICMPV6,
-    PROTO_TCP, PROTO_UDP, SERVICE_F_SNAT,
+    PROTO_TCP, PROTO_UDP, SERVICE_F_CLIENT_AFFINITY, SERVICE_F_SNAT, SERVICE_F_SOURCE_RANGES,
 };
 use serde::Serialize;
 
@@ -120,6 +120,25 @@ pub fn sort_key(key: &ServiceKey) -> (u8, IpAddr, u16, u8) {
     (key.family, a.vip, a.port, a.proto)
 }
 
+/// The client networks a service admits; `None`: all.
+pub fn source_ranges(
+    maps: &Maps,
+    key: &ServiceKey,
+    info: &ServiceInfo,
+) -> Result<Option<Vec<String>>> {
+    if info.flags & SERVICE_F_SOURCE_RANGES == 0 {
+        return Ok(None);
+    }
+    let trie = maps.source_ranges()?;
+    let nets = lb_agent::dataplane::read_ranges(&trie, info.range_scope(), key.family)?;
+    Ok(Some(nets.iter().map(ToString::to_string).collect()))
+}
+
+/// `client_ip` when the service has session affinity by client address.
+pub fn affinity(info: &ServiceInfo) -> Option<&'static str> {
+    (info.flags & SERVICE_F_CLIENT_AFFINITY != 0).then_some("client_ip")
+}
+
 pub fn is_snat(info: &ServiceInfo) -> bool {
     info.flags & SERVICE_F_SNAT != 0
 }
@@ -142,6 +161,10 @@ pub struct ServiceRow {
     /// `nat` or `snat`.
     pub mode: &'static str,
     pub snat_addr: Option<IpAddr>,
+    /// `client_ip`: every connection of a client goes to one backend.
+    pub affinity: Option<&'static str>,
+    /// Client networks admitted; `None`: all (`[]`: none).
+    pub source_ranges: Option<Vec<String>>,
     pub service_id: u32,
     pub table_size: u32,
     /// Backends in the live Maglev table (0: new flows are dropped).
@@ -172,6 +195,8 @@ pub fn run(maps: &Maps) -> Result<ServicesReport> {
             protocol: proto_name(a.proto),
             mode: if is_snat(&info) { "snat" } else { "nat" },
             snat_addr: is_snat(&info).then(|| ip_of(&info.snat_addr, key.family)),
+            affinity: affinity(&info),
+            source_ranges: source_ranges(maps, &key, &info)?,
             service_id: info.id,
             table_size: info.table_size,
             backends: info.backend_count,
@@ -195,6 +220,8 @@ impl Render for ServicesReport {
             ("PORT", Align::Right),
             ("PROTO", Align::Left),
             ("MODE", Align::Left),
+            ("AFFINITY", Align::Left),
+            ("SOURCES", Align::Left),
             ("TABLE", Align::Right),
             ("BACKENDS", Align::Right),
             ("ID", Align::Right),
@@ -213,6 +240,13 @@ impl Render for ServicesReport {
                 s.port.to_string(),
                 s.protocol.clone(),
                 mode,
+                s.affinity.unwrap_or("-").to_string(),
+                match &s.source_ranges {
+                    None => "any".into(),
+                    Some(r) if r.is_empty() => "none".into(),
+                    Some(r) if r.len() <= 2 => r.join(","),
+                    Some(r) => format!("{} ranges", r.len()),
+                },
                 s.table_size.to_string(),
                 s.backends.to_string(),
                 s.service_id.to_string(),

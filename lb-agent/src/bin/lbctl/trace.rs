@@ -3,14 +3,16 @@
 //! (lb-ebpf/src/conntrack.rs: `lookup_or_create`, `pick`,
 //! `adopt`, `claim_snat_port`): this CPU's CONNTRACK entry if there is one,
 //! else the SHARED_FLOWS entry, else
-//! `MAGLEV[table_base + active * M + flow_hash(key) % M]`.
+//! `MAGLEV[table_base + active * M + maglev_hash(key, flags) % M]` (the
+//! hash is of the client address alone under session affinity). A client
+//! outside the service's source ranges is dropped before any of it.
 
 use std::net::{IpAddr, SocketAddr};
 
 use anyhow::{bail, Context, Result};
 use lb_agent::dataplane::{family, ip_words, service_key};
 use lb_common::{
-    hash::{flow_hash, snat_port_candidate},
+    hash::{flow_hash, maglev_hash, snat_port_candidate},
     Config, Flow, FlowKey, ReplyNat, ServiceInfo, PORT_F_SERVICE, PROTO_TCP, PROTO_UDP,
     SNAT_PROBES,
 };
@@ -125,7 +127,10 @@ fn same_client(r: &ReplyNat, key: &FlowKey) -> bool {
 
 #[derive(Serialize)]
 pub struct MaglevPick {
-    pub flow_hash: u32,
+    /// The hash that indexes the table, and what it is of: `flow` (the
+    /// whole tuple) or `client` (session affinity).
+    pub hash: u32,
+    pub hashed_on: &'static str,
     pub table_size: u32,
     #[serde(flatten)]
     pub index: TableIndex,
@@ -185,6 +190,13 @@ pub struct TraceReport {
     /// Whether PORT_FLAGS marks DPORT as a service port (without it the
     /// data plane never looks the service up).
     pub port_flag_set: Option<bool>,
+    /// `client_ip` under session affinity: the Maglev hash is of the client
+    /// address alone.
+    pub affinity: Option<&'static str>,
+    /// The service's source ranges (`None`: open to all).
+    pub source_ranges: Option<Vec<String>>,
+    /// Whether the ranges admit the client (`None`: no ranges).
+    pub source_allowed: Option<bool>,
     /// CONNTRACK entries of this flow, per CPU that holds one.
     pub conntrack: Vec<ConntrackHit>,
     pub shared: Option<SharedHit>,
@@ -219,6 +231,9 @@ pub fn run(maps: &Maps, args: &Args) -> Result<TraceReport> {
         service_id: None,
         mode: None,
         port_flag_set: None,
+        affinity: None,
+        source_ranges: None,
+        source_allowed: None,
         conntrack: Vec::new(),
         shared: None,
         maglev: None,
@@ -240,6 +255,22 @@ pub fn run(maps: &Maps, args: &Args) -> Result<TraceReport> {
     report.mode = Some(services::mode(&svc_key, &info));
     let flags = maps.port_flags()?.get(&(args.dport as u32), 0).ok();
     report.port_flag_set = flags.map(|f| f & PORT_F_SERVICE != 0);
+    report.affinity = services::affinity(&info);
+    report.source_ranges = services::source_ranges(maps, &svc_key, &info)?;
+    if report.source_ranges.is_some() {
+        let trie = maps.source_ranges()?;
+        let allowed = lb_agent::dataplane::admits(&trie, info.range_scope(), key.src)
+            .context("SOURCE_RANGES")?;
+        report.source_allowed = Some(allowed);
+        if !allowed {
+            report.note = Some(format!(
+                "client {} is outside the service's source ranges: the data plane drops \
+                 the packet before any flow state (drop_source_range)",
+                args.src
+            ));
+            return Ok(report);
+        }
+    }
 
     let cfg = maps.config()?;
     let snat = services::is_snat(&info);
@@ -308,7 +339,7 @@ pub fn run(maps: &Maps, args: &Args) -> Result<TraceReport> {
 
     // The Maglev pick, which a new flow (or a packet no table knows, or a
     // TCP SYN) gets.
-    let hash = flow_hash(&key);
+    let hash = maglev_hash(&key, info.flags);
     let mut picked = None;
     if let Some(index) = table_index(&info, hash) {
         let id = maps.maglev()?.get(index.pool_index)?;
@@ -330,7 +361,12 @@ pub fn run(maps: &Maps, args: &Args) -> Result<TraceReport> {
             ),
         };
         report.maglev = Some(MaglevPick {
-            flow_hash: hash,
+            hash,
+            hashed_on: if report.affinity.is_some() {
+                "client"
+            } else {
+                "flow"
+            },
             table_size: info.table_size,
             index,
             backend_id: id,
@@ -383,6 +419,8 @@ pub fn run(maps: &Maps, args: &Args) -> Result<TraceReport> {
     }
 
     if snat {
+        // Ports come from the whole tuple's hash, affinity or not.
+        let hash = flow_hash(&key);
         let mut s = SnatInfo {
             snat_addr: services::ip_of(&info.snat_addr, key.family),
             port_min: cfg.snat_port_min,
@@ -431,6 +469,29 @@ impl Render for TraceReport {
                  the data plane skips the service lookup\n",
             );
         }
+        if let Some(r) = &self.source_ranges {
+            let list = if r.is_empty() {
+                "none".to_string()
+            } else {
+                r.join(", ")
+            };
+            let verdict = match self.source_allowed {
+                Some(true) => "client admitted",
+                _ => "client NOT admitted",
+            };
+            s.push_str(&format!("sources   {list}: {verdict}\n"));
+        }
+        if self.source_allowed == Some(false) {
+            if let Some(n) = &self.note {
+                s.push_str(&format!("result    {n}\n"));
+            }
+            return s;
+        }
+        if let Some(a) = self.affinity {
+            s.push_str(&format!(
+                "affinity  {a}: new connections hash on the client address alone\n"
+            ));
+        }
         if self.conntrack.is_empty() {
             s.push_str("conntrack not in CONNTRACK on any CPU\n");
         }
@@ -471,7 +532,7 @@ impl Render for TraceReport {
         if let Some(m) = &self.maglev {
             s.push_str(&format!(
                 "maglev    hash {:#010x}: entry {} of {} (MAGLEV[{}]) -> {} (id {})\n",
-                m.flow_hash,
+                m.hash,
                 m.index.entry,
                 m.table_size,
                 m.index.pool_index,

@@ -269,3 +269,111 @@ fn two_services_on_one_vip_port_older_wins() {
     assert!(d.services.iter().all(|s| s.name.starts_with("shop/web:")));
     assert!(d.problems.iter().any(|p| p.contains("shop/web-copy")));
 }
+
+fn ranges_of(d: &Desired, vip: &str) -> Vec<Option<Vec<String>>> {
+    let vip: IpAddr = vip.parse().unwrap();
+    d.services
+        .iter()
+        .filter(|s| s.vip == vip)
+        .map(|s| {
+            s.source_ranges
+                .as_ref()
+                .map(|r| r.iter().map(|n| n.to_string()).collect())
+        })
+        .collect()
+}
+
+#[test]
+fn source_ranges_come_per_family_from_the_field_or_the_annotation() {
+    let mut o = load(DNS);
+    let d = compute(&o, &opts("worker-1"), &Desired::default());
+    assert!(
+        d.services.iter().all(|s| s.source_ranges.is_none()),
+        "open by default"
+    );
+
+    // The annotation, as kube-proxy reads it when the field is empty.
+    o.services[0]
+        .metadata
+        .annotations
+        .get_or_insert_with(Default::default)
+        .insert(
+            SOURCE_RANGES_ANNOTATION.into(),
+            " 10.1.0.0/16 , 2001:db8:1::/48".into(),
+        );
+    let d = compute(&o, &opts("worker-1"), &Desired::default());
+    assert_eq!(
+        ranges_of(&d, "192.0.2.53"),
+        vec![Some(vec!["10.1.0.0/16".into()]); 2]
+    );
+    assert_eq!(
+        ranges_of(&d, "2001:db8::53"),
+        vec![Some(vec!["2001:db8:1::/48".into()]); 2]
+    );
+
+    // The field wins over the annotation; host bits are cleared as kube-proxy
+    // does. A family without ranges admits no one (kube-proxy would leave it open).
+    o.services[0]
+        .spec
+        .as_mut()
+        .unwrap()
+        .load_balancer_source_ranges = Some(vec!["203.0.113.9/24".into()]);
+    let d = compute(&o, &opts("worker-1"), &Desired::default());
+    assert_eq!(
+        ranges_of(&d, "192.0.2.53"),
+        vec![Some(vec!["203.0.113.0/24".into()]); 2]
+    );
+    assert_eq!(ranges_of(&d, "2001:db8::53"), vec![Some(vec![]); 2]);
+
+    // A range that is not a CIDR: the Service keeps its last good state.
+    let good = d.clone();
+    o.services[0]
+        .spec
+        .as_mut()
+        .unwrap()
+        .load_balancer_source_ranges = Some(vec!["203.0.113.0/24".into(), "everyone".into()]);
+    let d = compute(&o, &opts("worker-1"), &good);
+    assert_eq!(d.services, good.services);
+    assert!(
+        d.problems
+            .iter()
+            .any(|p| p.contains("\"everyone\" is not a CIDR")
+                && p.contains("keeping its previous state")),
+        "{:?}",
+        d.problems
+    );
+}
+
+#[test]
+fn client_ip_affinity_and_its_timeout() {
+    let mut o = load(DNS);
+    let spec = o.services[0].spec.as_mut().unwrap();
+    spec.session_affinity = Some("ClientIP".into());
+    let d = compute(&o, &opts("worker-1"), &Desired::default());
+    assert!(d
+        .services
+        .iter()
+        .all(|s| s.affinity.map(|a| a.timeout) == Some(DEFAULT_AFFINITY_TIMEOUT)));
+
+    let spec = o.services[0].spec.as_mut().unwrap();
+    spec.session_affinity_config = Some(
+        serde_json::from_value(serde_json::json!({"clientIP": {"timeoutSeconds": 60}})).unwrap(),
+    );
+    let d = compute(&o, &opts("worker-1"), &Desired::default());
+    assert!(d
+        .services
+        .iter()
+        .all(|s| s.affinity.map(|a| a.timeout.as_secs()) == Some(60)));
+
+    let good = d.clone();
+    let spec = o.services[0].spec.as_mut().unwrap();
+    spec.session_affinity_config = Some(
+        serde_json::from_value(serde_json::json!({"clientIP": {"timeoutSeconds": 90000}})).unwrap(),
+    );
+    let d = compute(&o, &opts("worker-1"), &good);
+    assert_eq!(d.services, good.services);
+    assert!(d
+        .problems
+        .iter()
+        .any(|p| p.contains("timeoutSeconds 90000 is out of range")));
+}
