@@ -1,0 +1,181 @@
+//! The Service fields users rely on, on the real control plane
+//! (`xlb_tests::cluster`): `loadBalancerSourceRanges` (and kube-proxy's
+//! annotation) refuse clients outside them in the XDP program, and
+//! `sessionAffinity: ClientIP` keeps every connection of a client on one
+//! backend. Traffic is real: HTTP from the client namespace, which holds two
+//! addresses (10.0.0.2, the default source, and 10.0.0.3).
+
+use std::{net::SocketAddr, time::Duration};
+
+use serde_json::{json, Value};
+use xlb_tests::{
+    k8s_topology::{K8sTopology, NS, SERVICE},
+    topology::VIP,
+    traffic::{keepalive_to, wait_until},
+};
+
+const OTHER_CLIENT: &str = "10.0.0.3";
+
+fn vip() -> SocketAddr {
+    SocketAddr::from((VIP, 80))
+}
+
+/// One `GET /` from the client address `src`: the backend's name, or
+/// `None` when no answer came within a second.
+fn get_from(k: &K8sTopology, src: &str) -> Option<String> {
+    let url = format!("http://{VIP}/");
+    let out = k.t.output_in(
+        &k.t.client,
+        "curl",
+        &["-s", "--max-time", "1", "--interface", src, &url],
+    );
+    out.status
+        .success()
+        .then(|| String::from_utf8_lossy(&out.stdout).trim().to_string())
+}
+
+/// Packets dropped under `drop_source_range`, from `lbctl stats`.
+fn refused(k: &K8sTopology) -> u64 {
+    let v = k.t.lbctl_json(&["stats"]);
+    v["reasons"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|r| r["reason"] == "drop_source_range")
+        .map_or(0, |r| r["total"].as_u64().unwrap())
+}
+
+/// The data plane's one service row (`lbctl services`).
+fn service_row(k: &K8sTopology) -> Value {
+    k.t.lbctl_json(&["services"])["services"][0].clone()
+}
+
+fn patch_service(k: &K8sTopology, patch: Value) {
+    k.cluster.patch("service", Some(NS), SERVICE, &patch, false);
+}
+
+/// Waits until `src` is answered (`true`) or refused (`false`).
+fn wait_served(k: &K8sTopology, src: &str, served: bool) {
+    wait_until(
+        &format!("{src} is {}", if served { "served" } else { "refused" }),
+        Duration::from_secs(20),
+        || (get_from(k, src).is_some() == served).then_some(()),
+    );
+}
+
+#[test]
+fn source_ranges_refuse_outside_clients_and_follow_changes() {
+    let mut k = K8sTopology::new("k8r", 2);
+    k.t.client
+        .run(&format!("ip addr add {OTHER_CLIENT}/24 dev eth0"));
+    k.create_service(
+        SERVICE,
+        json!({"loadBalancerSourceRanges": ["10.0.0.2/32"]}),
+    );
+    k.cluster.run_pod(&k.pod(1, true));
+    k.cluster.run_pod(&k.pod(2, true));
+    let agent = k.start_agent();
+    wait_until(
+        "the Service gets an address",
+        Duration::from_secs(20),
+        || k.ingress_ip(SERVICE),
+    );
+    k.wait_programmed(1);
+    wait_served(&k, "10.0.0.2", true);
+    assert_eq!(service_row(&k)["source_ranges"], json!(["10.0.0.2/32"]));
+
+    // A client outside the ranges gets nothing, and is counted.
+    let before = refused(&k);
+    assert_eq!(get_from(&k, OTHER_CLIENT), None);
+    assert!(refused(&k) > before, "refused SYNs are counted");
+    assert!(
+        agent
+            .metrics()
+            .lines()
+            .any(|l| l.contains("reason=\"drop_source_range\"") && !l.ends_with(" 0")),
+        "the metric shows the refusals"
+    );
+
+    // The ranges change: the other client gets in, and the first one's
+    // established connection is cut at its next packet.
+    let mut kept = keepalive_to(&k.t, vip(), "b1");
+    kept.stream
+        .set_read_timeout(Some(Duration::from_secs(2)))
+        .unwrap();
+    patch_service(
+        &k,
+        json!({"spec": {"loadBalancerSourceRanges": [format!("{OTHER_CLIENT}/32")]}}),
+    );
+    wait_served(&k, OTHER_CLIENT, true);
+    assert_eq!(get_from(&k, "10.0.0.2"), None);
+    assert!(
+        kept.get().is_err(),
+        "a connection from a client no longer allowed is cut"
+    );
+
+    // With the field empty, kube-proxy's annotation applies.
+    patch_service(
+        &k,
+        json!({
+            "metadata": {"annotations": {
+                "service.beta.kubernetes.io/load-balancer-source-ranges": "10.0.0.2/32"}},
+            "spec": {"loadBalancerSourceRanges": null},
+        }),
+    );
+    wait_served(&k, "10.0.0.2", true);
+    wait_served(&k, OTHER_CLIENT, false);
+
+    // No ranges at all: open to everyone.
+    patch_service(
+        &k,
+        json!({"metadata": {"annotations": {
+            "service.beta.kubernetes.io/load-balancer-source-ranges": null}}}),
+    );
+    wait_served(&k, OTHER_CLIENT, true);
+    assert_eq!(service_row(&k)["source_ranges"], Value::Null);
+    assert!(get_from(&k, "10.0.0.2").is_some());
+}
+
+#[test]
+fn client_ip_affinity_keeps_each_client_on_one_backend() {
+    let mut k = K8sTopology::new("k8a", 3);
+    k.t.client
+        .run(&format!("ip addr add {OTHER_CLIENT}/24 dev eth0"));
+    k.create_service(
+        SERVICE,
+        json!({
+            "sessionAffinity": "ClientIP",
+            "sessionAffinityConfig": {"clientIP": {"timeoutSeconds": 600}},
+        }),
+    );
+    for n in 1..=3 {
+        k.cluster.run_pod(&k.pod(n, true));
+    }
+    let _agent = k.start_agent();
+    k.wait_slices_ready(&[1, 2, 3]);
+    wait_until(
+        "the data plane has the Service with three backends and affinity",
+        Duration::from_secs(20),
+        || {
+            let row = service_row(&k);
+            (row["backends"] == 3 && row["affinity"] == "client_ip").then_some(())
+        },
+    );
+
+    // 50 connections from one client, from both CPUs: one backend.
+    let seen = k.answered_by(50);
+    assert_eq!(seen.len(), 1, "one client, one backend: {seen:?}");
+    assert_eq!(seen.values().sum::<usize>(), 50);
+    let other: std::collections::BTreeSet<String> = (0..20)
+        .map(|_| get_from(&k, OTHER_CLIENT).expect("the other client is served"))
+        .collect();
+    assert_eq!(other.len(), 1, "the other client, one backend: {other:?}");
+
+    // Without affinity the same client's connections spread again.
+    patch_service(&k, json!({"spec": {"sessionAffinity": "None"}}));
+    wait_until(
+        "connections spread once affinity is off",
+        Duration::from_secs(20),
+        || (k.answered_by(30).len() >= 2).then_some(()),
+    );
+}
