@@ -363,7 +363,8 @@ async fn requested_addresses_are_honoured_or_refused_with_a_reason() {
     let c = wait_failed(&server, "taken", "AddressInUse");
     assert_eq!(
         c.message,
-        "192.0.2.5 is used by Service default/by-annotation"
+        "192.0.2.5 is taken: it is used by Service default/by-annotation, which does not \
+         allow sharing (annotation xlb.dev/allow-shared-ip)"
     );
     let c = wait_failed(&server, "outside", "AddressNotInPool");
     assert_eq!(c.message, "203.0.113.1 is in no pool");

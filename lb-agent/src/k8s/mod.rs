@@ -6,6 +6,7 @@
 //! - [`watch`]: reflectors over Services, EndpointSlices and this Node that
 //!   publish the desired state.
 //! - [`ipam`]: pure address-pool arithmetic and allocation decisions.
+//! - [`sharing`]: when Services may share one address.
 //! - [`leader`]: Lease-based leader election.
 //! - [`allocator`]: the controller that writes `status.loadBalancer`.
 //! - [`api_health`]: one view of whether the API answers, logged once per outage.
@@ -16,12 +17,15 @@ pub mod crd;
 pub mod desired;
 pub mod ipam;
 pub mod leader;
+pub mod sharing;
 pub mod watch;
 
 /// Annotation naming the pool a Service's address comes from.
 pub const POOL_ANNOTATION: &str = "xlb.dev/pool";
 /// Annotation requesting specific addresses (comma-separated, one per family).
 pub const IP_ANNOTATION: &str = "xlb.dev/ip";
+/// Annotation letting Services with the same value share one address.
+pub const SHARED_IP_ANNOTATION: &str = "xlb.dev/allow-shared-ip";
 /// Annotation choosing `nat` or `snat` forwarding for one Service.
 pub const MODE_ANNOTATION: &str = "xlb.dev/mode";
 /// The Service status condition the allocator maintains.
