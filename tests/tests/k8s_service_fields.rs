@@ -179,3 +179,116 @@ fn client_ip_affinity_keeps_each_client_on_one_backend() {
         || (k.answered_by(30).len() >= 2).then_some(()),
     );
 }
+
+/// A Service on port 53 of `protocol` to the Pods' port `target`.
+fn dns_service(name: &str, protocol: &str, target: u16, annotations: Value) -> Value {
+    json!({
+        "apiVersion": "v1", "kind": "Service",
+        "metadata": {"name": name, "namespace": NS, "annotations": annotations},
+        "spec": {
+            "type": "LoadBalancer",
+            "loadBalancerClass": "xlb.dev/xlb",
+            "selector": {"app": "web"},
+            "ports": [{"name": "dns", "port": 53, "targetPort": target, "protocol": protocol}],
+        },
+    })
+}
+
+/// The allocator's condition on a Service: (status, reason, message).
+fn allocated_condition(k: &K8sTopology, name: &str) -> Option<(String, String, String)> {
+    let svc = k.cluster.get("service", Some(NS), name)?;
+    svc["status"]["conditions"]
+        .as_array()?
+        .iter()
+        .find(|c| c["type"] == "xlb.dev/AddressAllocated")
+        .map(|c| {
+            let s = |f: &str| c[f].as_str().unwrap_or_default().to_string();
+            (s("status"), s("reason"), s("message"))
+        })
+}
+
+/// The classic: DNS on TCP and UDP port 53 as two Services on one address
+/// (the pool holds just that one), both served by the data plane; a third
+/// Service that asks for the address without the sharing key is refused
+/// with a condition and an Event naming a holder.
+#[test]
+fn two_services_share_one_address_on_tcp_and_udp_53() {
+    let mut k = K8sTopology::new("k8h", 2);
+    k.t.start_udp_echo(5353);
+    let key = json!({"xlb.dev/allow-shared-ip": "dns"});
+    k.cluster
+        .create(&dns_service("dns-tcp", "TCP", 8080, key.clone()));
+    k.cluster.create(&dns_service("dns-udp", "UDP", 5353, key));
+    k.cluster.run_pod(&k.pod(1, true));
+    k.cluster.run_pod(&k.pod(2, true));
+    let agent = k.start_agent();
+    for name in ["dns-tcp", "dns-udp"] {
+        let ip = wait_until(
+            &format!("{name} gets the shared address"),
+            Duration::from_secs(20),
+            || k.ingress_ip(name),
+        );
+        assert_eq!(ip, std::net::IpAddr::V4(VIP), "{name}");
+    }
+    k.wait_programmed(2);
+
+    // TCP 53 reaches nginx, UDP 53 the echo servers, through one VIP.
+    let dns = SocketAddr::from((VIP, 53));
+    wait_until("TCP 53 answers", Duration::from_secs(20), || {
+        let answer = xlb_tests::topology::in_netns(&k.t.client, move || {
+            xlb_tests::traffic::one_request(dns)
+        })
+        .join()
+        .unwrap();
+        answer.ok().filter(|(_, body)| body.starts_with('b'))
+    });
+    let echoed = xlb_tests::topology::in_netns(&k.t.client, move || {
+        let sock = std::net::UdpSocket::bind("10.0.0.2:0").unwrap();
+        sock.set_read_timeout(Some(Duration::from_secs(1))).unwrap();
+        let mut buf = [0u8; 64];
+        (0..20).find_map(|_| {
+            sock.send_to(b"query", dns).ok()?;
+            let (n, from) = sock.recv_from(&mut buf).ok()?;
+            (from == dns).then(|| buf[..n].to_vec())
+        })
+    })
+    .join()
+    .unwrap();
+    assert_eq!(
+        echoed.as_deref(),
+        Some(&b"query"[..]),
+        "UDP 53 echoes from the VIP"
+    );
+
+    // Without the key, the address is refused, naming a holder.
+    k.cluster.create(&dns_service(
+        "intruder",
+        "UDP",
+        5353,
+        json!({"xlb.dev/ip": VIP.to_string()}),
+    ));
+    let (status, reason, message) =
+        wait_until("the intruder is refused", Duration::from_secs(20), || {
+            allocated_condition(&k, "intruder").filter(|c| c.0 == "False")
+        });
+    assert_eq!(
+        (status.as_str(), reason.as_str()),
+        ("False", "AddressInUse")
+    );
+    assert!(
+        message.contains("shop/dns-tcp") && message.contains("shares it only with"),
+        "{message}"
+    );
+    let events = k.cluster.list("events.v1.events.k8s.io", NS);
+    assert!(
+        events.iter().any(|e| e["regarding"]["name"] == "intruder"
+            && e["reason"] == "AddressInUse"
+            && e["note"]
+                .as_str()
+                .unwrap_or_default()
+                .contains("shop/dns-tcp")),
+        "an Event names the holder: {events:#?}"
+    );
+    assert_eq!(k.ingress_ip("intruder"), None);
+    drop(agent);
+}
