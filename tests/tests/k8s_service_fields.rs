@@ -290,5 +290,46 @@ fn two_services_share_one_address_on_tcp_and_udp_53() {
         "an Event names the holder: {events:#?}"
     );
     assert_eq!(k.ingress_ip("intruder"), None);
-    drop(agent);
+
+    // A restarted agent (killed, so it leaves its lease to expire) keeps
+    // both shares and still refuses the intruder; a third partner that
+    // arrives afterwards joins the same address.
+    let mut agent = agent;
+    agent.sigkill();
+    let agent = k.start_agent();
+    agent.wait_for_log(
+        "leading: handing out LoadBalancer addresses",
+        1,
+        Duration::from_secs(30),
+    );
+    k.cluster.create(&dns_service(
+        "dns-alt",
+        "TCP",
+        8080,
+        json!({"xlb.dev/allow-shared-ip": "dns"}),
+    ));
+    // A second port 53 would clash: the partner serves 5353.
+    k.cluster.patch(
+        "service",
+        Some(NS),
+        "dns-alt",
+        &json!({"spec": {"ports": [{"name": "dns", "port": 5353, "targetPort": 8080, "protocol": "TCP"}]}}),
+        false,
+    );
+    let ip = wait_until("the new partner joins", Duration::from_secs(20), || {
+        k.ingress_ip("dns-alt")
+    });
+    assert_eq!(ip, std::net::IpAddr::V4(VIP));
+    for name in ["dns-tcp", "dns-udp"] {
+        assert_eq!(
+            k.ingress_ip(name),
+            Some(std::net::IpAddr::V4(VIP)),
+            "{name} kept it"
+        );
+    }
+    assert_eq!(k.ingress_ip("intruder"), None);
+    assert_eq!(
+        allocated_condition(&k, "intruder").map(|c| c.1),
+        Some("AddressInUse".to_string())
+    );
 }

@@ -438,11 +438,12 @@ impl<'a> Term<'a> {
         let mut ok = true;
 
         // Writes that take addresses away first; an address whose removal
-        // did not go through is not given to anyone else.
-        let mut still_shown: BTreeMap<IpAddr, ServiceKey> = BTreeMap::new();
+        // did not go through is not given to anyone else (Services that
+        // keep sharing it do not block each other).
+        let mut still_shown: BTreeMap<IpAddr, BTreeSet<ServiceKey>> = BTreeMap::new();
         for req in &requests {
             for ip in &req.current {
-                still_shown.insert(*ip, req.key.clone());
+                still_shown.entry(*ip).or_default().insert(req.key.clone());
             }
         }
         let mut order: Vec<(usize, bool)> = requests
@@ -462,10 +463,11 @@ impl<'a> Term<'a> {
             let (svc, req) = (&served[i], &requests[i]);
             let decision = &allocation.decisions[&req.key];
             if let Some((ip, holder)) = decision.addresses.iter().find_map(|ip| {
-                still_shown
-                    .get(ip)
-                    .filter(|k| **k != req.key)
-                    .map(|k| (ip, k))
+                let releasing = still_shown
+                    .get(ip)?
+                    .iter()
+                    .find(|k| **k != req.key && !allocation.decisions[*k].addresses.contains(ip))?;
+                Some((ip, releasing))
             }) {
                 debug!(service = %req.key, %ip, %holder, "address not yet released; later");
                 ok = false;
@@ -475,7 +477,9 @@ impl<'a> Term<'a> {
                 Ok(()) => {
                     for ip in &req.current {
                         if !decision.addresses.contains(ip) {
-                            still_shown.remove(ip);
+                            if let Some(keys) = still_shown.get_mut(ip) {
+                                keys.remove(&req.key);
+                            }
                         }
                     }
                 }
