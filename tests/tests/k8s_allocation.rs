@@ -662,3 +662,120 @@ async fn an_api_server_outage_leaves_allocations_intact() {
     );
     assert_no_address_twice(&server);
 }
+
+/// The addresses in a Service's status, in namespace `ns`.
+fn ips_in(c: &Cluster, ns: &str, name: &str) -> Vec<String> {
+    c.get("service", Some(ns), name)
+        .and_then(|v| serde_json::from_value::<Service>(v).ok())
+        .map(|s| ingress_ips(&s))
+        .unwrap_or_default()
+}
+
+fn wait_ips_in(c: &Cluster, ns: &str, name: &str, want: &[&str]) {
+    wait_for(DEADLINE, || (ips_in(c, ns, name) == want).then_some(()))
+        .unwrap_or_else(|| panic!("{ns}/{name} has {:?}, not {want:?}", ips_in(c, ns, name)));
+}
+
+/// Team pools serve only their namespaces (by name, and by label through
+/// the Namespace objects the chart's RBAC lets the agent watch) before the
+/// catch-all pool; a Service in another namespace that names a team's pool
+/// is refused with a condition and an Event. Shared and scoped allocations
+/// survive a leader change.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn scoped_pools_serve_their_namespaces_and_survive_a_leader_change() {
+    let mut server = cluster(&format!("alloc-{}", line!()));
+    for (ns, labels) in [
+        ("team-a", json!({})),
+        ("team-b", json!({"team": "b"})),
+        ("shop", json!({})),
+    ] {
+        server.create(&json!({"apiVersion": "v1", "kind": "Namespace",
+            "metadata": {"name": ns, "labels": labels}}));
+    }
+    pool(&server, "default", &["192.0.2.0/29"]);
+    for (name, range, allocation) in [
+        (
+            "team-a",
+            "198.51.100.0/30",
+            json!({"priority": 10, "namespaces": ["team-a"]}),
+        ),
+        (
+            "team-b",
+            "203.0.113.0/30",
+            json!({"priority": 5, "namespaceSelectors": [{"matchLabels": {"team": "b"}}]}),
+        ),
+    ] {
+        server.create(&json!({
+            "apiVersion": "xlb.dev/v1alpha1", "kind": "LoadBalancerPool",
+            "metadata": {"name": name},
+            "spec": {"addresses": [range], "serviceAllocation": allocation},
+        }));
+    }
+    let in_ns = |ns: &str, name: &str, annotations: Value, protocol: &str| {
+        let mut s = lb_service(name, annotations, json!({}));
+        s["metadata"]["namespace"] = json!(ns);
+        s["spec"]["ports"] = json!([{"port": 53, "protocol": protocol}]);
+        s
+    };
+    let lease = Duration::from_secs(2);
+    let a = Agent::start(&mut server, "node-a", lease).await;
+    a.wait_leading(true, DEADLINE).await;
+    let dns = json!({"xlb.dev/allow-shared-ip": "dns"});
+    server.create(&in_ns("team-a", "dns-tcp", dns.clone(), "TCP"));
+    server.create(&in_ns("team-a", "dns-udp", dns, "UDP"));
+    server.create(&in_ns("team-b", "web", json!({}), "TCP"));
+    server.create(&in_ns("shop", "web", json!({}), "TCP"));
+    server.create(&in_ns(
+        "shop",
+        "sneaky",
+        json!({"xlb.dev/pool": "team-a"}),
+        "TCP",
+    ));
+    wait_ips_in(&server, "team-a", "dns-tcp", &["198.51.100.0"]);
+    wait_ips_in(&server, "team-a", "dns-udp", &["198.51.100.0"]);
+    wait_ips_in(&server, "team-b", "web", &["203.0.113.0"]);
+    wait_ips_in(&server, "shop", "web", &["192.0.2.0"]);
+    let refused = wait_for(DEADLINE, || {
+        let svc: Service =
+            serde_json::from_value(server.get("service", Some("shop"), "sneaky")?).ok()?;
+        condition(&svc).filter(|c| c.status == "False")
+    })
+    .expect("the sneaky Service gets a condition");
+    assert_eq!(refused.reason, "PoolNotAllowed");
+    assert!(
+        refused.message.contains("does not serve namespace shop"),
+        "{}",
+        refused.message
+    );
+    let events = server.list("events.v1.events.k8s.io", "shop");
+    assert!(
+        events
+            .iter()
+            .any(|e| e["regarding"]["name"] == "sneaky" && e["reason"] == "PoolNotAllowed"),
+        "{events:#?}"
+    );
+
+    // The leader dies; another agent takes over and changes nothing.
+    let versions: Vec<Value> = ["dns-tcp", "dns-udp"]
+        .iter()
+        .map(|n| {
+            server.get("service", Some("team-a"), n).unwrap()["metadata"]["resourceVersion"].clone()
+        })
+        .collect();
+    drop(a);
+    let b = Agent::start(&mut server, "node-b", lease).await;
+    b.wait_leading(true, DEADLINE).await;
+    server.create(&in_ns("team-a", "late", json!({}), "TCP"));
+    wait_ips_in(&server, "team-a", "late", &["198.51.100.1"]);
+    wait_ips_in(&server, "team-a", "dns-tcp", &["198.51.100.0"]);
+    wait_ips_in(&server, "team-a", "dns-udp", &["198.51.100.0"]);
+    wait_ips_in(&server, "team-b", "web", &["203.0.113.0"]);
+    wait_ips_in(&server, "shop", "web", &["192.0.2.0"]);
+    let after: Vec<Value> = ["dns-tcp", "dns-udp"]
+        .iter()
+        .map(|n| {
+            server.get("service", Some("team-a"), n).unwrap()["metadata"]["resourceVersion"].clone()
+        })
+        .collect();
+    assert_eq!(versions, after, "the new leader rewrote nothing");
+}

@@ -28,7 +28,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use futures::{stream, StreamExt};
-use k8s_openapi::api::core::v1::{LoadBalancerIngress, Service};
+use k8s_openapi::api::core::v1::{LoadBalancerIngress, Namespace, Service};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
 use k8s_openapi::jiff::Timestamp;
 use kube::api::{Patch, PatchParams};
@@ -345,20 +345,31 @@ impl<'a> Term<'a> {
         let pool_events = reflector::reflector(
             pool_writer,
             watcher(
-                Api::<LoadBalancerPool>::all(client),
+                Api::<LoadBalancerPool>::all(client.clone()),
                 watcher::Config::default(),
             )
             .backoff(QuickRetry::default()),
         )
         .map(|e| e.map(|e| (Kind::Pool, ListProgress::of(&e))));
-        let mut changes = stream::select(svc_events.boxed(), pool_events.boxed());
+        // Namespaces' labels, for pools scoped by namespaceSelectors.
+        let (namespaces, ns_writer) = reflector::store::<Namespace>();
+        let ns_events = reflector::reflector(
+            ns_writer,
+            watcher(Api::<Namespace>::all(client), watcher::Config::default())
+                .backoff(QuickRetry::default()),
+        )
+        .map(|e| e.map(|e| (Kind::Namespace, ListProgress::of(&e))));
+        let mut changes = stream::select(
+            stream::select(svc_events.boxed(), pool_events.boxed()),
+            ns_events.boxed(),
+        );
 
-        let (mut services_listed, mut pools_listed) = (false, false);
+        let (mut services_listed, mut pools_listed, mut namespaces_listed) = (false, false, false);
         let mut dirty = true;
         let mut next_attempt = Instant::now();
         let mut retry = RETRY_MIN;
         loop {
-            let ready = services_listed && pools_listed && dirty;
+            let ready = services_listed && pools_listed && namespaces_listed && dirty;
             tokio::select! {
                 changed = leader.changed() => {
                     if changed.is_err() || !*leader.borrow() {
@@ -374,6 +385,7 @@ impl<'a> Term<'a> {
                             match kind {
                                 Kind::Service => services_listed = true,
                                 Kind::Pool => pools_listed = true,
+                                Kind::Namespace => namespaces_listed = true,
                             }
                         }
                         let soon = Instant::now() + DEBOUNCE;
@@ -385,7 +397,7 @@ impl<'a> Term<'a> {
                 },
                 _ = sleep_until(next_attempt), if ready => {
                     let outcome = tokio::select! {
-                        ok = self.reconcile(&services, &pools) => ok,
+                        ok = self.reconcile(&services, &pools, &namespaces) => ok,
                         _ = leader.wait_for(|leading| !*leading) => return,
                     };
                     if outcome {
@@ -407,6 +419,7 @@ impl<'a> Term<'a> {
         &mut self,
         services: &Store<Service>,
         pools: &Store<LoadBalancerPool>,
+        namespaces: &Store<Namespace>,
     ) -> bool {
         let cfg = &self.allocator.cfg;
         let mut pool_objects = pools.state();
@@ -426,6 +439,11 @@ impl<'a> Term<'a> {
             .iter()
             .map(|svc| {
                 let mut req = ServiceRequest::from_service(svc);
+                let ns = kube::runtime::reflector::ObjectRef::new(&req.key.namespace);
+                req.namespace_labels = namespaces
+                    .get(&ns)
+                    .and_then(|n| n.metadata.labels.clone())
+                    .unwrap_or_default();
                 if let Some(addresses) = self.written_addresses(svc, &req) {
                     req.current = addresses;
                 }
@@ -760,6 +778,7 @@ impl<'a> Term<'a> {
 enum Kind {
     Service,
     Pool,
+    Namespace,
 }
 
 fn key_of(svc: &Service) -> ServiceKey {
@@ -888,6 +907,7 @@ mod tests {
             addresses: vec!["192.0.2.0/24".into()],
             avoid_buggy_ips: false,
             auto_assign: true,
+            service_allocation: None,
         };
         Pools::build([PoolInput {
             name: "public",

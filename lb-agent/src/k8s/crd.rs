@@ -1,5 +1,6 @@
 //! The `LoadBalancerPool` custom resource: the addresses xlb may hand out.
 
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::LabelSelector;
 use kube::CustomResource;
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
@@ -13,8 +14,13 @@ use serde::{Deserialize, Serialize};
 /// spec:
 ///   addresses: ["192.0.2.0/24", "198.51.100.10-198.51.100.20", "2001:db8::/120"]
 ///   avoidBuggyIPs: true
+///   serviceAllocation:          # optional: whom the pool serves, in which order
+///     priority: 10
+///     namespaces: [team-a]
+///     namespaceSelectors: [{ matchLabels: { team: a } }]
+///     serviceSelectors: [{ matchLabels: { exposure: public } }]
 /// ```
-#[derive(CustomResource, Deserialize, Serialize, Clone, Debug, PartialEq, Eq, JsonSchema)]
+#[derive(CustomResource, Deserialize, Serialize, Clone, Debug, PartialEq, JsonSchema)]
 #[kube(
     group = "xlb.dev",
     version = "v1alpha1",
@@ -39,6 +45,30 @@ pub struct LoadBalancerPoolSpec {
     /// (annotation `xlb.dev/pool`). Default true.
     #[serde(default = "default_true")]
     pub auto_assign: bool,
+    /// Limits the pool to some Services and orders it among pools. Without
+    /// it the pool serves every Service, after the pools with a priority.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub service_allocation: Option<ServiceAllocation>,
+}
+
+/// Which Services a pool serves, and its place in the order pools are tried.
+#[derive(Deserialize, Serialize, Clone, Debug, Default, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct ServiceAllocation {
+    /// Pools are tried lowest priority number first; pools without one come
+    /// after every pool with one (so a catch-all pool is used last).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub priority: Option<i32>,
+    /// Namespaces whose Services the pool serves. With `namespaceSelectors`,
+    /// a Service's namespace must be listed or match a selector; with
+    /// neither, every namespace is served.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub namespaces: Vec<String>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub namespace_selectors: Vec<LabelSelector>,
+    /// If set, a Service's labels must match one of these too.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub service_selectors: Vec<LabelSelector>,
 }
 
 fn default_true() -> bool {

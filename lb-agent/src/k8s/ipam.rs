@@ -21,6 +21,7 @@ use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 
 use k8s_openapi::api::core::v1::Service;
 use k8s_openapi::jiff::Timestamp;
+use kube::core::{Selector, SelectorExt};
 
 use super::crd::LoadBalancerPoolSpec;
 use super::sharing::Sharing;
@@ -247,6 +248,63 @@ pub struct Pool {
     ranges: Vec<AddressRange>,
     pub avoid_buggy_ips: bool,
     pub auto_assign: bool,
+    /// `serviceAllocation`; `None`: every Service, tried last.
+    pub scope: Option<PoolScope>,
+}
+
+/// A pool's `serviceAllocation`, with its selectors parsed.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct PoolScope {
+    pub priority: Option<i32>,
+    pub namespaces: BTreeSet<String>,
+    pub namespace_selectors: Vec<Selector>,
+    pub service_selectors: Vec<Selector>,
+}
+
+impl PoolScope {
+    fn parse(a: &super::crd::ServiceAllocation) -> Result<PoolScope, String> {
+        let selectors =
+            |list: &[k8s_openapi::apimachinery::pkg::apis::meta::v1::LabelSelector],
+             field: &str| {
+                list.iter()
+                    .enumerate()
+                    .map(|(i, s)| {
+                        Selector::try_from(s.clone()).map_err(|e| {
+                            format!(
+                                "spec.serviceAllocation.{field}[{i}] is not a valid selector: {e}"
+                            )
+                        })
+                    })
+                    .collect::<Result<Vec<_>, _>>()
+            };
+        Ok(PoolScope {
+            priority: a.priority,
+            namespaces: a.namespaces.iter().map(|n| n.trim().to_string()).collect(),
+            namespace_selectors: selectors(&a.namespace_selectors, "namespaceSelectors")?,
+            service_selectors: selectors(&a.service_selectors, "serviceSelectors")?,
+        })
+    }
+
+    /// Why the pool does not serve `req`, if it does not.
+    fn refuses(&self, req: &ServiceRequest) -> Option<String> {
+        let ns = &req.key.namespace;
+        let any_ns = self.namespaces.is_empty() && self.namespace_selectors.is_empty();
+        let ns_ok = any_ns
+            || self.namespaces.contains(ns)
+            || self
+                .namespace_selectors
+                .iter()
+                .any(|s| s.matches(&req.namespace_labels));
+        if !ns_ok {
+            return Some(format!("it does not serve namespace {ns}"));
+        }
+        let svc_ok = self.service_selectors.is_empty()
+            || self
+                .service_selectors
+                .iter()
+                .any(|s| s.matches(&req.labels));
+        (!svc_ok).then(|| "the Service's labels match none of its serviceSelectors".to_string())
+    }
 }
 
 impl Pool {
@@ -265,11 +323,16 @@ impl Pool {
                 return Err(format!("{:?} and {:?} overlap", pair[0].0, pair[1].0));
             }
         }
+        let scope = match &spec.service_allocation {
+            None => None,
+            Some(a) => Some(PoolScope::parse(a)?),
+        };
         let pool = Pool {
             name: name.to_string(),
             ranges: parsed.into_iter().map(|(_, r)| r).collect(),
             avoid_buggy_ips: spec.avoid_buggy_ips,
             auto_assign: spec.auto_assign,
+            scope,
         };
         if pool.size() == 0 {
             return Err("no usable address (avoidBuggyIPs leaves none)".into());
@@ -279,6 +342,17 @@ impl Pool {
 
     pub fn ranges(&self) -> &[AddressRange] {
         &self.ranges
+    }
+
+    /// Why the pool may not give `req` an address, if so.
+    pub fn refuses(&self, req: &ServiceRequest) -> Option<String> {
+        self.scope.as_ref()?.refuses(req)
+    }
+
+    /// Order in which pools are tried: by priority, then unscoped pools.
+    fn order_key(&self) -> (bool, i32) {
+        let p = self.scope.as_ref().and_then(|s| s.priority);
+        (p.is_none(), p.unwrap_or_default())
     }
 
     /// Whether the pool may hand out `ip` (avoidBuggyIPs considered).
@@ -469,6 +543,9 @@ pub struct ServiceRequest {
     pub bad_request: Option<String>,
     /// With whom it may share an address.
     pub sharing: Sharing,
+    /// The Service's labels and its namespace's (for scoped pools).
+    pub labels: BTreeMap<String, String>,
+    pub namespace_labels: BTreeMap<String, String>,
 }
 
 impl ServiceRequest {
@@ -484,6 +561,8 @@ impl ServiceRequest {
             current: Vec::new(),
             bad_request: None,
             sharing: Sharing::default(),
+            labels: BTreeMap::new(),
+            namespace_labels: BTreeMap::new(),
         }
     }
 
@@ -497,6 +576,7 @@ impl ServiceRequest {
         );
         req.created = meta.creation_timestamp.as_ref().map(|t| t.0);
         req.sharing = Sharing::from_service(svc);
+        req.labels = meta.labels.clone().unwrap_or_default();
         let annotation = |key: &str| {
             meta.annotations
                 .as_ref()
@@ -602,16 +682,20 @@ pub enum FailureReason {
     BadRequest,
     /// No pool has addresses of a family the Service needs.
     NoFamily,
+    /// The named pool, or the pool of the requested address, is limited to
+    /// other namespaces or Services (`serviceAllocation`).
+    PoolNotAllowed,
 }
 
 impl FailureReason {
-    pub const ALL: [FailureReason; 6] = [
+    pub const ALL: [FailureReason; 7] = [
         FailureReason::NoPool,
         FailureReason::PoolExhausted,
         FailureReason::AddressInUse,
         FailureReason::AddressNotInPool,
         FailureReason::BadRequest,
         FailureReason::NoFamily,
+        FailureReason::PoolNotAllowed,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -622,6 +706,7 @@ impl FailureReason {
             FailureReason::AddressNotInPool => "AddressNotInPool",
             FailureReason::BadRequest => "BadRequest",
             FailureReason::NoFamily => "NoFamily",
+            FailureReason::PoolNotAllowed => "PoolNotAllowed",
         }
     }
 }
@@ -692,7 +777,15 @@ fn plan<'p>(req: &ServiceRequest, pools: &'p Pools) -> Result<Plan<'p>, Failure>
     let named = match &req.pool {
         None => None,
         Some(name) => match (pools.get(name), pools.error(name)) {
-            (Some(pool), _) => Some(pool),
+            (Some(pool), _) => match pool.refuses(req) {
+                None => Some(pool),
+                Some(why) => {
+                    return Err(Failure::new(
+                        FailureReason::PoolNotAllowed,
+                        format!("pool {name:?} may not serve Service {}: {why}", req.key),
+                    ))
+                }
+            },
             (None, Some(err)) => {
                 return Err(Failure::new(
                     FailureReason::NoPool,
@@ -826,7 +919,9 @@ pub fn allocate(services: &[ServiceRequest], pools: &Pools) -> Allocation {
                         && plan.requested.get(&family).is_none_or(|r| *r == ip)
                         && match plan.named {
                             Some(pool) => pool.contains(ip),
-                            None => pools.pool_of(ip).is_some(),
+                            None => pools
+                                .pool_of(ip)
+                                .is_some_and(|p| p.refuses(&services[i]).is_none()),
                         }
                 }
             };
@@ -850,6 +945,19 @@ pub fn allocate(services: &[ServiceRequest], pools: &Pools) -> Allocation {
                 Some(pool) => pool.contains(ip),
                 None => pools.pool_of(ip).is_some(),
             };
+            if let Some((pool, why)) = pools
+                .pool_of(ip)
+                .and_then(|p| Some((p, p.refuses(&services[i])?)))
+            {
+                failure = Some(Failure::new(
+                    FailureReason::PoolNotAllowed,
+                    format!(
+                        "{ip} is in pool {:?}, which may not serve it: {why}",
+                        pool.name
+                    ),
+                ));
+                break;
+            }
             if !in_pool {
                 failure = Some(Failure::new(
                     FailureReason::AddressNotInPool,
@@ -877,7 +985,9 @@ pub fn allocate(services: &[ServiceRequest], pools: &Pools) -> Allocation {
     }
 
     // 3. New addresses for the families still missing, older first.
-    let auto_pools: Vec<&Pool> = pools.valid().filter(|p| p.auto_assign).collect();
+    let mut auto_pools: Vec<&Pool> = pools.valid().filter(|p| p.auto_assign).collect();
+    // Scoped pools by priority first; the catch-all pools last.
+    auto_pools.sort_by_key(|p| p.order_key());
     let mut exhausted: BTreeSet<(String, Family)> = BTreeSet::new();
     for &i in &order {
         let st = &mut states[i];
@@ -895,7 +1005,11 @@ pub fn allocate(services: &[ServiceRequest], pools: &Pools) -> Allocation {
             }
             let candidates: Vec<&Pool> = match plan.named {
                 Some(pool) => vec![pool],
-                None => auto_pools.clone(),
+                None => auto_pools
+                    .iter()
+                    .copied()
+                    .filter(|p| p.refuses(&services[i]).is_none())
+                    .collect(),
             };
             let with_family: Vec<&Pool> = candidates
                 .iter()
@@ -933,7 +1047,14 @@ pub fn allocate(services: &[ServiceRequest], pools: &Pools) -> Allocation {
                     hold(&mut used, ip, i);
                 }
                 None => {
-                    let f = no_address(family, plan.named, &candidates, &with_family);
+                    let f = if plan.named.is_none()
+                        && candidates.is_empty()
+                        && !auto_pools.is_empty()
+                    {
+                        not_served(&services[i], &auto_pools)
+                    } else {
+                        no_address(family, plan.named, &candidates, &with_family)
+                    };
                     if required {
                         failure = Some(f);
                         break;
@@ -1012,6 +1133,22 @@ fn release(st: &mut State, used: &mut Holders, i: usize) {
     for ip in std::mem::take(&mut st.got).into_values() {
         unhold(used, ip, i);
     }
+}
+
+/// Every auto-assign pool is scoped away from the Service: says why, per pool.
+fn not_served(req: &ServiceRequest, auto_pools: &[&Pool]) -> Failure {
+    let why: Vec<String> = auto_pools
+        .iter()
+        .filter_map(|p| Some(format!("pool {:?}: {}", p.name, p.refuses(req)?)))
+        .collect();
+    Failure::new(
+        FailureReason::NoPool,
+        format!(
+            "no auto-assign pool serves Service {} ({})",
+            req.key,
+            why.join("; ")
+        ),
+    )
 }
 
 /// Why no address of `family` could be found.

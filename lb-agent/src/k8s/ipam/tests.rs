@@ -16,6 +16,7 @@ fn spec(addresses: &[&str]) -> LoadBalancerPoolSpec {
         addresses: addresses.iter().map(|s| s.to_string()).collect(),
         avoid_buggy_ips: false,
         auto_assign: true,
+        service_allocation: None,
     }
 }
 
@@ -482,6 +483,7 @@ fn a_requested_address_must_be_in_a_pool() {
             "manual",
             LoadBalancerPoolSpec {
                 auto_assign: false,
+                service_allocation: None,
                 ..spec(&["198.51.100.0/24"])
             },
         ),
@@ -561,6 +563,7 @@ fn auto_assign_pools_are_tried_by_name_and_named_pools_always_serve() {
             "manual",
             LoadBalancerPoolSpec {
                 auto_assign: false,
+                service_allocation: None,
                 ..spec(&["203.0.113.1"])
             },
         ),
@@ -581,6 +584,7 @@ fn no_pool_failures() {
             "manual",
             LoadBalancerPoolSpec {
                 auto_assign: false,
+                service_allocation: None,
                 ..spec(&["203.0.113.0/24"])
             },
         ),
@@ -808,6 +812,7 @@ fn the_decision_does_not_depend_on_input_order() {
             "q",
             LoadBalancerPoolSpec {
                 auto_assign: false,
+                service_allocation: None,
                 ..spec(&["198.51.100.1-198.51.100.2"])
             },
         ),
@@ -941,4 +946,146 @@ fn of_two_incompatible_holders_the_older_keeps_the_address() {
     let alloc = allocate(&[young, old], &p);
     assert_eq!(decision(&alloc, "old").addresses, ips(&["192.0.2.10"]));
     assert_eq!(decision(&alloc, "young").addresses, ips(&["192.0.2.11"]));
+}
+
+// --- Scoped pools ------------------------------------------------------------
+
+fn scoped(addresses: &[&str], allocation: serde_json::Value) -> LoadBalancerPoolSpec {
+    LoadBalancerPoolSpec {
+        service_allocation: Some(serde_json::from_value(allocation).unwrap()),
+        ..spec(addresses)
+    }
+}
+
+fn in_ns(namespace: &str, name: &str, created: i64) -> ServiceRequest {
+    let mut r = ServiceRequest::new(namespace, name);
+    r.created = at(created);
+    r
+}
+
+#[test]
+fn a_team_pool_serves_only_its_namespaces_and_comes_before_the_default() {
+    let p = pools(&[
+        ("default", spec(&["192.0.2.10-192.0.2.19"])),
+        (
+            "team-a",
+            scoped(
+                &["198.51.100.0/30"],
+                serde_json::json!({"priority": 10, "namespaces": ["team-a"]}),
+            ),
+        ),
+        (
+            "labelled",
+            scoped(
+                &["203.0.113.0/30"],
+                serde_json::json!({"priority": 5,
+                    "namespaceSelectors": [{"matchLabels": {"team": "b"}}],
+                    "serviceSelectors": [{"matchExpressions": [
+                        {"key": "exposure", "operator": "In", "values": ["public"]}]}]}),
+            ),
+        ),
+    ]);
+    let a = in_ns("team-a", "web", 1);
+    let other = in_ns("shop", "web", 2);
+    let mut b = in_ns("team-b", "web", 3);
+    b.namespace_labels = [("team".to_string(), "b".to_string())].into();
+    b.labels = [("exposure".to_string(), "public".to_string())].into();
+    let mut b_private = b.clone();
+    b_private.key.name = "private".into();
+    b_private.labels.clear();
+    let alloc = allocate(&[a, other, b, b_private], &p);
+    let got = |ns: &str, name: &str| {
+        alloc.decisions[&ServiceKey::new(ns, name)]
+            .addresses
+            .clone()
+    };
+    assert_eq!(got("team-a", "web"), ips(&["198.51.100.0"]));
+    assert_eq!(
+        got("shop", "web"),
+        ips(&["192.0.2.10"]),
+        "the catch-all pool"
+    );
+    assert_eq!(got("team-b", "web"), ips(&["203.0.113.0"]));
+    assert_eq!(
+        got("team-b", "private"),
+        ips(&["192.0.2.11"]),
+        "service selector"
+    );
+}
+
+#[test]
+fn a_service_no_pool_may_serve_is_told_why() {
+    let p = pools(&[(
+        "team-a",
+        scoped(
+            &["198.51.100.0/30"],
+            serde_json::json!({"namespaces": ["team-a"]}),
+        ),
+    )]);
+    let alloc = allocate(&[in_ns("shop", "web", 1)], &p);
+    let f = alloc.decisions[&ServiceKey::new("shop", "web")]
+        .failure
+        .clone()
+        .unwrap();
+    assert_eq!(f.reason, FailureReason::NoPool);
+    assert_eq!(
+        f.message,
+        "no auto-assign pool serves Service shop/web (pool \"team-a\": it does not serve namespace shop)"
+    );
+    // Naming the pool, or asking for one of its addresses, does not get around it.
+    let mut named = in_ns("shop", "named", 2);
+    named.pool = Some("team-a".into());
+    let mut asks = in_ns("shop", "asks", 3);
+    asks.requested = ips(&["198.51.100.1"]);
+    let alloc = allocate(&[named, asks], &p);
+    for name in ["named", "asks"] {
+        let d = &alloc.decisions[&ServiceKey::new("shop", name)];
+        assert!(d.addresses.is_empty(), "{name}");
+        assert_eq!(
+            d.failure.as_ref().unwrap().reason,
+            FailureReason::PoolNotAllowed,
+            "{name}"
+        );
+    }
+}
+
+#[test]
+fn a_bad_selector_makes_the_pool_invalid() {
+    let p = pools(&[(
+        "bad",
+        scoped(
+            &["198.51.100.0/30"],
+            serde_json::json!({"serviceSelectors": [{"matchExpressions": [
+                {"key": "x", "operator": "Sometimes", "values": ["y"]}]}]}),
+        ),
+    )]);
+    assert!(p.get("bad").is_none());
+    assert!(
+        p.error("bad")
+            .unwrap()
+            .contains("spec.serviceAllocation.serviceSelectors[0]"),
+        "{:?}",
+        p.error("bad")
+    );
+}
+
+#[test]
+fn a_held_address_whose_pool_no_longer_serves_the_service_moves() {
+    let p = pools(&[
+        ("default", spec(&["192.0.2.10-192.0.2.19"])),
+        (
+            "team-a",
+            scoped(
+                &["198.51.100.0/30"],
+                serde_json::json!({"namespaces": ["team-a"]}),
+            ),
+        ),
+    ]);
+    let mut held = in_ns("shop", "web", 1);
+    held.current = ips(&["198.51.100.0"]);
+    let alloc = allocate(&[held], &p);
+    assert_eq!(
+        alloc.decisions[&ServiceKey::new("shop", "web")].addresses,
+        ips(&["192.0.2.10"])
+    );
 }
