@@ -779,3 +779,33 @@ async fn scoped_pools_serve_their_namespaces_and_survive_a_leader_change() {
         .collect();
     assert_eq!(versions, after, "the new leader rewrote nothing");
 }
+
+/// A Service field the data plane cannot use (here an unknown
+/// `xlb.dev/mode`; the API server validates source ranges and affinity
+/// timeouts itself) gets one Warning Event from the leader, while the
+/// address is still allocated; fixing it stops the Events.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unusable_service_field_gets_one_event() {
+    let mut server = cluster(&format!("alloc-{}", line!()));
+    pool(&server, "public", &["192.0.2.0/30"]);
+    let a = Agent::start(&mut server, "node-a", Duration::from_secs(2)).await;
+    a.wait_leading(true, DEADLINE).await;
+    create(
+        &server,
+        lb_service("odd", json!({"xlb.dev/mode": "bogus"}), json!({})),
+    );
+    wait_allocated(&server, "odd", &["192.0.2.0"]);
+    let events = wait_events(&server, "odd");
+    assert_eq!(events.len(), 1, "{events:?}");
+    assert_eq!(events[0].0, "InvalidService");
+    assert!(
+        events[0].1.contains("\"bogus\" is neither nat nor snat")
+            && events[0].1.contains("keeps serving the Service as it was"),
+        "{}",
+        events[0].1
+    );
+    // Later reconciles (another Service arrives) do not repeat it.
+    create(&server, lb_service("other", json!({}), json!({})));
+    wait_allocated(&server, "other", &["192.0.2.1"]);
+    assert_eq!(events_about(&server, "odd").len(), 1);
+}

@@ -58,6 +58,8 @@ const IP_MODE: &str = "VIP";
 const ALLOCATED_REASON: &str = "Allocated";
 /// Event reason for a pool whose spec is unusable.
 const INVALID_POOL_REASON: &str = "InvalidPool";
+/// Event reason for a Service field the data plane cannot use.
+const INVALID_SERVICE_REASON: &str = "InvalidService";
 /// Changes arriving within this window are handled together.
 /// Where a watcher event leaves its (re-)list: `Init` is sent before any
 /// request is answered, `InitDone` once the list is complete.
@@ -522,12 +524,43 @@ impl<'a> Term<'a> {
             }
         }
 
+        // Spec problems the data plane cannot use (every agent logs them and
+        // keeps the Service's last good state): one Warning Event each.
+        for (svc, req) in served.iter().zip(&requests) {
+            let key = spec_event_key(&req.key);
+            match super::desired::spec_problem(svc) {
+                Some(problem) => {
+                    let note = format!("{problem}; every node keeps serving the Service as it was");
+                    let fingerprint = (
+                        svc.metadata.uid.clone(),
+                        INVALID_SERVICE_REASON.to_string(),
+                        note.clone(),
+                    );
+                    if self.reported.get(&key) != Some(&fingerprint) {
+                        self.pending.insert(
+                            key,
+                            PendingEvent {
+                                uid: svc.metadata.uid.clone(),
+                                reference: svc.object_ref(&()),
+                                reason: INVALID_SERVICE_REASON.to_string(),
+                                note,
+                            },
+                        );
+                    }
+                }
+                None => {
+                    self.reported.remove(&key);
+                    self.pending.remove(&key);
+                }
+            }
+        }
+
         // Forget what is gone.
         let live: BTreeSet<ServiceKey> = requests.iter().map(|r| r.key.clone()).collect();
         self.written.retain(|k, _| live.contains(k));
         let live_keys: BTreeSet<String> = live
             .iter()
-            .map(service_event_key)
+            .flat_map(|k| [service_event_key(k), spec_event_key(k)])
             .chain(pool_objects.iter().map(|p| pool_event_key(&p.name_any())))
             .collect();
         self.reported.retain(|k, _| live_keys.contains(k));
@@ -790,6 +823,11 @@ fn key_of(svc: &Service) -> ServiceKey {
 
 fn service_event_key(key: &ServiceKey) -> String {
     format!("service/{key}")
+}
+
+/// Events about a Service's spec (not its address) are tracked apart.
+fn spec_event_key(key: &ServiceKey) -> String {
+    format!("{}#spec", service_event_key(key))
 }
 
 fn pool_event_key(name: &str) -> String {

@@ -271,6 +271,19 @@ fn service_configs(
     Ok((out, notes))
 }
 
+/// Why the Service as a whole cannot be served (a bad annotation or field),
+/// if so: what [`desired_services`] logs on every node, for the allocator's
+/// Event.
+pub fn spec_problem(svc: &Service) -> Option<String> {
+    let opts = SourceOptions {
+        load_balancer_class: String::new(),
+        default_class: false,
+        mode: Mode::Snat,
+        node_name: String::new(),
+    };
+    service_configs(svc, &[], &opts).err()
+}
+
 /// The annotation kube-proxy reads when `spec.loadBalancerSourceRanges` is empty.
 pub const SOURCE_RANGES_ANNOTATION: &str = "service.beta.kubernetes.io/load-balancer-source-ranges";
 
