@@ -333,3 +333,42 @@ fn two_services_share_one_address_on_tcp_and_udp_53() {
         Some("AddressInUse".to_string())
     );
 }
+
+/// `trafficDistribution: PreferSameNode`: the controller hints each endpoint
+/// for its node and zone, and this node (node-1, zone-a) sends new flows to
+/// its own Pod while it is ready, else to its zone's (node-3), else to all
+/// (a fallback, not a withdrawal as with `externalTrafficPolicy: Local`).
+/// `PreferSameZone` prefers the zone's Pods.
+#[test]
+fn traffic_distribution_keeps_new_flows_on_this_node() {
+    let mut k = K8sTopology::new("k8d", 3);
+    k.cluster.add_node("node-2", "zone-b");
+    k.cluster.add_node("node-3", "zone-a");
+    k.create_service(SERVICE, json!({"trafficDistribution": "PreferSameNode"}));
+    k.cluster.run_pod(&k.pod(1, true));
+    let on = |mut pod: xlb_tests::cluster::Pod, node: &str| {
+        pod.node = node.into();
+        pod
+    };
+    let (pod2, pod3) = (on(k.pod(2, true), "node-2"), on(k.pod(3, true), "node-3"));
+    k.cluster.run_pod(&pod2);
+    k.cluster.run_pod(&pod3);
+    let _agent = k.start_agent();
+    k.wait_slices_ready(&[1, 2, 3]);
+    k.wait_programmed(1);
+    let within = Duration::from_secs(20);
+    k.wait_answered_by("only this node's Pod", &["b1"], within);
+
+    k.cluster.set_pod_ready(&k.pod(1, false), false);
+    k.wait_answered_by("this zone's Pod", &["b3"], within);
+    k.cluster.set_pod_ready(&pod3, false);
+    k.wait_answered_by("any ready Pod", &["b2"], within);
+
+    k.cluster.set_pod_ready(&k.pod(1, true), true);
+    k.cluster.set_pod_ready(&pod3, true);
+    patch_service(
+        &k,
+        json!({"spec": {"trafficDistribution": "PreferSameZone"}}),
+    );
+    k.wait_answered_by("this zone's Pods", &["b1", "b3"], within);
+}

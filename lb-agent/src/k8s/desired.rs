@@ -15,6 +15,10 @@
 //!   that is `serving` and `terminating` keeps its flows and takes no new
 //!   ones (weight 0); anything else is left out;
 //! - `externalTrafficPolicy: Local` keeps only endpoints on this node;
+//! - `trafficDistribution` (`PreferSameNode`, `PreferSameZone`/`PreferClose`)
+//!   sends new flows to the endpoints the EndpointSlice controller hinted
+//!   for this node (or its zone) when there are any, else to all, as
+//!   kube-proxy does;
 //! - a node labelled `node.kubernetes.io/exclude-from-external-load-balancers`
 //!   serves nothing.
 
@@ -81,6 +85,11 @@ pub fn desired_services(
     previous: &Desired,
 ) -> Desired {
     let mut out = Desired::default();
+    let zone = view
+        .node
+        .and_then(|n| n.metadata.labels.as_ref())
+        .and_then(|l| l.get(ZONE_LABEL))
+        .map(String::as_str);
     if let Some(node) = view.node {
         let labels = node.metadata.labels.as_ref();
         if labels.is_some_and(|l| l.contains_key(EXCLUDE_LABEL)) {
@@ -126,7 +135,7 @@ pub fn desired_services(
         let name = svc.metadata.name.as_deref().unwrap_or("");
         let k = key(ns, name);
         let own_slices = slices.get(&(ns, name)).map(Vec::as_slice).unwrap_or(&[]);
-        let result = service_configs(svc, own_slices, opts);
+        let result = service_configs(svc, own_slices, opts, zone);
         let configs = match result {
             Ok((configs, mut notes)) => {
                 out.problems.append(&mut notes);
@@ -189,6 +198,7 @@ fn service_configs(
     svc: &Service,
     slices: &[&EndpointSlice],
     opts: &SourceOptions,
+    zone: Option<&str>,
 ) -> Result<(Vec<ServiceConfig>, Vec<String>), String> {
     let ns = svc.metadata.namespace.as_deref().unwrap_or("");
     let name = svc.metadata.name.as_deref().unwrap_or("");
@@ -210,6 +220,12 @@ fn service_configs(
         }
     };
     let local = spec.external_traffic_policy.as_deref() == Some("Local");
+    let here = Here {
+        node: &opts.node_name,
+        zone,
+        local,
+        distribution: spec.traffic_distribution.as_deref(),
+    };
     let source_ranges = source_ranges(svc)?;
     let affinity = affinity(svc)?;
     let mut notes = Vec::new();
@@ -239,13 +255,7 @@ fn service_configs(
     let mut out = Vec::new();
     for &vip in &vips {
         for (port_name, port, protocol) in &ports {
-            let backends = backends_for(
-                slices,
-                vip.is_ipv4(),
-                port_name,
-                *protocol,
-                local.then_some(opts.node_name.as_str()),
-            );
+            let backends = backends_for(slices, vip.is_ipv4(), port_name, *protocol, &here);
             let label = if port_name.is_empty() {
                 port.to_string()
             } else {
@@ -281,7 +291,7 @@ pub fn spec_problem(svc: &Service) -> Option<String> {
         mode: Mode::Snat,
         node_name: String::new(),
     };
-    service_configs(svc, &[], &opts).err()
+    service_configs(svc, &[], &opts, None).err()
 }
 
 /// The annotation kube-proxy reads when `spec.loadBalancerSourceRanges` is empty.
@@ -363,6 +373,30 @@ fn affinity(svc: &Service) -> Result<Option<ClientAffinity>, String> {
     }
 }
 
+/// The well-known label with a Node's zone.
+pub const ZONE_LABEL: &str = "topology.kubernetes.io/zone";
+
+/// Where this agent runs, and what the Service asks of the endpoints.
+struct Here<'a> {
+    node: &'a str,
+    zone: Option<&'a str>,
+    /// `externalTrafficPolicy: Local`: this node's endpoints or none.
+    local: bool,
+    /// `spec.trafficDistribution`: a preference, with a fallback to all.
+    distribution: Option<&'a str>,
+}
+
+/// An endpoint of one port, with what its hints say about this node.
+struct Candidate {
+    ip: IpAddr,
+    port: u16,
+    weight: u32,
+    /// `hints.forNodes` names this node (`None`: no node hints).
+    for_this_node: Option<bool>,
+    /// `hints.forZones` names this node's zone (`None`: no zone hints).
+    for_this_zone: Option<bool>,
+}
+
 /// Backends of one (VIP family, port) from the Service's slices. An address
 /// in several slices (a pod moving between slices) counts once, ready wins.
 fn backends_for(
@@ -370,10 +404,10 @@ fn backends_for(
     ipv4: bool,
     port_name: &str,
     protocol: Protocol,
-    only_node: Option<&str>,
+    here: &Here<'_>,
 ) -> Vec<BackendConfig> {
     let family = if ipv4 { "IPv4" } else { "IPv6" };
-    let mut chosen: BTreeMap<(IpAddr, u16), u32> = BTreeMap::new();
+    let mut candidates = Vec::new();
     for slice in slices {
         if slice.address_type != family {
             continue;
@@ -390,10 +424,8 @@ fn backends_for(
             continue;
         };
         for ep in &slice.endpoints {
-            if let Some(node) = only_node {
-                if ep.node_name.as_deref() != Some(node) {
-                    continue;
-                }
+            if here.local && ep.node_name.as_deref() != Some(here.node) {
+                continue;
             }
             let c = ep.conditions.as_ref();
             let ready = c.and_then(|c| c.ready).unwrap_or(true);
@@ -413,14 +445,62 @@ fn backends_for(
             if ip.is_ipv4() != ipv4 {
                 continue;
             }
-            let w = chosen.entry((ip, port)).or_insert(weight);
-            *w = (*w).max(weight);
+            let hints = ep.hints.as_ref();
+            let for_this_node = hints
+                .and_then(|h| h.for_nodes.as_ref())
+                .filter(|n| !n.is_empty())
+                .map(|n| n.iter().any(|n| n.name == here.node));
+            let for_this_zone = hints
+                .and_then(|h| h.for_zones.as_ref())
+                .filter(|z| !z.is_empty())
+                .map(|z| {
+                    here.zone
+                        .is_some_and(|zone| z.iter().any(|z| z.name == zone))
+                });
+            candidates.push(Candidate {
+                ip,
+                port,
+                weight,
+                for_this_node,
+                for_this_zone,
+            });
         }
+    }
+    let keep = preferred(&candidates, here);
+    let mut chosen: BTreeMap<(IpAddr, u16), u32> = BTreeMap::new();
+    for c in candidates.iter().filter(|c| keep(c)) {
+        let w = chosen.entry((c.ip, c.port)).or_insert(c.weight);
+        *w = (*w).max(c.weight);
     }
     chosen
         .into_iter()
         .map(|((ip, port), weight)| BackendConfig { ip, port, weight })
         .collect()
+}
+
+/// Which candidates take part under the Service's `trafficDistribution`, by
+/// kube-proxy's rules: hints are used only when every ready endpoint has
+/// them (a controller that wrote some hints but not all is not trusted),
+/// and only when they leave this node at least one ready endpoint; else
+/// the next wider set (this node, then this zone, then all).
+fn preferred<'a>(candidates: &'a [Candidate], here: &Here<'_>) -> impl Fn(&Candidate) -> bool + 'a {
+    let ready: Vec<&Candidate> = candidates.iter().filter(|c| c.weight > 0).collect();
+    let usable = |hint: fn(&Candidate) -> Option<bool>| {
+        !ready.is_empty()
+            && ready.iter().all(|c| hint(c).is_some())
+            && ready.iter().any(|c| hint(c) == Some(true))
+    };
+    let by_node: fn(&Candidate) -> Option<bool> = |c| c.for_this_node;
+    let by_zone: fn(&Candidate) -> Option<bool> = |c| c.for_this_zone;
+    let scope: Option<fn(&Candidate) -> Option<bool>> = match (here.local, here.distribution) {
+        (true, _) => None,
+        (false, Some("PreferSameNode")) if usable(by_node) => Some(by_node),
+        (false, Some("PreferSameNode" | "PreferSameZone" | "PreferClose")) if usable(by_zone) => {
+            Some(by_zone)
+        }
+        _ => None,
+    };
+    move |c: &Candidate| scope.is_none_or(|hint| hint(c) == Some(true))
 }
 
 /// The VIPs of `desired` that have at least one backend taking new flows;

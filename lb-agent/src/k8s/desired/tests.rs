@@ -377,3 +377,74 @@ fn client_ip_affinity_and_its_timeout() {
         .iter()
         .any(|p| p.contains("timeoutSeconds 90000 is out of range")));
 }
+
+fn node(name: &str, zone: &str) -> Node {
+    serde_json::from_value(serde_json::json!({
+        "metadata": {"name": name, "labels": {ZONE_LABEL: zone}},
+    }))
+    .unwrap()
+}
+
+#[test]
+fn traffic_distribution_prefers_this_node_then_its_zone_then_all() {
+    let mut o = load(WEB);
+    let zone_of = |n: &str| if n == "worker-3" { "rack-b" } else { "rack-a" };
+    // The hints the EndpointSlice controller writes for PreferSameNode.
+    for s in &mut o.slices {
+        for ep in &mut s.endpoints {
+            let n = ep.node_name.clone().unwrap();
+            ep.hints = Some(
+                serde_json::from_value(serde_json::json!({
+                    "forNodes": [{"name": n}], "forZones": [{"name": zone_of(&n)}],
+                }))
+                .unwrap(),
+            );
+        }
+    }
+    o.nodes = vec![
+        node("worker-1", "rack-a"),
+        node("worker-2", "rack-a"),
+        node("worker-3", "rack-b"),
+        node("worker-4", "rack-c"),
+    ];
+    let http = |o: &Objects, n: &str| {
+        backends(
+            &compute(o, &opts(n), &Desired::default()),
+            "shop/web:http",
+            "192.0.2.10",
+        )
+    };
+    let all = http(&o, "worker-1");
+    assert_eq!(
+        all.len(),
+        3,
+        "without trafficDistribution: all endpoints {all:?}"
+    );
+
+    o.services[0].spec.as_mut().unwrap().traffic_distribution = Some("PreferSameNode".into());
+    assert_eq!(http(&o, "worker-1"), vec![("10.244.1.12:8080".into(), 1)]);
+    // No ready endpoint on worker-2: its zone's (the terminating one drains there).
+    assert_eq!(
+        http(&o, "worker-2"),
+        vec![
+            ("10.244.1.12:8080".into(), 1),
+            ("10.244.2.7:8080".into(), 0)
+        ]
+    );
+    // No endpoint in rack-c: everything (unlike externalTrafficPolicy: Local).
+    assert_eq!(http(&o, "worker-4"), all);
+
+    o.services[0].spec.as_mut().unwrap().traffic_distribution = Some("PreferClose".into());
+    assert_eq!(http(&o, "worker-3"), vec![("10.244.3.4:8080".into(), 1)]);
+    assert_eq!(http(&o, "worker-1").len(), 2, "rack-a's two");
+
+    // A ready endpoint without hints: the hints are not trusted.
+    for s in &mut o.slices {
+        for ep in &mut s.endpoints {
+            if ep.addresses[0] == "10.244.3.4" {
+                ep.hints = None;
+            }
+        }
+    }
+    assert_eq!(http(&o, "worker-3"), all);
+}
