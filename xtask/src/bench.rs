@@ -9,7 +9,7 @@ use crate::{
 /// balancer. First the per-packet benchmark (`xlb-bench`, BPF_PROG_TEST_RUN),
 /// then the end-to-end one (`xlb-e2e-bench`: wrk and UDP through xlb,
 /// iptables, nftables, nginx and HAProxy; the agent's memory and reload
-/// time). Arguments go to both (`xlb-bench` takes none and ignores them);
+/// time), the Kubernetes, locality and BGP convergence benchmarks. Arguments go to both (`xlb-bench` takes none and ignores them);
 /// `--e2e-only` / `--per-packet-only` run just one of them.
 pub fn run(args: &[String]) -> Result<()> {
     let e2e_only = args.iter().any(|a| a == "--e2e-only");
@@ -30,6 +30,8 @@ pub fn run(args: &[String]) -> Result<()> {
     // Pod readiness -> EndpointSlice -> data plane, and 1,000 Services'
     // memory, on the real control plane.
     run_bench("xlb-k8s-bench", &[])?;
+    // What keeping traffic on the node buys (trafficDistribution).
+    run_bench("xlb-locality-bench", &[])?;
     // BGP convergence in the ECMP lab (defaults only).
     run_bench("xlb-convergence-bench", &[])
 }

@@ -36,9 +36,9 @@ use std::{
 
 use xlb_tests::{
     bench_support::{
-        check_interrupt, http_get, in_ns, install_sigint_flag, interrupted, median, metric, run_in,
-        sh_in, sleep_interruptible, spawn_logged, strip_ansi, tail, terminate, thousands, wait_tcp,
-        workspace_root, xdp_attached, Agent, Bins, Res,
+        check_interrupt, http_get, in_ns, install_sigint_flag, interrupted, median, metric,
+        parse_wrk, run_in, sh_in, sleep_interruptible, spawn_logged, strip_ansi, tail, terminate,
+        thousands, wait_tcp, workspace_root, xdp_attached, Agent, Bins, Res, Wrk,
     },
     topology::{backend_ip, Topology, BACKEND_PORT, CLIENT_IP, VIP},
 };
@@ -472,69 +472,6 @@ fn check_serves(t: &Topology, n: usize) -> Res<usize> {
         Ok(seen.len())
     })??;
     Ok(r)
-}
-
-#[derive(Clone, Debug, Default)]
-struct Wrk {
-    rps: f64,
-    p50_ms: f64,
-    p90_ms: f64,
-    p99_ms: f64,
-    requests: u64,
-    errors: u64,
-    /// TCP segments retransmitted by the client and the backends during the run.
-    retrans: u64,
-}
-
-fn parse_latency_ms(s: &str) -> Option<f64> {
-    let s = s.trim();
-    let (num, mult) = if let Some(v) = s.strip_suffix("us") {
-        (v, 0.001)
-    } else if let Some(v) = s.strip_suffix("ms") {
-        (v, 1.0)
-    } else if let Some(v) = s.strip_suffix('s') {
-        (v, 1000.0)
-    } else if let Some(v) = s.strip_suffix('m') {
-        (v, 60_000.0)
-    } else {
-        return None;
-    };
-    num.parse::<f64>().ok().map(|v| v * mult)
-}
-
-fn parse_wrk(out: &str) -> Res<Wrk> {
-    let mut w = Wrk::default();
-    let mut got_rps = false;
-    for line in out.lines().map(str::trim) {
-        let mut words = line.split_whitespace();
-        let first = words.next().unwrap_or("");
-        match first {
-            "50%" => w.p50_ms = words.next().and_then(parse_latency_ms).unwrap_or(f64::NAN),
-            "90%" => w.p90_ms = words.next().and_then(parse_latency_ms).unwrap_or(f64::NAN),
-            "99%" => w.p99_ms = words.next().and_then(parse_latency_ms).unwrap_or(f64::NAN),
-            "Requests/sec:" => {
-                w.rps = words.next().and_then(|v| v.parse().ok()).unwrap_or(0.0);
-                got_rps = true;
-            }
-            "Socket" | "Non-2xx" => {
-                // The counts follow the colon ("Non-2xx" has digits of its own).
-                w.errors += line
-                    .split_once(':')
-                    .map_or("", |x| x.1)
-                    .split(|c: char| !c.is_ascii_digit())
-                    .filter_map(|n| n.parse::<u64>().ok())
-                    .sum::<u64>();
-            }
-            _ if line.contains(" requests in ") => {
-                w.requests = first.parse().unwrap_or(0);
-            }
-            _ => {}
-        }
-    }
-    if !got_rps {
-        return Err(format!("no Requests/sec in wrk's output:\n{out}"));
-    }
-    Ok(w)
 }
 
 fn run_wrk(t: &Topology, o: &Opts) -> Res<Wrk> {
@@ -1601,34 +1538,6 @@ mod tests {
         let b = [Some(100.0), Some(100.0), Some(1.0), Some(10.0)];
         assert_eq!(ratio_per_round(&a, &b), Some(2.0));
         assert_eq!(ratio_per_round(&[None], &b), None);
-    }
-
-    #[test]
-    fn parses_wrk_output() {
-        let out = "Running 10s test @ http://192.0.2.10/
-  2 threads and 64 connections
-  Thread Stats   Avg      Stdev     Max   +/- Stdev
-    Latency     2.10ms    1.00ms  30.00ms   90.00%
-    Req/Sec    15.00k     1.00k   17.00k    70.00%
-  Latency Distribution
-     50%  850.00us
-     75%    2.00ms
-     90%    3.10ms
-     99%    1.20s
-  300000 requests in 10.00s, 45.00MB read
-  Socket errors: connect 0, read 2, write 0, timeout 3
-  Non-2xx or 3xx responses: 4
-Requests/sec:  29999.50
-Transfer/sec:      4.50MB
-";
-        let w = parse_wrk(out).unwrap();
-        assert_eq!(w.rps, 29999.5);
-        assert!((w.p50_ms - 0.85).abs() < 1e-9);
-        assert_eq!(w.p90_ms, 3.1);
-        assert_eq!(w.p99_ms, 1200.0);
-        assert_eq!(w.requests, 300000);
-        assert_eq!(w.errors, 9);
-        assert!(parse_wrk("garbage").is_err());
     }
 
     #[test]

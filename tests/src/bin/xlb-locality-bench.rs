@@ -1,0 +1,209 @@
+//! `cargo xtask bench` (locality): what keeping traffic on the node buys
+//! (`trafficDistribution: PreferSameNode`). The end-to-end topology with two
+//! "nodes": the LB node (this agent, XDP) with a Pod attached to it, and a
+//! second node, a router namespace, with a Pod behind it. One VIP goes to
+//! the local Pod, another to the remote one; `wrk` runs against each in
+//! interleaved rounds, so that machine noise hits both alike.
+//!
+//! Usage: xlb-locality-bench [--rounds N] [--duration SECS] [--connections N]
+
+use std::{net::SocketAddr, process::ExitCode};
+
+use xlb_tests::{
+    bench_support::{median, parse_wrk, Wrk},
+    netns::{sh, Netns},
+    topology::{nginx_config, wait_for_port, Topology, BACKEND_PORT},
+};
+
+const LOCAL_VIP: &str = "192.0.2.10";
+const REMOTE_VIP: &str = "192.0.2.11";
+const LOCAL_POD: &str = "10.2.1.2";
+const REMOTE_POD: &str = "10.4.0.2";
+
+struct Opts {
+    rounds: usize,
+    duration: u32,
+    connections: u32,
+}
+
+fn parse_args() -> Result<Opts, String> {
+    let mut o = Opts {
+        rounds: 5,
+        duration: 5,
+        connections: 32,
+    };
+    let mut args = std::env::args().skip(1);
+    while let Some(a) = args.next() {
+        let mut value = |name: &str| {
+            args.next()
+                .and_then(|v| v.parse::<u32>().ok())
+                .filter(|v| *v > 0)
+                .ok_or(format!("{name} needs a positive number"))
+        };
+        match a.as_str() {
+            "--rounds" => o.rounds = value("--rounds")? as usize,
+            "--duration" => o.duration = value("--duration")?,
+            "--connections" => o.connections = value("--connections")?,
+            other => return Err(format!("unknown argument {other:?}")),
+        }
+    }
+    Ok(o)
+}
+
+/// The second node (`n2`, a router) and its Pod (`p2`, nginx), reached
+/// from the LB node over `lbn2`.
+fn add_remote_node(t: &mut Topology) -> (Netns, Netns) {
+    let n2 = Netns::new("loc-n2");
+    let pod = Netns::new("loc-p2");
+    sh(&format!(
+        "ip link add lbn2 netns {} type veth peer name eth0 netns {}",
+        t.lb.name, n2.name
+    ));
+    t.lb.run(
+        "ip addr add 10.3.0.1/24 dev lbn2 && ip link set lbn2 up && ip route add 10.4.0.0/24 via 10.3.0.2",
+    );
+    n2.run(
+        "ip addr add 10.3.0.2/24 dev eth0 && ip link set eth0 up && ip route add default via 10.3.0.1 \
+         && sysctl -qw net.ipv4.ip_forward=1 && ethtool -K eth0 gro on tx off >/dev/null",
+    );
+    sh(&format!(
+        "ip link add pod netns {} type veth peer name eth0 netns {}",
+        n2.name, pod.name
+    ));
+    n2.run(
+        "ip addr add 10.4.0.1/24 dev pod && ip link set pod up && ethtool -K pod tx off >/dev/null",
+    );
+    pod.run(&format!(
+        "ip addr add {REMOTE_POD}/24 dev eth0 && ip link set eth0 up && ip route add default via 10.4.0.1 \
+         && ethtool -K eth0 gro on tx off >/dev/null"
+    ));
+    let dir = t.dir.join("nginx-remote");
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::write(dir.join("nginx.conf"), nginx_config(&dir, 9)).unwrap();
+    let nginx = t.spawn_in(
+        &pod,
+        "nginx",
+        &["-c", &dir.join("nginx.conf").to_string_lossy()],
+    );
+    t.adopt_child(nginx);
+    wait_for_port(
+        &pod,
+        SocketAddr::new(REMOTE_POD.parse().unwrap(), BACKEND_PORT),
+    );
+    (n2, pod)
+}
+
+fn wrk(t: &Topology, vip: &str, o: &Opts) -> Result<Wrk, String> {
+    let out = t.output_in(
+        &t.client,
+        "wrk",
+        &[
+            "-t2",
+            &format!("-c{}", o.connections),
+            &format!("-d{}s", o.duration),
+            "--latency",
+            &format!("http://{vip}/"),
+        ],
+    );
+    if !out.status.success() {
+        return Err(format!(
+            "wrk failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        ));
+    }
+    let w = parse_wrk(&String::from_utf8_lossy(&out.stdout))?;
+    if w.errors > 0 || w.requests == 0 {
+        return Err(format!(
+            "wrk to {vip}: {} errors, {} requests",
+            w.errors, w.requests
+        ));
+    }
+    Ok(w)
+}
+
+fn run(o: &Opts) -> Result<(), String> {
+    let mut t = Topology::new("loc", 1);
+    // Kept to the end: dropping them deletes the second node.
+    let _remote = add_remote_node(&mut t);
+    let service = |name: &str, vip: &str, pod: &str| {
+        format!(
+            "  - name: {name}\n    vip: {vip}\n    port: 80\n    backends:\n      - {{ ip: {pod}, port: {BACKEND_PORT} }}\n"
+        )
+    };
+    let config = format!(
+        "interfaces: [lbc, lbb1, lbn2]\nservices:\n{}{}",
+        service("local", LOCAL_VIP, LOCAL_POD),
+        service("remote", REMOTE_VIP, REMOTE_POD)
+    );
+    let _agent = t.start_agent(&config);
+    for vip in [LOCAL_VIP, REMOTE_VIP] {
+        let probe = Opts {
+            rounds: 1,
+            duration: 1,
+            connections: 2,
+        };
+        wrk(&t, vip, &probe).map_err(|e| format!("{vip} does not answer: {e}"))?;
+    }
+    let mut local = Vec::new();
+    let mut remote = Vec::new();
+    for round in 0..o.rounds {
+        // Alternate which goes first: neither always gets the warmer machine.
+        let order = if round % 2 == 0 {
+            [(LOCAL_VIP, true), (REMOTE_VIP, false)]
+        } else {
+            [(REMOTE_VIP, false), (LOCAL_VIP, true)]
+        };
+        for (vip, is_local) in order {
+            let w = wrk(&t, vip, o)?;
+            eprintln!(
+                "round {}: {} {:.0} requests/s, p99 {:.2} ms",
+                round + 1,
+                if is_local { "local " } else { "remote" },
+                w.rps,
+                w.p99_ms
+            );
+            if is_local { &mut local } else { &mut remote }.push(w);
+        }
+    }
+    let med = |v: &[Wrk], f: fn(&Wrk) -> f64| median(&v.iter().map(f).collect::<Vec<_>>());
+    let (l_rps, r_rps) = (med(&local, |w| w.rps), med(&remote, |w| w.rps));
+    println!(
+        "Locality: `wrk -t2 -c{} -d{}s --latency`, {} interleaved rounds, medians\n",
+        o.connections, o.duration, o.rounds
+    );
+    println!("| endpoint | requests/s | p50 ms | p99 ms | requests/s vs local |");
+    println!("|---|---:|---:|---:|---:|");
+    for (name, runs, rps) in [
+        ("local (this node)", &local, l_rps),
+        ("remote (one more node)", &remote, r_rps),
+    ] {
+        println!(
+            "| {name} | {rps:.0} | {:.2} | {:.2} | {:.2}x |",
+            med(runs, |w| w.p50_ms),
+            med(runs, |w| w.p99_ms),
+            rps / l_rps
+        );
+    }
+    println!(
+        "\nlocality: remote endpoints served {:.0}% of the local requests/s",
+        100.0 * r_rps / l_rps
+    );
+    Ok(())
+}
+
+fn main() -> ExitCode {
+    let o = match parse_args() {
+        Ok(o) => o,
+        Err(e) => {
+            eprintln!("xlb-locality-bench: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    match run(&o) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("xlb-locality-bench: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
