@@ -304,6 +304,15 @@ impl Agent {
                         .with_context(|| format!("attaching to {iface}"))?;
                     accept_local(iface);
                     info!(interface = %iface, "XDP program attached");
+                    if crate::netconf::driver(iface).is_ok_and(|d| d == "veth") {
+                        warn!(
+                            interface = %iface,
+                            "a veth: TCP packets its peer sends with TX checksum offload on (the \
+                             default) carry unfinished checksums that XDP forwards as they are, \
+                             and the receiver drops them; turn it off on the peer with \
+                             `ethtool -K <peer> tx off` (docs/datapath.md)"
+                        );
+                    }
                     self.attached.insert(iface.clone());
                 }
             }

@@ -1,4 +1,4 @@
-//! Per-interface IPv4 settings through rtnetlink, which needs only
+//! Per-interface settings and facts. IPv4 settings go through rtnetlink, which needs only
 //! CAP_NET_ADMIN: `/proc/sys` is read-only in an unprivileged container, so
 //! writing `net.ipv4.conf.<if>.accept_local` there would need a privileged
 //! one. The kernel takes the same setting as an `IFLA_INET_CONF` attribute
@@ -159,5 +159,58 @@ mod tests {
             parse_ack(&ack).unwrap_err().raw_os_error(),
             Some(libc::EPERM)
         );
+    }
+}
+
+/// `SIOCETHTOOL` and `ETHTOOL_GDRVINFO` (linux/sockios.h, linux/ethtool.h).
+const SIOCETHTOOL: libc::c_ulong = 0x8946;
+const ETHTOOL_GDRVINFO: u32 = 0x3;
+
+/// `struct ethtool_drvinfo`.
+#[repr(C)]
+struct DrvInfo {
+    cmd: u32,
+    driver: [u8; 32],
+    version: [u8; 32],
+    fw_version: [u8; 32],
+    bus_info: [u8; 32],
+    erom_version: [u8; 32],
+    reserved2: [u8; 12],
+    n_priv_flags: u32,
+    n_stats: u32,
+    testinfo_len: u32,
+    eedump_len: u32,
+    regdump_len: u32,
+}
+
+/// The driver of `iface` in the caller's network namespace (`veth`,
+/// `virtio_net`, ...), as `ethtool -i` reports it.
+pub fn driver(iface: &str) -> io::Result<String> {
+    if iface.len() >= libc::IFNAMSIZ {
+        return Err(io::Error::from(io::ErrorKind::InvalidInput));
+    }
+    // SAFETY: zeroed plain-data structs; the ioctl writes at most
+    // size_of::<DrvInfo>() bytes to the pointer it is given; the socket is
+    // closed on every path.
+    unsafe {
+        let mut info: DrvInfo = std::mem::zeroed();
+        info.cmd = ETHTOOL_GDRVINFO;
+        let mut req: libc::ifreq = std::mem::zeroed();
+        for (dst, src) in req.ifr_name.iter_mut().zip(iface.bytes()) {
+            *dst = src as libc::c_char;
+        }
+        req.ifr_ifru.ifru_data = (&mut info as *mut DrvInfo).cast();
+        let fd = libc::socket(libc::AF_INET, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 0);
+        if fd < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        let rc = libc::ioctl(fd, SIOCETHTOOL as _, &mut req);
+        let err = io::Error::last_os_error();
+        libc::close(fd);
+        if rc < 0 {
+            return Err(err);
+        }
+        let end = info.driver.iter().position(|&b| b == 0).unwrap_or(32);
+        Ok(String::from_utf8_lossy(&info.driver[..end]).into_owned())
     }
 }

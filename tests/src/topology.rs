@@ -89,18 +89,7 @@ impl Topology {
         let mut ns_backends = Vec::new();
         for n in 1..=backends {
             let b = Netns::new(&format!("{prefix}-b{n}"));
-            sh(&format!(
-                "ip link add lbb{n} netns {lb} type veth peer name eth0 netns {b}",
-                lb = lb.name,
-                b = b.name
-            ));
-            lb.run(&format!(
-                "ip addr add 10.2.{n}.1/24 dev lbb{n} && ip link set lbb{n} up"
-            ));
-            b.run(&format!(
-                "ip addr add 10.2.{n}.2/24 dev eth0 && ip link set eth0 up && ip route add default via 10.2.{n}.1 \
-                 && ethtool -K eth0 gro on tx off >/dev/null"
-            ));
+            link_backend(&lb, &b, n);
             ns_backends.push(b);
         }
         let mut t = Topology {
@@ -126,6 +115,14 @@ impl Topology {
             );
         }
         t
+    }
+
+    /// Deletes backend `n`'s link (`lbb<n>` and its peer) and creates it
+    /// again as it was: what a rebuilt bond, VLAN or reloaded driver does to
+    /// the interfaces an agent is attached to.
+    pub fn recreate_backend_link(&self, n: usize) {
+        self.lb.run(&format!("ip link del lbb{n}"));
+        link_backend(&self.lb, &self.backends[n - 1], n);
     }
 
     /// The interfaces the agent attaches to.
@@ -204,6 +201,23 @@ impl Drop for Topology {
         cleanup_pins(&self.pin_dir);
         // Netns drops delete the namespaces (and with them the veths).
     }
+}
+
+/// The veth pair between the LB namespace (`lbb<n>`, 10.2.n.1) and backend
+/// `n` (`eth0`, 10.2.n.2, its default route).
+fn link_backend(lb: &Netns, b: &Netns, n: usize) {
+    sh(&format!(
+        "ip link add lbb{n} netns {lb} type veth peer name eth0 netns {b}",
+        lb = lb.name,
+        b = b.name
+    ));
+    lb.run(&format!(
+        "ip addr add 10.2.{n}.1/24 dev lbb{n} && ip link set lbb{n} up"
+    ));
+    b.run(&format!(
+        "ip addr add 10.2.{n}.2/24 dev eth0 && ip link set eth0 up && ip route add default via 10.2.{n}.1 \
+         && ethtool -K eth0 gro on tx off >/dev/null"
+    ));
 }
 
 /// Detaches and removes an agent's pins (what `lb-agent --cleanup` does).

@@ -815,6 +815,71 @@ fn bad_configs() -> Vec<(&'static str, String, Vec<String>)> {
     ]
 }
 
+/// The agent is killed, an interface it was attached to is deleted and
+/// created again (a rebuilt namespace, bond or VLAN, a reloaded driver): the
+/// kernel severs the pinned link. The next agent replaces that link, says
+/// so, keeps the maps (an established flow keeps its backend) and forwards
+/// through the new interface.
+#[test]
+fn a_recreated_interface_gets_a_new_link_and_flows_stay() {
+    let mut t = Topology::new("e2sv", 3);
+    let cfg = config(&[web("nat", &[(1, 1), (2, 1), (3, 1)], "")]);
+    let mut agent = t.start_agent(&cfg);
+    let mut conn = keepalive_to(&t, 1);
+    agent.sigkill();
+
+    t.recreate_backend_link(3);
+    let agent = t.start_agent(&cfg);
+    assert!(
+        agent
+            .log()
+            .contains("the pinned XDP link of lbb3 was severed"),
+        "{}",
+        agent.log()
+    );
+    assert!(
+        agent
+            .log()
+            .contains("a veth: TCP packets its peer sends with TX checksum offload on"),
+        "attaching to a veth warns about checksum offload:\n{}",
+        agent.log()
+    );
+    assert_sticky(&mut conn, "b1", 3, "after the link was replaced");
+    // b3's replies come back through the new lbb3: XDP must translate them.
+    wait_until("all three backends answer", Duration::from_secs(10), || {
+        (count(&requests(&t, 60)).len() == 3).then_some(())
+    });
+}
+
+/// Under `ip netns exec`, which mounts a fresh /sys without bpffs, the agent
+/// cannot pin its maps: it says so and names both ways out, instead of
+/// "No such file or directory".
+#[test]
+fn a_missing_bpffs_is_explained() {
+    let t = Topology::new("e2fs", 1);
+    let cfg = t.dir.join("bpffs.yaml");
+    std::fs::write(&cfg, config(&[web("nat", &[(1, 1)], "")])).unwrap();
+    let out = Command::new("ip")
+        .args(["netns", "exec", &t.lb.name])
+        .arg(agent_bin())
+        .arg("--config")
+        .arg(&cfg)
+        .arg("--pin-dir")
+        .arg("/sys/fs/bpf/xlb-e2fs")
+        .env("NO_COLOR", "1")
+        .output()
+        .expect("run lb-agent under ip netns exec");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "it started: {stderr}");
+    for needle in [
+        "/sys/fs/bpf/xlb-e2fs is not on a BPF filesystem (bpffs)",
+        "mount -t bpf bpffs /sys/fs/bpf",
+        "nsenter --net=/var/run/netns/NAME",
+    ] {
+        assert!(stderr.contains(needle), "{needle:?} not in {stderr}");
+    }
+}
+
 #[test]
 fn bad_config_at_start_exits_with_the_line_and_field() {
     let dir = std::env::temp_dir().join("xlb-e2bad");

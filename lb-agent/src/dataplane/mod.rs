@@ -82,6 +82,13 @@ pub enum DataplaneError {
     Link(String, String),
     #[error("pin path {0}: {1}")]
     Pin(PathBuf, std::io::Error),
+    #[error(
+        "{0} is not on a BPF filesystem (bpffs), so the maps cannot be pinned there. \
+         Mount one: `mount -t bpf bpffs /sys/fs/bpf`. Under `ip netns exec`, which mounts \
+         a fresh /sys without it, run the agent with `nsenter --net=/var/run/netns/NAME` \
+         instead (it keeps the host's /sys/fs/bpf, which lbctl and the next agent share)"
+    )]
+    NoBpffs(PathBuf),
     #[error("pinned state is inconsistent: {0} (run `lb-agent --cleanup` to start afresh)")]
     Adopt(String),
 }
@@ -284,6 +291,7 @@ impl Dataplane {
         loader.map_max_entries(names::MAGLEV, pool_entries);
         let paths: Vec<(&str, PathBuf)> = match pin_dir {
             Some(dir) => {
+                check_bpffs(dir)?;
                 std::fs::create_dir_all(dir)
                     .map_err(|e| DataplaneError::Pin(dir.to_path_buf(), e))?;
                 names::ALL.iter().map(|n| (*n, dir.join(n))).collect()
@@ -426,16 +434,26 @@ impl Dataplane {
             .pin_dir
             .as_ref()
             .map(|d| d.join(format!("link_{iface}")));
-        match &link_pin {
-            Some(pin) if pin.exists() => {
-                let pinned = PinnedLink::from_pin(pin)
-                    .map_err(|e| DataplaneError::Link(iface.to_string(), e.to_string()))?;
-                let link = XdpLink::try_from(FdLink::from(pinned))
-                    .map_err(|e| DataplaneError::Link(iface.to_string(), e.to_string()))?;
-                let id = self.program_mut().attach_to_link(link)?;
-                // The pin keeps the link; our handle must not detach it on drop.
-                let _ = self.program_mut().take_link(id)?;
+        if let Some(pin) = link_pin.as_ref().filter(|p| p.exists()) {
+            match self.update_pinned_link(iface, pin) {
+                Ok(()) => return self.allow_redirect(ifindex),
+                // The interface the link held was deleted (a namespace or
+                // bond rebuilt, a driver reloaded): the kernel severed the
+                // link. Replace it; the maps, and the flows in them, stay.
+                Err(DataplaneError::Program(ProgramError::SyscallError(e)))
+                    if e.io_error.raw_os_error() == Some(libc::ENOLINK) =>
+                {
+                    log::warn!(
+                        "the pinned XDP link of {iface} was severed (the interface was deleted \
+                         and created again): attaching anew, the maps and their flows are kept"
+                    );
+                    std::fs::remove_file(pin)
+                        .map_err(|e| DataplaneError::Pin(pin.to_path_buf(), e))?;
+                }
+                Err(e) => return Err(e),
             }
+        }
+        match &link_pin {
             Some(pin) => {
                 let id = self.program_mut().attach(iface, mode)?;
                 let link = self.program_mut().take_link(id)?;
@@ -450,6 +468,18 @@ impl Dataplane {
             }
         }
         self.allow_redirect(ifindex)
+    }
+
+    /// Swaps this program into the pinned link `pin` (`BPF_LINK_UPDATE`).
+    fn update_pinned_link(&mut self, iface: &str, pin: &Path) -> Result<()> {
+        let pinned = PinnedLink::from_pin(pin)
+            .map_err(|e| DataplaneError::Link(iface.to_string(), e.to_string()))?;
+        let link = XdpLink::try_from(FdLink::from(pinned))
+            .map_err(|e| DataplaneError::Link(iface.to_string(), e.to_string()))?;
+        let id = self.program_mut().attach_to_link(link)?;
+        // The pin keeps the link; our handle must not detach it on drop.
+        let _ = self.program_mut().take_link(id)?;
+        Ok(())
     }
 
     /// Detaches every pinned link and removes every pin under `pin_dir`.
@@ -1092,6 +1122,35 @@ impl Dataplane {
             )
             .map_err(DataplaneError::Mmap)
     }
+}
+
+/// `statfs`'s `f_type` of a BPF filesystem (linux/magic.h).
+const BPF_FS_MAGIC: i64 = 0xcafe_4a11;
+
+/// Checks that `dir`, or where it would be created, is on a bpffs: anything
+/// else cannot hold pins, and the kernel's error alone (ENOENT, EPERM) does
+/// not say why. The agent does not mount one itself: under `ip netns exec`
+/// that bpffs would vanish with the agent's mount namespace, taking the
+/// pins that let a restart keep the flows.
+fn check_bpffs(dir: &Path) -> Result<()> {
+    let existing = dir
+        .ancestors()
+        .find(|p| p.exists())
+        .unwrap_or(Path::new("/"));
+    let c_path = std::ffi::CString::new(existing.as_os_str().as_encoded_bytes())
+        .map_err(|_| DataplaneError::NoBpffs(dir.to_path_buf()))?;
+    // SAFETY: a valid NUL-terminated path and a zeroed statfs to fill.
+    let mut st: libc::statfs = unsafe { std::mem::zeroed() };
+    if unsafe { libc::statfs(c_path.as_ptr(), &mut st) } != 0 {
+        return Err(DataplaneError::Pin(
+            existing.to_path_buf(),
+            std::io::Error::last_os_error(),
+        ));
+    }
+    if st.f_type as i64 != BPF_FS_MAGIC {
+        return Err(DataplaneError::NoBpffs(dir.to_path_buf()));
+    }
+    Ok(())
 }
 
 /// `ServiceInfo::flags` for a spec.
