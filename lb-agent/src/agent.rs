@@ -33,7 +33,7 @@ use crate::{
     dataplane::{Dataplane, Protocol, ServiceSpec},
     health::{HealthChecker, HealthSnapshot},
     k8s::{desired::SourceOptions, watch::DesiredRx},
-    metrics::{self, BackendSample, DataplaneSnapshot, Metrics, ServiceSample},
+    metrics::{BackendSample, DataplaneSnapshot, Metrics, ServiceSample},
 };
 
 pub struct AgentOptions {
@@ -145,7 +145,7 @@ impl Agent {
             let ready = ready.clone();
             let probe: Arc<dyn Fn() -> (bool, bool) + Send + Sync> =
                 Arc::new(move || (true, ready.load(Ordering::Relaxed)));
-            tokio::spawn(metrics::serve(listener, metrics.clone(), probe));
+            tokio::spawn(crate::http::serve(listener, metrics.clone(), probe));
         }
         let (health, health_rx) = HealthChecker::new();
         let mut agent = Self {

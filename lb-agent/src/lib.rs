@@ -5,6 +5,7 @@ pub mod announce;
 pub mod config;
 pub mod dataplane;
 pub mod health;
+pub mod http;
 pub mod k8s;
 pub mod metrics;
 pub mod netconf;

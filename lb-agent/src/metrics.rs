@@ -10,13 +10,11 @@
 //!   agent supplies through [`Metrics::set_snapshot_source`], so they are always
 //!   current and never drift from the maps.
 //!
-//! [`serve`] answers `GET /metrics`, `/healthz` and `/readyz` over a minimal
-//! HTTP/1.1 implementation: one request per connection, then close.
+//! [`crate::http`] serves them, with `/healthz` and `/readyz`.
 //!
 //! Naming: every family is `xlb_<subsystem>_<name>`; only counters end in `_total`.
 
 use std::fmt;
-use std::io;
 use std::net::IpAddr;
 use std::sync::{Arc, PoisonError, RwLock};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
@@ -27,10 +25,6 @@ use prometheus::proto::{self, LabelPair, MetricFamily, MetricType};
 use prometheus::{
     Gauge, Histogram, HistogramOpts, IntCounterVec, IntGauge, Opts, Registry, TextEncoder,
 };
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::Semaphore;
-use tokio::time::timeout;
 
 // ---------------------------------------------------------------------------
 // Snapshot types: plain data the agent fills from the Dataplane.
@@ -487,331 +481,6 @@ impl Metrics {
 }
 
 // ---------------------------------------------------------------------------
-// HTTP endpoint.
-// ---------------------------------------------------------------------------
-
-/// Returns `(alive, ready)`. Called on every health request from the async
-/// runtime: it must be cheap and must not block.
-pub type HealthFn = dyn Fn() -> (bool, bool) + Send + Sync;
-
-#[derive(Clone, Copy, Debug)]
-struct Limits {
-    /// Largest request head (request line and headers) accepted.
-    max_head: usize,
-    /// Time allowed to receive the whole request head.
-    head_timeout: Duration,
-    /// Time allowed to send the response.
-    write_timeout: Duration,
-    /// After answering, how long and how much of the client's leftover input
-    /// is read and discarded, so that closing does not reset the connection
-    /// before the client has read the response.
-    linger: Duration,
-    linger_bytes: usize,
-    /// Connections handled at once; further ones wait in the listen backlog.
-    max_connections: usize,
-}
-
-impl Default for Limits {
-    fn default() -> Self {
-        Self {
-            max_head: 8 * 1024,
-            head_timeout: Duration::from_secs(5),
-            write_timeout: Duration::from_secs(10),
-            linger: Duration::from_secs(2),
-            linger_bytes: 1 << 20,
-            max_connections: 64,
-        }
-    }
-}
-
-/// Serves `/metrics`, `/healthz` and `/readyz` on `listener` until the task
-/// is dropped or aborted. One request per connection; each connection is
-/// handled by its own task.
-pub async fn serve(listener: TcpListener, metrics: Arc<Metrics>, health: Arc<HealthFn>) {
-    serve_with_limits(listener, metrics, health, Limits::default()).await
-}
-
-async fn serve_with_limits(
-    listener: TcpListener,
-    metrics: Arc<Metrics>,
-    health: Arc<HealthFn>,
-    limits: Limits,
-) {
-    let permits = Arc::new(Semaphore::new(limits.max_connections));
-    loop {
-        let Ok(permit) = permits.clone().acquire_owned().await else {
-            return; // The semaphore is never closed.
-        };
-        let (stream, peer) = match listener.accept().await {
-            Ok(x) => x,
-            Err(e) => {
-                // Typically EMFILE/ENFILE: back off instead of spinning.
-                tracing::warn!(error = %e, "metrics endpoint: accept failed");
-                tokio::time::sleep(Duration::from_millis(100)).await;
-                continue;
-            }
-        };
-        let metrics = metrics.clone();
-        let health = health.clone();
-        tokio::spawn(async move {
-            let _permit = permit;
-            if let Err(e) = handle_connection(stream, metrics, health, limits).await {
-                tracing::debug!(%peer, error = %e, "metrics endpoint: connection failed");
-            }
-        });
-    }
-}
-
-enum Head {
-    /// The client closed before sending anything.
-    Closed,
-    /// The client closed in the middle of the head.
-    Incomplete,
-    TooLarge,
-    TimedOut,
-    /// The head, up to and including its terminating empty line.
-    Complete(Vec<u8>),
-}
-
-/// End of the head (index just past the empty line), accepting CRLF or bare LF.
-fn find_head_end(buf: &[u8]) -> Option<usize> {
-    buf.iter().enumerate().find_map(|(i, &c)| {
-        if c != b'\n' {
-            return None;
-        }
-        match &buf[i + 1..] {
-            [b'\n', ..] => Some(i + 2),
-            [b'\r', b'\n', ..] => Some(i + 3),
-            _ => None,
-        }
-    })
-}
-
-async fn read_head(stream: &mut TcpStream, max: usize) -> io::Result<Head> {
-    let mut buf = Vec::with_capacity(1024);
-    let mut chunk = [0u8; 4096];
-    loop {
-        let n = stream.read(&mut chunk).await?;
-        if n == 0 {
-            return Ok(if buf.is_empty() {
-                Head::Closed
-            } else {
-                Head::Incomplete
-            });
-        }
-        // The terminator may straddle the previous read.
-        let from = buf.len().saturating_sub(3);
-        buf.extend_from_slice(&chunk[..n]);
-        if let Some(end) = find_head_end(&buf[from..]) {
-            let end = from + end;
-            if end > max {
-                return Ok(Head::TooLarge);
-            }
-            buf.truncate(end);
-            return Ok(Head::Complete(buf));
-        }
-        if buf.len() > max {
-            return Ok(Head::TooLarge);
-        }
-    }
-}
-
-struct Response {
-    status: u16,
-    content_type: &'static str,
-    body: String,
-    allow: bool,
-}
-
-impl Response {
-    fn text(status: u16, body: &str) -> Self {
-        Self {
-            status,
-            content_type: "text/plain; charset=utf-8",
-            body: body.to_owned(),
-            allow: false,
-        }
-    }
-
-    fn encode(&self, head_only: bool) -> Vec<u8> {
-        let mut head = format!(
-            "HTTP/1.1 {} {}\r\nContent-Type: {}\r\nContent-Length: {}\r\nCache-Control: no-store\r\nConnection: close\r\n",
-            self.status,
-            reason_phrase(self.status),
-            self.content_type,
-            self.body.len()
-        );
-        if self.allow {
-            head.push_str("Allow: GET, HEAD\r\n");
-        }
-        head.push_str("\r\n");
-        let mut out = head.into_bytes();
-        if !head_only {
-            out.extend_from_slice(self.body.as_bytes());
-        }
-        out
-    }
-}
-
-fn reason_phrase(status: u16) -> &'static str {
-    match status {
-        200 => "OK",
-        400 => "Bad Request",
-        404 => "Not Found",
-        405 => "Method Not Allowed",
-        408 => "Request Timeout",
-        431 => "Request Header Fields Too Large",
-        500 => "Internal Server Error",
-        503 => "Service Unavailable",
-        505 => "HTTP Version Not Supported",
-        _ => "Unknown",
-    }
-}
-
-/// RFC 9110 `tchar`.
-fn is_tchar(c: u8) -> bool {
-    c.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~".contains(&c)
-}
-
-fn is_token(s: &[u8]) -> bool {
-    !s.is_empty() && s.iter().all(|&c| is_tchar(c))
-}
-
-#[derive(Debug, PartialEq, Eq)]
-enum Route {
-    Metrics,
-    Healthz,
-    Readyz,
-}
-
-/// What a request head asks for: `Ok((route, is_head))` or the error response.
-fn parse_request(head: &[u8]) -> Result<(Route, bool), Response> {
-    let bad = || Response::text(400, "bad request\n");
-    let mut lines = head
-        .split(|&c| c == b'\n')
-        .map(|l| l.strip_suffix(b"\r").unwrap_or(l));
-    let line = lines.next().unwrap_or_default();
-    // Header fields: `name: value`; only their shape is checked.
-    for field in lines.filter(|l| !l.is_empty()) {
-        let Some(colon) = field.iter().position(|&c| c == b':') else {
-            return Err(bad());
-        };
-        if !is_token(&field[..colon]) {
-            return Err(bad());
-        }
-    }
-
-    let mut parts = line.split(|&c| c == b' ');
-    let (Some(method), Some(target), Some(version), None) =
-        (parts.next(), parts.next(), parts.next(), parts.next())
-    else {
-        return Err(bad());
-    };
-    if !is_token(method) || target.is_empty() || !target.iter().all(|c| c.is_ascii_graphic()) {
-        return Err(bad());
-    }
-    match version {
-        b"HTTP/1.0" | b"HTTP/1.1" => {}
-        [b'H', b'T', b'T', b'P', b'/', major, b'.', minor]
-            if major.is_ascii_digit() && minor.is_ascii_digit() =>
-        {
-            return Err(Response::text(505, "HTTP version not supported\n"));
-        }
-        _ => return Err(bad()),
-    }
-    let is_head = match method {
-        b"GET" => false,
-        b"HEAD" => true,
-        _ => {
-            let mut r = Response::text(405, "method not allowed\n");
-            r.allow = true;
-            return Err(r);
-        }
-    };
-    if target[0] != b'/' {
-        return Err(bad());
-    }
-    let path = target.split(|&c| c == b'?').next().unwrap_or_default();
-    match path {
-        b"/metrics" => Ok((Route::Metrics, is_head)),
-        b"/healthz" => Ok((Route::Healthz, is_head)),
-        b"/readyz" => Ok((Route::Readyz, is_head)),
-        _ => Err(Response::text(404, "not found\n")),
-    }
-}
-
-async fn respond(head: &[u8], metrics: &Arc<Metrics>, health: &Arc<HealthFn>) -> (Response, bool) {
-    let (route, is_head) = match parse_request(head) {
-        Ok(x) => x,
-        Err(resp) => return (resp, false),
-    };
-    let resp = match route {
-        Route::Metrics => {
-            // The snapshot source reads BPF maps and may block on a lock.
-            let m = metrics.clone();
-            match tokio::task::spawn_blocking(move || m.render()).await {
-                Ok(body) => Response {
-                    status: 200,
-                    content_type: "text/plain; version=0.0.4; charset=utf-8",
-                    body,
-                    allow: false,
-                },
-                Err(e) => {
-                    tracing::error!(error = %e, "rendering metrics failed");
-                    Response::text(500, "internal error\n")
-                }
-            }
-        }
-        Route::Healthz if health().0 => Response::text(200, "ok\n"),
-        Route::Healthz => Response::text(503, "not alive\n"),
-        Route::Readyz if health().1 => Response::text(200, "ready\n"),
-        Route::Readyz => Response::text(503, "not ready\n"),
-    };
-    (resp, is_head)
-}
-
-async fn handle_connection(
-    mut stream: TcpStream,
-    metrics: Arc<Metrics>,
-    health: Arc<HealthFn>,
-    limits: Limits,
-) -> io::Result<()> {
-    let head = timeout(limits.head_timeout, read_head(&mut stream, limits.max_head))
-        .await
-        .unwrap_or(Ok(Head::TimedOut))?;
-    let (resp, head_only) = match head {
-        Head::Closed => return Ok(()),
-        Head::Incomplete => (Response::text(400, "bad request\n"), false),
-        Head::TooLarge => (Response::text(431, "request head too large\n"), false),
-        Head::TimedOut => (Response::text(408, "request timeout\n"), false),
-        Head::Complete(head) => respond(&head, &metrics, &health).await,
-    };
-    let bytes = resp.encode(head_only);
-    timeout(limits.write_timeout, async {
-        stream.write_all(&bytes).await?;
-        stream.shutdown().await
-    })
-    .await
-    .map_err(|_| io::Error::new(io::ErrorKind::TimedOut, "writing the response timed out"))??;
-
-    // Lingering close: consume what the client still sends (a body, the rest
-    // of an oversized head) until it closes, so that our close does not turn
-    // into a reset that could destroy the response in flight.
-    let _ = timeout(limits.linger, async {
-        let mut sink = [0u8; 4096];
-        let mut left = limits.linger_bytes;
-        while left > 0 {
-            match stream.read(&mut sink).await {
-                Ok(0) | Err(_) => break,
-                Ok(n) => left = left.saturating_sub(n),
-            }
-        }
-    })
-    .await;
-    Ok(())
-}
-
-// ---------------------------------------------------------------------------
 // Tests.
 // ---------------------------------------------------------------------------
 
@@ -819,8 +488,7 @@ async fn handle_connection(
 mod tests {
     use super::*;
     use std::collections::BTreeMap;
-    use std::net::SocketAddr;
-    use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+    use std::sync::atomic::{AtomicU64, Ordering};
 
     fn stats(base: u64) -> TrafficStats {
         TrafficStats {
@@ -874,95 +542,6 @@ mod tests {
         }
     }
 
-    struct Server {
-        addr: SocketAddr,
-        metrics: Arc<Metrics>,
-        alive: Arc<AtomicBool>,
-        ready: Arc<AtomicBool>,
-        task: tokio::task::JoinHandle<()>,
-    }
-
-    impl Drop for Server {
-        fn drop(&mut self) {
-            self.task.abort();
-        }
-    }
-
-    async fn start(limits: Limits) -> Server {
-        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = listener.local_addr().unwrap();
-        let metrics = Arc::new(Metrics::new());
-        let alive = Arc::new(AtomicBool::new(true));
-        let ready = Arc::new(AtomicBool::new(false));
-        let (a, r) = (alive.clone(), ready.clone());
-        let health: Arc<HealthFn> =
-            Arc::new(move || (a.load(Ordering::SeqCst), r.load(Ordering::SeqCst)));
-        let task = tokio::spawn(serve_with_limits(listener, metrics.clone(), health, limits));
-        Server {
-            addr,
-            metrics,
-            alive,
-            ready,
-            task,
-        }
-    }
-
-    struct Reply {
-        status: u16,
-        headers: String,
-        body: String,
-    }
-
-    async fn raw(addr: SocketAddr, request: &[u8]) -> Reply {
-        let mut s = TcpStream::connect(addr).await.unwrap();
-        s.write_all(request).await.unwrap();
-        let mut out = Vec::new();
-        timeout(Duration::from_secs(10), s.read_to_end(&mut out))
-            .await
-            .expect("response in time")
-            .expect("read response");
-        parse_reply(&out)
-    }
-
-    fn parse_reply(out: &[u8]) -> Reply {
-        let text = String::from_utf8(out.to_vec()).unwrap();
-        let (head, body) = text.split_once("\r\n\r\n").expect("complete response");
-        let status = head
-            .split(' ')
-            .nth(1)
-            .and_then(|s| s.parse().ok())
-            .expect("status code");
-        let len: usize = head
-            .lines()
-            .find_map(|l| l.strip_prefix("Content-Length: "))
-            .and_then(|v| v.parse().ok())
-            .expect("content length");
-        assert!(head.starts_with("HTTP/1.1 "), "{head}");
-        assert!(head.contains("\r\nConnection: close"), "{head}");
-        Reply {
-            status,
-            headers: head.to_owned(),
-            body: body.to_owned(),
-        }
-        .check_len(len)
-    }
-
-    impl Reply {
-        fn check_len(self, len: usize) -> Self {
-            assert_eq!(self.body.len(), len, "Content-Length matches the body");
-            self
-        }
-    }
-
-    async fn get(addr: SocketAddr, path: &str) -> Reply {
-        raw(
-            addr,
-            format!("GET {path} HTTP/1.1\r\nHost: localhost\r\nUser-Agent: test\r\n\r\n")
-                .as_bytes(),
-        )
-        .await
-    }
-
     /// `# TYPE` lines: family name -> type.
     fn types(text: &str) -> BTreeMap<String, String> {
         text.lines()
@@ -983,25 +562,17 @@ mod tests {
 
     #[tokio::test]
     async fn metrics_scrape_has_families_labels_and_values() {
-        let srv = start(Limits::default()).await;
+        let m = Metrics::new();
         let packets = Arc::new(AtomicU64::new(100));
         let p = packets.clone();
-        srv.metrics
-            .set_snapshot_source(move || fake_snapshot(p.load(Ordering::SeqCst)));
-        srv.metrics.record_reload(true, Duration::from_millis(20));
-        srv.metrics.record_reload(false, Duration::from_millis(3));
-        srv.metrics.record_reload(true, Duration::from_secs(2));
-        srv.metrics.set_ready(true);
+        m.set_snapshot_source(move || fake_snapshot(p.load(Ordering::SeqCst)));
+        m.record_reload(true, Duration::from_millis(20));
+        m.record_reload(false, Duration::from_millis(3));
+        m.record_reload(true, Duration::from_secs(2));
+        m.set_ready(true);
 
-        let r = get(srv.addr, "/metrics").await;
-        assert_eq!(r.status, 200);
-        assert!(
-            r.headers
-                .contains("Content-Type: text/plain; version=0.0.4"),
-            "{}",
-            r.headers
-        );
-        let t = &r.body;
+        let body = m.render();
+        let t = &body;
 
         let web = r#"service="web",vip="10.0.0.1",port="80",protocol="tcp""#;
         has_line(t, &format!("xlb_service_packets_total{{{web}}} 100"));
@@ -1062,8 +633,8 @@ mod tests {
 
         // The source is read at scrape time.
         packets.store(250, Ordering::SeqCst);
-        srv.metrics.set_ready(false);
-        let t = get(srv.addr, "/metrics").await.body;
+        m.set_ready(false);
+        let t = m.render();
         has_line(&t, &format!("xlb_service_packets_total{{{web}}} 250"));
         has_line(&t, "xlb_agent_ready 0");
     }
@@ -1144,172 +715,5 @@ mod tests {
             &m.render(),
             r#"xlb_backend_healthy{service="we\"ird\\name\n",backend="[2001:db8::1]:443"} 1"#,
         );
-    }
-
-    #[tokio::test]
-    async fn health_endpoints_follow_the_closure() {
-        let srv = start(Limits::default()).await;
-
-        let r = get(srv.addr, "/healthz").await;
-        assert_eq!((r.status, r.body.as_str()), (200, "ok\n"));
-        let r = get(srv.addr, "/readyz").await;
-        assert_eq!((r.status, r.body.as_str()), (503, "not ready\n"));
-
-        srv.ready.store(true, Ordering::SeqCst);
-        let r = get(srv.addr, "/readyz").await;
-        assert_eq!((r.status, r.body.as_str()), (200, "ready\n"));
-        // Query strings are ignored.
-        assert_eq!(get(srv.addr, "/readyz?verbose=1").await.status, 200);
-
-        srv.alive.store(false, Ordering::SeqCst);
-        assert_eq!(get(srv.addr, "/healthz").await.status, 503);
-        srv.alive.store(true, Ordering::SeqCst);
-        assert_eq!(get(srv.addr, "/healthz").await.status, 200);
-    }
-
-    #[tokio::test]
-    async fn error_statuses() {
-        let srv = start(Limits::default()).await;
-        let a = srv.addr;
-
-        assert_eq!(get(a, "/").await.status, 404);
-        assert_eq!(get(a, "/metricsx").await.status, 404);
-        assert_eq!(get(a, "/metrics/").await.status, 404);
-
-        let r = raw(a, b"POST /metrics HTTP/1.1\r\nContent-Length: 3\r\n\r\nabc").await;
-        assert_eq!(r.status, 405);
-        assert!(r.headers.contains("\r\nAllow: GET, HEAD"), "{}", r.headers);
-        assert_eq!(
-            raw(a, b"DELETE /healthz HTTP/1.1\r\n\r\n").await.status,
-            405
-        );
-
-        for bad in [
-            &b"garbage\r\n\r\n"[..],
-            b"GET /metrics\r\n\r\n",
-            b"GET  /metrics HTTP/1.1\r\n\r\n",
-            b"GET /metrics HTTP/1.1 extra\r\n\r\n",
-            b"GET metrics HTTP/1.1\r\n\r\n",
-            b"GET /metrics FTP/1.1\r\n\r\n",
-            b"GET /metrics HTTP/1.1\r\nno colon here\r\n\r\n",
-            b"GET /metrics HTTP/1.1\r\n: empty name\r\n\r\n",
-            b"G\xffT /metrics HTTP/1.1\r\n\r\n",
-            b"GET /m\xc3\xa9trics HTTP/1.1\r\n\r\n",
-            b"\r\n\r\n",
-            // The client gives up half-way.
-            b"GET /metrics HTTP/1.1\r\nHost: x\r\n",
-        ] {
-            let mut s = TcpStream::connect(a).await.unwrap();
-            s.write_all(bad).await.unwrap();
-            s.shutdown().await.unwrap();
-            let mut out = Vec::new();
-            timeout(Duration::from_secs(10), s.read_to_end(&mut out))
-                .await
-                .unwrap()
-                .unwrap();
-            assert_eq!(
-                parse_reply(&out).status,
-                400,
-                "{:?}",
-                String::from_utf8_lossy(bad)
-            );
-        }
-        assert_eq!(raw(a, b"GET /metrics HTTP/2.0\r\n\r\n").await.status, 505);
-
-        // HTTP/1.0, bare LF line ends and HEAD are fine.
-        assert_eq!(raw(a, b"GET /healthz HTTP/1.0\r\n\r\n").await.status, 200);
-        assert_eq!(raw(a, b"GET /healthz HTTP/1.1\n\n").await.status, 200);
-        let mut s = TcpStream::connect(a).await.unwrap();
-        s.write_all(b"HEAD /healthz HTTP/1.1\r\n\r\n")
-            .await
-            .unwrap();
-        let mut out = Vec::new();
-        s.read_to_end(&mut out).await.unwrap();
-        let text = String::from_utf8(out).unwrap();
-        assert!(text.starts_with("HTTP/1.1 200 OK\r\n"), "{text}");
-        assert!(text.contains("Content-Length: 3\r\n"), "{text}");
-        assert!(text.ends_with("\r\n\r\n"), "HEAD has no body: {text:?}");
-
-        // Connecting and closing without a request gets nothing, harms nothing.
-        let mut s = TcpStream::connect(a).await.unwrap();
-        s.shutdown().await.unwrap();
-        let mut out = Vec::new();
-        s.read_to_end(&mut out).await.unwrap();
-        assert!(out.is_empty());
-
-        assert_eq!(get(a, "/healthz").await.status, 200);
-    }
-
-    #[tokio::test]
-    async fn huge_head_is_refused_and_the_server_keeps_serving() {
-        let srv = start(Limits::default()).await;
-        let mut req = b"GET /metrics HTTP/1.1\r\nX-Big: ".to_vec();
-        req.extend_from_slice(&vec![b'a'; 200_000]);
-        req.extend_from_slice(b"\r\n\r\n");
-
-        // Many at once, with normal requests in between.
-        let mut tasks = Vec::new();
-        for _ in 0..8 {
-            let (addr, req) = (srv.addr, req.clone());
-            tasks.push(tokio::spawn(async move { raw(addr, &req).await.status }));
-        }
-        for _ in 0..8 {
-            assert_eq!(get(srv.addr, "/healthz").await.status, 200);
-        }
-        for t in tasks {
-            let status = t.await.unwrap();
-            assert!(status == 431 || status == 400, "{status}");
-        }
-        // A head just over the limit, sent without a terminator.
-        let mut s = TcpStream::connect(srv.addr).await.unwrap();
-        s.write_all(&[b'x'; 9000]).await.unwrap();
-        let mut out = Vec::new();
-        timeout(Duration::from_secs(10), s.read_to_end(&mut out))
-            .await
-            .unwrap()
-            .unwrap();
-        assert_eq!(parse_reply(&out).status, 431);
-
-        assert_eq!(get(srv.addr, "/metrics").await.status, 200);
-    }
-
-    #[tokio::test]
-    async fn slow_clients_time_out_without_blocking_others() {
-        let srv = start(Limits {
-            head_timeout: Duration::from_millis(300),
-            ..Limits::default()
-        })
-        .await;
-        let mut slow = TcpStream::connect(srv.addr).await.unwrap();
-        slow.write_all(b"GET /metr").await.unwrap();
-        assert_eq!(get(srv.addr, "/healthz").await.status, 200);
-        let mut out = Vec::new();
-        timeout(Duration::from_secs(10), slow.read_to_end(&mut out))
-            .await
-            .unwrap()
-            .unwrap();
-        assert_eq!(parse_reply(&out).status, 408);
-    }
-
-    #[tokio::test]
-    async fn a_panicking_source_gives_500_and_the_server_survives() {
-        let srv = start(Limits::default()).await;
-        srv.metrics
-            .set_snapshot_source(|| panic!("test: the snapshot source failed"));
-        assert_eq!(get(srv.addr, "/metrics").await.status, 500);
-        assert_eq!(get(srv.addr, "/healthz").await.status, 200);
-        srv.metrics.set_snapshot_source(|| fake_snapshot(5));
-        let r = get(srv.addr, "/metrics").await;
-        assert_eq!(r.status, 200);
-        assert!(r.body.contains("xlb_conntrack_entries 42"));
-    }
-
-    #[test]
-    fn head_end_detection() {
-        assert_eq!(find_head_end(b"GET / HTTP/1.1\r\n\r\n"), Some(18));
-        assert_eq!(find_head_end(b"GET / HTTP/1.1\n\nbody"), Some(16));
-        assert_eq!(find_head_end(b"GET / HTTP/1.1\r\nA: b\r\n"), None);
-        assert_eq!(find_head_end(b""), None);
-        assert_eq!(find_head_end(b"\n"), None);
     }
 }

@@ -117,51 +117,6 @@ fn parse_ack(reply: &[u8]) -> io::Result<()> {
     }
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn the_request_nests_the_setting_as_the_kernel_expects() {
-        let msg = accept_local_request(7, true);
-        assert_eq!(
-            msg.len() as u32,
-            u32::from_ne_bytes(msg[0..4].try_into().unwrap())
-        );
-        // ifindex in ifinfomsg.
-        assert_eq!(i32::from_ne_bytes(msg[20..24].try_into().unwrap()), 7);
-        // AF_SPEC(nested) > AF_INET(nested) > INET_CONF(nested) > [23] = 1.
-        let attrs = &msg[32..];
-        assert_eq!(
-            u16::from_ne_bytes([attrs[2], attrs[3]]),
-            IFLA_AF_SPEC | NLA_F_NESTED
-        );
-        assert_eq!(u16::from_ne_bytes([attrs[6], attrs[7]]), 2 | NLA_F_NESTED);
-        assert_eq!(
-            u16::from_ne_bytes([attrs[10], attrs[11]]),
-            IFLA_INET_CONF | NLA_F_NESTED
-        );
-        assert_eq!(
-            u16::from_ne_bytes([attrs[14], attrs[15]]),
-            IPV4_DEVCONF_ACCEPT_LOCAL
-        );
-        assert_eq!(u32::from_ne_bytes(attrs[16..20].try_into().unwrap()), 1);
-        assert_eq!(attrs.len(), 20);
-    }
-
-    #[test]
-    fn acks_and_errors_are_told_apart() {
-        let mut ack = vec![0u8; 36];
-        ack[4..6].copy_from_slice(&(libc::NLMSG_ERROR as u16).to_ne_bytes());
-        assert!(parse_ack(&ack).is_ok());
-        ack[16..20].copy_from_slice(&(-libc::EPERM).to_ne_bytes());
-        assert_eq!(
-            parse_ack(&ack).unwrap_err().raw_os_error(),
-            Some(libc::EPERM)
-        );
-    }
-}
-
 /// `SIOCETHTOOL` and `ETHTOOL_GDRVINFO` (linux/sockios.h, linux/ethtool.h).
 const SIOCETHTOOL: libc::c_ulong = 0x8946;
 const ETHTOOL_GDRVINFO: u32 = 0x3;
@@ -212,5 +167,50 @@ pub fn driver(iface: &str) -> io::Result<String> {
         }
         let end = info.driver.iter().position(|&b| b == 0).unwrap_or(32);
         Ok(String::from_utf8_lossy(&info.driver[..end]).into_owned())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_request_nests_the_setting_as_the_kernel_expects() {
+        let msg = accept_local_request(7, true);
+        assert_eq!(
+            msg.len() as u32,
+            u32::from_ne_bytes(msg[0..4].try_into().unwrap())
+        );
+        // ifindex in ifinfomsg.
+        assert_eq!(i32::from_ne_bytes(msg[20..24].try_into().unwrap()), 7);
+        // AF_SPEC(nested) > AF_INET(nested) > INET_CONF(nested) > [23] = 1.
+        let attrs = &msg[32..];
+        assert_eq!(
+            u16::from_ne_bytes([attrs[2], attrs[3]]),
+            IFLA_AF_SPEC | NLA_F_NESTED
+        );
+        assert_eq!(u16::from_ne_bytes([attrs[6], attrs[7]]), 2 | NLA_F_NESTED);
+        assert_eq!(
+            u16::from_ne_bytes([attrs[10], attrs[11]]),
+            IFLA_INET_CONF | NLA_F_NESTED
+        );
+        assert_eq!(
+            u16::from_ne_bytes([attrs[14], attrs[15]]),
+            IPV4_DEVCONF_ACCEPT_LOCAL
+        );
+        assert_eq!(u32::from_ne_bytes(attrs[16..20].try_into().unwrap()), 1);
+        assert_eq!(attrs.len(), 20);
+    }
+
+    #[test]
+    fn acks_and_errors_are_told_apart() {
+        let mut ack = vec![0u8; 36];
+        ack[4..6].copy_from_slice(&(libc::NLMSG_ERROR as u16).to_ne_bytes());
+        assert!(parse_ack(&ack).is_ok());
+        ack[16..20].copy_from_slice(&(-libc::EPERM).to_ne_bytes());
+        assert_eq!(
+            parse_ack(&ack).unwrap_err().raw_os_error(),
+            Some(libc::EPERM)
+        );
     }
 }
