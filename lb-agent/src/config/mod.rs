@@ -1,0 +1,393 @@
+//! The agent's configuration file (standalone mode): types, parsing and
+//! validation. Every field is documented in docs/config.md.
+//!
+//! Parsing and validation are pure: `AgentConfig::parse(text)` either gives
+//! a config that the data plane will accept or an error naming the field
+//! and its line, and changes nothing.
+
+use std::{
+    net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr},
+    path::{Path, PathBuf},
+    time::Duration,
+};
+
+use ipnet::IpNet;
+
+use crate::dataplane::{BackendSpec, Protocol, ServiceSpec};
+
+/// The whole file.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct AgentConfig {
+    /// Interfaces the XDP program attaches to.
+    pub interfaces: Vec<String>,
+    /// Node address used as source by services in snat mode (per family).
+    pub snat_ipv4: Option<Ipv4Addr>,
+    pub snat_ipv6: Option<Ipv6Addr>,
+    /// Port range the data plane allocates SNAT source ports from (inclusive).
+    pub snat_ports: (u16, u16),
+    /// Where /metrics, /healthz and /readyz are served.
+    pub metrics_addr: SocketAddr,
+    /// XDP attach mode.
+    pub xdp_mode: XdpAttachMode,
+    /// Flow lifetimes after which a reply translation may be reused.
+    pub tcp_timeout: Duration,
+    pub tcp_closing_timeout: Duration,
+    pub udp_timeout: Duration,
+    /// Size of the kernel's Maglev pool (entries; two tables per service).
+    /// Takes effect when the maps are created (first start or after cleanup).
+    pub maglev_pool_entries: u32,
+    /// Announcing VIPs through a BGP speaker; `None`: no announcements.
+    pub bgp: Option<BgpConfig>,
+    /// Services from a Kubernetes cluster, besides those in the file.
+    pub kubernetes: Option<KubernetesConfig>,
+    pub services: Vec<ServiceConfig>,
+}
+
+/// The `kubernetes` section: where the cluster is and which Services are ours.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct KubernetesConfig {
+    /// A kubeconfig file; `None`: in-cluster config, else $KUBECONFIG or
+    /// ~/.kube/config (kube-rs's inference).
+    pub kubeconfig: Option<PathBuf>,
+    /// This node's name (for `externalTrafficPolicy: Local` and the node's
+    /// exclusion label); `None`: $NODE_NAME, else the host name.
+    pub node_name: Option<String>,
+    /// `spec.loadBalancerClass` of the Services xlb serves.
+    pub load_balancer_class: String,
+    /// Also serve LoadBalancer Services that set no class.
+    pub default_class: bool,
+    /// How Kubernetes Services are forwarded unless their `xlb.dev/mode`
+    /// annotation says otherwise.
+    pub mode: Mode,
+    /// Take part in electing the agent that hands out LoadBalancer IPs.
+    pub allocate_addresses: bool,
+    /// The Lease the allocating agent holds.
+    pub lease_namespace: String,
+    pub lease_name: String,
+    pub lease_duration: Duration,
+}
+
+/// The `bgp` section: which speaker, and what to announce.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct BgpConfig {
+    pub speaker: Speaker,
+    /// This node's address as next hop; `None`: the first address of the
+    /// first attached interface of that family.
+    pub next_hop_ipv4: Option<Ipv4Addr>,
+    pub next_hop_ipv6: Option<Ipv6Addr>,
+    pub communities: Vec<(u16, u16)>,
+    pub local_pref: Option<u32>,
+    /// On shutdown: withdraw, wait this long for the router to converge, exit.
+    pub drain_time: Duration,
+    /// How often the whole announced set is re-applied (heals a speaker
+    /// restart even when no event says so).
+    pub resync_interval: Duration,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Speaker {
+    GoBgp {
+        address: String,
+        peers: Vec<BgpPeer>,
+    },
+    Bird {
+        routes_file: PathBuf,
+        socket: PathBuf,
+        protocol: String,
+    },
+    ExaBgp {
+        pipe_dir: PathBuf,
+        pipe_name: String,
+    },
+}
+
+/// A BGP neighbour the agent configures in GoBGP.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct BgpPeer {
+    pub address: IpAddr,
+    pub asn: u32,
+    pub hold_time: Duration,
+    pub keepalive: Duration,
+    pub password: Option<String>,
+    pub multihop_ttl: Option<u8>,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum XdpAttachMode {
+    /// Driver (native) mode: the fast one; veth, most NICs.
+    Native,
+    /// Generic (skb) mode: works everywhere, slower.
+    Generic,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Mode {
+    /// DNAT only; the client address is kept.
+    Nat,
+    /// DNAT + SNAT to the node's address.
+    Snat,
+}
+
+/// What happens to flows on a backend that leaves the service.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RemovedBackendFlows {
+    /// Kept until they end (as Kubernetes terminating endpoints are).
+    Keep,
+    /// Their connection-table entries are deleted: the next packet goes to a
+    /// new backend (TCP connections break, which is the point).
+    Reset,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ServiceConfig {
+    pub name: String,
+    pub vip: IpAddr,
+    pub port: u16,
+    pub protocol: Protocol,
+    pub mode: Mode,
+    pub backends: Vec<BackendConfig>,
+    pub health_check: Option<HealthCheck>,
+    /// Maglev table size (prime); `None`: chosen from the backend count.
+    pub table_size: Option<u32>,
+    pub removed_backend_flows: RemovedBackendFlows,
+    /// Clients allowed to connect; `None`: everyone. `Some` and empty: no
+    /// one (a Kubernetes Service whose ranges are all of the other family).
+    pub source_ranges: Option<Vec<IpNet>>,
+    /// Session affinity by client address, and its (reported) timeout.
+    pub affinity: Option<ClientAffinity>,
+}
+
+/// `affinity: client_ip` / `sessionAffinity: ClientIP`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ClientAffinity {
+    /// Kubernetes' `timeoutSeconds` (1 s to 24 h; default 3 h). xlb's
+    /// affinity is computed from the client address rather than remembered,
+    /// so it does not lapse: docs/config.md explains.
+    pub timeout: Duration,
+}
+
+/// Kubernetes' default `sessionAffinityConfig.clientIP.timeoutSeconds`.
+pub const DEFAULT_AFFINITY_TIMEOUT: Duration = Duration::from_secs(10800);
+/// Kubernetes' largest `timeoutSeconds`.
+pub const MAX_AFFINITY_TIMEOUT: Duration = Duration::from_secs(86400);
+
+/// Parses one source range: a CIDR, or a single address (a /32 or /128).
+/// `strict` refuses host bits (the config file); otherwise they are cleared,
+/// as kube-proxy does with what the API server accepted.
+pub fn parse_source_range(entry: &str, strict: bool) -> Result<IpNet, String> {
+    let entry = entry.trim();
+    let net = match entry.parse::<IpNet>() {
+        Ok(n) => n,
+        Err(_) => match entry.parse::<IpAddr>() {
+            Ok(ip) => IpNet::from(ip),
+            Err(_) => return Err(format!("{entry:?} is not a CIDR (e.g. 203.0.113.0/24)")),
+        },
+    };
+    if strict && net.trunc() != net {
+        return Err(format!(
+            "{entry:?} has host bits set (the network is {})",
+            net.trunc()
+        ));
+    }
+    Ok(net.trunc())
+}
+
+/// The ranges of `ranges` of the family of `vip`, sorted and deduplicated.
+pub fn ranges_for(vip: IpAddr, ranges: &[IpNet]) -> Vec<IpNet> {
+    let mut out: Vec<IpNet> = ranges
+        .iter()
+        .filter(|n| n.addr().is_ipv4() == vip.is_ipv4())
+        .copied()
+        .collect();
+    out.sort();
+    out.dedup();
+    out
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct BackendConfig {
+    pub ip: IpAddr,
+    pub port: u16,
+    pub weight: u32,
+}
+
+impl BackendConfig {
+    pub fn addr(&self) -> SocketAddr {
+        SocketAddr::new(self.ip, self.port)
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct HealthCheck {
+    pub kind: CheckKind,
+    pub interval: Duration,
+    pub timeout: Duration,
+    /// Consecutive successes that bring a backend (back) in.
+    pub rise: u32,
+    /// Consecutive failures that take it out.
+    pub fall: u32,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum CheckKind {
+    /// A TCP connect to the backend's address (or `port` if set).
+    Tcp { port: Option<u16> },
+    /// An HTTP/1.1 GET of `path`; healthy when the status is `expect_status`.
+    Http {
+        port: Option<u16>,
+        path: String,
+        expect_status: u16,
+    },
+}
+
+// ---------------------------------------------------------------------------
+// Defaults and limits (docs/config.md lists them too).
+
+/// `metrics_addr` when the file sets none.
+/// Default wait between withdrawing and exiting.
+pub const DEFAULT_LOAD_BALANCER_CLASS: &str = "xlb.dev/xlb";
+pub const DEFAULT_LEASE_NAME: &str = "xlb-address-allocator";
+pub const DEFAULT_LEASE_NAMESPACE: &str = "xlb-system";
+pub const DEFAULT_LEASE_DURATION: Duration = Duration::from_secs(15);
+pub const DEFAULT_DRAIN_TIME: Duration = Duration::from_secs(5);
+/// Default period of re-applying the announced set.
+pub const DEFAULT_RESYNC_INTERVAL: Duration = Duration::from_secs(5);
+/// Where gobgpd serves its gRPC API by default.
+pub const DEFAULT_GOBGP_ADDRESS: &str = "http://127.0.0.1:50051";
+pub const DEFAULT_METRICS_ADDR: SocketAddr = SocketAddr::new(IpAddr::V4(Ipv4Addr::LOCALHOST), 9469);
+pub const DEFAULT_TCP_TIMEOUT: Duration = Duration::from_secs(900);
+pub const DEFAULT_TCP_CLOSING_TIMEOUT: Duration = Duration::from_secs(10);
+pub const DEFAULT_UDP_TIMEOUT: Duration = Duration::from_secs(60);
+/// Lowest port `snat_ports` may start at (below are the privileged ports).
+pub const MIN_SNAT_PORT: u16 = 1024;
+pub const MAX_WEIGHT: u32 = 1000;
+pub const DEFAULT_CHECK_INTERVAL: Duration = Duration::from_secs(1);
+pub const MIN_CHECK_INTERVAL: Duration = Duration::from_millis(100);
+pub const DEFAULT_RISE: u32 = 2;
+pub const DEFAULT_FALL: u32 = 3;
+/// Longest interface name Linux accepts (IFNAMSIZ - 1).
+const MAX_IFNAME: usize = 15;
+const MAX_SERVICE_NAME: usize = 63;
+
+// ---------------------------------------------------------------------------
+// Errors.
+
+/// Why a configuration file was rejected. `Display` gives the position and
+/// the field, e.g. `line 7, services[0].backends[1].ip: "10.2.0.x" is not an
+/// IP address`; it does not repeat the file name (the caller knows it).
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("cannot read the file: {source}")]
+    Read {
+        file: PathBuf,
+        source: std::io::Error,
+    },
+    /// Not YAML at all.
+    #[error("line {line}, column {column}: YAML syntax error: {message}")]
+    Syntax {
+        line: usize,
+        column: usize,
+        message: String,
+    },
+    /// YAML, but not a valid configuration: `field` is the dotted path of
+    /// the offending value (`services[1].backends[0].ip`; `(top level)` for
+    /// the document itself), `line` its (1-based) line.
+    #[error("line {line}, {field}: {message}")]
+    Invalid {
+        line: usize,
+        field: String,
+        message: String,
+    },
+}
+
+impl ConfigError {
+    /// The 1-based line the error is about, if it is about the text.
+    pub fn line(&self) -> Option<usize> {
+        match self {
+            ConfigError::Read { .. } => None,
+            ConfigError::Syntax { line, .. } | ConfigError::Invalid { line, .. } => Some(*line),
+        }
+    }
+
+    /// The dotted path of the offending field, if there is one.
+    pub fn field(&self) -> Option<&str> {
+        match self {
+            ConfigError::Invalid { field, .. } => Some(field),
+            _ => None,
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------
+// Parsing and validation.
+
+impl AgentConfig {
+    /// Parses and validates a configuration file's text.
+    pub fn parse(text: &str) -> Result<AgentConfig, ConfigError> {
+        let raw: RawConfig = serde_yaml::from_str(text).map_err(|e| yaml_error(text, e))?;
+        Validator { text }.config(raw)
+    }
+
+    /// Reads, parses and validates the file at `path`.
+    pub fn load(path: &Path) -> Result<AgentConfig, ConfigError> {
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+            file: path.to_owned(),
+            source,
+        })?;
+        Self::parse(&text)
+    }
+
+    /// What the data plane should program, one spec per service, in file
+    /// order. Every spec passes `ServiceSpec::validate`.
+    pub fn service_specs(&self) -> Vec<ServiceSpec> {
+        self.services.iter().map(|s| self.service_spec(s)).collect()
+    }
+
+    /// The data-plane spec of one service of this config.
+    pub fn service_spec(&self, s: &ServiceConfig) -> ServiceSpec {
+        let snat = match s.mode {
+            Mode::Nat => None,
+            Mode::Snat => match s.vip {
+                IpAddr::V4(_) => self.snat_ipv4.map(IpAddr::V4),
+                IpAddr::V6(_) => self.snat_ipv6.map(IpAddr::V6),
+            },
+        };
+        ServiceSpec {
+            vip: s.vip,
+            port: s.port,
+            protocol: s.protocol,
+            snat,
+            table_size: s.table_size,
+            source_ranges: s.source_ranges.as_ref().map(|r| ranges_for(s.vip, r)),
+            client_affinity: s.affinity.is_some(),
+            backends: s
+                .backends
+                .iter()
+                .map(|b| BackendSpec {
+                    addr: b.addr(),
+                    weight: b.weight,
+                })
+                .collect(),
+        }
+    }
+
+    /// The data plane's global settings (SNAT ports, flow timeouts).
+    pub fn dataplane_config(&self) -> lb_common::Config {
+        let secs = |d: Duration| u32::try_from(d.as_secs()).unwrap_or(u32::MAX);
+        lb_common::Config {
+            snat_port_min: self.snat_ports.0,
+            snat_port_max: self.snat_ports.1,
+            tcp_timeout_s: secs(self.tcp_timeout),
+            tcp_closing_timeout_s: secs(self.tcp_closing_timeout),
+            udp_timeout_s: secs(self.udp_timeout),
+        }
+    }
+}
+
+mod locate;
+mod raw;
+mod validate;
+
+use self::{locate::yaml_error, raw::RawConfig, validate::Validator};
+#[cfg(test)]
+mod tests;

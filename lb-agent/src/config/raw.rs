@@ -1,0 +1,200 @@
+//! The file as written: plain values, checked and converted by the
+//! validator. serde refuses unknown fields and wrong shapes here.
+
+use serde::Deserialize;
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields, expecting = "a mapping of configuration fields")]
+pub(super) struct RawConfig {
+    pub(super) interfaces: Vec<String>,
+    pub(super) snat_ipv4: Option<String>,
+    pub(super) snat_ipv6: Option<String>,
+    pub(super) snat_ports: Option<String>,
+    pub(super) metrics_addr: Option<String>,
+    pub(super) xdp_mode: Option<RawXdpMode>,
+    pub(super) timeouts: Option<RawTimeouts>,
+    pub(super) maglev_pool_entries: Option<u32>,
+    pub(super) bgp: Option<RawBgp>,
+    pub(super) kubernetes: Option<RawKubernetes>,
+    #[serde(default)]
+    pub(super) services: Vec<RawService>,
+}
+
+#[derive(Deserialize)]
+#[serde(
+    deny_unknown_fields,
+    expecting = "a kubernetes mapping (kubeconfig, node_name, load_balancer_class, ...)"
+)]
+pub(super) struct RawKubernetes {
+    pub(super) kubeconfig: Option<String>,
+    pub(super) node_name: Option<String>,
+    pub(super) load_balancer_class: Option<String>,
+    pub(super) default_class: Option<bool>,
+    pub(super) mode: Option<RawMode>,
+    pub(super) allocate_addresses: Option<bool>,
+    pub(super) lease_namespace: Option<String>,
+    pub(super) lease_name: Option<String>,
+    pub(super) lease_duration: Option<String>,
+}
+
+#[derive(Deserialize)]
+#[serde(
+    deny_unknown_fields,
+    expecting = "a bgp mapping (driver, next hops, ...)"
+)]
+pub(super) struct RawBgp {
+    pub(super) driver: RawDriver,
+    pub(super) next_hop_ipv4: Option<String>,
+    pub(super) next_hop_ipv6: Option<String>,
+    #[serde(default)]
+    pub(super) communities: Vec<String>,
+    pub(super) local_pref: Option<u32>,
+    pub(super) drain_time: Option<String>,
+    pub(super) resync_interval: Option<String>,
+    pub(super) gobgp: Option<RawGoBgp>,
+    pub(super) bird: Option<RawBird>,
+    pub(super) exabgp: Option<RawExaBgp>,
+}
+
+#[derive(Deserialize)]
+#[serde(rename_all = "snake_case", expecting = "gobgp, bird or exabgp")]
+pub(super) enum RawDriver {
+    Gobgp,
+    Bird,
+    Exabgp,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields, expecting = "a gobgp mapping (address, peers)")]
+pub(super) struct RawGoBgp {
+    pub(super) address: Option<String>,
+    #[serde(default)]
+    pub(super) peers: Vec<RawPeer>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields, expecting = "a peer (address, asn, ...)")]
+pub(super) struct RawPeer {
+    pub(super) address: String,
+    pub(super) asn: u32,
+    pub(super) hold_time: Option<String>,
+    pub(super) keepalive: Option<String>,
+    pub(super) password: Option<String>,
+    pub(super) multihop_ttl: Option<u8>,
+}
+
+#[derive(Deserialize)]
+#[serde(
+    deny_unknown_fields,
+    expecting = "a bird mapping (routes_file, socket, protocol)"
+)]
+pub(super) struct RawBird {
+    pub(super) routes_file: Option<String>,
+    pub(super) socket: Option<String>,
+    pub(super) protocol: Option<String>,
+}
+
+#[derive(Deserialize)]
+#[serde(
+    deny_unknown_fields,
+    expecting = "an exabgp mapping (pipe_dir, pipe_name)"
+)]
+pub(super) struct RawExaBgp {
+    pub(super) pipe_dir: Option<String>,
+    pub(super) pipe_name: Option<String>,
+}
+
+#[derive(Deserialize)]
+#[serde(rename_all = "snake_case", expecting = "native or generic")]
+pub(super) enum RawXdpMode {
+    Native,
+    Generic,
+}
+
+#[derive(Deserialize)]
+#[serde(
+    deny_unknown_fields,
+    expecting = "a mapping with tcp, tcp_closing, udp"
+)]
+pub(super) struct RawTimeouts {
+    pub(super) tcp: Option<String>,
+    pub(super) tcp_closing: Option<String>,
+    pub(super) udp: Option<String>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields, expecting = "a service (a mapping)")]
+pub(super) struct RawService {
+    pub(super) name: String,
+    pub(super) vip: String,
+    pub(super) port: i64,
+    pub(super) protocol: Option<RawProtocol>,
+    pub(super) mode: Option<RawMode>,
+    pub(super) table_size: Option<i64>,
+    pub(super) on_backend_removed: Option<RawRemoved>,
+    pub(super) backends: Vec<RawBackend>,
+    pub(super) health_check: Option<RawHealthCheck>,
+    pub(super) source_ranges: Option<Vec<String>>,
+    pub(super) affinity: Option<RawAffinity>,
+    pub(super) affinity_timeout: Option<String>,
+}
+
+#[derive(Deserialize)]
+#[serde(rename_all = "snake_case", expecting = "none or client_ip")]
+pub(super) enum RawAffinity {
+    None,
+    ClientIp,
+}
+
+#[derive(Deserialize)]
+#[serde(rename_all = "snake_case", expecting = "tcp or udp")]
+pub(super) enum RawProtocol {
+    Tcp,
+    Udp,
+}
+
+#[derive(Deserialize)]
+#[serde(rename_all = "snake_case", expecting = "nat or snat")]
+pub(super) enum RawMode {
+    Nat,
+    Snat,
+}
+
+#[derive(Deserialize)]
+#[serde(rename_all = "snake_case", expecting = "keep or reset")]
+pub(super) enum RawRemoved {
+    Keep,
+    Reset,
+}
+
+#[derive(Deserialize)]
+#[serde(
+    deny_unknown_fields,
+    expecting = "a backend (a mapping with ip, port, weight)"
+)]
+pub(super) struct RawBackend {
+    pub(super) ip: String,
+    pub(super) port: i64,
+    pub(super) weight: Option<i64>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields, expecting = "a health check (a mapping)")]
+pub(super) struct RawHealthCheck {
+    #[serde(rename = "type")]
+    pub(super) kind: RawCheckType,
+    pub(super) port: Option<i64>,
+    pub(super) path: Option<String>,
+    pub(super) expect_status: Option<i64>,
+    pub(super) interval: Option<String>,
+    pub(super) timeout: Option<String>,
+    pub(super) rise: Option<i64>,
+    pub(super) fall: Option<i64>,
+}
+
+#[derive(Deserialize)]
+#[serde(rename_all = "snake_case", expecting = "tcp or http")]
+pub(super) enum RawCheckType {
+    Tcp,
+    Http,
+}

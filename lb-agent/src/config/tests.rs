@@ -1,0 +1,1069 @@
+//! The file's rules, one field at a time.
+
+use super::*;
+
+/// The example of docs/config.md, every field set.
+const FULL: &str = "\
+interfaces: [eth0, eth1]
+snat_ipv4: 10.0.0.1
+snat_ipv6: fd00::1
+snat_ports: 20000-29999
+metrics_addr: 0.0.0.0:9469
+xdp_mode: generic
+timeouts: { tcp: 15m, tcp_closing: 10s, udp: 60s }
+services:
+  - name: web
+    vip: 192.0.2.10
+    port: 80
+    protocol: tcp
+    mode: nat
+    table_size: 16381
+    on_backend_removed: keep
+    backends:
+      - { ip: 10.2.0.2, port: 8080, weight: 1 }
+      - { ip: 10.2.0.3, port: 8080, weight: 0 }
+    health_check: { type: tcp, interval: 1s, timeout: 500ms, rise: 2, fall: 2 }
+  - name: dns6
+    vip: 2001:db8::53
+    port: 53
+    protocol: udp
+    mode: snat
+    on_backend_removed: reset
+    backends:
+      - ip: fd00::2
+        port: 53
+        weight: 1000
+    health_check:
+      type: http
+      path: /healthz
+      expect_status: 204
+      port: 8081
+      interval: 2s
+      timeout: 1s
+      rise: 3
+      fall: 4
+";
+
+/// Small and valid; the rejection tests break one thing in it.
+/// Line numbers matter: the tests assert them.
+const BASE: &str = "\
+interfaces: [eth0]
+snat_ipv4: 10.0.0.1
+services:
+  - name: web
+    vip: 192.0.2.10
+    port: 80
+    backends:
+      - { ip: 10.2.0.2, port: 8080 }
+      - ip: 10.2.0.3
+        port: 8080
+  - name: api
+    vip: 192.0.2.11
+    port: 443
+    backends:
+      - { ip: 10.2.0.4, port: 8443 }
+";
+
+fn v4(s: &str) -> IpAddr {
+    IpAddr::V4(s.parse().unwrap())
+}
+
+fn ip(s: &str) -> IpAddr {
+    s.parse().unwrap()
+}
+
+/// Replaces exactly one occurrence of `from` in `text`.
+fn edit(text: &str, from: &str, to: &str) -> String {
+    assert_eq!(text.matches(from).count(), 1, "{from:?} must occur once");
+    text.replacen(from, to, 1)
+}
+
+/// Asserts that `text` is rejected at `line` about `field`, with a
+/// message containing `needle`; returns the message.
+#[track_caller]
+fn rejects(text: &str, line: usize, field: &str, needle: &str) -> String {
+    let e = AgentConfig::parse(text).expect_err("must be rejected");
+    let msg = e.to_string();
+    assert_eq!(e.line(), Some(line), "wrong line in {msg:?}");
+    assert_eq!(e.field(), Some(field), "wrong field in {msg:?}");
+    assert!(
+        msg.starts_with(&format!("line {line}, {field}: ")),
+        "bad format: {msg:?}"
+    );
+    assert!(msg.contains(needle), "{msg:?} lacks {needle:?}");
+    msg
+}
+
+#[test]
+fn full_example() {
+    let c = AgentConfig::parse(FULL).unwrap();
+    let expected = AgentConfig {
+        interfaces: vec!["eth0".into(), "eth1".into()],
+        snat_ipv4: Some("10.0.0.1".parse().unwrap()),
+        snat_ipv6: Some("fd00::1".parse().unwrap()),
+        snat_ports: (20000, 29999),
+        metrics_addr: "0.0.0.0:9469".parse().unwrap(),
+        xdp_mode: XdpAttachMode::Generic,
+        tcp_timeout: Duration::from_secs(900),
+        tcp_closing_timeout: Duration::from_secs(10),
+        udp_timeout: Duration::from_secs(60),
+        maglev_pool_entries: lb_common::MAGLEV_POOL_ENTRIES,
+        bgp: None,
+        kubernetes: None,
+        services: vec![
+            ServiceConfig {
+                name: "web".into(),
+                vip: v4("192.0.2.10"),
+                port: 80,
+                protocol: Protocol::Tcp,
+                mode: Mode::Nat,
+                backends: vec![
+                    BackendConfig {
+                        ip: v4("10.2.0.2"),
+                        port: 8080,
+                        weight: 1,
+                    },
+                    BackendConfig {
+                        ip: v4("10.2.0.3"),
+                        port: 8080,
+                        weight: 0,
+                    },
+                ],
+                health_check: Some(HealthCheck {
+                    kind: CheckKind::Tcp { port: None },
+                    interval: Duration::from_secs(1),
+                    timeout: Duration::from_millis(500),
+                    rise: 2,
+                    fall: 2,
+                }),
+                table_size: Some(16381),
+                removed_backend_flows: RemovedBackendFlows::Keep,
+                source_ranges: None,
+                affinity: None,
+            },
+            ServiceConfig {
+                name: "dns6".into(),
+                vip: ip("2001:db8::53"),
+                port: 53,
+                protocol: Protocol::Udp,
+                mode: Mode::Snat,
+                backends: vec![BackendConfig {
+                    ip: ip("fd00::2"),
+                    port: 53,
+                    weight: 1000,
+                }],
+                health_check: Some(HealthCheck {
+                    kind: CheckKind::Http {
+                        port: Some(8081),
+                        path: "/healthz".into(),
+                        expect_status: 204,
+                    },
+                    interval: Duration::from_secs(2),
+                    timeout: Duration::from_secs(1),
+                    rise: 3,
+                    fall: 4,
+                }),
+                table_size: None,
+                removed_backend_flows: RemovedBackendFlows::Reset,
+                source_ranges: None,
+                affinity: None,
+            },
+        ],
+    };
+    assert_eq!(c, expected);
+    let dp = c.dataplane_config();
+    assert_eq!(
+        (dp.snat_port_min, dp.snat_port_max, dp.tcp_timeout_s),
+        (20000, 29999, 900)
+    );
+    assert_eq!((dp.tcp_closing_timeout_s, dp.udp_timeout_s), (10, 60));
+}
+
+#[test]
+fn defaults() {
+    let c = AgentConfig::parse(
+        "interfaces: [eth0]\n\
+             services:\n\
+             - name: a\n  vip: 192.0.2.1\n  port: 53\n  backends: [{ ip: 10.0.0.1, port: 53 }]\n  \
+               health_check: { type: http }\n",
+    )
+    .unwrap();
+    assert_eq!(c.snat_ipv4, None);
+    assert_eq!(c.snat_ipv6, None);
+    assert_eq!(c.snat_ports, (10000, 32767));
+    assert_eq!(c.metrics_addr, "127.0.0.1:9469".parse().unwrap());
+    assert_eq!(c.xdp_mode, XdpAttachMode::Native);
+    assert_eq!(c.tcp_timeout, Duration::from_secs(900));
+    assert_eq!(c.tcp_closing_timeout, Duration::from_secs(10));
+    assert_eq!(c.udp_timeout, Duration::from_secs(60));
+    assert_eq!(c.dataplane_config(), lb_common::Config::default());
+    let s = &c.services[0];
+    assert_eq!(s.protocol, Protocol::Tcp);
+    assert_eq!(s.mode, Mode::Nat);
+    assert_eq!(s.table_size, None);
+    assert_eq!(s.removed_backend_flows, RemovedBackendFlows::Keep);
+    assert_eq!(s.backends[0].weight, 1);
+    assert_eq!(
+        s.health_check,
+        Some(HealthCheck {
+            kind: CheckKind::Http {
+                port: None,
+                path: "/".into(),
+                expect_status: 200
+            },
+            interval: Duration::from_secs(1),
+            timeout: Duration::from_millis(500),
+            rise: 2,
+            fall: 3,
+        })
+    );
+    // A tcp check with only an interval: timeout is half of it.
+    let c = AgentConfig::parse(&edit(
+        BASE,
+        "    port: 443\n",
+        "    port: 443\n    health_check: { type: tcp, interval: 10s }\n",
+    ))
+    .unwrap();
+    let h = c.services[1].health_check.as_ref().unwrap();
+    assert_eq!(h.kind, CheckKind::Tcp { port: None });
+    assert_eq!(h.timeout, Duration::from_secs(5));
+    // No services at all is valid (an idle agent).
+    let c = AgentConfig::parse("interfaces: [eth0]\n").unwrap();
+    assert!(c.services.is_empty());
+}
+
+#[test]
+fn base_is_valid() {
+    let c = AgentConfig::parse(BASE).unwrap();
+    assert_eq!(c.services.len(), 2);
+    // Same VIP and port with another protocol is another service.
+    let text = edit(
+        BASE,
+        "    vip: 192.0.2.11\n    port: 443\n",
+        "    vip: 192.0.2.10\n    port: 80\n    protocol: udp\n",
+    );
+    AgentConfig::parse(&text).unwrap();
+}
+
+#[test]
+fn service_specs_validate() {
+    for text in [FULL, BASE] {
+        let c = AgentConfig::parse(text).unwrap();
+        let specs = c.service_specs();
+        assert_eq!(specs.len(), c.services.len());
+        for spec in &specs {
+            spec.validate().unwrap();
+        }
+    }
+    let c = AgentConfig::parse(FULL).unwrap();
+    let specs = c.service_specs();
+    assert_eq!(specs[0].snat, None);
+    assert_eq!(specs[0].table_size, Some(16381));
+    assert_eq!(
+        specs[0].backends,
+        vec![
+            BackendSpec {
+                addr: "10.2.0.2:8080".parse().unwrap(),
+                weight: 1
+            },
+            BackendSpec {
+                addr: "10.2.0.3:8080".parse().unwrap(),
+                weight: 0
+            },
+        ]
+    );
+    assert_eq!(specs[1].snat, Some(ip("fd00::1")));
+    assert_eq!(specs[1].protocol, Protocol::Udp);
+    assert_eq!(specs[1].table_size, None);
+    // An IPv4 snat service gets the IPv4 address.
+    let text = edit(BASE, "    port: 443\n", "    port: 443\n    mode: snat\n");
+    let specs = AgentConfig::parse(&text).unwrap().service_specs();
+    assert_eq!(specs[1].snat, Some(v4("10.0.0.1")));
+    specs[1].validate().unwrap();
+    // The largest service the default table takes.
+    let mut text = String::from(
+        "interfaces: [eth0]\nservices:\n- name: big\n  vip: 192.0.2.1\n  port: 80\n  backends:\n",
+    );
+    for j in 0..655 {
+        text += &format!("  - {{ ip: 10.1.{}.{}, port: 80 }}\n", j / 256, j % 256);
+    }
+    let specs = AgentConfig::parse(&text).unwrap().service_specs();
+    specs[0].validate().unwrap();
+}
+
+#[test]
+fn yaml_syntax_error() {
+    let text = edit(BASE, "    vip: 192.0.2.11\n", "    vip: 192.0.2.11: 5\n");
+    let e = AgentConfig::parse(&text).unwrap_err();
+    assert!(matches!(e, ConfigError::Syntax { .. }), "{e}");
+    assert_eq!(e.line(), Some(12));
+    assert_eq!(
+        e.to_string(),
+        "line 12, column 20: YAML syntax error: mapping values are not allowed in this context"
+    );
+    // Bad indentation: libyaml only notices on the next line; serde_yaml
+    // would have reported a missing field of the service before it.
+    let text = edit(BASE, "    port: 80\n", "    port: 80\n   vip: 1.2.3.4\n");
+    let e = AgentConfig::parse(&text).unwrap_err();
+    assert!(matches!(e, ConfigError::Syntax { line: 7, .. }), "{e}");
+    assert!(
+        e.to_string()
+            .contains("did not find expected '-' indicator"),
+        "{e}"
+    );
+    let text = edit(BASE, "    port: 80\n", "    port: 80\n\tvip: 1.2.3.4\n");
+    let e = AgentConfig::parse(&text).unwrap_err();
+    assert!(
+        e.to_string()
+            .starts_with("line 7, column 1: YAML syntax error: found a tab"),
+        "{e}"
+    );
+    let e = AgentConfig::parse("a: 1\n---\nb: 2\n").unwrap_err();
+    assert!(e.to_string().contains("more than one document"), "{e}");
+    let e = AgentConfig::parse("interfaces: *x\n").unwrap_err();
+    assert!(
+        e.to_string()
+            .contains("line 1, column 13: YAML syntax error: unknown anchor"),
+        "{e}"
+    );
+}
+
+#[test]
+fn unknown_fields() {
+    let text = edit(BASE, "port: 8080 }", "port: 8080, wieght: 2 }");
+    rejects(
+        &text,
+        8,
+        "services[0].backends[0].wieght",
+        "unknown field `wieght`",
+    );
+    let text = edit(BASE, "snat_ipv4: 10.0.0.1\n", "snat_ip: 10.0.0.1\n");
+    rejects(
+        &text,
+        2,
+        "snat_ip",
+        "unknown field `snat_ip`, expected one of",
+    );
+    let text = edit(
+        BASE,
+        "    port: 443\n",
+        "    port: 443\n    health_check: { type: tcp, intreval: 1s }\n",
+    );
+    rejects(
+        &text,
+        14,
+        "services[1].health_check.intreval",
+        "unknown field",
+    );
+    let text = edit(
+        BASE,
+        "snat_ipv4: 10.0.0.1\n",
+        "timeouts:\n  tcp: 1m\n  icmp: 1m\n",
+    );
+    rejects(&text, 4, "timeouts.icmp", "unknown field `icmp`");
+    let text = edit(BASE, "    port: 443\n", "    port: 443\n    port: 444\n");
+    rejects(&text, 11, "services[1].port", "duplicate field `port`");
+}
+
+#[test]
+fn wrong_types_and_missing_fields() {
+    let text = edit(BASE, "    port: 80\n", "    port: http\n");
+    rejects(
+        &text,
+        6,
+        "services[0].port",
+        "invalid type: string \"http\", expected an integer",
+    );
+    let text = edit(BASE, "interfaces: [eth0]", "interfaces: eth0");
+    rejects(&text, 1, "interfaces", "invalid type");
+    let text = edit(
+        BASE,
+        "    port: 443\n",
+        "    port: 443\n    protocol: sctp\n",
+    );
+    rejects(
+        &text,
+        14,
+        "services[1].protocol",
+        "unknown variant `sctp`, expected `tcp` or `udp`",
+    );
+    let text = edit(BASE, "    port: 443\n", "    port: 443\n    mode: dsr\n");
+    rejects(&text, 14, "services[1].mode", "unknown variant `dsr`");
+    let text = edit(BASE, "snat_ipv4: 10.0.0.1\n", "xdp_mode: offload\n");
+    rejects(&text, 2, "xdp_mode", "unknown variant `offload`");
+    let text = edit(
+        BASE,
+        "    port: 443\n",
+        "    port: 443\n    on_backend_removed: drop\n",
+    );
+    rejects(
+        &text,
+        14,
+        "services[1].on_backend_removed",
+        "unknown variant `drop`",
+    );
+    let text = edit(
+        BASE,
+        "    port: 443\n",
+        "    port: 443\n    health_check: { type: icmp }\n",
+    );
+    rejects(
+        &text,
+        14,
+        "services[1].health_check.type",
+        "unknown variant `icmp`",
+    );
+    // Missing: reported at the mapping that lacks it.
+    let text = edit(BASE, "    vip: 192.0.2.11\n", "");
+    rejects(&text, 11, "services[1].vip", "missing field `vip`");
+    let text = edit(BASE, "interfaces: [eth0]\n", "");
+    rejects(&text, 1, "interfaces", "missing field `interfaces`");
+    rejects("", 1, "interfaces", "missing field `interfaces`");
+    let msg = rejects("- eth0\n", 1, "(top level)", "invalid type: sequence");
+    assert!(
+        msg.contains("expected a mapping of configuration fields"),
+        "{msg}"
+    );
+    let text = edit(
+        BASE,
+        "  - name: api\n",
+        "  - name: api\n    table_size: 1.5\n",
+    );
+    rejects(
+        &text,
+        12,
+        "services[1].table_size",
+        "invalid type: floating point",
+    );
+}
+
+#[test]
+fn bad_addresses() {
+    let text = edit(BASE, "      - ip: 10.2.0.3\n", "      - ip: 10.2.0.x\n");
+    let msg = rejects(
+        &text,
+        9,
+        "services[0].backends[1].ip",
+        "\"10.2.0.x\" is not an IP address",
+    );
+    assert_eq!(
+        msg,
+        "line 9, services[0].backends[1].ip: \"10.2.0.x\" is not an IP address"
+    );
+    let text = edit(BASE, "    vip: 192.0.2.11\n", "    vip: 192.0.2.256\n");
+    rejects(&text, 12, "services[1].vip", "is not an IP address");
+    let text = edit(BASE, "    vip: 192.0.2.11\n", "    vip: 12\n");
+    rejects(&text, 12, "services[1].vip", "\"12\" is not an IP address");
+    let text = edit(BASE, "snat_ipv4: 10.0.0.1", "snat_ipv4: fd00::1");
+    rejects(&text, 2, "snat_ipv4", "is not an IPv4 address");
+    let text = edit(BASE, "snat_ipv4: 10.0.0.1", "snat_ipv6: 10.0.0.1");
+    rejects(&text, 2, "snat_ipv6", "is not an IPv6 address");
+    let text = edit(BASE, "snat_ipv4: 10.0.0.1", "metrics_addr: localhost:9469");
+    rejects(&text, 2, "metrics_addr", "is not an address:port");
+    let text = edit(BASE, "snat_ipv4: 10.0.0.1", "metrics_addr: \"[::1]:9469\"");
+    assert_eq!(
+        AgentConfig::parse(&text).unwrap().metrics_addr,
+        "[::1]:9469".parse().unwrap()
+    );
+}
+
+#[test]
+fn bad_ports() {
+    let text = edit(BASE, "        port: 8080\n", "        port: 0\n");
+    rejects(
+        &text,
+        10,
+        "services[0].backends[1].port",
+        "0 is not a port (1 to 65535)",
+    );
+    let text = edit(BASE, "        port: 8080\n", "        port: 70000\n");
+    rejects(
+        &text,
+        10,
+        "services[0].backends[1].port",
+        "70000 is not a port",
+    );
+    let text = edit(BASE, "    port: 443\n", "    port: -1\n");
+    rejects(&text, 13, "services[1].port", "-1 is not a port");
+    let text = edit(
+        BASE,
+        "    port: 443\n",
+        "    port: 443\n    health_check: { type: tcp, port: 65536 }\n",
+    );
+    rejects(
+        &text,
+        14,
+        "services[1].health_check.port",
+        "65536 is not a port",
+    );
+}
+
+#[test]
+fn interfaces() {
+    let text = edit(BASE, "interfaces: [eth0]", "interfaces: []");
+    rejects(&text, 1, "interfaces", "at least one interface");
+    let text = edit(
+        BASE,
+        "interfaces: [eth0]",
+        "interfaces:\n  - eth0\n  - a-very-long-name0",
+    );
+    rejects(&text, 3, "interfaces[1]", "is not an interface name");
+    let text = edit(BASE, "interfaces: [eth0]", "interfaces: [eth0, eth0]");
+    rejects(&text, 1, "interfaces[1]", "listed twice");
+    let text = edit(BASE, "interfaces: [eth0]", "interfaces: [\"et h0\"]");
+    rejects(&text, 1, "interfaces[0]", "is not an interface name");
+}
+
+#[test]
+fn service_names() {
+    let text = edit(BASE, "  - name: api\n", "  - name: web\n");
+    let msg = rejects(
+        &text,
+        11,
+        "services[1].name",
+        "duplicate service name \"web\"",
+    );
+    assert!(msg.ends_with("(also services[0] at line 4)"), "{msg}");
+    let text = edit(BASE, "  - name: api\n", "  - name: Api\n");
+    rejects(&text, 11, "services[1].name", "is not a service name");
+    let long = "x".repeat(64);
+    let text = edit(BASE, "  - name: api\n", &format!("  - name: {long}\n"));
+    rejects(&text, 11, "services[1].name", "is not a service name");
+    let text = edit(BASE, "  - name: api\n", "  - name: \"\"\n");
+    rejects(&text, 11, "services[1].name", "is not a service name");
+    let text = edit(
+        BASE,
+        "  - name: api\n",
+        &format!("  - name: a-b_c.{}\n", "9".repeat(57)),
+    );
+    AgentConfig::parse(&text).unwrap();
+}
+
+#[test]
+fn duplicate_vip() {
+    let text = edit(
+        BASE,
+        "    vip: 192.0.2.11\n    port: 443\n",
+        "    vip: 192.0.2.10\n    port: 80\n",
+    );
+    let msg = rejects(&text, 11, "services[1]", "duplicate VIP");
+    assert_eq!(
+        msg,
+        "line 11, services[1]: duplicate VIP 192.0.2.10:80/tcp (also in service \"web\" at line 4)"
+    );
+    let text = edit(
+        BASE,
+        "    vip: 192.0.2.11\n    port: 443\n",
+        "    vip: 192.0.2.10\n    port: 80\n    protocol: tcp\n",
+    );
+    rejects(&text, 11, "services[1]", "duplicate VIP 192.0.2.10:80/tcp");
+}
+
+#[test]
+fn backends() {
+    let text = edit(
+        BASE,
+        "    backends:\n      - { ip: 10.2.0.4, port: 8443 }\n",
+        "    backends: []\n",
+    );
+    rejects(&text, 14, "services[1].backends", "at least one backend");
+    let text = edit(BASE, "10.2.0.4", "fd00::4");
+    rejects(
+        &text,
+        15,
+        "services[1].backends[0].ip",
+        "fd00::4 is IPv6 but the VIP 192.0.2.11 is IPv4",
+    );
+    let text = edit(BASE, "    vip: 192.0.2.11\n", "    vip: 2001:db8::1\n");
+    rejects(
+        &text,
+        15,
+        "services[1].backends[0].ip",
+        "10.2.0.4 is IPv4 but the VIP 2001:db8::1 is IPv6",
+    );
+    let text = edit(BASE, "      - ip: 10.2.0.3\n", "      - ip: 10.2.0.2\n");
+    let msg = rejects(
+        &text,
+        9,
+        "services[0].backends[1]",
+        "duplicate backend 10.2.0.2:8080",
+    );
+    assert!(msg.ends_with("(also backends[0] at line 8)"), "{msg}");
+    // Same address, other port: fine.
+    let text = edit(
+        BASE,
+        "      - ip: 10.2.0.3\n        port: 8080\n",
+        "      - ip: 10.2.0.2\n        port: 8081\n",
+    );
+    AgentConfig::parse(&text).unwrap();
+    let text = edit(BASE, "port: 8443 }", "port: 8443, weight: 1001 }");
+    rejects(
+        &text,
+        15,
+        "services[1].backends[0].weight",
+        "weight 1001 is out of range (0 to 1000",
+    );
+    let text = edit(BASE, "port: 8443 }", "port: 8443, weight: -1 }");
+    rejects(
+        &text,
+        15,
+        "services[1].backends[0].weight",
+        "weight -1 is out of range",
+    );
+    let text = edit(BASE, "port: 8443 }", "port: 8443, weight: 0 }");
+    assert_eq!(
+        AgentConfig::parse(&text).unwrap().services[1].backends[0].weight,
+        0
+    );
+}
+
+#[test]
+fn snat_needs_its_address() {
+    let text = edit(BASE, "snat_ipv4: 10.0.0.1\n", "snat_ipv6: fd00::1\n");
+    let text = edit(&text, "    port: 443\n", "    port: 443\n    mode: snat\n");
+    rejects(&text, 14, "services[1].mode", "needs snat_ipv4");
+    let text = edit(BASE, "    vip: 192.0.2.11\n", "    vip: 2001:db8::1\n");
+    let text = edit(&text, "10.2.0.4", "fd00::4");
+    let text = edit(&text, "    port: 443\n", "    port: 443\n    mode: snat\n");
+    rejects(
+        &text,
+        14,
+        "services[1].mode",
+        "mode snat with the IPv6 VIP 2001:db8::1 needs snat_ipv6",
+    );
+    // nat mode needs neither.
+    let text = edit(BASE, "snat_ipv4: 10.0.0.1\n", "");
+    AgentConfig::parse(&text).unwrap();
+}
+
+#[test]
+fn source_ranges_and_affinity() {
+    let with = |extra: &str| edit(BASE, "  - name: web\n", &format!("  - name: web\n{extra}"));
+    let ok = AgentConfig::parse(&with(
+        "    source_ranges: [203.0.113.0/24, 10.0.0.0/8, 198.51.100.7]\n    affinity: client_ip\n",
+    ))
+    .unwrap();
+    let web = &ok.services[0];
+    let nets: Vec<String> = web
+        .source_ranges
+        .iter()
+        .flatten()
+        .map(|n| n.to_string())
+        .collect();
+    assert_eq!(nets, ["10.0.0.0/8", "198.51.100.7/32", "203.0.113.0/24"]);
+    assert_eq!(
+        web.affinity,
+        Some(ClientAffinity {
+            timeout: DEFAULT_AFFINITY_TIMEOUT
+        })
+    );
+    let spec = ok.service_spec(web);
+    assert!(spec.client_affinity);
+    assert_eq!(spec.source_ranges.as_ref().map(Vec::len), Some(3));
+    assert_eq!(ok.services[1].source_ranges, None, "open unless restricted");
+    assert!(!ok.service_spec(&ok.services[1]).client_affinity);
+
+    rejects(
+        &with("    source_ranges: [10.0.0.1/8]\n"),
+        5,
+        "services[0].source_ranges[0]",
+        "host bits set (the network is 10.0.0.0/8)",
+    );
+    rejects(
+        &with("    source_ranges: [2001:db8::/32]\n"),
+        5,
+        "services[0].source_ranges[0]",
+        "is IPv6 but the VIP 192.0.2.10 is IPv4",
+    );
+    rejects(
+        &with("    source_ranges: [10.0.0.0/33]\n"),
+        5,
+        "services[0].source_ranges[0]",
+        "is not a CIDR",
+    );
+    rejects(
+        &with("    source_ranges: []\n"),
+        5,
+        "services[0].source_ranges",
+        "refuse every client",
+    );
+    rejects(
+        &with("    affinity: client_ip\n    affinity_timeout: 2d\n"),
+        6,
+        "services[0].affinity_timeout",
+        "out of range",
+    );
+    rejects(
+        &with("    affinity_timeout: 1h\n"),
+        5,
+        "services[0].affinity_timeout",
+        "needs affinity: client_ip",
+    );
+    let t = AgentConfig::parse(&with(
+        "    affinity: client_ip\n    affinity_timeout: 10m\n",
+    ))
+    .unwrap();
+    assert_eq!(
+        t.services[0].affinity.unwrap().timeout,
+        Duration::from_secs(600)
+    );
+}
+
+#[test]
+fn table_sizes() {
+    let with = |m: &str| {
+        edit(
+            BASE,
+            "  - name: web\n",
+            &format!("  - name: web\n    table_size: {m}\n"),
+        )
+    };
+    rejects(&with("16380"), 5, "services[0].table_size", "not a prime");
+    rejects(&with("65539"), 5, "services[0].table_size", "exceeds 65537");
+    rejects(
+        &with("101"),
+        5,
+        "services[0].table_size",
+        "below 100 x 2 backends",
+    );
+    rejects(&with("-7"), 5, "services[0].table_size", "not a prime");
+    rejects(
+        &with("4294967311"),
+        5,
+        "services[0].table_size",
+        "not a prime",
+    );
+    assert_eq!(
+        AgentConfig::parse(&with("211")).unwrap().services[0].table_size,
+        Some(211)
+    );
+    // Without a size, the default must hold the backends.
+    let mut text = String::from(
+        "interfaces: [eth0]\nservices:\n- name: big\n  vip: 192.0.2.1\n  port: 80\n  backends:\n",
+    );
+    for j in 0..656 {
+        text += &format!("  - {{ ip: 10.1.{}.{}, port: 80 }}\n", j / 256, j % 256);
+    }
+    rejects(
+        &text,
+        6,
+        "services[0].backends",
+        "656 backends are too many",
+    );
+}
+
+#[test]
+fn timeouts() {
+    let with = |t: &str| {
+        edit(
+            BASE,
+            "snat_ipv4: 10.0.0.1\n",
+            &format!("timeouts:\n  {t}\n"),
+        )
+    };
+    rejects(
+        &with("tcp: 15 parsecs"),
+        3,
+        "timeouts.tcp",
+        "\"15 parsecs\" is not a duration",
+    );
+    rejects(
+        &with("udp: 500ms"),
+        3,
+        "timeouts.udp",
+        "500ms is shorter than 1s",
+    );
+    rejects(
+        &with("tcp_closing: 0s"),
+        3,
+        "timeouts.tcp_closing",
+        "shorter than 1s",
+    );
+    rejects(
+        &with("udp: 60"),
+        3,
+        "timeouts.udp",
+        "\"60\" is not a duration",
+    );
+    rejects(&with("udp: 200years"), 3, "timeouts.udp", "is longer than");
+    let c = AgentConfig::parse(&with("tcp: 1h 30m")).unwrap();
+    assert_eq!(c.tcp_timeout, Duration::from_secs(5400));
+    assert_eq!(c.udp_timeout, DEFAULT_UDP_TIMEOUT);
+}
+
+#[test]
+fn health_checks() {
+    let with = |h: &str| {
+        edit(
+            BASE,
+            "    port: 443\n",
+            &format!("    port: 443\n    health_check:\n      {h}\n"),
+        )
+    };
+    let hc = "services[1].health_check";
+    rejects(
+        &with("{ type: tcp, interval: 50ms }"),
+        15,
+        &format!("{hc}.interval"),
+        "50ms is shorter than 100ms",
+    );
+    rejects(
+        &with("{ type: tcp, interval: 1x }"),
+        15,
+        &format!("{hc}.interval"),
+        "is not a duration",
+    );
+    rejects(
+        &with("{ type: tcp, timeout: 0s }"),
+        15,
+        &format!("{hc}.timeout"),
+        "must be above 0",
+    );
+    rejects(
+        &with("{ type: tcp, interval: 1s, timeout: 2s }"),
+        15,
+        &format!("{hc}.timeout"),
+        "at most the interval (1s)",
+    );
+    rejects(
+        &with("{ type: tcp, rise: 0 }"),
+        15,
+        &format!("{hc}.rise"),
+        "0 is not a count of at least 1",
+    );
+    rejects(
+        &with("{ type: tcp, fall: -2 }"),
+        15,
+        &format!("{hc}.fall"),
+        "-2 is not a count",
+    );
+    rejects(
+        &with("{ type: http, path: healthz }"),
+        15,
+        &format!("{hc}.path"),
+        "\"healthz\" is not an HTTP path",
+    );
+    rejects(
+        &with("{ type: http, path: \"/a b\" }"),
+        15,
+        &format!("{hc}.path"),
+        "is not an HTTP path",
+    );
+    rejects(
+        &with("{ type: http, expect_status: 99 }"),
+        15,
+        &format!("{hc}.expect_status"),
+        "99 is not an HTTP status",
+    );
+    rejects(
+        &with("{ type: tcp, path: /x }"),
+        15,
+        &format!("{hc}.path"),
+        "only http checks",
+    );
+    rejects(
+        &with("{ type: tcp, expect_status: 200 }"),
+        15,
+        &format!("{hc}.expect_status"),
+        "only http checks",
+    );
+    // Block style: the line of the field itself.
+    let text = with("type: http\n      path: /ok\n      interval: 1s\n      timeout: 5s");
+    rejects(&text, 18, &format!("{hc}.timeout"), "at most the interval");
+}
+
+#[test]
+fn snat_ports() {
+    let with = |p: &str| {
+        edit(
+            BASE,
+            "snat_ipv4: 10.0.0.1\n",
+            &format!("snat_ipv4: 10.0.0.1\nsnat_ports: {p}\n"),
+        )
+    };
+    for bad in [
+        "80-90",
+        "30000-20000",
+        "abc",
+        "10000-70000",
+        "10000",
+        "1023-2000",
+    ] {
+        rejects(&with(bad), 3, "snat_ports", "is not a port range MIN-MAX");
+    }
+    assert_eq!(
+        AgentConfig::parse(&with("1024-65535")).unwrap().snat_ports,
+        (1024, 65535)
+    );
+    assert_eq!(
+        AgentConfig::parse(&with("5000-5000")).unwrap().snat_ports,
+        (5000, 5000)
+    );
+}
+
+#[test]
+fn lines_in_flow_style_and_with_comments() {
+    // The whole file on few lines, in flow style, with comments and
+    // blank lines: the line is still the value's.
+    let text = "# xlb\n\ninterfaces: [eth0]   # the uplink\n\
+                    services: [ { name: a, vip: 192.0.2.1, port: 80, backends: [ { ip: 10.0.0.1, port: 80 } ] },\n\
+                    \n  # the second\n\
+                    { name: b, vip: 192.0.2.2, port: 80, backends: [ { ip: 10.0.0.1, port: 80 },\n\
+                    { ip: 10.0.0.x, port: 80 } ] } ]\n";
+    rejects(
+        text,
+        8,
+        "services[1].backends[1].ip",
+        "\"10.0.0.x\" is not an IP address",
+    );
+    // Anchors and aliases.
+    let text = "interfaces: [eth0]\nservices:\n- name: a\n  vip: 192.0.2.1\n  port: 80\n  \
+                    backends: &bs\n  - { ip: 10.0.0.1, port: 80 }\n  - { ip: 10.0.0.1, port: 80 }\n";
+    rejects(text, 8, "services[0].backends[1]", "duplicate backend");
+}
+
+#[test]
+fn load_from_file() {
+    let dir = std::env::temp_dir().join(format!("xlb-config-test-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = dir.join("lb.yaml");
+    std::fs::write(&file, BASE).unwrap();
+    assert_eq!(
+        AgentConfig::load(&file).unwrap(),
+        AgentConfig::parse(BASE).unwrap()
+    );
+    let missing = dir.join("missing.yaml");
+    let e = AgentConfig::load(&missing).unwrap_err();
+    assert!(matches!(e, ConfigError::Read { .. }), "{e}");
+    assert_eq!(e.line(), None);
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+// Its speed shows in the e2e bench (reload time); here only correctness.
+fn large_config_parses_and_locates_errors() {
+    let mut text = String::from("interfaces: [eth0]\nsnat_ipv4: 10.0.0.1\nservices:\n");
+    for i in 0..1000 {
+        text += &format!(
+            "  - name: svc-{i}\n    vip: 192.0.{}.{}\n    port: 80\n    mode: snat\n    \
+                 health_check: {{ type: http, path: /healthz }}\n    backends:\n",
+            i / 256,
+            i % 256
+        );
+        for j in 0..100 {
+            text += &format!(
+                "      - {{ ip: 10.{}.{}.{j}, port: 8080, weight: 1 }}\n",
+                i / 256,
+                i % 256
+            );
+        }
+    }
+    let c = AgentConfig::parse(&text).unwrap();
+    assert_eq!(c.services.len(), 1000);
+    assert_eq!(c.services[999].backends.len(), 100);
+    // An error at the very end is located.
+    let bad = text.replacen("ip: 10.3.231.99,", "ip: 10.3.231.x,", 1);
+    let e = AgentConfig::parse(&bad).unwrap_err();
+    assert_eq!(e.field(), Some("services[999].backends[99].ip"));
+    assert_eq!(e.line(), Some(text.lines().count()));
+}
+#[test]
+fn kubernetes_section_parses_and_checks() {
+    let k = AgentConfig::parse("interfaces: [eth0]\nkubernetes: {}\n")
+        .unwrap()
+        .kubernetes
+        .unwrap();
+    assert_eq!(k.load_balancer_class, DEFAULT_LOAD_BALANCER_CLASS);
+    assert_eq!(
+        (k.default_class, k.mode, k.allocate_addresses),
+        (false, Mode::Snat, true)
+    );
+    assert_eq!(
+        (k.lease_namespace.as_str(), k.lease_name.as_str()),
+        (DEFAULT_LEASE_NAMESPACE, DEFAULT_LEASE_NAME)
+    );
+    assert_eq!(k.lease_duration, DEFAULT_LEASE_DURATION);
+    assert_eq!((k.kubeconfig, k.node_name), (None, None));
+
+    let full = "interfaces: [eth0]\nkubernetes:\n  kubeconfig: /etc/xlb/kc\n  node_name: worker-1\n  \
+                    load_balancer_class: example.com/lb\n  default_class: true\n  mode: nat\n  \
+                    allocate_addresses: false\n  lease_namespace: lb\n  lease_name: ipam\n  lease_duration: 30s\n";
+    let k = AgentConfig::parse(full).unwrap().kubernetes.unwrap();
+    assert_eq!(k.kubeconfig.as_deref(), Some(Path::new("/etc/xlb/kc")));
+    assert_eq!(k.node_name.as_deref(), Some("worker-1"));
+    assert_eq!(k.load_balancer_class, "example.com/lb");
+    assert_eq!(
+        (k.default_class, k.mode, k.allocate_addresses),
+        (true, Mode::Nat, false)
+    );
+    assert_eq!(
+        (k.lease_namespace.as_str(), k.lease_name.as_str()),
+        ("lb", "ipam")
+    );
+    assert_eq!(k.lease_duration, Duration::from_secs(30));
+
+    let bad = |line: &str| format!("interfaces: [eth0]\nkubernetes:\n  {line}\n");
+    rejects(
+        &bad("node_name: Worker_1"),
+        3,
+        "kubernetes.node_name",
+        "not a Kubernetes name",
+    );
+    rejects(
+        &bad("lease_namespace: -x"),
+        3,
+        "kubernetes.lease_namespace",
+        "not a Kubernetes name",
+    );
+    rejects(
+        &bad("lease_duration: 1s"),
+        3,
+        "kubernetes.lease_duration",
+        "outside 2s..=1h",
+    );
+    rejects(
+        &bad("load_balancer_class: \"a b\""),
+        3,
+        "kubernetes.load_balancer_class",
+        "not a loadBalancerClass",
+    );
+    rejects(&bad("mode: dsr"), 3, "kubernetes.mode", "nat");
+    rejects(&bad("watch: all"), 3, "kubernetes.watch", "unknown field");
+}
+
+#[test]
+fn bgp_section_parses_and_checks() {
+    let text = format!(
+            "{BASE}bgp:\n  driver: gobgp\n  next_hop_ipv4: 10.0.0.1\n  communities: [\"65000:100\"]\n  local_pref: 200\n  drain_time: 2s\n  gobgp:\n    peers:\n      - {{ address: 10.0.0.254, asn: 65000, hold_time: 6s }}\n"
+        );
+    let c = AgentConfig::parse(&text).unwrap();
+    let b = c.bgp.unwrap();
+    assert_eq!(b.next_hop_ipv4, Some("10.0.0.1".parse().unwrap()));
+    assert_eq!(b.communities, vec![(65000, 100)]);
+    assert_eq!(b.local_pref, Some(200));
+    assert_eq!(b.drain_time, Duration::from_secs(2));
+    match b.speaker {
+        Speaker::GoBgp { address, peers } => {
+            assert_eq!(address, DEFAULT_GOBGP_ADDRESS);
+            assert_eq!(peers.len(), 1);
+            assert_eq!(peers[0].hold_time, Duration::from_secs(6));
+            assert_eq!(peers[0].keepalive, Duration::from_secs(2));
+        }
+        other => panic!("{other:?}"),
+    }
+    let bad = format!("{BASE}bgp:\n  driver: gobgp\n  communities: [\"65000:x\"]\n");
+    let e = AgentConfig::parse(&bad).unwrap_err().to_string();
+    assert!(
+        e.contains("bgp.communities[0]") && e.contains("line"),
+        "{e}"
+    );
+    let bad = format!("{BASE}bgp:\n  driver: quagga\n");
+    let e = AgentConfig::parse(&bad).unwrap_err().to_string();
+    assert!(
+        e.contains("line") && e.contains("bgp.driver") && e.contains("quagga"),
+        "{e}"
+    );
+    let bad = format!("{BASE}bgp:\n  driver: bird\n  next_hop_ipv4: fd00::1\n");
+    let e = AgentConfig::parse(&bad).unwrap_err().to_string();
+    assert!(e.contains("bgp.next_hop_ipv4"), "{e}");
+}
