@@ -899,8 +899,23 @@ pub fn allocate(services: &[ServiceRequest], pools: &Pools) -> Allocation {
         .collect();
     let mut used: Holders = BTreeMap::new();
 
-    // 1. What Services hold now and may keep, older first.
-    for &i in &order {
+    keep_current(services, pools, &order, &mut states, &mut used);
+    grant_requested(services, pools, &order, &mut states, &mut used);
+    assign_new(services, pools, &order, &mut states, &mut used);
+    results(services, pools, &order, states, &used)
+}
+
+type Order<'a> = &'a [usize];
+
+/// Phase 1: what Services hold now and may keep, older first.
+fn keep_current(
+    services: &[ServiceRequest],
+    pools: &Pools,
+    order: Order<'_>,
+    states: &mut [State],
+    used: &mut Holders,
+) {
+    for &i in order.iter() {
         let st = &mut states[i];
         for &ip in &services[i].current {
             let family = Family::of(&ip);
@@ -927,13 +942,21 @@ pub fn allocate(services: &[ServiceRequest], pools: &Pools) -> Allocation {
             };
             if keep {
                 st.got.insert(family, ip);
-                hold(&mut used, ip, i);
+                hold(used, ip, i);
             }
         }
     }
+}
 
-    // 2. Requested addresses, older first; only free ones.
-    for &i in &order {
+/// Phase 2: requested addresses, older first; only free (or shareable) ones.
+fn grant_requested(
+    services: &[ServiceRequest],
+    pools: &Pools,
+    order: Order<'_>,
+    states: &mut [State],
+    used: &mut Holders,
+) {
+    for &i in order.iter() {
         let st = &mut states[i];
         let Ok(plan) = &st.plan else { continue };
         let mut failure = None;
@@ -976,20 +999,28 @@ pub fn allocate(services: &[ServiceRequest], pools: &Pools) -> Allocation {
                 break;
             }
             st.got.insert(family, ip);
-            hold(&mut used, ip, i);
+            hold(used, ip, i);
         }
         if let Some(f) = failure {
-            release(st, &mut used, i);
+            release(st, used, i);
             st.failure = Some(f);
         }
     }
+}
 
-    // 3. New addresses for the families still missing, older first.
+/// Phase 3: new addresses for the families still missing, older first.
+fn assign_new(
+    services: &[ServiceRequest],
+    pools: &Pools,
+    order: Order<'_>,
+    states: &mut [State],
+    used: &mut Holders,
+) {
     let mut auto_pools: Vec<&Pool> = pools.valid().filter(|p| p.auto_assign).collect();
     // Scoped pools by priority first; the catch-all pools last.
     auto_pools.sort_by_key(|p| p.order_key());
     let mut exhausted: BTreeSet<(String, Family)> = BTreeSet::new();
-    for &i in &order {
+    for &i in order.iter() {
         let st = &mut states[i];
         if st.failure.is_some() {
             continue;
@@ -1032,7 +1063,7 @@ pub fn allocate(services: &[ServiceRequest], pools: &Pools) -> Allocation {
                     if exhausted.contains(&key) {
                         return None;
                     }
-                    let ip = p.first_free(family, &used);
+                    let ip = p.first_free(family, used);
                     if ip.is_none() {
                         exhausted.insert(key);
                     }
@@ -1044,7 +1075,7 @@ pub fn allocate(services: &[ServiceRequest], pools: &Pools) -> Allocation {
                     picks.push((family, ip));
                     // Reserved now so the Service's other family cannot
                     // take it; undone below if the Service fails.
-                    hold(&mut used, ip, i);
+                    hold(used, ip, i);
                 }
                 None => {
                     let f = if plan.named.is_none()
@@ -1070,17 +1101,25 @@ pub fn allocate(services: &[ServiceRequest], pools: &Pools) -> Allocation {
             }
             Some(f) => {
                 for (_, ip) in picks {
-                    unhold(&mut used, ip, i);
+                    unhold(used, ip, i);
                 }
-                release(st, &mut used, i);
+                release(st, used, i);
                 st.failure = Some(f);
                 // What it gave back may serve a younger Service.
                 exhausted.clear();
             }
         }
     }
+}
 
-    // 4. Results.
+/// Phase 4: the decisions, and the addresses in use per pool.
+fn results(
+    services: &[ServiceRequest],
+    pools: &Pools,
+    order: Order<'_>,
+    states: Vec<State>,
+    used: &Holders,
+) -> Allocation {
     let mut allocation = Allocation::default();
     for pool in pools.valid() {
         allocation.in_use.insert(pool.name.clone(), 0);
