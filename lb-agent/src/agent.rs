@@ -25,15 +25,13 @@ use tokio::{
 use tracing::{error, info, warn};
 
 use crate::{
-    announce::{
-        task::{interface_address, AnnounceTask},
-        Route,
-    },
+    announce::{task::AnnounceTask, Route},
     config::{AgentConfig, RemovedBackendFlows, ServiceConfig, XdpAttachMode},
     dataplane::{Dataplane, Protocol, ServiceSpec},
     health::{HealthChecker, HealthSnapshot},
     k8s::{desired::SourceOptions, watch::DesiredRx},
     metrics::{BackendSample, DataplaneSnapshot, Metrics, ServiceSample},
+    netif::interface_address,
 };
 
 pub struct AgentOptions {
@@ -80,18 +78,11 @@ struct Labels {
 /// sources. (IPv4 only: IPv6 has no such switch.) Set through rtnetlink, so
 /// CAP_NET_ADMIN is enough and no privileged container is needed.
 fn accept_local(iface: &str) {
-    let set = ifindex(iface).and_then(|index| crate::netconf::set_accept_local(index, true));
+    let set = crate::netif::ifindex(iface)
+        .ok_or_else(|| std::io::Error::from(std::io::ErrorKind::NotFound))
+        .and_then(|index| crate::netif::set_accept_local(index, true));
     if let Err(e) = set {
         warn!(interface = %iface, "setting accept_local: {e}; snat flows to backends with no neighbour entry yet will stall");
-    }
-}
-
-fn ifindex(iface: &str) -> std::io::Result<u32> {
-    let name = std::ffi::CString::new(iface).map_err(std::io::Error::other)?;
-    // SAFETY: a valid NUL-terminated string.
-    match unsafe { libc::if_nametoindex(name.as_ptr()) } {
-        0 => Err(std::io::Error::last_os_error()),
-        index => Ok(index),
     }
 }
 
@@ -304,7 +295,7 @@ impl Agent {
                         .with_context(|| format!("attaching to {iface}"))?;
                     accept_local(iface);
                     info!(interface = %iface, "XDP program attached");
-                    if crate::netconf::driver(iface).is_ok_and(|d| d == "veth") {
+                    if crate::netif::driver(iface).is_ok_and(|d| d == "veth") {
                         warn!(
                             interface = %iface,
                             "a veth: TCP packets its peer sends with TX checksum offload on (the \

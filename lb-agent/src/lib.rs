@@ -8,4 +8,4 @@ pub mod health;
 pub mod http;
 pub mod k8s;
 pub mod metrics;
-pub mod netconf;
+pub mod netif;

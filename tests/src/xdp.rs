@@ -3,7 +3,7 @@
 use std::time::Duration;
 
 use aya::programs::{TestRun, TestRunOptions, Xdp};
-use lb_agent::dataplane::{ifindex, Dataplane};
+use lb_agent::{dataplane::Dataplane, netif::ifindex};
 
 use crate::netns::{fixture_namespace_named, Netns};
 
@@ -20,11 +20,17 @@ pub struct FixtureBed {
 
 impl FixtureBed {
     pub fn new(name: &str) -> Self {
+        Self::with_pins(name, None)
+    }
+
+    /// As [`FixtureBed::new`], with the maps pinned under `pin_dir` (so that
+    /// lbctl can read them).
+    pub fn with_pins(name: &str, pin_dir: Option<&std::path::Path>) -> Self {
         let ns = fixture_namespace_named(name);
         ns.enter();
         let cl0 = ifindex("cl0").expect("cl0");
         let be0 = ifindex("be0").expect("be0");
-        let mut dp = Dataplane::load().expect("load the XDP program (root needed)");
+        let mut dp = Dataplane::open(pin_dir).expect("load the XDP program (root needed)");
         dp.allow_redirect(cl0).unwrap();
         dp.allow_redirect(be0).unwrap();
         Self { dp, cl0, be0, ns }

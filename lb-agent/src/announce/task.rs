@@ -200,47 +200,6 @@ async fn apply(
     }
 }
 
-/// The first address of `family` (v4 when `v4`) on interface `iface`:
-/// the default next hop. IPv6 link-local addresses are skipped.
-pub fn interface_address(iface: &str, v4: bool) -> Option<IpAddr> {
-    let mut out = None;
-    // SAFETY: getifaddrs fills a list we walk read-only and free once.
-    unsafe {
-        let mut list: *mut libc::ifaddrs = std::ptr::null_mut();
-        if libc::getifaddrs(&mut list) != 0 {
-            return None;
-        }
-        let mut cur = list;
-        while !cur.is_null() && out.is_none() {
-            let ifa = &*cur;
-            cur = ifa.ifa_next;
-            if ifa.ifa_addr.is_null()
-                || std::ffi::CStr::from_ptr(ifa.ifa_name).to_str() != Ok(iface)
-            {
-                continue;
-            }
-            match (*ifa.ifa_addr).sa_family as i32 {
-                libc::AF_INET if v4 => {
-                    let sin = &*(ifa.ifa_addr as *const libc::sockaddr_in);
-                    out = Some(IpAddr::from(
-                        u32::from_be(sin.sin_addr.s_addr).to_be_bytes(),
-                    ));
-                }
-                libc::AF_INET6 if !v4 => {
-                    let sin6 = &*(ifa.ifa_addr as *const libc::sockaddr_in6);
-                    let a = std::net::Ipv6Addr::from(sin6.sin6_addr.s6_addr);
-                    if a.segments()[0] & 0xffc0 != 0xfe80 {
-                        out = Some(IpAddr::V6(a));
-                    }
-                }
-                _ => {}
-            }
-        }
-        libc::freeifaddrs(list);
-    }
-    out
-}
-
 #[cfg(test)]
 mod tests {
     use std::sync::{Arc, Mutex};
@@ -352,14 +311,5 @@ mod tests {
             text.contains("xlb_bgp_route_changes_total{action=\"withdraw\"} 2"),
             "{text}"
         );
-    }
-
-    #[test]
-    fn loopback_has_an_ipv4_address() {
-        assert_eq!(
-            interface_address("lo", true),
-            Some("127.0.0.1".parse().unwrap())
-        );
-        assert_eq!(interface_address("no-such-if", true), None);
     }
 }

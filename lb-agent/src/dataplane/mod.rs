@@ -428,8 +428,8 @@ impl Dataplane {
     /// outlives the agent (forwarding goes on while it restarts), and a new
     /// agent swaps its program in atomically (`BPF_LINK_UPDATE`).
     pub fn attach(&mut self, iface: &str, mode: XdpMode) -> Result<()> {
-        let ifindex =
-            ifindex(iface).ok_or_else(|| DataplaneError::NoInterface(iface.to_string()))?;
+        let ifindex = crate::netif::ifindex(iface)
+            .ok_or_else(|| DataplaneError::NoInterface(iface.to_string()))?;
         let link_pin = self
             .pin_dir
             .as_ref()
@@ -1268,12 +1268,4 @@ fn zero_stats<T: aya::Pod + Default>(
     let values = PerCpuValues::try_from(vec![T::default(); possible_cpus()])
         .expect("one value per possible CPU is what the kernel expects");
     map.set(id, values, 0)
-}
-
-/// Index of a network interface in this network namespace.
-pub fn ifindex(name: &str) -> Option<u32> {
-    let c = std::ffi::CString::new(name).ok()?;
-    // SAFETY: valid NUL-terminated string.
-    let i = unsafe { libc::if_nametoindex(c.as_ptr()) };
-    (i != 0).then_some(i)
 }

@@ -1,10 +1,60 @@
-//! Per-interface settings and facts. IPv4 settings go through rtnetlink, which needs only
+//! Network interfaces: their index, address and driver, and per-interface
+//! settings. IPv4 settings go through rtnetlink, which needs only
 //! CAP_NET_ADMIN: `/proc/sys` is read-only in an unprivileged container, so
 //! writing `net.ipv4.conf.<if>.accept_local` there would need a privileged
 //! one. The kernel takes the same setting as an `IFLA_INET_CONF` attribute
 //! of an RTM_NEWLINK request.
 
-use std::io;
+use std::{io, net::IpAddr};
+
+/// Index of a network interface in the caller's network namespace.
+pub fn ifindex(name: &str) -> Option<u32> {
+    let c = std::ffi::CString::new(name).ok()?;
+    // SAFETY: valid NUL-terminated string.
+    let i = unsafe { libc::if_nametoindex(c.as_ptr()) };
+    (i != 0).then_some(i)
+}
+
+/// The first address of `family` (v4 when `v4`) on interface `iface`:
+/// the default next hop. IPv6 link-local addresses are skipped.
+pub fn interface_address(iface: &str, v4: bool) -> Option<IpAddr> {
+    let mut out = None;
+    // SAFETY: getifaddrs fills a list we walk read-only and free once.
+    unsafe {
+        let mut list: *mut libc::ifaddrs = std::ptr::null_mut();
+        if libc::getifaddrs(&mut list) != 0 {
+            return None;
+        }
+        let mut cur = list;
+        while !cur.is_null() && out.is_none() {
+            let ifa = &*cur;
+            cur = ifa.ifa_next;
+            if ifa.ifa_addr.is_null()
+                || std::ffi::CStr::from_ptr(ifa.ifa_name).to_str() != Ok(iface)
+            {
+                continue;
+            }
+            match (*ifa.ifa_addr).sa_family as i32 {
+                libc::AF_INET if v4 => {
+                    let sin = &*(ifa.ifa_addr as *const libc::sockaddr_in);
+                    out = Some(IpAddr::from(
+                        u32::from_be(sin.sin_addr.s_addr).to_be_bytes(),
+                    ));
+                }
+                libc::AF_INET6 if !v4 => {
+                    let sin6 = &*(ifa.ifa_addr as *const libc::sockaddr_in6);
+                    let a = std::net::Ipv6Addr::from(sin6.sin6_addr.s6_addr);
+                    if a.segments()[0] & 0xffc0 != 0xfe80 {
+                        out = Some(IpAddr::V6(a));
+                    }
+                }
+                _ => {}
+            }
+        }
+        libc::freeifaddrs(list);
+    }
+    out
+}
 
 /// `IPV4_DEVCONF_ACCEPT_LOCAL` in linux/ip.h (the sysctl's index, 1-based).
 const IPV4_DEVCONF_ACCEPT_LOCAL: u16 = 23;
@@ -172,6 +222,18 @@ pub fn driver(iface: &str) -> io::Result<String> {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn loopback_has_an_index_and_an_ipv4_address() {
+        assert!(super::ifindex("lo").is_some());
+        assert_eq!(super::ifindex("no-such-if"), None);
+        assert_eq!(
+            super::interface_address("lo", true),
+            Some("127.0.0.1".parse().unwrap())
+        );
+        assert_eq!(super::interface_address("no-such-if", true), None);
+        assert!(super::driver("no-such-if").is_err());
+    }
+
     use super::*;
 
     #[test]
