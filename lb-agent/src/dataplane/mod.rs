@@ -245,6 +245,18 @@ struct Programmed {
 /// The loaded program and its maps.
 pub struct Dataplane {
     ebpf: Ebpf,
+    maps: Maps,
+    ids: Ids,
+    state: BTreeMap<ServiceKey, Programmed>,
+    /// Regions freed recently, released to `ids.regions` after the quarantine.
+    quarantined: Vec<(Instant, u32, u32)>,
+    ports: Vec<u8>,
+    pin_dir: Option<PathBuf>,
+    logger: Option<aya_log::EbpfLogger<&'static dyn log::Log>>,
+}
+
+/// The program's maps, as the driver writes them.
+struct Maps {
     services: HashMap<MapData, ServiceKey, ServiceInfo>,
     backends: Array<MapData, BackendEntry>,
     maglev: MaglevPool,
@@ -258,15 +270,88 @@ pub struct Dataplane {
     backend_stats: PerCpuArray<MapData, TrafficStats>,
     reason_stats: PerCpuArray<MapData, u64>,
     ranges: SourceRanges,
-    state: BTreeMap<ServiceKey, Programmed>,
-    service_ids: IdPool,
-    backend_ids: IdPool,
+}
+
+/// Which service ids, backend ids and Maglev regions are taken.
+struct Ids {
+    services: IdPool,
+    backends: IdPool,
     regions: RegionPool,
-    /// Regions freed recently, released to `regions` after the quarantine.
-    quarantined: Vec<(Instant, u32, u32)>,
-    ports: Vec<u8>,
-    pin_dir: Option<PathBuf>,
-    logger: Option<aya_log::EbpfLogger<&'static dyn log::Log>>,
+}
+
+/// What one `set_service` call took from [`Ids`]: given back when dropped,
+/// unless the change went through ([`Reservation::commit`]).
+struct Reservation<'a> {
+    ids: &'a mut Ids,
+    backends: Vec<u32>,
+    service: Option<u32>,
+    region: Option<(u32, u32)>,
+}
+
+impl<'a> Reservation<'a> {
+    fn new(ids: &'a mut Ids) -> Self {
+        Self {
+            ids,
+            backends: Vec::new(),
+            service: None,
+            region: None,
+        }
+    }
+
+    fn backend_id(&mut self) -> Result<u32> {
+        let id = self
+            .ids
+            .backends
+            .alloc()
+            .ok_or(DataplaneError::Full(names::BACKENDS))?;
+        self.backends.push(id);
+        Ok(id)
+    }
+
+    fn service_id(&mut self) -> Result<u32> {
+        let id = self
+            .ids
+            .services
+            .alloc()
+            .ok_or(DataplaneError::Full(names::SERVICES))?;
+        self.service = Some(id);
+        Ok(id)
+    }
+
+    /// Takes charge of a region allocated for this change.
+    fn region(&mut self, base: u32, len: u32) {
+        self.region = Some((base, len));
+    }
+
+    fn commit(mut self) {
+        self.backends.clear();
+        self.service = None;
+        self.region = None;
+    }
+}
+
+impl Drop for Reservation<'_> {
+    fn drop(&mut self) {
+        for id in self.backends.drain(..) {
+            self.ids.backends.free(id);
+        }
+        if let Some(id) = self.service.take() {
+            self.ids.services.free(id);
+        }
+        if let Some((base, len)) = self.region.take() {
+            self.ids.regions.free(base, len);
+        }
+    }
+}
+
+/// Where a service's new table goes and what it is called.
+struct Placement {
+    service_id: u32,
+    base: u32,
+    /// The half of the region the new table takes.
+    active: u32,
+    table_size: u32,
+    new_service: bool,
 }
 
 impl Dataplane {
@@ -338,7 +423,7 @@ impl Dataplane {
             .info()
             .map_err(map_err(names::MAGLEV))?
             .max_entries();
-        let mut dp = Self {
+        let maps = Maps {
             services: HashMap::try_from(take(&mut ebpf, names::SERVICES)?)
                 .map_err(map_err(names::SERVICES))?,
             backends: Array::try_from(take(&mut ebpf, names::BACKENDS)?)
@@ -367,17 +452,23 @@ impl Dataplane {
                     .map_err(map_err(names::SOURCE_RANGES))?,
             )
             .map_err(map_err(names::SOURCE_RANGES))?,
+        };
+        let mut dp = Self {
+            maps,
             ebpf,
             state: BTreeMap::new(),
-            service_ids: IdPool::new(MAX_SERVICES),
-            backend_ids: IdPool::new(MAX_BACKENDS),
-            regions: RegionPool::new(pool_entries),
+            ids: Ids {
+                services: IdPool::new(MAX_SERVICES),
+                backends: IdPool::new(MAX_BACKENDS),
+                regions: RegionPool::new(pool_entries),
+            },
             quarantined: Vec::new(),
             ports: vec![0; 65536],
             pin_dir,
             logger: None,
         };
         if dp
+            .maps
             .config
             .get(&0, 0)
             .map_err(map_err(names::CONFIG))?
@@ -509,13 +600,17 @@ impl Dataplane {
 
     /// Lets the program redirect to `ifindex` (it must be able to take XDP frames).
     pub fn allow_redirect(&mut self, ifindex: u32) -> Result<()> {
-        self.tx_ports
+        self.maps
+            .tx_ports
             .insert(ifindex, ifindex, None, 0)
             .map_err(DataplaneError::TxPorts)
     }
 
     pub fn set_config(&mut self, cfg: Config) -> Result<()> {
-        self.config.set(0, cfg, 0).map_err(map_err(names::CONFIG))
+        self.maps
+            .config
+            .set(0, cfg, 0)
+            .map_err(map_err(names::CONFIG))
     }
 
     pub fn services(&self) -> impl Iterator<Item = (&ServiceKey, &ServiceSpec)> {
@@ -532,10 +627,15 @@ impl Dataplane {
             return Ok(());
         }
         let m = spec.table_size();
+        let (base, active, new_region) = self.place_table(old.as_ref(), m)?;
 
+        // Everything taken from here on is given back if the change fails.
+        let mut taken = Reservation::new(&mut self.ids);
+        if new_region {
+            taken.region(base, 2 * m);
+        }
         // Backend ids: keep those of backends that stay.
         let mut ids = Vec::with_capacity(spec.backends.len());
-        let mut fresh = Vec::new();
         for b in &spec.backends {
             let kept = old.as_ref().and_then(|o| {
                 o.backend_ids
@@ -545,128 +645,490 @@ impl Dataplane {
             });
             let id = match kept {
                 Some(id) => id,
-                None => match self.backend_ids.alloc() {
-                    Some(id) => {
-                        fresh.push(id);
-                        id
-                    }
-                    None => {
-                        fresh.iter().for_each(|&id| self.backend_ids.free(id));
-                        return Err(DataplaneError::Full(names::BACKENDS));
-                    }
-                },
+                None => taken.backend_id()?,
             };
             ids.push((b.addr, id));
         }
         let service_id = match &old {
             Some(o) => o.info.id,
-            None => match self.service_ids.alloc() {
-                Some(id) => id,
-                None => {
-                    fresh.iter().for_each(|&id| self.backend_ids.free(id));
-                    return Err(DataplaneError::Full(names::SERVICES));
-                }
-            },
+            None => taken.service_id()?,
         };
+        let placement = Placement {
+            service_id,
+            base,
+            active,
+            table_size: m,
+            new_service: old.is_none(),
+        };
+        let info = self
+            .maps
+            .write_service(spec, &key, &placement, &ids, &taken.backends)?;
+        taken.commit();
 
-        // Where the new table goes: the inactive half of the service's region,
-        // or a new region when the size changed.
-        let (base, active, new_region) = match &old {
+        if let Some(o) = &old {
+            if new_region {
+                self.quarantined
+                    .push((Instant::now(), o.info.table_base, 2 * o.info.table_size));
+            }
+            for (addr, id) in &o.backend_ids {
+                if !ids.iter().any(|(a, _)| a == addr) {
+                    self.ids.backends.free(*id);
+                }
+            }
+        }
+        self.state.insert(
+            key,
+            Programmed {
+                spec: spec.clone(),
+                info,
+                backend_ids: ids,
+                flipped: Instant::now(),
+            },
+        );
+        self.sync_echo_markers(spec.vip)?;
+        self.sync_port_flags()
+    }
+
+    /// Where a service's new table of size `m` goes: the inactive half of
+    /// its region, or a new region (`true`) when the size changed.
+    fn place_table(&mut self, old: Option<&Programmed>, m: u32) -> Result<(u32, u32, bool)> {
+        match old {
             Some(o) if o.info.table_size == m => {
                 let wait = TABLE_QUARANTINE.saturating_sub(o.flipped.elapsed());
                 if wait.is_zero() {
-                    (o.info.table_base, 1 - o.info.active, false)
-                } else if let Some(base) = self.regions.alloc(2 * m) {
+                    Ok((o.info.table_base, 1 - o.info.active, false))
+                } else if let Some(base) = self.ids.regions.alloc(2 * m) {
                     // Changed again while the half it retired may still be
                     // read: a fresh region now beats waiting (the old one
                     // is quarantined once the new one is live).
-                    (base, 0, true)
+                    Ok((base, 0, true))
                 } else {
                     // No room for a second region: wait the quarantine out.
                     std::thread::sleep(wait);
-                    (o.info.table_base, 1 - o.info.active, false)
+                    Ok((o.info.table_base, 1 - o.info.active, false))
                 }
             }
             _ => match self.alloc_region(2 * m) {
-                Some(base) => (base, 0, true),
-                None => {
-                    fresh.iter().for_each(|&id| self.backend_ids.free(id));
-                    if old.is_none() {
-                        self.service_ids.free(service_id);
-                    }
-                    return Err(DataplaneError::Full(names::MAGLEV));
-                }
+                Some(base) => Ok((base, 0, true)),
+                None => Err(DataplaneError::Full(names::MAGLEV)),
             },
-        };
-
-        let undo = |dp: &mut Self| {
-            fresh.iter().for_each(|&id| dp.backend_ids.free(id));
-            if new_region {
-                dp.regions.free(base, 2 * m);
-            }
-            if old.is_none() {
-                dp.service_ids.free(service_id);
-            }
-        };
-        match self.write_service(
-            spec,
-            &key,
-            service_id,
-            &ids,
-            &fresh,
-            base,
-            active,
-            m,
-            old.is_none(),
-        ) {
-            Ok(info) => {
-                if let Some(o) = &old {
-                    if new_region {
-                        self.quarantined.push((
-                            Instant::now(),
-                            o.info.table_base,
-                            2 * o.info.table_size,
-                        ));
-                    }
-                    for (addr, id) in &o.backend_ids {
-                        if !ids.iter().any(|(a, _)| a == addr) {
-                            self.backend_ids.free(*id);
-                        }
-                    }
-                }
-                self.state.insert(
-                    key,
-                    Programmed {
-                        spec: spec.clone(),
-                        info,
-                        backend_ids: ids,
-                        flipped: Instant::now(),
-                    },
-                );
-                self.sync_echo_markers(spec.vip)?;
-                self.sync_port_flags()
-            }
-            Err(e) => {
-                undo(self);
-                Err(e)
-            }
         }
     }
 
-    #[allow(clippy::too_many_arguments)]
+    /// Removes a service. Its flows' reply translations stay until they expire.
+    pub fn remove_service(&mut self, key: &ServiceKey) -> Result<()> {
+        let Some(p) = self.state.remove(key) else {
+            return Ok(());
+        };
+        if let Err(e) = self.maps.services.remove(key) {
+            self.state.insert(*key, p);
+            return Err(map_err(names::SERVICES)(e));
+        }
+        self.quarantined
+            .push((Instant::now(), p.info.table_base, 2 * p.info.table_size));
+        p.backend_ids
+            .iter()
+            .for_each(|(_, id)| self.ids.backends.free(*id));
+        self.ids.services.free(p.info.id);
+        self.sync_echo_markers(p.spec.vip)?;
+        self.sync_port_flags()
+    }
+
+    /// A free region of `len` entries. When the pool is full but regions
+    /// are quarantined (retired by quick successive changes), waits for them
+    /// rather than report the pool full.
+    fn alloc_region(&mut self, len: u32) -> Option<u32> {
+        loop {
+            if let Some(base) = self.ids.regions.alloc(len) {
+                return Some(base);
+            }
+            let oldest = self.quarantined.iter().map(|(t, _, _)| *t).min()?;
+            std::thread::sleep(TABLE_QUARANTINE.saturating_sub(oldest.elapsed()));
+            self.release_quarantine();
+        }
+    }
+
+    fn release_quarantine(&mut self) {
+        let now = Instant::now();
+        let (due, keep): (Vec<_>, Vec<_>) = self
+            .quarantined
+            .drain(..)
+            .partition(|(t, _, _)| now.duration_since(*t) >= TABLE_QUARANTINE);
+        self.quarantined = keep;
+        for (_, start, len) in due {
+            if let Err(e) = self.maps.ranges.clear_region(start, len) {
+                // Harmless but for the space: only a live scope is read.
+                log::warn!("could not remove retired source ranges: {e}");
+            }
+            self.ids.regions.free(start, len);
+        }
+    }
+
+    /// The echo marker of a VIP exists while any service uses the VIP.
+    fn sync_echo_markers(&mut self, vip: IpAddr) -> Result<()> {
+        let key = echo_key(vip);
+        let first = self
+            .state
+            .values()
+            .find(|p| p.spec.vip == vip)
+            .map(|p| p.info.id);
+        match first {
+            Some(id) => {
+                let marker = ServiceInfo {
+                    id,
+                    ..Default::default()
+                };
+                self.maps
+                    .services
+                    .insert(key, marker, 0)
+                    .map_err(map_err(names::SERVICES))
+            }
+            None => match self.maps.services.remove(&key) {
+                Ok(()) | Err(MapError::KeyNotFound) => Ok(()),
+                Err(e) => Err(map_err(names::SERVICES)(e)),
+            },
+        }
+    }
+
+    fn sync_port_flags(&mut self) -> Result<()> {
+        let mut want = vec![0u8; 65536];
+        for p in self.state.values() {
+            want[p.spec.port as usize] |= PORT_F_SERVICE;
+            for b in &p.spec.backends {
+                want[b.addr.port() as usize] |= PORT_F_BACKEND;
+            }
+        }
+        for (port, (&w, have)) in want.iter().zip(self.ports.iter_mut()).enumerate() {
+            if w != *have {
+                self.maps
+                    .port_flags
+                    .set(port as u32, w, 0)
+                    .map_err(map_err(names::PORT_FLAGS))?;
+                *have = w;
+            }
+        }
+        Ok(())
+    }
+
+    /// Id of a programmed service.
+    pub fn service_id(&self, key: &ServiceKey) -> Option<u32> {
+        self.state.get(key).map(|p| p.info.id)
+    }
+
+    pub fn service_info(&self, key: &ServiceKey) -> Result<ServiceInfo> {
+        self.maps
+            .services
+            .get(key, 0)
+            .map_err(map_err(names::SERVICES))
+    }
+
+    /// Id of a backend of a programmed service.
+    pub fn backend_id(&self, key: &ServiceKey, addr: SocketAddr) -> Option<u32> {
+        self.state
+            .get(key)?
+            .backend_ids
+            .iter()
+            .find(|(a, _)| *a == addr)
+            .map(|x| x.1)
+    }
+
+    /// Rebuilds the driver's bookkeeping from maps a previous agent pinned:
+    /// services (with their table regions and ids) and backends. Weights are
+    /// not stored in the maps; adopted backends get weight 0, so the first
+    /// `set_service` with the real spec rewrites the (identical) table.
+    fn adopt(&mut self) -> Result<()> {
+        let entries: Vec<(ServiceKey, ServiceInfo)> = self
+            .maps
+            .services
+            .iter()
+            .collect::<Result<_, _>>()
+            .map_err(map_err(names::SERVICES))?;
+        let mut markers = Vec::new();
+        for (key, info) in entries {
+            let Some(vip) = key_ip(&key) else { continue };
+            if key.port == 0 {
+                markers.push((key, vip));
+                continue;
+            }
+            let protocol = match key.proto {
+                PROTO_TCP => Protocol::Tcp,
+                PROTO_UDP => Protocol::Udp,
+                _ => continue,
+            };
+            let m = info.table_size;
+            if !self.ids.regions.reserve(info.table_base, 2 * m)
+                || !self.ids.services.reserve(info.id)
+            {
+                return Err(DataplaneError::Adopt(format!(
+                    "service id {} or its table overlaps another",
+                    info.id
+                )));
+            }
+            let mut backend_ids: Vec<(SocketAddr, u32)> = Vec::new();
+            if info.backend_count > 0 {
+                let table = self
+                    .maps
+                    .maglev
+                    .read(info.table_base + info.active * m, m)
+                    .map_err(DataplaneError::Mmap)?;
+                let ids: BTreeSet<u32> = table.into_iter().collect();
+                for id in ids {
+                    let b = self
+                        .maps
+                        .backends
+                        .get(&id, 0)
+                        .map_err(map_err(names::BACKENDS))?
+                        .backend;
+                    let ip = words_ip(&b.addr, b.family);
+                    backend_ids.push((SocketAddr::new(ip, u16::from_be(b.port)), id));
+                    self.ids.backends.reserve(id);
+                }
+            }
+            let spec = ServiceSpec {
+                vip,
+                port: u16::from_be(key.port),
+                protocol,
+                snat: (info.flags & SERVICE_F_SNAT != 0)
+                    .then(|| words_ip(&info.snat_addr, key.family)),
+                table_size: Some(m),
+                source_ranges: (info.flags & SERVICE_F_SOURCE_RANGES != 0)
+                    .then(|| self.maps.ranges.ranges(info.range_scope(), key.family)),
+                client_affinity: info.flags & SERVICE_F_CLIENT_AFFINITY != 0,
+                backends: backend_ids
+                    .iter()
+                    .map(|(a, _)| BackendSpec {
+                        addr: *a,
+                        weight: 0,
+                    })
+                    .collect(),
+            };
+            self.state.insert(
+                key,
+                Programmed {
+                    spec,
+                    info,
+                    backend_ids,
+                    flipped: Instant::now(),
+                },
+            );
+        }
+        for (key, vip) in markers {
+            if !self.state.values().any(|p| p.spec.vip == vip) {
+                let _ = self.maps.services.remove(&key);
+            }
+        }
+        let live: Vec<u32> = self
+            .state
+            .values()
+            .filter(|p| p.info.flags & SERVICE_F_SOURCE_RANGES != 0)
+            .map(|p| p.info.range_scope())
+            .collect();
+        self.maps
+            .ranges
+            .retain(&live)
+            .map_err(map_err(names::SOURCE_RANGES))?;
+        for (port, have) in self.ports.iter_mut().enumerate() {
+            *have = self
+                .maps
+                .port_flags
+                .get(&(port as u32), 0)
+                .map_err(map_err(names::PORT_FLAGS))?;
+        }
+        Ok(())
+    }
+
+    /// Deletes the flows (and their reply translations) that go to `backend`:
+    /// their next packet picks a backend afresh. Returns how many flows.
+    pub fn reset_flows_to(&mut self, backend: SocketAddr) -> Result<usize> {
+        let addr = ip_words(backend.ip());
+        let port = backend.port().to_be();
+        let mut keys = BTreeSet::new();
+        for (k, _, f) in self.conntrack()? {
+            if f.backend_addr == addr && f.backend_port == port {
+                keys.insert(FlowKeyOrd(k));
+            }
+        }
+        for k in &keys {
+            let _ = self.maps.conntrack.remove(&k.0);
+        }
+        for (k, f) in self.shared_flows()? {
+            if f.backend_addr == addr && f.backend_port == port {
+                let _ = self.maps.shared_flows.remove(&k);
+                keys.insert(FlowKeyOrd(k));
+            }
+        }
+        for (k, _) in self.reply_entries()? {
+            if k.src == addr && k.sport == port {
+                let _ = self.maps.reply_nat.remove(&k);
+            }
+        }
+        Ok(keys.len())
+    }
+
+    /// Packets per reason, summed over CPUs.
+    pub fn reason_counts(&self) -> Result<[u64; REASON_COUNT as usize]> {
+        let mut out = [0u64; REASON_COUNT as usize];
+        for (i, slot) in out.iter_mut().enumerate() {
+            let v = self
+                .maps
+                .reason_stats
+                .get(&(i as u32), 0)
+                .map_err(map_err(names::REASON_STATS))?;
+            *slot = v.iter().sum();
+        }
+        Ok(out)
+    }
+
+    /// Packets per reason, per CPU: `[cpu][reason]`.
+    pub fn reason_counts_per_cpu(&self) -> Result<Vec<[u64; REASON_COUNT as usize]>> {
+        let mut out: Vec<[u64; REASON_COUNT as usize]> = Vec::new();
+        for r in Reason::ALL {
+            let v = self
+                .maps
+                .reason_stats
+                .get(&(r as u32), 0)
+                .map_err(map_err(names::REASON_STATS))?;
+            if out.is_empty() {
+                out = vec![[0; REASON_COUNT as usize]; v.len()];
+            }
+            for (cpu, c) in v.iter().enumerate() {
+                out[cpu][r as usize] = *c;
+            }
+        }
+        Ok(out)
+    }
+
+    pub fn service_stats(&self, id: u32) -> Result<TrafficStats> {
+        sum_stats(&self.maps.service_stats, id).map_err(map_err(names::SERVICE_STATS))
+    }
+
+    pub fn backend_stats(&self, id: u32) -> Result<TrafficStats> {
+        sum_stats(&self.maps.backend_stats, id).map_err(map_err(names::BACKEND_STATS))
+    }
+
+    /// Every connection-table entry, with the CPU that holds it.
+    pub fn conntrack(&self) -> Result<Vec<(FlowKey, usize, Flow)>> {
+        let mut out = Vec::new();
+        for item in self.maps.conntrack.iter() {
+            let (k, per_cpu) = item.map_err(map_err(names::CONNTRACK))?;
+            for (cpu, f) in per_cpu.iter().enumerate() {
+                if f.created_ns != 0 {
+                    out.push((k, cpu, *f));
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    /// Every entry of the shared flow table.
+    pub fn shared_flows(&self) -> Result<Vec<(FlowKey, Flow)>> {
+        self.maps
+            .shared_flows
+            .iter()
+            .map(|r| r.map_err(map_err(names::SHARED_FLOWS)))
+            .collect()
+    }
+
+    pub fn reply_entries(&self) -> Result<Vec<(FlowKey, ReplyNat)>> {
+        self.maps
+            .reply_nat
+            .iter()
+            .map(|r| r.map_err(map_err(names::REPLY_NAT)))
+            .collect()
+    }
+
+    /// Clears flows, reply translations and counters (between test cases).
+    pub fn clear_dynamic_state(&mut self) -> Result<()> {
+        let keys: Vec<_> = self
+            .maps
+            .conntrack
+            .keys()
+            .collect::<Result<_, _>>()
+            .map_err(map_err(names::CONNTRACK))?;
+        for k in keys {
+            let _ = self.maps.conntrack.remove(&k);
+        }
+        let keys: Vec<_> = self
+            .maps
+            .shared_flows
+            .keys()
+            .collect::<Result<_, _>>()
+            .map_err(map_err(names::SHARED_FLOWS))?;
+        for k in keys {
+            let _ = self.maps.shared_flows.remove(&k);
+        }
+        let keys: Vec<_> = self
+            .maps
+            .reply_nat
+            .keys()
+            .collect::<Result<_, _>>()
+            .map_err(map_err(names::REPLY_NAT))?;
+        for k in keys {
+            let _ = self.maps.reply_nat.remove(&k);
+        }
+        for i in 0..REASON_COUNT {
+            zero_stats(&mut self.maps.reason_stats, i).map_err(map_err(names::REASON_STATS))?;
+        }
+        let services: BTreeSet<u32> = self.state.values().map(|p| p.info.id).collect();
+        for id in services {
+            zero_stats(&mut self.maps.service_stats, id).map_err(map_err(names::SERVICE_STATS))?;
+        }
+        let backends: BTreeSet<u32> = self
+            .state
+            .values()
+            .flat_map(|p| p.backend_ids.iter().map(|x| x.1))
+            .collect();
+        for id in backends {
+            zero_stats(&mut self.maps.backend_stats, id).map_err(map_err(names::BACKEND_STATS))?;
+        }
+        Ok(())
+    }
+
+    /// Inserts a reply translation directly (tests of reply handling).
+    pub fn insert_reply(&mut self, key: &FlowKey, value: &ReplyNat) -> Result<()> {
+        self.maps
+            .reply_nat
+            .insert(key, value, 0)
+            .map_err(map_err(names::REPLY_NAT))
+    }
+
+    /// Removes a reply translation (tests of reply handling).
+    pub fn remove_reply(&mut self, key: &FlowKey) -> Result<()> {
+        self.maps
+            .reply_nat
+            .remove(key)
+            .map_err(map_err(names::REPLY_NAT))
+    }
+
+    /// The live Maglev table of a service (backend ids).
+    pub fn live_table(&self, key: &ServiceKey) -> Result<Vec<u32>> {
+        let info = self.service_info(key)?;
+        if info.backend_count == 0 {
+            return Ok(Vec::new());
+        }
+        self.maps
+            .maglev
+            .read(
+                info.table_base + info.active * info.table_size,
+                info.table_size,
+            )
+            .map_err(DataplaneError::Mmap)
+    }
+}
+
+impl Maps {
+    /// Writes a service's backends, ranges and inactive table, then flips
+    /// its `SERVICES` entry to them: the one write packets see.
     fn write_service(
         &mut self,
         spec: &ServiceSpec,
         key: &ServiceKey,
-        service_id: u32,
+        p: &Placement,
         ids: &[(SocketAddr, u32)],
         fresh: &[u32],
-        base: u32,
-        active: u32,
-        m: u32,
-        new_service: bool,
     ) -> Result<ServiceInfo> {
         // The ranges go under the scope of the table about to go live.
+        let (base, active, m) = (p.base, p.active, p.table_size);
         let scope = base + active * m;
         let ranges = spec.source_ranges.as_deref().unwrap_or_default();
         if !self.ranges.fits(scope, ranges.len()) {
@@ -694,8 +1156,8 @@ impl Dataplane {
         for &id in fresh {
             zero_stats(&mut self.backend_stats, id).map_err(map_err(names::BACKEND_STATS))?;
         }
-        if new_service {
-            zero_stats(&mut self.service_stats, service_id)
+        if p.new_service {
+            zero_stats(&mut self.service_stats, p.service_id)
                 .map_err(map_err(names::SERVICE_STATS))?;
         }
         let mb: Vec<_> = spec
@@ -726,7 +1188,7 @@ impl Dataplane {
                 .map_err(DataplaneError::Mmap)?;
         }
         let info = ServiceInfo {
-            id: service_id,
+            id: p.service_id,
             flags: service_flags(spec),
             table_base: base,
             table_size: m,
@@ -743,384 +1205,6 @@ impl Dataplane {
             .insert(key, info, 0)
             .map_err(map_err(names::SERVICES))?;
         Ok(info)
-    }
-
-    /// Removes a service. Its flows' reply translations stay until they expire.
-    pub fn remove_service(&mut self, key: &ServiceKey) -> Result<()> {
-        let Some(p) = self.state.remove(key) else {
-            return Ok(());
-        };
-        if let Err(e) = self.services.remove(key) {
-            self.state.insert(*key, p);
-            return Err(map_err(names::SERVICES)(e));
-        }
-        self.quarantined
-            .push((Instant::now(), p.info.table_base, 2 * p.info.table_size));
-        p.backend_ids
-            .iter()
-            .for_each(|(_, id)| self.backend_ids.free(*id));
-        self.service_ids.free(p.info.id);
-        self.sync_echo_markers(p.spec.vip)?;
-        self.sync_port_flags()
-    }
-
-    /// A free region of `len` entries. When the pool is full but regions
-    /// are quarantined (retired by quick successive changes), waits for them
-    /// rather than report the pool full.
-    fn alloc_region(&mut self, len: u32) -> Option<u32> {
-        loop {
-            if let Some(base) = self.regions.alloc(len) {
-                return Some(base);
-            }
-            let oldest = self.quarantined.iter().map(|(t, _, _)| *t).min()?;
-            std::thread::sleep(TABLE_QUARANTINE.saturating_sub(oldest.elapsed()));
-            self.release_quarantine();
-        }
-    }
-
-    fn release_quarantine(&mut self) {
-        let now = Instant::now();
-        let (due, keep): (Vec<_>, Vec<_>) = self
-            .quarantined
-            .drain(..)
-            .partition(|(t, _, _)| now.duration_since(*t) >= TABLE_QUARANTINE);
-        self.quarantined = keep;
-        for (_, start, len) in due {
-            if let Err(e) = self.ranges.clear_region(start, len) {
-                // Harmless but for the space: only a live scope is read.
-                log::warn!("could not remove retired source ranges: {e}");
-            }
-            self.regions.free(start, len);
-        }
-    }
-
-    /// The echo marker of a VIP exists while any service uses the VIP.
-    fn sync_echo_markers(&mut self, vip: IpAddr) -> Result<()> {
-        let key = echo_key(vip);
-        let first = self
-            .state
-            .values()
-            .find(|p| p.spec.vip == vip)
-            .map(|p| p.info.id);
-        match first {
-            Some(id) => {
-                let marker = ServiceInfo {
-                    id,
-                    ..Default::default()
-                };
-                self.services
-                    .insert(key, marker, 0)
-                    .map_err(map_err(names::SERVICES))
-            }
-            None => match self.services.remove(&key) {
-                Ok(()) | Err(MapError::KeyNotFound) => Ok(()),
-                Err(e) => Err(map_err(names::SERVICES)(e)),
-            },
-        }
-    }
-
-    fn sync_port_flags(&mut self) -> Result<()> {
-        let mut want = vec![0u8; 65536];
-        for p in self.state.values() {
-            want[p.spec.port as usize] |= PORT_F_SERVICE;
-            for b in &p.spec.backends {
-                want[b.addr.port() as usize] |= PORT_F_BACKEND;
-            }
-        }
-        for (port, (&w, have)) in want.iter().zip(self.ports.iter_mut()).enumerate() {
-            if w != *have {
-                self.port_flags
-                    .set(port as u32, w, 0)
-                    .map_err(map_err(names::PORT_FLAGS))?;
-                *have = w;
-            }
-        }
-        Ok(())
-    }
-
-    /// Id of a programmed service.
-    pub fn service_id(&self, key: &ServiceKey) -> Option<u32> {
-        self.state.get(key).map(|p| p.info.id)
-    }
-
-    pub fn service_info(&self, key: &ServiceKey) -> Result<ServiceInfo> {
-        self.services.get(key, 0).map_err(map_err(names::SERVICES))
-    }
-
-    /// Id of a backend of a programmed service.
-    pub fn backend_id(&self, key: &ServiceKey, addr: SocketAddr) -> Option<u32> {
-        self.state
-            .get(key)?
-            .backend_ids
-            .iter()
-            .find(|(a, _)| *a == addr)
-            .map(|x| x.1)
-    }
-
-    /// Rebuilds the driver's bookkeeping from maps a previous agent pinned:
-    /// services (with their table regions and ids) and backends. Weights are
-    /// not stored in the maps; adopted backends get weight 0, so the first
-    /// `set_service` with the real spec rewrites the (identical) table.
-    fn adopt(&mut self) -> Result<()> {
-        let entries: Vec<(ServiceKey, ServiceInfo)> = self
-            .services
-            .iter()
-            .collect::<Result<_, _>>()
-            .map_err(map_err(names::SERVICES))?;
-        let mut markers = Vec::new();
-        for (key, info) in entries {
-            let Some(vip) = key_ip(&key) else { continue };
-            if key.port == 0 {
-                markers.push((key, vip));
-                continue;
-            }
-            let protocol = match key.proto {
-                PROTO_TCP => Protocol::Tcp,
-                PROTO_UDP => Protocol::Udp,
-                _ => continue,
-            };
-            let m = info.table_size;
-            if !self.regions.reserve(info.table_base, 2 * m) || !self.service_ids.reserve(info.id) {
-                return Err(DataplaneError::Adopt(format!(
-                    "service id {} or its table overlaps another",
-                    info.id
-                )));
-            }
-            let mut backend_ids: Vec<(SocketAddr, u32)> = Vec::new();
-            if info.backend_count > 0 {
-                let table = self
-                    .maglev
-                    .read(info.table_base + info.active * m, m)
-                    .map_err(DataplaneError::Mmap)?;
-                let ids: BTreeSet<u32> = table.into_iter().collect();
-                for id in ids {
-                    let b = self
-                        .backends
-                        .get(&id, 0)
-                        .map_err(map_err(names::BACKENDS))?
-                        .backend;
-                    let ip = words_ip(&b.addr, b.family);
-                    backend_ids.push((SocketAddr::new(ip, u16::from_be(b.port)), id));
-                    self.backend_ids.reserve(id);
-                }
-            }
-            let spec = ServiceSpec {
-                vip,
-                port: u16::from_be(key.port),
-                protocol,
-                snat: (info.flags & SERVICE_F_SNAT != 0)
-                    .then(|| words_ip(&info.snat_addr, key.family)),
-                table_size: Some(m),
-                source_ranges: (info.flags & SERVICE_F_SOURCE_RANGES != 0)
-                    .then(|| self.ranges.ranges(info.range_scope(), key.family)),
-                client_affinity: info.flags & SERVICE_F_CLIENT_AFFINITY != 0,
-                backends: backend_ids
-                    .iter()
-                    .map(|(a, _)| BackendSpec {
-                        addr: *a,
-                        weight: 0,
-                    })
-                    .collect(),
-            };
-            self.state.insert(
-                key,
-                Programmed {
-                    spec,
-                    info,
-                    backend_ids,
-                    flipped: Instant::now(),
-                },
-            );
-        }
-        for (key, vip) in markers {
-            if !self.state.values().any(|p| p.spec.vip == vip) {
-                let _ = self.services.remove(&key);
-            }
-        }
-        let live: Vec<u32> = self
-            .state
-            .values()
-            .filter(|p| p.info.flags & SERVICE_F_SOURCE_RANGES != 0)
-            .map(|p| p.info.range_scope())
-            .collect();
-        self.ranges
-            .retain(&live)
-            .map_err(map_err(names::SOURCE_RANGES))?;
-        for (port, have) in self.ports.iter_mut().enumerate() {
-            *have = self
-                .port_flags
-                .get(&(port as u32), 0)
-                .map_err(map_err(names::PORT_FLAGS))?;
-        }
-        Ok(())
-    }
-
-    /// Deletes the flows (and their reply translations) that go to `backend`:
-    /// their next packet picks a backend afresh. Returns how many flows.
-    pub fn reset_flows_to(&mut self, backend: SocketAddr) -> Result<usize> {
-        let addr = ip_words(backend.ip());
-        let port = backend.port().to_be();
-        let mut keys = BTreeSet::new();
-        for (k, _, f) in self.conntrack()? {
-            if f.backend_addr == addr && f.backend_port == port {
-                keys.insert(FlowKeyOrd(k));
-            }
-        }
-        for k in &keys {
-            let _ = self.conntrack.remove(&k.0);
-        }
-        for (k, f) in self.shared_flows()? {
-            if f.backend_addr == addr && f.backend_port == port {
-                let _ = self.shared_flows.remove(&k);
-                keys.insert(FlowKeyOrd(k));
-            }
-        }
-        for (k, _) in self.reply_entries()? {
-            if k.src == addr && k.sport == port {
-                let _ = self.reply_nat.remove(&k);
-            }
-        }
-        Ok(keys.len())
-    }
-
-    /// Packets per reason, summed over CPUs.
-    pub fn reason_counts(&self) -> Result<[u64; REASON_COUNT as usize]> {
-        let mut out = [0u64; REASON_COUNT as usize];
-        for (i, slot) in out.iter_mut().enumerate() {
-            let v = self
-                .reason_stats
-                .get(&(i as u32), 0)
-                .map_err(map_err(names::REASON_STATS))?;
-            *slot = v.iter().sum();
-        }
-        Ok(out)
-    }
-
-    /// Packets per reason, per CPU: `[cpu][reason]`.
-    pub fn reason_counts_per_cpu(&self) -> Result<Vec<[u64; REASON_COUNT as usize]>> {
-        let mut out: Vec<[u64; REASON_COUNT as usize]> = Vec::new();
-        for r in Reason::ALL {
-            let v = self
-                .reason_stats
-                .get(&(r as u32), 0)
-                .map_err(map_err(names::REASON_STATS))?;
-            if out.is_empty() {
-                out = vec![[0; REASON_COUNT as usize]; v.len()];
-            }
-            for (cpu, c) in v.iter().enumerate() {
-                out[cpu][r as usize] = *c;
-            }
-        }
-        Ok(out)
-    }
-
-    pub fn service_stats(&self, id: u32) -> Result<TrafficStats> {
-        sum_stats(&self.service_stats, id).map_err(map_err(names::SERVICE_STATS))
-    }
-
-    pub fn backend_stats(&self, id: u32) -> Result<TrafficStats> {
-        sum_stats(&self.backend_stats, id).map_err(map_err(names::BACKEND_STATS))
-    }
-
-    /// Every connection-table entry, with the CPU that holds it.
-    pub fn conntrack(&self) -> Result<Vec<(FlowKey, usize, Flow)>> {
-        let mut out = Vec::new();
-        for item in self.conntrack.iter() {
-            let (k, per_cpu) = item.map_err(map_err(names::CONNTRACK))?;
-            for (cpu, f) in per_cpu.iter().enumerate() {
-                if f.created_ns != 0 {
-                    out.push((k, cpu, *f));
-                }
-            }
-        }
-        Ok(out)
-    }
-
-    /// Every entry of the shared flow table.
-    pub fn shared_flows(&self) -> Result<Vec<(FlowKey, Flow)>> {
-        self.shared_flows
-            .iter()
-            .map(|r| r.map_err(map_err(names::SHARED_FLOWS)))
-            .collect()
-    }
-
-    pub fn reply_entries(&self) -> Result<Vec<(FlowKey, ReplyNat)>> {
-        self.reply_nat
-            .iter()
-            .map(|r| r.map_err(map_err(names::REPLY_NAT)))
-            .collect()
-    }
-
-    /// Clears flows, reply translations and counters (between test cases).
-    pub fn clear_dynamic_state(&mut self) -> Result<()> {
-        let keys: Vec<_> = self
-            .conntrack
-            .keys()
-            .collect::<Result<_, _>>()
-            .map_err(map_err(names::CONNTRACK))?;
-        for k in keys {
-            let _ = self.conntrack.remove(&k);
-        }
-        let keys: Vec<_> = self
-            .shared_flows
-            .keys()
-            .collect::<Result<_, _>>()
-            .map_err(map_err(names::SHARED_FLOWS))?;
-        for k in keys {
-            let _ = self.shared_flows.remove(&k);
-        }
-        let keys: Vec<_> = self
-            .reply_nat
-            .keys()
-            .collect::<Result<_, _>>()
-            .map_err(map_err(names::REPLY_NAT))?;
-        for k in keys {
-            let _ = self.reply_nat.remove(&k);
-        }
-        for i in 0..REASON_COUNT {
-            zero_stats(&mut self.reason_stats, i).map_err(map_err(names::REASON_STATS))?;
-        }
-        let services: BTreeSet<u32> = self.state.values().map(|p| p.info.id).collect();
-        for id in services {
-            zero_stats(&mut self.service_stats, id).map_err(map_err(names::SERVICE_STATS))?;
-        }
-        let backends: BTreeSet<u32> = self
-            .state
-            .values()
-            .flat_map(|p| p.backend_ids.iter().map(|x| x.1))
-            .collect();
-        for id in backends {
-            zero_stats(&mut self.backend_stats, id).map_err(map_err(names::BACKEND_STATS))?;
-        }
-        Ok(())
-    }
-
-    /// Inserts a reply translation directly (tests of reply handling).
-    pub fn insert_reply(&mut self, key: &FlowKey, value: &ReplyNat) -> Result<()> {
-        self.reply_nat
-            .insert(key, value, 0)
-            .map_err(map_err(names::REPLY_NAT))
-    }
-
-    /// Removes a reply translation (tests of reply handling).
-    pub fn remove_reply(&mut self, key: &FlowKey) -> Result<()> {
-        self.reply_nat
-            .remove(key)
-            .map_err(map_err(names::REPLY_NAT))
-    }
-
-    /// The live Maglev table of a service (backend ids).
-    pub fn live_table(&self, key: &ServiceKey) -> Result<Vec<u32>> {
-        let info = self.service_info(key)?;
-        if info.backend_count == 0 {
-            return Ok(Vec::new());
-        }
-        self.maglev
-            .read(
-                info.table_base + info.active * info.table_size,
-                info.table_size,
-            )
-            .map_err(DataplaneError::Mmap)
     }
 }
 
