@@ -1,0 +1,189 @@
+
+use super::*;
+
+fn route(vip: &str, nh: &str, communities: &[(u16, u16)], lp: Option<u32>) -> Route {
+    Route {
+        vip: vip.parse().unwrap(),
+        next_hop: nh.parse().unwrap(),
+        communities: communities.to_vec(),
+        local_pref: lp,
+    }
+}
+
+// Captured from BIRD 2.0.12 (`birdc -v ... show route protocol xlb_vips4 all`),
+// with two routes for 192.0.2.11/32 and a wrapped community list added.
+const SHOW_ROUTE: &str = "0001 BIRD 2.0.12 ready.
+1007-Table master4:
+     192.0.2.11/32        blackhole [xlb_vips4 22:30:45.890] * (200)
+1008-\tType: static univ
+1012-\tBGP.next_hop: 10.99.0.5
+1007-                     blackhole [xlb_vips4 22:30:53.429] (200)
+1008-\tType: static univ
+1012-\tBGP.next_hop: 10.99.0.1
+     \tBGP.community: (1,1)
+1007-192.0.2.10/32        blackhole [xlb_vips4 22:30:32.432] * (200)
+1008-\tType: static univ
+1012-\tBGP.next_hop: 10.99.0.1
+     \tBGP.local_pref: 200
+     \tBGP.community: (65000,100) (65000,7)
+     \t\t(65000,1) (65000,7)
+1007-192.0.2.12/32        unicast [xlb_vips4 22:30:32.432] * (200)
+     \tvia 10.99.0.7 on eth0
+1008-\tType: static univ
+1007-192.0.2.0/24         blackhole [xlb_vips4 22:30:32.432] * (200)
+1008-\tType: static univ
+1007-192.0.2.13/32        via 10.99.0.8 on eth0 [xlb_vips4 22:30:32.432] * (200)
+1008-\tType: static univ
+";
+
+#[test]
+fn reads_birds_show_route() {
+    let reply = Reply::parse(SHOW_ROUTE);
+    assert!(reply.has(CODE_WELCOME));
+    assert!(reply.errors().is_empty());
+    let routes = parse_routes(&reply, Family::V4);
+    assert_eq!(
+        routes,
+        vec![
+            route("192.0.2.11", "10.99.0.5", &[], None),
+            route("192.0.2.11", "10.99.0.1", &[(1, 1)], None),
+            route(
+                "192.0.2.10",
+                "10.99.0.1",
+                &[(65000, 1), (65000, 7), (65000, 100)],
+                Some(200)
+            ),
+            route("192.0.2.12", "10.99.0.7", &[], None),
+            route("192.0.2.13", "10.99.0.8", &[], None),
+        ]
+    );
+    assert!(parse_routes(&reply, Family::V6).is_empty());
+}
+
+// Captured from BIRD 2.0.12 (`birdc -v show protocols all`), shortened:
+// one session up, one trying to connect, a non-BGP protocol between.
+const SHOW_PROTOCOLS: &str = "0001 BIRD 2.0.12 ready.
+2002-Name       Proto      Table      State  Since         Info
+1002-device1    Device     ---        up     23:47:00.160  
+1006-
+1002-node       BGP        ---        up     23:47:00.406  Established   
+1006-  BGP state:          Established
+         Neighbor address: 10.210.0.2
+         Neighbor AS:      65001
+         Local AS:         65000
+         Hold timer:       4.070/6
+       Channel ipv4
+         State:          UP
+         BGP Next hop:   10.210.0.1
+     
+1002-upstream2  BGP        ---        start  23:47:00.160  Connect       
+1006-  BGP state:          Connect
+         Neighbor address: fd00::7
+         Neighbor AS:      65001
+       Channel ipv4
+         State:          DOWN
+     
+1002-xlb_vips4  Static     master4    up     23:47:00.160  
+1006-  Channel ipv4
+         State:          UP
+";
+
+#[test]
+fn reads_bgp_session_states() {
+    let reply = Reply::parse(SHOW_PROTOCOLS);
+    assert_eq!(
+        parse_bgp_sessions(&reply),
+        vec![
+            ("10.210.0.2".parse().unwrap(), true),
+            ("fd00::7".parse().unwrap(), false),
+        ]
+    );
+    assert!(parse_bgp_sessions(&Reply::parse("0001 BIRD 2.0.12 ready.\n")).is_empty());
+}
+
+#[test]
+fn reads_v6_next_hops_and_empty_protocols() {
+    let out = "0001 BIRD 2.0.12 ready.
+1007-Table master6:
+     2001:db8::10/128     blackhole [xlb_vips6 22:30:32.432] * (200)
+1008-\tType: static univ
+1012-\tBGP.next_hop: fd99::1 fe80::1
+     \tBGP.local_pref: 200
+";
+    let routes = parse_routes(&Reply::parse(out), Family::V6);
+    assert_eq!(
+        routes,
+        vec![route("2001:db8::10", "fd99::1", &[], Some(200))]
+    );
+    let empty = Reply::parse("0001 BIRD 2.0.12 ready.\n");
+    assert!(parse_routes(&empty, Family::V6).is_empty());
+}
+
+#[test]
+fn reads_errors_and_configure_replies() {
+    let err = Reply::parse(
+            "0001 BIRD 2.0.12 ready.\n0002-Reading configuration from /etc/bird.conf\n8002 /etc/xlb-vips6:3:61 syntax error, unexpected '}'\n",
+        );
+    assert_eq!(
+        err.errors(),
+        vec!["/etc/xlb-vips6:3:61 syntax error, unexpected '}'"]
+    );
+    let ok = Reply::parse(
+        "0001 BIRD 2.0.12 ready.\n0002-Reading configuration from node.conf\n0003 Reconfigured\n",
+    );
+    assert!(ok.has(CODE_RECONFIGURED) && ok.errors().is_empty());
+    assert_eq!(
+        ok.text(),
+        "Reading configuration from node.conf; Reconfigured"
+    );
+}
+
+#[test]
+fn renders_one_static_route_per_vip_and_family() {
+    let bird = BirdAnnouncer::new("/etc/bird/xlb-vips", "/run/bird.ctl");
+    let routes: BTreeSet<_> = [
+        route(
+            "192.0.2.10",
+            "10.0.0.1",
+            &[(65000, 100), (65000, 7), (65000, 7)],
+            Some(200),
+        ),
+        route("192.0.2.11", "10.0.0.1", &[], None),
+        route("2001:db8::10", "fd00::1", &[(65000, 1)], None),
+    ]
+    .into();
+    let (v4, v6) = bird.render(&routes);
+    assert_eq!(
+            v4,
+            "# Written by lb-agent (xlb) for `protocol static xlb_vips4`; every change is overwritten.
+route 192.0.2.10/32 blackhole { bgp_next_hop = 10.0.0.1; bgp_community.add((65000,7)); bgp_community.add((65000,100)); bgp_local_pref = 200; };
+route 192.0.2.11/32 blackhole { bgp_next_hop = 10.0.0.1; };
+"
+        );
+    assert!(v6.ends_with(
+            "\nroute 2001:db8::10/128 blackhole { bgp_next_hop = fd00::1; bgp_community.add((65000,1)); };\n"
+        ));
+    assert_eq!(bird.routes_file_v4(), PathBuf::from("/etc/bird/xlb-vips4"));
+    assert_eq!(bird.protocol_v6(), "xlb_vips6");
+    assert_eq!(
+        bird.static_protocols_config(),
+        "protocol static xlb_vips4 {\n    ipv4;\n    include \"/etc/bird/xlb-vips4\";\n}\n\
+             protocol static xlb_vips6 {\n    ipv6;\n    include \"/etc/bird/xlb-vips6\";\n}\n"
+    );
+}
+
+#[test]
+fn refuses_what_bird_would_not_announce_as_meant() {
+    let bad = |r: Route| validate(&[r].into()).unwrap_err().to_string();
+    assert!(bad(route("2001:db8::1", "10.0.0.1", &[], None)).contains("family"));
+    assert!(bad(route("192.0.2.1", "0.0.0.0", &[], None)).contains("unspecified"));
+    let two: BTreeSet<_> = [
+        route("192.0.2.1", "10.0.0.1", &[], None),
+        route("192.0.2.1", "10.0.0.2", &[], None),
+    ]
+    .into();
+    assert!(validate(&two)
+        .unwrap_err()
+        .to_string()
+        .contains("two routes for one VIP"));
+}
