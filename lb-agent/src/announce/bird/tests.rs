@@ -1,4 +1,3 @@
-
 use super::*;
 
 fn route(vip: &str, nh: &str, communities: &[(u16, u16)], lp: Option<u32>) -> Route {

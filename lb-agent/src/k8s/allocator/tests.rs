@@ -1,4 +1,3 @@
-
 use super::*;
 use crate::k8s::crd::LoadBalancerPoolSpec;
 

@@ -1,7 +1,9 @@
 //! Allocation rules, one decision at a time.
 
 use super::*;
-use crate::k8s::sharing::Sharing;
+use std::net::Ipv4Addr;
+
+use crate::k8s::{crd::LoadBalancerPoolSpec, sharing::Sharing};
 
 fn ip(s: &str) -> IpAddr {
     s.parse().unwrap()
