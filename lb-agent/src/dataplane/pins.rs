@@ -1,0 +1,86 @@
+//! Checks before maps are pinned or adopted: a bpffs to pin on, and pinned
+//! maps laid out as this build expects.
+
+use std::path::Path;
+
+use lb_common::{
+    map_names as names, BackendEntry, Config, Flow, FlowKey, ReplyNat, ServiceInfo, ServiceKey,
+    TrafficStats, REASON_COUNT,
+};
+
+use super::{map_err, DataplaneError, Result};
+
+/// `statfs`'s `f_type` of a BPF filesystem (linux/magic.h).
+const BPF_FS_MAGIC: i64 = 0xcafe_4a11;
+
+/// Checks that `dir`, or where it would be created, is on a bpffs: anything
+/// else cannot hold pins, and the kernel's error alone (ENOENT, EPERM) does
+/// not say why. The agent does not mount one itself: under `ip netns exec`
+/// that bpffs would vanish with the agent's mount namespace, taking the
+/// pins that let a restart keep the flows.
+pub(super) fn check_bpffs(dir: &Path) -> Result<()> {
+    let existing = dir
+        .ancestors()
+        .find(|p| p.exists())
+        .unwrap_or(Path::new("/"));
+    let c_path = std::ffi::CString::new(existing.as_os_str().as_encoded_bytes())
+        .map_err(|_| DataplaneError::NoBpffs(dir.to_path_buf()))?;
+    // SAFETY: a valid NUL-terminated path and a zeroed statfs to fill.
+    let mut st: libc::statfs = unsafe { std::mem::zeroed() };
+    if unsafe { libc::statfs(c_path.as_ptr(), &mut st) } != 0 {
+        return Err(DataplaneError::Pin(
+            existing.to_path_buf(),
+            std::io::Error::last_os_error(),
+        ));
+    }
+    if st.f_type as i64 != BPF_FS_MAGIC {
+        return Err(DataplaneError::NoBpffs(dir.to_path_buf()));
+    }
+    Ok(())
+}
+
+/// Key and value sizes of each pinned map, as this build lays them out.
+pub(super) fn expected_layout(name: &str) -> Option<(usize, usize)> {
+    use std::mem::size_of;
+    Some(match name {
+        names::SERVICES => (size_of::<ServiceKey>(), size_of::<ServiceInfo>()),
+        names::BACKENDS => (4, size_of::<BackendEntry>()),
+        names::MAGLEV => (4, 4),
+        names::CONNTRACK | names::SHARED_FLOWS => (size_of::<FlowKey>(), size_of::<Flow>()),
+        names::REPLY_NAT => (size_of::<FlowKey>(), size_of::<ReplyNat>()),
+        names::PORT_FLAGS => (4, 1),
+        names::CONFIG => (4, size_of::<Config>()),
+        names::SERVICE_STATS | names::BACKEND_STATS => (4, size_of::<TrafficStats>()),
+        names::REASON_STATS => (4, 8),
+        names::SOURCE_RANGES => (4 + size_of::<lb_common::RangeKey>(), 1),
+        _ => return None,
+    })
+}
+
+/// Refuses to adopt a pinned map laid out by another xlb version: reusing
+/// it would make the program read garbage.
+pub(super) fn check_pinned_layout(name: &'static str, path: &Path) -> Result<()> {
+    let Some((key, value)) = expected_layout(name) else {
+        return Ok(());
+    };
+    let info = aya::maps::MapInfo::from_pin(path).map_err(map_err(name))?;
+    if info.key_size() as usize != key || info.value_size() as usize != value {
+        return Err(DataplaneError::Adopt(format!(
+            "{} has key/value sizes {}/{}, this version expects {key}/{value}",
+            path.display(),
+            info.key_size(),
+            info.value_size()
+        )));
+    }
+    // Counters only: a table from a version with fewer reasons is replaced
+    // (the new reasons would go uncounted) rather than refused.
+    if name == names::REASON_STATS && info.max_entries() < REASON_COUNT {
+        log::info!(
+            "{} counts {} reasons, this version {REASON_COUNT}: starting the reason counters afresh",
+            path.display(),
+            info.max_entries()
+        );
+        std::fs::remove_file(path).map_err(|e| DataplaneError::Pin(path.to_path_buf(), e))?;
+    }
+    Ok(())
+}
