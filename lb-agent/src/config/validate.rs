@@ -537,7 +537,36 @@ impl Validator<'_> {
                 weight,
             });
         }
-        let table_size = match rs.table_size {
+        let table_size = self.table_size(rs.table_size, backends.len(), path)?;
+        let health_check = match rs.health_check {
+            None => None,
+            Some(h) => Some(self.health_check(h, &path.key("health_check"))?),
+        };
+        let source_ranges = self.source_ranges(rs.source_ranges, vip, path)?;
+        let affinity = self.affinity(rs.affinity, rs.affinity_timeout, path)?;
+        Ok(ServiceConfig {
+            name,
+            vip,
+            port,
+            protocol,
+            mode,
+            backends,
+            health_check,
+            table_size,
+            removed_backend_flows,
+            source_ranges,
+            affinity,
+        })
+    }
+
+    /// `table_size`, or the default, which must hold the backends.
+    fn table_size(
+        &self,
+        table_size: Option<i64>,
+        backend_count: usize,
+        path: &FieldPath,
+    ) -> Checked<Option<u32>> {
+        Ok(match table_size {
             Some(m) => {
                 let bad = |msg: String| self.err(path.key("table_size"), msg);
                 let m32 = u32::try_from(m).map_err(|_| {
@@ -546,30 +575,35 @@ impl Validator<'_> {
                         lb_common::MAX_MAGLEV_SIZE
                     ))
                 })?;
-                maglev::check_table_size(m32, backends.len()).map_err(|e| bad(e.to_string()))?;
+                maglev::check_table_size(m32, backend_count).map_err(|e| bad(e.to_string()))?;
                 Some(m32)
             }
             None => {
-                let m = maglev::default_table_size(backends.len());
-                if maglev::check_table_size(m, backends.len()).is_err() {
+                let m = maglev::default_table_size(backend_count);
+                if maglev::check_table_size(m, backend_count).is_err() {
                     return Err(self.err(
                         path.key("backends"),
                         format!(
                             "{} backends are too many: the largest Maglev table ({m}) \
                              holds at most {} (100 entries each)",
-                            backends.len(),
+                            backend_count,
                             m / 100
                         ),
                     ));
                 }
                 None
             }
-        };
-        let health_check = match rs.health_check {
-            None => None,
-            Some(h) => Some(self.health_check(h, &path.key("health_check"))?),
-        };
-        let source_ranges = match rs.source_ranges {
+        })
+    }
+
+    /// `source_ranges`: CIDRs of the VIP's family, at least one.
+    fn source_ranges(
+        &self,
+        ranges: Option<Vec<String>>,
+        vip: IpAddr,
+        path: &FieldPath,
+    ) -> Checked<Option<Vec<IpNet>>> {
+        Ok(match ranges {
             None => None,
             Some(entries) => {
                 let mut nets = Vec::with_capacity(entries.len());
@@ -596,8 +630,17 @@ impl Validator<'_> {
                 }
                 Some(ranges_for(vip, &nets))
             }
-        };
-        let timeout = match &rs.affinity_timeout {
+        })
+    }
+
+    /// `affinity` and `affinity_timeout`.
+    fn affinity(
+        &self,
+        affinity: Option<RawAffinity>,
+        timeout_raw: Option<String>,
+        path: &FieldPath,
+    ) -> Checked<Option<ClientAffinity>> {
+        let timeout = match &timeout_raw {
             None => DEFAULT_AFFINITY_TIMEOUT,
             Some(t) => {
                 let at = || path.key("affinity_timeout");
@@ -611,10 +654,10 @@ impl Validator<'_> {
                 d
             }
         };
-        let affinity = match rs.affinity {
+        Ok(match affinity {
             Some(RawAffinity::ClientIp) => Some(ClientAffinity { timeout }),
             None | Some(RawAffinity::None) => {
-                if rs.affinity_timeout.is_some() {
+                if timeout_raw.is_some() {
                     return Err(self.err(
                         path.key("affinity_timeout"),
                         "affinity_timeout needs affinity: client_ip",
@@ -622,19 +665,6 @@ impl Validator<'_> {
                 }
                 None
             }
-        };
-        Ok(ServiceConfig {
-            name,
-            vip,
-            port,
-            protocol,
-            mode,
-            backends,
-            health_check,
-            table_size,
-            removed_backend_flows,
-            source_ranges,
-            affinity,
         })
     }
 

@@ -524,9 +524,30 @@ impl<'a> Term<'a> {
             }
         }
 
-        // Spec problems the data plane cannot use (every agent logs them and
-        // keeps the Service's last good state): one Warning Event each.
-        for (svc, req) in served.iter().zip(&requests) {
+        self.queue_spec_events(&served, &requests);
+
+        self.forget_gone(&requests, &pool_objects);
+        ok &= self.publish_events().await;
+        ok
+    }
+
+    /// Drops what is remembered of Services and pools that are gone.
+    fn forget_gone(&mut self, requests: &[ServiceRequest], pools: &[Arc<LoadBalancerPool>]) {
+        let live: BTreeSet<ServiceKey> = requests.iter().map(|r| r.key.clone()).collect();
+        self.written.retain(|k, _| live.contains(k));
+        let live_keys: BTreeSet<String> = live
+            .iter()
+            .flat_map(|k| [service_event_key(k), spec_event_key(k)])
+            .chain(pools.iter().map(|p| pool_event_key(&p.name_any())))
+            .collect();
+        self.reported.retain(|k, _| live_keys.contains(k));
+        self.pending.retain(|k, _| live_keys.contains(k));
+    }
+
+    /// Queues one Warning Event per Service field the data plane cannot
+    /// use (every agent logs it and keeps the Service's last good state).
+    fn queue_spec_events(&mut self, served: &[Arc<Service>], requests: &[ServiceRequest]) {
+        for (svc, req) in served.iter().zip(requests) {
             let key = spec_event_key(&req.key);
             match super::desired::spec_problem(svc) {
                 Some(problem) => {
@@ -554,20 +575,6 @@ impl<'a> Term<'a> {
                 }
             }
         }
-
-        // Forget what is gone.
-        let live: BTreeSet<ServiceKey> = requests.iter().map(|r| r.key.clone()).collect();
-        self.written.retain(|k, _| live.contains(k));
-        let live_keys: BTreeSet<String> = live
-            .iter()
-            .flat_map(|k| [service_event_key(k), spec_event_key(k)])
-            .chain(pool_objects.iter().map(|p| pool_event_key(&p.name_any())))
-            .collect();
-        self.reported.retain(|k, _| live_keys.contains(k));
-        self.pending.retain(|k, _| live_keys.contains(k));
-
-        ok &= self.publish_events().await;
-        ok
     }
 
     /// What we wrote for `svc`, when the watch has not shown it yet.
