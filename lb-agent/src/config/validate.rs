@@ -82,29 +82,7 @@ impl Validator<'_> {
             None | Some(RawXdpMode::Native) => XdpAttachMode::Native,
             Some(RawXdpMode::Generic) => XdpAttachMode::Generic,
         };
-        let t = raw.timeouts.unwrap_or(RawTimeouts {
-            tcp: None,
-            tcp_closing: None,
-            udp: None,
-        });
-        let timeout = |v: &Option<String>, key: &'static str, default: Duration| match v {
-            None => Ok(default),
-            Some(s) => {
-                let path = || root().key("timeouts").key(key);
-                let d = self.duration(s, path)?;
-                if d < Duration::from_secs(1) {
-                    Err(self.err(path(), format!("{s} is shorter than 1s")))
-                } else if d.as_secs() > u64::from(u32::MAX) {
-                    Err(self.err(path(), format!("{s} is longer than {}s", u32::MAX)))
-                } else {
-                    Ok(d)
-                }
-            }
-        };
-        let tcp_timeout = timeout(&t.tcp, "tcp", DEFAULT_TCP_TIMEOUT)?;
-        let tcp_closing_timeout =
-            timeout(&t.tcp_closing, "tcp_closing", DEFAULT_TCP_CLOSING_TIMEOUT)?;
-        let udp_timeout = timeout(&t.udp, "udp", DEFAULT_UDP_TIMEOUT)?;
+        let (tcp_timeout, tcp_closing_timeout, udp_timeout) = self.timeouts(raw.timeouts)?;
 
         let maglev_pool_entries = match raw.maglev_pool_entries {
             None => lb_common::MAGLEV_POOL_ENTRIES,
@@ -128,12 +106,38 @@ impl Validator<'_> {
             None => None,
             Some(k) => Some(self.kubernetes(k)?),
         };
-        let mut services: Vec<ServiceConfig> = Vec::with_capacity(raw.services.len());
+        let services = self.services(raw.services, snat_ipv4, snat_ipv6)?;
+        Ok(AgentConfig {
+            interfaces,
+            snat_ipv4,
+            snat_ipv6,
+            snat_ports,
+            metrics_addr,
+            xdp_mode,
+            tcp_timeout,
+            tcp_closing_timeout,
+            udp_timeout,
+            maglev_pool_entries,
+            bgp,
+            kubernetes,
+            services,
+        })
+    }
+
+    /// Every service, with the checks that span services (names, VIPs,
+    /// the SNAT address snat mode needs).
+    fn services(
+        &self,
+        raw_services: Vec<RawService>,
+        snat_ipv4: Option<Ipv4Addr>,
+        snat_ipv6: Option<Ipv6Addr>,
+    ) -> Checked<Vec<ServiceConfig>> {
+        let mut services: Vec<ServiceConfig> = Vec::with_capacity(raw_services.len());
         // name -> index; (vip, port, protocol) -> index
-        let mut names: HashMap<String, usize> = HashMap::with_capacity(raw.services.len());
+        let mut names: HashMap<String, usize> = HashMap::with_capacity(raw_services.len());
         let mut vips: HashMap<(IpAddr, u16, Protocol), usize> =
-            HashMap::with_capacity(raw.services.len());
-        for (i, rs) in raw.services.into_iter().enumerate() {
+            HashMap::with_capacity(raw_services.len());
+        for (i, rs) in raw_services.into_iter().enumerate() {
             let path = root().key("services").index(i);
             let s = self.service(rs, &path)?;
             if let Some(&j) = names.get(&s.name) {
@@ -179,21 +183,35 @@ impl Validator<'_> {
             vips.insert((s.vip, s.port, s.protocol), i);
             services.push(s);
         }
-        Ok(AgentConfig {
-            interfaces,
-            snat_ipv4,
-            snat_ipv6,
-            snat_ports,
-            metrics_addr,
-            xdp_mode,
-            tcp_timeout,
-            tcp_closing_timeout,
-            udp_timeout,
-            maglev_pool_entries,
-            bgp,
-            kubernetes,
-            services,
-        })
+        Ok(services)
+    }
+
+    /// `timeouts`: (tcp, tcp_closing, udp).
+    fn timeouts(&self, timeouts: Option<RawTimeouts>) -> Checked<(Duration, Duration, Duration)> {
+        let t = timeouts.unwrap_or(RawTimeouts {
+            tcp: None,
+            tcp_closing: None,
+            udp: None,
+        });
+        let timeout = |v: &Option<String>, key: &'static str, default: Duration| match v {
+            None => Ok(default),
+            Some(s) => {
+                let path = || root().key("timeouts").key(key);
+                let d = self.duration(s, path)?;
+                if d < Duration::from_secs(1) {
+                    Err(self.err(path(), format!("{s} is shorter than 1s")))
+                } else if d.as_secs() > u64::from(u32::MAX) {
+                    Err(self.err(path(), format!("{s} is longer than {}s", u32::MAX)))
+                } else {
+                    Ok(d)
+                }
+            }
+        };
+        let tcp_timeout = timeout(&t.tcp, "tcp", DEFAULT_TCP_TIMEOUT)?;
+        let tcp_closing_timeout =
+            timeout(&t.tcp_closing, "tcp_closing", DEFAULT_TCP_CLOSING_TIMEOUT)?;
+        let udp_timeout = timeout(&t.udp, "udp", DEFAULT_UDP_TIMEOUT)?;
+        Ok((tcp_timeout, tcp_closing_timeout, udp_timeout))
     }
 
     fn kubernetes(&self, k: RawKubernetes) -> Checked<KubernetesConfig> {
@@ -328,32 +346,7 @@ impl Validator<'_> {
                     address: None,
                     peers: Vec::new(),
                 });
-                let mut peers = Vec::new();
-                for (i, p) in g.peers.into_iter().enumerate() {
-                    let pp = || path().key("gobgp").key("peers").index(i);
-                    let hold_time = match &p.hold_time {
-                        None => Duration::from_secs(9),
-                        Some(s) => self.duration(s, || pp().key("hold_time"))?,
-                    };
-                    let keepalive = match &p.keepalive {
-                        None => hold_time / 3,
-                        Some(s) => self.duration(s, || pp().key("keepalive"))?,
-                    };
-                    if hold_time < Duration::from_secs(3) || keepalive > hold_time {
-                        return Err(self.err(
-                            pp().key("hold_time"),
-                            "hold_time must be at least 3s and not below keepalive",
-                        ));
-                    }
-                    peers.push(BgpPeer {
-                        address: self.ip(&p.address, || pp().key("address"))?,
-                        asn: p.asn,
-                        hold_time,
-                        keepalive,
-                        password: p.password,
-                        multihop_ttl: p.multihop_ttl,
-                    });
-                }
+                let peers = self.gobgp_peers(g.peers)?;
                 Speaker::GoBgp {
                     address: g
                         .address
@@ -399,6 +392,37 @@ impl Validator<'_> {
             drain_time,
             resync_interval,
         })
+    }
+
+    /// `bgp.gobgp.peers`.
+    fn gobgp_peers(&self, raw: Vec<RawPeer>) -> Checked<Vec<BgpPeer>> {
+        let mut peers = Vec::new();
+        for (i, p) in raw.into_iter().enumerate() {
+            let pp = || root().key("bgp").key("gobgp").key("peers").index(i);
+            let hold_time = match &p.hold_time {
+                None => Duration::from_secs(9),
+                Some(s) => self.duration(s, || pp().key("hold_time"))?,
+            };
+            let keepalive = match &p.keepalive {
+                None => hold_time / 3,
+                Some(s) => self.duration(s, || pp().key("keepalive"))?,
+            };
+            if hold_time < Duration::from_secs(3) || keepalive > hold_time {
+                return Err(self.err(
+                    pp().key("hold_time"),
+                    "hold_time must be at least 3s and not below keepalive",
+                ));
+            }
+            peers.push(BgpPeer {
+                address: self.ip(&p.address, || pp().key("address"))?,
+                asn: p.asn,
+                hold_time,
+                keepalive,
+                password: p.password,
+                multihop_ttl: p.multihop_ttl,
+            });
+        }
+        Ok(peers)
     }
 
     fn interfaces(&self, raw: Vec<String>) -> Checked<Vec<String>> {

@@ -14,7 +14,7 @@ use lb_agent::dataplane::{family, ip_words, service_key};
 use lb_common::{
     hash::{flow_hash, maglev_hash, snat_port_candidate},
     Config, Flow, FlowKey, ReplyNat, ServiceInfo, PORT_F_SERVICE, PROTO_TCP, PROTO_UDP,
-    SNAT_PROBES,
+    SERVICE_F_CLIENT_AFFINITY, SNAT_PROBES,
 };
 use serde::Serialize;
 
@@ -210,6 +210,182 @@ pub struct TraceReport {
     pub note: Option<String>,
 }
 
+/// This flow's CONNTRACK entries, per CPU that holds one.
+fn conntrack_hits(
+    maps: &Maps,
+    key: &FlowKey,
+    snat: bool,
+    cfg: &Config,
+    now: u64,
+) -> Result<Vec<ConntrackHit>> {
+    let flows: Vec<(usize, Flow)> = match maps.conntrack()?.get(key, 0) {
+        Ok(v) => v
+            .iter()
+            .enumerate()
+            .filter(|(_, f)| f.created_ns != 0)
+            .map(|(c, f)| (c, *f))
+            .collect(),
+        Err(aya::maps::MapError::KeyNotFound) => Vec::new(),
+        Err(e) => return Err(e).context("reading CONNTRACK"),
+    };
+    let mut hits = Vec::new();
+    for (cpu, f) in flows {
+        let e = crate::conntrack::entry(key, cpu, &f, now);
+        hits.push(ConntrackHit {
+            cpu,
+            backend: e.backend,
+            backend_id: f.backend_id,
+            snat_port: e.snat_port,
+            age_ns: e.age_ns,
+            idle_ns: e.idle_ns,
+            stale: snat && e.idle_ns > snat_flow_lifetime_ns(cfg, key.proto),
+        });
+    }
+    Ok(hits)
+}
+
+/// This flow's SHARED_FLOWS entry, and whether the data plane would use it.
+fn shared_hit(
+    maps: &Maps,
+    key: &FlowKey,
+    info: &ServiceInfo,
+    snat: bool,
+    now: u64,
+) -> Result<Option<SharedHit>> {
+    Ok(match maps.shared_flows()?.get(key, 0) {
+        Ok(f) => {
+            let e = crate::conntrack::entry(key, 0, &f, now);
+            let unusable = if f.service_id != info.id {
+                Some(format!(
+                    "it names service id {}, not {}: the service was re-created",
+                    f.service_id, info.id
+                ))
+            } else if snat {
+                let backend = lb_common::Backend {
+                    addr: f.backend_addr,
+                    port: f.backend_port,
+                    family: key.family,
+                    ..Default::default()
+                };
+                let rk = snat_reply_key(key, info.snat_addr, &backend, f.snat_port);
+                match maps.reply_nat()?.get(&rk, 0) {
+                    Ok(r) if same_client(&r, key) => None,
+                    _ => Some("its SNAT port has gone to another flow".into()),
+                }
+            } else {
+                None
+            };
+            Some(SharedHit {
+                backend: e.backend,
+                backend_id: f.backend_id,
+                snat_port: e.snat_port,
+                age_ns: e.age_ns,
+                unusable,
+            })
+        }
+        Err(aya::maps::MapError::KeyNotFound) => None,
+        Err(e) => return Err(e).context("reading SHARED_FLOWS"),
+    })
+}
+
+/// The SNAT port the data plane tries first, and the one this flow holds.
+fn snat_info(
+    maps: &Maps,
+    key: &FlowKey,
+    info: &ServiceInfo,
+    cfg: &Config,
+    chosen: Option<lb_common::Backend>,
+) -> Result<SnatInfo> {
+    // Ports come from the whole tuple's hash, affinity or not.
+    let hash = flow_hash(key);
+    let mut s = SnatInfo {
+        snat_addr: services::ip_of(&info.snat_addr, key.family),
+        port_min: cfg.snat_port_min,
+        port_max: cfg.snat_port_max,
+        first_candidate: snat_port_candidate(hash, 0, cfg.snat_port_min, cfg.snat_port_max),
+        port_in_use: None,
+        probe: None,
+    };
+    if let Some(b) = chosen {
+        let reply = maps.reply_nat()?;
+        for probe in 0..SNAT_PROBES {
+            let port = snat_port_candidate(hash, probe, cfg.snat_port_min, cfg.snat_port_max);
+            let rk = snat_reply_key(key, info.snat_addr, &b, port.to_be());
+            if let Ok(r) = reply.get(&rk, 0) {
+                if same_client(&r, key) {
+                    s.port_in_use = Some(port);
+                    s.probe = Some(probe);
+                    break;
+                }
+            }
+        }
+    }
+    Ok(s)
+}
+
+/// Maglev's entry for the flow, which a new flow (or a packet no table
+/// knows, or a TCP SYN) gets.
+fn maglev_pick(
+    maps: &Maps,
+    key: &FlowKey,
+    info: &ServiceInfo,
+    backends: &aya::maps::Array<aya::maps::MapData, lb_common::BackendEntry>,
+) -> Result<MaglevOutcome> {
+    let hash = maglev_hash(key, info.flags);
+    let Some(index) = table_index(info, hash) else {
+        return Ok((None, None));
+    };
+    {
+        let id = maps.maglev()?.get(index.pool_index)?;
+        let (backend, error) = match backends.get(&id, 0).map(|e| e.backend) {
+            Ok(b) if b.family == key.family => (Some(b), None),
+            Ok(_) => (
+                None,
+                Some(format!(
+                    "BACKENDS[{id}] is not of the flow's address family: \
+                     the data plane drops the packet (drop_table_error)"
+                )),
+            ),
+            Err(e) => (
+                None,
+                Some(format!(
+                    "BACKENDS[{id}] unreadable ({e}): the data plane drops the packet \
+                     (drop_table_error)"
+                )),
+            ),
+        };
+        let pick = MaglevPick {
+            hash,
+            hashed_on: if info.flags & SERVICE_F_CLIENT_AFFINITY != 0 {
+                "client"
+            } else {
+                "flow"
+            },
+            table_size: info.table_size,
+            index,
+            backend_id: id,
+            backend: backend.map(|b| services::socket_of(&b.addr, b.port, b.family)),
+            error,
+        };
+        Ok((Some(pick), backend.map(|b| (id, b))))
+    }
+}
+
+/// What [`maglev_pick`] found, and the backend it names.
+type MaglevOutcome = (Option<MaglevPick>, Option<(u32, lb_common::Backend)>);
+
+/// Whether CPUs hold live entries naming different backends for the flow.
+fn cpus_disagree(hits: &[ConntrackHit]) -> bool {
+    let mut live_ids: Vec<u32> = hits
+        .iter()
+        .filter(|h| !h.stale)
+        .map(|h| h.backend_id)
+        .collect();
+    live_ids.sort_unstable();
+    live_ids.dedup();
+    live_ids.len() > 1
+}
+
 pub fn run(maps: &Maps, args: &Args) -> Result<TraceReport> {
     let proto = args.proto.number();
     let key = flow_key(args.src, args.dst, args.sport, args.dport, proto)?;
@@ -278,103 +454,15 @@ pub fn run(maps: &Maps, args: &Args) -> Result<TraceReport> {
 
     // CONNTRACK first, as the data plane does.
     let now = maps::coarse_now_ns();
-    let flows: Vec<(usize, Flow)> = match maps.conntrack()?.get(&key, 0) {
-        Ok(v) => v
-            .iter()
-            .enumerate()
-            .filter(|(_, f)| f.created_ns != 0)
-            .map(|(c, f)| (c, *f))
-            .collect(),
-        Err(aya::maps::MapError::KeyNotFound) => Vec::new(),
-        Err(e) => return Err(e).context("reading CONNTRACK"),
-    };
-    for (cpu, f) in flows {
-        let e = crate::conntrack::entry(&key, cpu, &f, now);
-        report.conntrack.push(ConntrackHit {
-            cpu,
-            backend: e.backend,
-            backend_id: f.backend_id,
-            snat_port: e.snat_port,
-            age_ns: e.age_ns,
-            idle_ns: e.idle_ns,
-            stale: snat && e.idle_ns > snat_flow_lifetime_ns(&cfg, proto),
-        });
-    }
+    report.conntrack = conntrack_hits(maps, &key, snat, &cfg, now)?;
 
     // SHARED_FLOWS next: a CPU without the flow takes it from there.
-    report.shared = match maps.shared_flows()?.get(&key, 0) {
-        Ok(f) => {
-            let e = crate::conntrack::entry(&key, 0, &f, now);
-            let unusable = if f.service_id != info.id {
-                Some(format!(
-                    "it names service id {}, not {}: the service was re-created",
-                    f.service_id, info.id
-                ))
-            } else if snat {
-                let backend = lb_common::Backend {
-                    addr: f.backend_addr,
-                    port: f.backend_port,
-                    family: key.family,
-                    ..Default::default()
-                };
-                let rk = snat_reply_key(&key, info.snat_addr, &backend, f.snat_port);
-                match maps.reply_nat()?.get(&rk, 0) {
-                    Ok(r) if same_client(&r, &key) => None,
-                    _ => Some("its SNAT port has gone to another flow".into()),
-                }
-            } else {
-                None
-            };
-            Some(SharedHit {
-                backend: e.backend,
-                backend_id: f.backend_id,
-                snat_port: e.snat_port,
-                age_ns: e.age_ns,
-                unusable,
-            })
-        }
-        Err(aya::maps::MapError::KeyNotFound) => None,
-        Err(e) => return Err(e).context("reading SHARED_FLOWS"),
-    };
+    report.shared = shared_hit(maps, &key, &info, snat, now)?;
 
     // The Maglev pick, which a new flow (or a packet no table knows, or a
     // TCP SYN) gets.
-    let hash = maglev_hash(&key, info.flags);
-    let mut picked = None;
-    if let Some(index) = table_index(&info, hash) {
-        let id = maps.maglev()?.get(index.pool_index)?;
-        let (backend, error) = match backends.get(&id, 0).map(|e| e.backend) {
-            Ok(b) if b.family == key.family => (Some(b), None),
-            Ok(_) => (
-                None,
-                Some(format!(
-                    "BACKENDS[{id}] is not of the flow's address family: \
-                     the data plane drops the packet (drop_table_error)"
-                )),
-            ),
-            Err(e) => (
-                None,
-                Some(format!(
-                    "BACKENDS[{id}] unreadable ({e}): the data plane drops the packet \
-                     (drop_table_error)"
-                )),
-            ),
-        };
-        report.maglev = Some(MaglevPick {
-            hash,
-            hashed_on: if report.affinity.is_some() {
-                "client"
-            } else {
-                "flow"
-            },
-            table_size: info.table_size,
-            index,
-            backend_id: id,
-            backend: backend.map(|b| services::socket_of(&b.addr, b.port, b.family)),
-            error,
-        });
-        picked = backend.map(|b| (id, b));
-    }
+    let (pick, picked) = maglev_pick(maps, &key, &info, &backends)?;
+    report.maglev = pick;
 
     // A remembered flow (this CPU's table, else the shared one) wins.
     let remembered = match report.conntrack.iter().find(|h| !h.stale) {
@@ -396,21 +484,13 @@ pub fn run(maps: &Maps, args: &Args) -> Result<TraceReport> {
         report.backend_id = Some(id);
         Some((id, b))
     } else {
-        if table_index(&info, hash).is_none() {
+        if info.backend_count == 0 || info.table_size == 0 {
             report.note =
                 Some("the service has no backends: new flows are dropped (drop_no_backend)".into());
         }
         None
     };
-    let mut live_ids: Vec<u32> = report
-        .conntrack
-        .iter()
-        .filter(|h| !h.stale)
-        .map(|h| h.backend_id)
-        .collect();
-    live_ids.sort_unstable();
-    live_ids.dedup();
-    if live_ids.len() > 1 {
+    if cpus_disagree(&report.conntrack) {
         report.note = Some(
             "CPUs hold entries naming different backends for this flow: the backend \
              depends on the CPU the packet lands on"
@@ -419,33 +499,52 @@ pub fn run(maps: &Maps, args: &Args) -> Result<TraceReport> {
     }
 
     if snat {
-        // Ports come from the whole tuple's hash, affinity or not.
-        let hash = flow_hash(&key);
-        let mut s = SnatInfo {
-            snat_addr: services::ip_of(&info.snat_addr, key.family),
-            port_min: cfg.snat_port_min,
-            port_max: cfg.snat_port_max,
-            first_candidate: snat_port_candidate(hash, 0, cfg.snat_port_min, cfg.snat_port_max),
-            port_in_use: None,
-            probe: None,
-        };
-        if let Some((_, b)) = chosen {
-            let reply = maps.reply_nat()?;
-            for probe in 0..SNAT_PROBES {
-                let port = snat_port_candidate(hash, probe, cfg.snat_port_min, cfg.snat_port_max);
-                let rk = snat_reply_key(&key, info.snat_addr, &b, port.to_be());
-                if let Ok(r) = reply.get(&rk, 0) {
-                    if same_client(&r, &key) {
-                        s.port_in_use = Some(port);
-                        s.probe = Some(probe);
-                        break;
-                    }
-                }
-            }
-        }
-        report.snat = Some(s);
+        report.snat = Some(snat_info(maps, &key, &info, &cfg, chosen.map(|c| c.1))?);
     }
     Ok(report)
+}
+
+impl TraceReport {
+    /// The CONNTRACK and SHARED_FLOWS lines of the human output.
+    fn flow_lines(&self, s: &mut String) {
+        if self.conntrack.is_empty() {
+            s.push_str("conntrack not in CONNTRACK on any CPU\n");
+        }
+        for h in &self.conntrack {
+            s.push_str(&format!(
+                "conntrack CPU {}: backend {} (id {}){}, age {}, idle {}{}\n",
+                h.cpu,
+                h.backend,
+                h.backend_id,
+                h.snat_port
+                    .map(|p| format!(", snat port {p}"))
+                    .unwrap_or_default(),
+                table::duration_ns(h.age_ns),
+                table::duration_ns(h.idle_ns),
+                if h.stale {
+                    " (stale: idle past the SNAT lifetime, ignored)"
+                } else {
+                    ""
+                }
+            ));
+        }
+        match &self.shared {
+            None => s.push_str("shared    not in SHARED_FLOWS\n"),
+            Some(h) => s.push_str(&format!(
+                "shared    backend {} (id {}){}, age {}{}\n",
+                h.backend,
+                h.backend_id,
+                h.snat_port
+                    .map(|p| format!(", snat port {p}"))
+                    .unwrap_or_default(),
+                table::duration_ns(h.age_ns),
+                h.unusable
+                    .as_ref()
+                    .map(|u| format!(" (not used: {u})"))
+                    .unwrap_or_default()
+            )),
+        }
+    }
 }
 
 impl Render for TraceReport {
@@ -492,43 +591,7 @@ impl Render for TraceReport {
                 "affinity  {a}: new connections hash on the client address alone\n"
             ));
         }
-        if self.conntrack.is_empty() {
-            s.push_str("conntrack not in CONNTRACK on any CPU\n");
-        }
-        for h in &self.conntrack {
-            s.push_str(&format!(
-                "conntrack CPU {}: backend {} (id {}){}, age {}, idle {}{}\n",
-                h.cpu,
-                h.backend,
-                h.backend_id,
-                h.snat_port
-                    .map(|p| format!(", snat port {p}"))
-                    .unwrap_or_default(),
-                table::duration_ns(h.age_ns),
-                table::duration_ns(h.idle_ns),
-                if h.stale {
-                    " (stale: idle past the SNAT lifetime, ignored)"
-                } else {
-                    ""
-                }
-            ));
-        }
-        match &self.shared {
-            None => s.push_str("shared    not in SHARED_FLOWS\n"),
-            Some(h) => s.push_str(&format!(
-                "shared    backend {} (id {}){}, age {}{}\n",
-                h.backend,
-                h.backend_id,
-                h.snat_port
-                    .map(|p| format!(", snat port {p}"))
-                    .unwrap_or_default(),
-                table::duration_ns(h.age_ns),
-                h.unusable
-                    .as_ref()
-                    .map(|u| format!(" (not used: {u})"))
-                    .unwrap_or_default()
-            )),
-        }
+        self.flow_lines(&mut s);
         if let Some(m) = &self.maglev {
             s.push_str(&format!(
                 "maglev    hash {:#010x}: entry {} of {} (MAGLEV[{}]) -> {} (id {})\n",
