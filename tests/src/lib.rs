@@ -1,6 +1,5 @@
 //! Test support for xlb: packet fixtures, checkers and helpers shared by the integration tests.
 
-pub mod bench_support;
 pub mod cluster;
 pub mod ecmp;
 pub mod k8s_topology;

@@ -36,11 +36,11 @@ pub fn run(args: &[String]) -> Result<()> {
     run_bench("xlb-convergence-bench", &[])
 }
 
-/// `cargo run --release -p xlb-tests --bin BIN -- ARGS`.
+/// `cargo run --release -p xlb-bench --bin BIN -- ARGS`.
 fn run_bench(bin: &str, args: &[&String]) -> Result<()> {
     run_cmd(
         cargo()
-            .args(["run", "--release", "-p", "xlb-tests", "--bin", bin, "--"])
+            .args(["run", "--release", "-p", "xlb-bench", "--bin", bin, "--"])
             .args(args),
     )
 }

@@ -7,7 +7,7 @@ use crate::util::{cargo, run as run_cmd};
 pub fn run() -> Result<()> {
     build_agent()?;
     wait_through_ctrl_c();
-    run_cmd(cargo().args(["run", "--release", "-p", "xlb-tests", "--bin", "xlb-demo"]))
+    run_cmd(cargo().args(["run", "--release", "-p", "xlb-bench", "--bin", "xlb-demo"]))
 }
 
 /// Release builds of lb-agent and lbctl, which the demo and the end-to-end

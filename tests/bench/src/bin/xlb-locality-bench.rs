@@ -9,8 +9,8 @@
 
 use std::{net::SocketAddr, process::ExitCode};
 
+use xlb_bench::support::{median, parse_wrk, Wrk};
 use xlb_tests::{
-    bench_support::{median, parse_wrk, Wrk},
     netns::{sh, Netns},
     topology::{nginx_config, wait_for_port, Topology, BACKEND_PORT},
 };

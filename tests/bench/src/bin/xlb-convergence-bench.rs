@@ -49,8 +49,8 @@ use std::{
     time::{Duration, Instant, SystemTime, UNIX_EPOCH},
 };
 
+use xlb_bench::support::{install_sigint_flag, interrupted, workspace_root};
 use xlb_tests::{
-    bench_support::{install_sigint_flag, interrupted, workspace_root},
     ecmp::{node_ip, Driver, EcmpLab, Topology, HOLD_TIME, NODES, VIP},
     topology::{agent_bin, lbctl_bin},
 };

@@ -18,7 +18,7 @@ use std::{
     time::{Duration, Instant},
 };
 
-use crate::netns::Netns;
+use xlb_tests::netns::Netns;
 
 pub type Res<T> = Result<T, String>;
 
@@ -62,13 +62,7 @@ pub fn sleep_interruptible(d: Duration) -> Res<()> {
     check_interrupt()
 }
 
-/// The workspace root (this crate lives one level below it).
-pub fn workspace_root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .parent()
-        .expect("tests/ lives in the workspace")
-        .to_path_buf()
-}
+pub use xlb_tests::topology::workspace_root;
 
 /// lb-agent and lbctl, from the target directory this binary runs from.
 pub struct Bins {

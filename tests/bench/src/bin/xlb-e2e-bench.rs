@@ -34,14 +34,12 @@ use std::{
     time::{Duration, Instant},
 };
 
-use xlb_tests::{
-    bench_support::{
-        check_interrupt, http_get, in_ns, install_sigint_flag, interrupted, median, metric,
-        parse_wrk, run_in, sh_in, sleep_interruptible, spawn_logged, strip_ansi, tail, terminate,
-        thousands, wait_tcp, workspace_root, xdp_attached, Agent, Bins, Res, Wrk,
-    },
-    topology::{backend_ip, Topology, BACKEND_PORT, CLIENT_IP, VIP},
+use xlb_bench::support::{
+    check_interrupt, http_get, in_ns, install_sigint_flag, interrupted, median, metric, parse_wrk,
+    run_in, sh_in, sleep_interruptible, spawn_logged, strip_ansi, tail, terminate, thousands,
+    wait_tcp, workspace_root, xdp_attached, Agent, Bins, Res, Wrk,
 };
+use xlb_tests::topology::{backend_ip, Topology, BACKEND_PORT, CLIENT_IP, VIP};
 
 const PREFIX: &str = "xbench";
 const BACKENDS: usize = 3;

@@ -15,13 +15,11 @@ use std::{
     time::{Duration, Instant},
 };
 
-use xlb_tests::{
-    bench_support::{
-        check_interrupt, http_get, in_ns, install_sigint_flag, interrupted, xdp_attached, Agent,
-        Bins, Res,
-    },
-    topology::{backend_ip, Topology, BACKEND_PORT, CLIENT_IP, VIP},
+use xlb_bench::support::{
+    check_interrupt, http_get, in_ns, install_sigint_flag, interrupted, xdp_attached, Agent, Bins,
+    Res,
 };
+use xlb_tests::topology::{backend_ip, Topology, BACKEND_PORT, CLIENT_IP, VIP};
 
 const PREFIX: &str = "xdemo";
 const REQUESTS: usize = 600;
