@@ -87,8 +87,9 @@ fn accept_local(iface: &str) {
 }
 
 /// The first sync decodes every Service and EndpointSlice of the cluster at
-/// once; glibc keeps the freed pages of that peak unless asked to return
-/// them. (musl, the image's libc, returns them by itself.)
+/// once, and a reload parses the whole file and rebuilds changed tables;
+/// glibc keeps the freed pages of such a peak unless asked to return them.
+/// (musl, the image's libc, returns them by itself.)
 fn release_free_memory() {
     #[cfg(target_env = "gnu")]
     // SAFETY: malloc_trim only walks the allocator's own free lists.
@@ -275,6 +276,7 @@ impl Agent {
                 self.apply_config().inspect_err(|_| self.config = old)
             });
         let ok = result.is_ok();
+        release_free_memory();
         match result {
             Ok(()) => info!(reason = why, took = ?started.elapsed(), "config reloaded"),
             Err(e) => error!(
