@@ -537,7 +537,7 @@ protocol bgp upstream {{
         }
         poll_until(Duration::from_secs(10), Duration::from_millis(20), || {
             let agent = self.agent_pid();
-            let left: Vec<i32> = ns_pids(&self.ns)
+            let left: Vec<i32> = crate::netns::pids(&self.ns.name)
                 .into_iter()
                 .filter(|p| Some(*p) != agent)
                 .collect();
@@ -745,20 +745,6 @@ pub struct EcmpLab {
     /// `ip -ts monitor route` in the router (its FIB's history, for failure reports).
     route_monitor: Option<Child>,
     nginx: Vec<Option<Child>>,
-}
-
-/// The pids of the processes in `ns`.
-fn ns_pids(ns: &Netns) -> Vec<i32> {
-    Command::new("ip")
-        .args(["netns", "pids", &ns.name])
-        .output()
-        .map(|o| {
-            String::from_utf8_lossy(&o.stdout)
-                .split_whitespace()
-                .filter_map(|p| p.parse().ok())
-                .collect()
-        })
-        .unwrap_or_default()
 }
 
 /// Removes the namespaces, pins and processes of earlier runs that were
@@ -1368,7 +1354,7 @@ impl Drop for EcmpLab {
         }
         // What the speakers started on their own (ExaBGP's API helper).
         for n in &self.nodes {
-            for pid in ns_pids(&n.ns) {
+            for pid in crate::netns::pids(&n.ns.name) {
                 // SAFETY: kill(2); the process is in a namespace of ours.
                 unsafe { libc::kill(pid, libc::SIGKILL) };
             }

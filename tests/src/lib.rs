@@ -1,5 +1,6 @@
 //! Test support for xlb: packet fixtures, checkers and helpers shared by the integration tests.
 
+pub mod announce_lab;
 pub mod cluster;
 pub mod ecmp;
 pub mod k8s_topology;

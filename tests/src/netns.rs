@@ -101,3 +101,17 @@ pub fn fixture_namespace_named(name: &str) -> Netns {
     }
     ns
 }
+
+/// The pids of the processes in the named namespace (`ip netns pids`).
+pub fn pids(ns: &str) -> Vec<i32> {
+    std::process::Command::new("ip")
+        .args(["netns", "pids", ns])
+        .output()
+        .map(|o| {
+            String::from_utf8_lossy(&o.stdout)
+                .split_whitespace()
+                .filter_map(|p| p.parse().ok())
+                .collect()
+        })
+        .unwrap_or_default()
+}

@@ -18,8 +18,6 @@
 //! lands in separate tables on the router that are not exported anywhere,
 //! where the local preference (and the next hop over iBGP) is checked.
 
-mod common;
-
 use std::{
     collections::BTreeSet,
     fs,
@@ -29,9 +27,11 @@ use std::{
     time::Duration,
 };
 
-use common::{ip, kernel_route, route, wait_metrics, wait_until, wait_until_blocking, WAIT};
 use lb_agent::announce::{
     bird::BirdAnnouncer, task::AnnounceTask, AnnounceError, Announcer, Route,
+};
+use xlb_tests::announce_lab::{
+    ip, kernel_route, route, wait_metrics, wait_until, wait_until_blocking, WAIT,
 };
 
 const NODE_CONF_TAIL: &str = r#"
@@ -200,8 +200,8 @@ impl Topology {
         ip(&[
             "-n", n, "link", "add", "veth0", "type", "veth", "peer", "name", "veth0", "netns", r,
         ]);
-        common::set_up_veth_end(n, "veth0", "10.99.0.1/24", "fd99::1/64");
-        common::set_up_veth_end(r, "veth0", "10.99.0.2/24", "fd99::2/64");
+        xlb_tests::announce_lab::set_up_veth_end(n, "veth0", "10.99.0.1/24", "fd99::1/64");
+        xlb_tests::announce_lab::set_up_veth_end(r, "veth0", "10.99.0.2/24", "fd99::2/64");
         topo
     }
 

@@ -1,6 +1,5 @@
-//! Helpers shared by the BGP driver tests (`announce_*_needs_root.rs`).
-//! Each test file is a crate of its own and uses only some of them.
-#![allow(dead_code)]
+//! Helpers of the BGP driver tests (`announce_*_needs_root.rs`): commands,
+//! kernel routes, waits, metrics pages, routes.
 
 use std::{
     process::Command,

@@ -34,7 +34,7 @@ impl Drop for PinDir {
 }
 
 fn lbctl(pin_dir: &Path, args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_lbctl"))
+    Command::new(xlb_tests::topology::lbctl_bin())
         .arg("--pin-dir")
         .arg(pin_dir)
         .args(args)

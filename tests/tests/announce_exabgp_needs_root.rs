@@ -4,8 +4,6 @@
 //! router runs BIRD 2 (AS 65000), which exports what it learns to its kernel
 //! table, so the checks read the router's real FIB.
 
-mod common;
-
 use std::{
     collections::BTreeSet,
     fs::{self, File, OpenOptions},
@@ -16,9 +14,11 @@ use std::{
     time::Duration,
 };
 
-use common::{ip, kernel_route, route, run, wait_metrics, wait_until_blocking, WAIT};
 use lb_agent::announce::{
     exabgp::ExaBgpAnnouncer, task::AnnounceTask, AnnounceError, Announcer, Route,
+};
+use xlb_tests::announce_lab::{
+    ip, kernel_route, route, run, wait_metrics, wait_until_blocking, WAIT,
 };
 
 const NODE_V4: &str = "10.200.0.2";
@@ -66,7 +66,12 @@ impl Lab {
             "link", "add", vn, "netns", n, "type", "veth", "peer", "name", vr, "netns", r,
         ]);
         for (ns, dev, v4, v6) in [(n, vn, NODE_V4, NODE_V6), (r, vr, ROUTER_V4, ROUTER_V6)] {
-            common::set_up_veth_end(ns, dev, &format!("{v4}/24"), &format!("{v6}/64"));
+            xlb_tests::announce_lab::set_up_veth_end(
+                ns,
+                dev,
+                &format!("{v4}/24"),
+                &format!("{v6}/64"),
+            );
         }
 
         // The API pipes, where ExaBGP looks for them under --root.
@@ -186,7 +191,7 @@ impl Lab {
         }
         // Its CLI helper notices its parent is gone on its own.
         wait_until_blocking("exabgp's helper to exit", WAIT, || {
-            let pids = self.ns_pids(&self.node);
+            let pids = xlb_tests::netns::pids(&self.node);
             if pids.is_empty() {
                 Ok(())
             } else {
@@ -243,19 +248,6 @@ impl Lab {
             Ok(())
         })
     }
-
-    fn ns_pids(&self, ns: &str) -> Vec<i32> {
-        Command::new("ip")
-            .args(["netns", "pids", ns])
-            .output()
-            .map(|o| {
-                String::from_utf8_lossy(&o.stdout)
-                    .split_whitespace()
-                    .filter_map(|p| p.parse().ok())
-                    .collect()
-            })
-            .unwrap_or_default()
-    }
 }
 
 impl Drop for Lab {
@@ -274,7 +266,7 @@ impl Drop for Lab {
         }
         // Whatever the daemons started in our namespaces (ExaBGP's helper).
         for ns in [self.node.clone(), self.router.clone()] {
-            for pid in self.ns_pids(&ns) {
+            for pid in xlb_tests::netns::pids(&ns) {
                 unsafe { libc::kill(pid, libc::SIGKILL) };
             }
             let _ = Command::new("ip")
