@@ -537,7 +537,7 @@ fn snapshot(dp: &Mutex<Dataplane>, labels: &Mutex<Labels>) -> DataplaneSnapshot 
     let labels = labels.lock().expect("labels lock");
     let mut snap = DataplaneSnapshot {
         // The table is per CPU: each CPU has this many entries of its own.
-        conntrack_capacity: CONNTRACK_ENTRIES as u64 * crate::dataplane::possible_cpus() as u64,
+        conntrack_capacity: CONNTRACK_ENTRIES as u64 * crate::maps::possible_cpus() as u64,
         ..Default::default()
     };
     for (key, spec) in dp.services() {

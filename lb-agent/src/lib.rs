@@ -7,5 +7,6 @@ pub mod dataplane;
 pub mod health;
 pub mod http;
 pub mod k8s;
+pub mod maps;
 pub mod metrics;
 pub mod netif;

@@ -13,6 +13,8 @@ extern crate std;
 pub mod hash;
 #[cfg(feature = "std")]
 pub mod maglev;
+#[cfg(feature = "std")]
+pub mod net;
 
 /// Address families as stored in keys (values of `AF_INET`/`AF_INET6`).
 pub const FAMILY_V4: u8 = 2;
@@ -137,12 +139,18 @@ pub struct ServiceInfo {
 }
 
 impl ServiceInfo {
+    /// First entry of the live table in `MAGLEV`.
+    #[inline(always)]
+    pub fn live_start(&self) -> u32 {
+        self.table_base + self.active * self.table_size
+    }
+
     /// Scope of this service's entries in `SOURCE_RANGES`: the Maglev slot
     /// of its live table, which is unique among live services and changes
     /// with every update, so the ranges flip together with the table.
     #[inline(always)]
     pub fn range_scope(&self) -> u32 {
-        self.table_base + self.active * self.table_size
+        self.live_start()
     }
 }
 
@@ -300,6 +308,21 @@ pub struct TrafficStats {
     /// Backend -> client direction (translated replies).
     pub reply_packets: u64,
     pub reply_bytes: u64,
+}
+
+impl TrafficStats {
+    /// The sum of per-CPU values (or of several services' counters).
+    pub fn sum<'a>(values: impl IntoIterator<Item = &'a TrafficStats>) -> TrafficStats {
+        values
+            .into_iter()
+            .fold(TrafficStats::default(), |a, s| TrafficStats {
+                packets: a.packets + s.packets,
+                bytes: a.bytes + s.bytes,
+                new_flows: a.new_flows + s.new_flows,
+                reply_packets: a.reply_packets + s.reply_packets,
+                reply_bytes: a.reply_bytes + s.reply_bytes,
+            })
+    }
 }
 
 /// Why the program returned what it did: index of `REASON_STATS` (per CPU).

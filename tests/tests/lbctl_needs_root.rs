@@ -10,11 +10,13 @@ use std::{
 };
 
 use aya::maps::{Map, MapData, PerCpuArray, PerCpuHashMap, PerCpuValues};
-use lb_agent::dataplane::{
-    family, ip_words, possible_cpus, BackendSpec, Dataplane, Protocol, ServiceSpec,
+use lb_agent::{
+    dataplane::{BackendSpec, Dataplane, Protocol, ServiceSpec},
+    maps::possible_cpus,
 };
 use lb_common::{
     hash::{flow_hash, snat_port_candidate},
+    net::{ip_words, Family},
     map_names as names, Flow, FlowKey, Reason, ServiceKey, DEFAULT_SNAT_PORT_MAX,
     DEFAULT_SNAT_PORT_MIN, PROTO_TCP, REASON_COUNT,
 };
@@ -84,7 +86,7 @@ fn flow_key(src: &str, sport: u16, svc: &ServiceSpec) -> FlowKey {
         sport: sport.to_be(),
         dport: svc.port.to_be(),
         proto: PROTO_TCP,
-        family: family(svc.vip),
+        family: Family::of(svc.vip).number(),
         _pad: [0; 2],
     }
 }

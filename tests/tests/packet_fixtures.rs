@@ -266,12 +266,12 @@ fn sa(ip: impl Into<IpAddr>, port: u16) -> SocketAddr {
 /// The SNAT port the program picks first for a flow (its first probe).
 fn first_snat_port(src: IpAddr, dst: IpAddr, sport: u16, dport: u16, proto: u8) -> u16 {
     let key = lb_common::FlowKey {
-        src: lb_agent::dataplane::ip_words(src),
-        dst: lb_agent::dataplane::ip_words(dst),
+        src: lb_common::net::ip_words(src),
+        dst: lb_common::net::ip_words(dst),
         sport: sport.to_be(),
         dport: dport.to_be(),
         proto,
-        family: lb_agent::dataplane::family(src),
+        family: lb_common::net::Family::of(src).number(),
         _pad: [0; 2],
     };
     let h = lb_common::hash::flow_hash(&key);
@@ -1402,11 +1402,11 @@ fn packet_fixtures_need_root() {
 }
 
 fn check_multi(dp: &Dataplane, input: &[u8], out: &[u8], errs: &mut Vec<String>) {
-    let key = lb_agent::dataplane::service_key(VIP_MULTI.into(), 80, 6);
+    let key = lb_common::net::service_key(VIP_MULTI.into(), 80, 6);
     let table = dp.live_table(&key).unwrap();
     let flow = lb_common::FlowKey {
-        src: lb_agent::dataplane::ip_words(CLIENT.into()),
-        dst: lb_agent::dataplane::ip_words(VIP_MULTI.into()),
+        src: lb_common::net::ip_words(CLIENT.into()),
+        dst: lb_common::net::ip_words(VIP_MULTI.into()),
         sport: 40100u16.to_be(),
         dport: 80u16.to_be(),
         proto: 6,
@@ -1648,7 +1648,7 @@ fn a_moved_flow_keeps_its_backend_after_a_backend_change_needs_root() {
         &[(B2.into(), 8443)],
     ))
     .unwrap();
-    let key80 = lb_agent::dataplane::service_key(VIP.into(), 80, 6);
+    let key80 = lb_common::net::service_key(VIP.into(), 80, 6);
     let id80 = dp.service_info(&key80).unwrap().id;
     let new_flows_before = dp.service_stats(id80).unwrap().new_flows;
 
@@ -1689,7 +1689,7 @@ fn a_moved_flow_keeps_its_backend_after_a_backend_change_needs_root() {
     ack_reaches(dp, cl0, 46000, (B2_MAC, B2), "NAT flow on CPU 1");
     let (k, r) = nat_reply(dp).expect("the reply entry is back");
     assert_eq!(k, reply_key);
-    assert_eq!(r.vip, lb_agent::dataplane::ip_words(VIP.into()));
+    assert_eq!(r.vip, lb_common::net::ip_words(VIP.into()));
     let (v, out) = run(dp, cl0, &c4(ack(46001, 443)));
     assert_eq!(v, XDP_REDIRECT);
     let want = to_backend(B3_MAC)
@@ -1737,7 +1737,7 @@ fn a_moved_flow_keeps_its_backend_after_a_backend_change_needs_root() {
         .iter()
         .find(|(k, _)| u16::from_be(k.sport) == 46000)
         .expect("the flow is in SHARED_FLOWS");
-    assert_eq!(k.1.backend_addr, lb_agent::dataplane::ip_words(B3.into()));
+    assert_eq!(k.1.backend_addr, lb_common::net::ip_words(B3.into()));
 }
 
 /// A refused client leaves nothing behind (no flow, no reply translation),

@@ -98,6 +98,7 @@ use std::{
     time::Duration,
 };
 
+use lb_common::net::Family;
 use tokio::process::Command;
 
 use super::{AnnounceError, AnnounceResult, Announcer, BoxFuture, Route};
@@ -143,23 +144,15 @@ pub struct BirdAnnouncer {
     timeout: Duration,
 }
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Family {
-    V4,
-    V6,
+/// What BIRD calls a family: the file suffix and protocol name suffix
+/// (`4`/`6`) and the channel (`ipv4`/`ipv6`).
+trait BirdFamily {
+    fn suffix(self) -> &'static str;
+    fn channel(self) -> &'static str;
+    fn unspecified(self) -> IpAddr;
 }
 
-impl Family {
-    const ALL: [Family; 2] = [Family::V4, Family::V6];
-
-    fn of(ip: IpAddr) -> Self {
-        if ip.is_ipv4() {
-            Family::V4
-        } else {
-            Family::V6
-        }
-    }
-
+impl BirdFamily for Family {
     fn suffix(self) -> &'static str {
         match self {
             Family::V4 => "4",
@@ -178,13 +171,6 @@ impl Family {
         match self {
             Family::V4 => Ipv4Addr::UNSPECIFIED.into(),
             Family::V6 => Ipv6Addr::UNSPECIFIED.into(),
-        }
-    }
-
-    fn host_len(self) -> u8 {
-        match self {
-            Family::V4 => 32,
-            Family::V6 => 128,
         }
     }
 }
@@ -571,7 +557,7 @@ struct Parsed {
 
 impl Parsed {
     fn into_route(self, family: Family) -> Option<Route> {
-        if Family::of(self.vip) != family || self.len != family.host_len() {
+        if Family::of(self.vip) != family || u32::from(self.len) != family.bits() {
             tracing::warn!(
                 prefix = %format_args!("{}/{}", self.vip, self.len),
                 "bird: ignoring a route that is not a VIP host route"

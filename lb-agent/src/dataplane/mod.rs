@@ -4,7 +4,6 @@
 //! `SERVICES` update flips the service to it.
 
 mod alloc;
-mod maglev_pool;
 mod pins;
 mod source_ranges;
 mod state;
@@ -12,7 +11,7 @@ mod write;
 
 use std::{
     collections::{BTreeMap, BTreeSet},
-    net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr},
+    net::{IpAddr, SocketAddr},
     path::{Path, PathBuf},
     time::{Duration, Instant},
 };
@@ -20,7 +19,7 @@ use std::{
 use aya::{
     maps::{
         lpm_trie::LpmTrie, Array, DevMapHash, HashMap, Map, MapData, MapError, PerCpuArray,
-        PerCpuHashMap, PerCpuValues,
+        PerCpuHashMap,
     },
     programs::{
         links::{FdLink, PinnedLink},
@@ -30,22 +29,23 @@ use aya::{
     Ebpf, EbpfLoader,
 };
 use ipnet::IpNet;
+pub use lb_common::net::Protocol;
 use lb_common::{
-    addr_from_v4, addr_from_v6, maglev, map_names as names, BackendEntry, Config, Flow, FlowKey,
-    Reason, ReplyNat, ServiceInfo, ServiceKey, TrafficStats, FAMILY_V4, FAMILY_V6,
-    MAGLEV_POOL_ENTRIES, MAX_BACKENDS, MAX_SERVICES, PORT_F_BACKEND, PORT_F_SERVICE, PROTO_ICMP,
-    PROTO_ICMPV6, PROTO_TCP, PROTO_UDP, REASON_COUNT, SERVICE_F_CLIENT_AFFINITY, SERVICE_F_SNAT,
-    SERVICE_F_SOURCE_RANGES,
+    maglev, map_names as names,
+    net::{ip_words, service_key, words_ip, Family},
+    BackendEntry, Config, Flow, FlowKey, ReplyNat, ServiceInfo, ServiceKey, TrafficStats,
+    FAMILY_V4, FAMILY_V6, MAGLEV_POOL_ENTRIES, MAX_BACKENDS, MAX_SERVICES, PORT_F_BACKEND,
+    PORT_F_SERVICE, PROTO_ICMP, PROTO_ICMPV6, REASON_COUNT, SERVICE_F_CLIENT_AFFINITY,
+    SERVICE_F_SNAT, SERVICE_F_SOURCE_RANGES,
 };
 
-pub use self::source_ranges::{admits, read_ranges};
 use self::{
     alloc::{IdPool, RegionPool},
-    maglev_pool::MaglevPool,
     pins::{check_bpffs, check_pinned_layout},
     source_ranges::SourceRanges,
     write::{Ids, Placement, Reservation},
 };
+use crate::maps::{self as reads, MaglevPool};
 
 /// The XDP object, built from lb-ebpf by build.rs.
 pub static OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/lb-ebpf"));
@@ -104,21 +104,6 @@ fn map_err(name: &'static str) -> impl FnOnce(MapError) -> DataplaneError {
     move |source| DataplaneError::Map { name, source }
 }
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub enum Protocol {
-    Tcp,
-    Udp,
-}
-
-impl Protocol {
-    pub fn number(self) -> u8 {
-        match self {
-            Protocol::Tcp => PROTO_TCP,
-            Protocol::Udp => PROTO_UDP,
-        }
-    }
-}
-
 /// What a service should look like in the data plane.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ServiceSpec {
@@ -149,11 +134,7 @@ impl ServiceSpec {
     }
 
     fn name(&self) -> String {
-        let p = match self.protocol {
-            Protocol::Tcp => "tcp",
-            Protocol::Udp => "udp",
-        };
-        format!("{}/{p}", SocketAddr::new(self.vip, self.port))
+        format!("{}/{}", SocketAddr::new(self.vip, self.port), self.protocol)
     }
 
     /// Checks what the data plane relies on; the config layer checks more.
@@ -198,30 +179,6 @@ impl ServiceSpec {
     pub fn table_size(&self) -> u32 {
         self.table_size
             .unwrap_or_else(|| maglev::default_table_size(self.backends.len()))
-    }
-}
-
-pub fn ip_words(ip: IpAddr) -> [u32; 4] {
-    match ip {
-        IpAddr::V4(a) => addr_from_v4(a.octets()),
-        IpAddr::V6(a) => addr_from_v6(a.octets()),
-    }
-}
-
-pub fn family(ip: IpAddr) -> u8 {
-    if ip.is_ipv4() {
-        FAMILY_V4
-    } else {
-        FAMILY_V6
-    }
-}
-
-pub fn service_key(vip: IpAddr, port: u16, proto: u8) -> ServiceKey {
-    ServiceKey {
-        addr: ip_words(vip),
-        port: port.to_be(),
-        proto,
-        family: family(vip),
     }
 }
 
@@ -341,17 +298,15 @@ impl Dataplane {
             Map::Array(data) => data,
             _ => return Err(DataplaneError::MissingMap(names::MAGLEV)),
         };
+        let maglev = MaglevPool::new(maglev_data).map_err(DataplaneError::Mmap)?;
         // A pinned pool keeps its size: use the kernel's, not the requested one.
-        let pool_entries = maglev_data
-            .info()
-            .map_err(map_err(names::MAGLEV))?
-            .max_entries();
+        let pool_entries = maglev.entries();
         let maps = Maps {
             services: HashMap::try_from(take(&mut ebpf, names::SERVICES)?)
                 .map_err(map_err(names::SERVICES))?,
             backends: Array::try_from(take(&mut ebpf, names::BACKENDS)?)
                 .map_err(map_err(names::BACKENDS))?,
-            maglev: MaglevPool::new(maglev_data, pool_entries).map_err(DataplaneError::Mmap)?,
+            maglev,
             port_flags: Array::try_from(take(&mut ebpf, names::PORT_FLAGS)?)
                 .map_err(map_err(names::PORT_FLAGS))?,
             config: Array::try_from(take(&mut ebpf, names::CONFIG)?)
@@ -773,10 +728,8 @@ impl Dataplane {
                 markers.push((key, vip));
                 continue;
             }
-            let protocol = match key.proto {
-                PROTO_TCP => Protocol::Tcp,
-                PROTO_UDP => Protocol::Udp,
-                _ => continue,
+            let Some(protocol) = Protocol::from_number(key.proto) else {
+                continue;
             };
             let m = info.table_size;
             if !self.ids.regions.reserve(info.table_base, 2 * m)
@@ -906,41 +859,13 @@ impl Ord for FlowKeyOrd {
     }
 }
 
-/// The address a key or value holds, as an `IpAddr` of `family`.
-pub fn words_ip(words: &[u32; 4], family: u8) -> IpAddr {
-    let o = lb_common::addr_octets(words);
-    if family == FAMILY_V6 {
-        IpAddr::V6(Ipv6Addr::from(o))
-    } else {
-        IpAddr::V4(Ipv4Addr::new(o[0], o[1], o[2], o[3]))
-    }
-}
-
 fn key_ip(key: &ServiceKey) -> Option<IpAddr> {
     (key.family == FAMILY_V4 || key.family == FAMILY_V6).then(|| words_ip(&key.addr, key.family))
-}
-
-fn sum_stats(map: &PerCpuArray<MapData, TrafficStats>, id: u32) -> Result<TrafficStats, MapError> {
-    let v = map.get(&id, 0)?;
-    Ok(v.iter().fold(TrafficStats::default(), |a, s| TrafficStats {
-        packets: a.packets + s.packets,
-        bytes: a.bytes + s.bytes,
-        new_flows: a.new_flows + s.new_flows,
-        reply_packets: a.reply_packets + s.reply_packets,
-        reply_bytes: a.reply_bytes + s.reply_bytes,
-    }))
-}
-
-/// Number of possible CPUs: the length of every per-CPU value.
-pub fn possible_cpus() -> usize {
-    aya::util::nr_cpus().unwrap_or(1)
 }
 
 fn zero_stats<T: aya::Pod + Default>(
     map: &mut PerCpuArray<MapData, T>,
     id: u32,
 ) -> Result<(), MapError> {
-    let values = PerCpuValues::try_from(vec![T::default(); possible_cpus()])
-        .expect("one value per possible CPU is what the kernel expects");
-    map.set(id, values, 0)
+    map.set(id, crate::maps::zeroed_per_cpu(), 0)
 }

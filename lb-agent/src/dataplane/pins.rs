@@ -3,10 +3,7 @@
 
 use std::path::Path;
 
-use lb_common::{
-    map_names as names, BackendEntry, Config, Flow, FlowKey, ReplyNat, ServiceInfo, ServiceKey,
-    TrafficStats, REASON_COUNT,
-};
+use lb_common::{map_names as names, REASON_COUNT};
 
 use super::{map_err, DataplaneError, Result};
 
@@ -39,37 +36,14 @@ pub(super) fn check_bpffs(dir: &Path) -> Result<()> {
     Ok(())
 }
 
-/// Key and value sizes of each pinned map, as this build lays them out.
-pub(super) fn expected_layout(name: &str) -> Option<(usize, usize)> {
-    use std::mem::size_of;
-    Some(match name {
-        names::SERVICES => (size_of::<ServiceKey>(), size_of::<ServiceInfo>()),
-        names::BACKENDS => (4, size_of::<BackendEntry>()),
-        names::MAGLEV => (4, 4),
-        names::CONNTRACK | names::SHARED_FLOWS => (size_of::<FlowKey>(), size_of::<Flow>()),
-        names::REPLY_NAT => (size_of::<FlowKey>(), size_of::<ReplyNat>()),
-        names::PORT_FLAGS => (4, 1),
-        names::CONFIG => (4, size_of::<Config>()),
-        names::SERVICE_STATS | names::BACKEND_STATS => (4, size_of::<TrafficStats>()),
-        names::REASON_STATS => (4, 8),
-        names::SOURCE_RANGES => (4 + size_of::<lb_common::RangeKey>(), 1),
-        _ => return None,
-    })
-}
-
 /// Refuses to adopt a pinned map laid out by another xlb version: reusing
 /// it would make the program read garbage.
 pub(super) fn check_pinned_layout(name: &'static str, path: &Path) -> Result<()> {
-    let Some((key, value)) = expected_layout(name) else {
-        return Ok(());
-    };
     let info = aya::maps::MapInfo::from_pin(path).map_err(map_err(name))?;
-    if info.key_size() as usize != key || info.value_size() as usize != value {
+    if let Some(why) = crate::maps::layout_mismatch(name, &info) {
         return Err(DataplaneError::Adopt(format!(
-            "{} has key/value sizes {}/{}, this version expects {key}/{value}",
-            path.display(),
-            info.key_size(),
-            info.value_size()
+            "{} has {why}",
+            path.display()
         )));
     }
     // Counters only: a table from a version with fewer reasons is replaced

@@ -14,70 +14,14 @@ use aya::maps::{
     MapData, MapError,
 };
 use ipnet::IpNet;
-use lb_common::{RangeKey, MAX_SOURCE_RANGES, RANGE_LOOKUP_PREFIX};
+use lb_common::{RangeKey, MAX_SOURCE_RANGES};
 
-use super::{ip_words, words_ip};
-use lb_common::FAMILY_V6;
+use crate::maps::ranges::{key, net_of};
 
 pub struct SourceRanges {
     map: LpmTrie<MapData, RangeKey, u8>,
     /// What the map holds, by scope.
     at: BTreeMap<u32, Vec<Key<RangeKey>>>,
-}
-
-/// The ranges a map holds under `scope`, for a service of `family`, sorted
-/// (read-only: lbctl uses it on the pinned map).
-pub fn read_ranges(
-    map: &LpmTrie<MapData, RangeKey, u8>,
-    scope: u32,
-    family: u8,
-) -> Result<Vec<IpNet>, MapError> {
-    let mut out = Vec::new();
-    for k in map.keys() {
-        let k = k?;
-        if u32::from_be_bytes(k.data().scope) == scope {
-            out.extend(net_of(&k, family));
-        }
-    }
-    out.sort();
-    Ok(out)
-}
-
-/// Whether `scope`'s ranges admit the client `addr` (stored words): the
-/// kernel's longest-prefix match, as the data plane does it.
-pub fn admits(
-    map: &LpmTrie<MapData, RangeKey, u8>,
-    scope: u32,
-    addr: [u32; 4],
-) -> Result<bool, MapError> {
-    let k = Key::new(
-        RANGE_LOOKUP_PREFIX,
-        RangeKey {
-            scope: scope.to_be_bytes(),
-            addr,
-        },
-    );
-    match map.get(&k, 0) {
-        Ok(_) => Ok(true),
-        Err(MapError::KeyNotFound) => Ok(false),
-        Err(e) => Err(e),
-    }
-}
-
-fn net_of(k: &Key<RangeKey>, family: u8) -> Option<IpNet> {
-    let bits = if family == FAMILY_V6 { 128 } else { 32 };
-    let prefix = k.prefix_len().checked_sub(32).filter(|p| *p <= bits)?;
-    IpNet::new(words_ip(&k.data().addr, family), prefix as u8).ok()
-}
-
-fn key(scope: u32, net: &IpNet) -> Key<RangeKey> {
-    Key::new(
-        32 + u32::from(net.prefix_len()),
-        RangeKey {
-            scope: scope.to_be_bytes(),
-            addr: ip_words(net.network()),
-        },
-    )
 }
 
 impl SourceRanges {

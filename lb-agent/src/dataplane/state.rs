@@ -5,75 +5,35 @@ use super::*;
 
 impl Dataplane {
     /// Packets per reason, summed over CPUs.
-    pub fn reason_counts(&self) -> Result<[u64; REASON_COUNT as usize]> {
-        let mut out = [0u64; REASON_COUNT as usize];
-        for (i, slot) in out.iter_mut().enumerate() {
-            let v = self
-                .maps
-                .reason_stats
-                .get(&(i as u32), 0)
-                .map_err(map_err(names::REASON_STATS))?;
-            *slot = v.iter().sum();
-        }
-        Ok(out)
+    pub fn reason_counts(&self) -> Result<reads::ReasonCounts> {
+        reads::reason_counts(&self.maps.reason_stats).map_err(map_err(names::REASON_STATS))
     }
 
     /// Packets per reason, per CPU: `[cpu][reason]`.
-    pub fn reason_counts_per_cpu(&self) -> Result<Vec<[u64; REASON_COUNT as usize]>> {
-        let mut out: Vec<[u64; REASON_COUNT as usize]> = Vec::new();
-        for r in Reason::ALL {
-            let v = self
-                .maps
-                .reason_stats
-                .get(&(r as u32), 0)
-                .map_err(map_err(names::REASON_STATS))?;
-            if out.is_empty() {
-                out = vec![[0; REASON_COUNT as usize]; v.len()];
-            }
-            for (cpu, c) in v.iter().enumerate() {
-                out[cpu][r as usize] = *c;
-            }
-        }
-        Ok(out)
+    pub fn reason_counts_per_cpu(&self) -> Result<Vec<reads::ReasonCounts>> {
+        reads::reason_counts_per_cpu(&self.maps.reason_stats).map_err(map_err(names::REASON_STATS))
     }
 
     pub fn service_stats(&self, id: u32) -> Result<TrafficStats> {
-        sum_stats(&self.maps.service_stats, id).map_err(map_err(names::SERVICE_STATS))
+        reads::traffic(&self.maps.service_stats, id).map_err(map_err(names::SERVICE_STATS))
     }
 
     pub fn backend_stats(&self, id: u32) -> Result<TrafficStats> {
-        sum_stats(&self.maps.backend_stats, id).map_err(map_err(names::BACKEND_STATS))
+        reads::traffic(&self.maps.backend_stats, id).map_err(map_err(names::BACKEND_STATS))
     }
 
     /// Every connection-table entry, with the CPU that holds it.
     pub fn conntrack(&self) -> Result<Vec<(FlowKey, usize, Flow)>> {
-        let mut out = Vec::new();
-        for item in self.maps.conntrack.iter() {
-            let (k, per_cpu) = item.map_err(map_err(names::CONNTRACK))?;
-            for (cpu, f) in per_cpu.iter().enumerate() {
-                if f.created_ns != 0 {
-                    out.push((k, cpu, *f));
-                }
-            }
-        }
-        Ok(out)
+        reads::conntrack_entries(&self.maps.conntrack).map_err(map_err(names::CONNTRACK))
     }
 
     /// Every entry of the shared flow table.
     pub fn shared_flows(&self) -> Result<Vec<(FlowKey, Flow)>> {
-        self.maps
-            .shared_flows
-            .iter()
-            .map(|r| r.map_err(map_err(names::SHARED_FLOWS)))
-            .collect()
+        reads::entries(&self.maps.shared_flows).map_err(map_err(names::SHARED_FLOWS))
     }
 
     pub fn reply_entries(&self) -> Result<Vec<(FlowKey, ReplyNat)>> {
-        self.maps
-            .reply_nat
-            .iter()
-            .map(|r| r.map_err(map_err(names::REPLY_NAT)))
-            .collect()
+        reads::entries(&self.maps.reply_nat).map_err(map_err(names::REPLY_NAT))
     }
 
     /// Clears flows, reply translations and counters (between test cases).
@@ -141,16 +101,9 @@ impl Dataplane {
 
     /// The live Maglev table of a service (backend ids).
     pub fn live_table(&self, key: &ServiceKey) -> Result<Vec<u32>> {
-        let info = self.service_info(key)?;
-        if info.backend_count == 0 {
-            return Ok(Vec::new());
-        }
         self.maps
             .maglev
-            .read(
-                info.table_base + info.active * info.table_size,
-                info.table_size,
-            )
+            .live_table(&self.service_info(key)?)
             .map_err(DataplaneError::Mmap)
     }
 }

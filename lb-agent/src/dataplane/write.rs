@@ -11,7 +11,7 @@ use lb_common::{
 
 use super::{
     alloc::{IdPool, RegionPool},
-    family, ip_words, map_err, zero_stats, DataplaneError, Maps, Result, ServiceSpec,
+    ip_words, map_err, zero_stats, DataplaneError, Family, Maps, Result, ServiceSpec,
 };
 
 /// Which service ids, backend ids and Maglev regions are taken.
@@ -121,7 +121,7 @@ impl Maps {
             let value = Backend {
                 addr: ip_words(b.addr.ip()),
                 port: b.addr.port().to_be(),
-                family: family(b.addr.ip()),
+                family: Family::of(b.addr.ip()).number(),
                 _pad: 0,
             };
             // A fresh entry: the data path looks the route up again.

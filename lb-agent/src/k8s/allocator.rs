@@ -47,7 +47,7 @@ use tracing::{debug, info, warn};
 use super::api_health::{api_health, QuickRetry};
 use super::crd::{LoadBalancerPool, LoadBalancerPoolStatus};
 use super::ipam::{self, Allocation, Decision, Failure, FailureReason, PoolInput, Pools};
-use super::ipam::{ServiceKey, ServiceRequest};
+use super::ipam::{ServiceName, ServiceRequest};
 use super::leader::{Elector, LeaseConfig};
 use super::{serves, ALLOCATED_CONDITION, CONTROLLER_NAME};
 use crate::config::KubernetesConfig;
@@ -309,7 +309,7 @@ struct PendingEvent {
 struct Term<'a> {
     allocator: &'a Allocator,
     recorder: Recorder,
-    written: HashMap<ServiceKey, Written>,
+    written: HashMap<ServiceName, Written>,
     /// Problems already published as Events: key -> (uid, reason, note).
     reported: HashMap<String, (Option<String>, String, String)>,
     pending: BTreeMap<String, PendingEvent>,
@@ -460,7 +460,7 @@ impl<'a> Term<'a> {
         // Writes that take addresses away first; an address whose removal
         // did not go through is not given to anyone else (Services that
         // keep sharing it do not block each other).
-        let mut still_shown: BTreeMap<IpAddr, BTreeSet<ServiceKey>> = BTreeMap::new();
+        let mut still_shown: BTreeMap<IpAddr, BTreeSet<ServiceName>> = BTreeMap::new();
         for req in &requests {
             for ip in &req.current {
                 still_shown.entry(*ip).or_default().insert(req.key.clone());
@@ -533,7 +533,7 @@ impl<'a> Term<'a> {
 
     /// Drops what is remembered of Services and pools that are gone.
     fn forget_gone(&mut self, requests: &[ServiceRequest], pools: &[Arc<LoadBalancerPool>]) {
-        let live: BTreeSet<ServiceKey> = requests.iter().map(|r| r.key.clone()).collect();
+        let live: BTreeSet<ServiceName> = requests.iter().map(|r| r.key.clone()).collect();
         self.written.retain(|k, _| live.contains(k));
         let live_keys: BTreeSet<String> = live
             .iter()
@@ -821,19 +821,19 @@ enum Kind {
     Namespace,
 }
 
-fn key_of(svc: &Service) -> ServiceKey {
-    ServiceKey::new(
+fn key_of(svc: &Service) -> ServiceName {
+    ServiceName::new(
         svc.metadata.namespace.as_deref().unwrap_or("default"),
         svc.metadata.name.as_deref().unwrap_or_default(),
     )
 }
 
-fn service_event_key(key: &ServiceKey) -> String {
+fn service_event_key(key: &ServiceName) -> String {
     format!("service/{key}")
 }
 
 /// Events about a Service's spec (not its address) are tracked apart.
-fn spec_event_key(key: &ServiceKey) -> String {
+fn spec_event_key(key: &ServiceName) -> String {
     format!("{}#spec", service_event_key(key))
 }
 

@@ -32,21 +32,21 @@ pub use self::pools::{AddressRange, Family, Pool, PoolInput, PoolScope, Pools, S
 
 /// A Service's namespace and name.
 #[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub struct ServiceKey {
+pub struct ServiceName {
     pub namespace: String,
     pub name: String,
 }
 
-impl ServiceKey {
-    pub fn new(namespace: &str, name: &str) -> ServiceKey {
-        ServiceKey {
+impl ServiceName {
+    pub fn new(namespace: &str, name: &str) -> ServiceName {
+        ServiceName {
             namespace: namespace.to_string(),
             name: name.to_string(),
         }
     }
 }
 
-impl fmt::Display for ServiceKey {
+impl fmt::Display for ServiceName {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "{}/{}", self.namespace, self.name)
     }
@@ -64,7 +64,7 @@ pub enum FamilyPolicy {
 /// What one Service asks for, as read from the object.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ServiceRequest {
-    pub key: ServiceKey,
+    pub key: ServiceName,
     pub created: Option<Timestamp>,
     /// The `xlb.dev/pool` annotation.
     pub pool: Option<String>,
@@ -88,7 +88,7 @@ impl ServiceRequest {
     /// A request with defaults, for building by hand.
     pub fn new(namespace: &str, name: &str) -> ServiceRequest {
         ServiceRequest {
-            key: ServiceKey::new(namespace, name),
+            key: ServiceName::new(namespace, name),
             created: None,
             pool: None,
             requested: Vec::new(),
@@ -151,7 +151,7 @@ impl ServiceRequest {
             .into_iter()
             .flatten()
         {
-            match Family::from_k8s_name(name) {
+            match pools::from_k8s_name(name) {
                 Some(f) if !req.families.contains(&f) => req.families.push(f),
                 Some(_) => {}
                 None => problems.push(format!("spec.ipFamilies: unknown family {name:?}")),
@@ -190,10 +190,10 @@ pub fn parse_requested(what: &str, value: &str) -> Result<Vec<IpAddr>, String> {
         let ip: IpAddr = item
             .parse()
             .map_err(|_| format!("{what}: {item:?} is not an IP address"))?;
-        if let Some(prev) = out.iter().find(|p| Family::of(p) == Family::of(&ip)) {
+        if let Some(prev) = out.iter().find(|p| Family::of(**p) == Family::of(ip)) {
             return Err(format!(
                 "{what}: two {} addresses ({prev} and {ip}); give at most one per family",
-                Family::of(&ip)
+                Family::of(ip)
             ));
         }
         out.push(ip);
@@ -285,7 +285,7 @@ pub struct Decision {
 /// The outcome for all Services.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Allocation {
-    pub decisions: BTreeMap<ServiceKey, Decision>,
+    pub decisions: BTreeMap<ServiceName, Decision>,
     /// Addresses in use per usable pool (every usable pool is listed).
     pub in_use: BTreeMap<String, u64>,
 }
@@ -343,7 +343,10 @@ fn plan<'p>(req: &ServiceRequest, pools: &'p Pools) -> Result<Plan<'p>, Failure>
     let order: Vec<Family> = if explicit {
         req.families.clone()
     } else {
-        let first = req.requested.first().map_or(Family::V4, Family::of);
+        let first = req
+            .requested
+            .first()
+            .map_or(Family::V4, |ip| Family::of(*ip));
         vec![first, first.other()]
     };
     let (required, optional) = match req.policy {
@@ -356,7 +359,7 @@ fn plan<'p>(req: &ServiceRequest, pools: &'p Pools) -> Result<Plan<'p>, Failure>
     };
     let mut requested = BTreeMap::new();
     for ip in &req.requested {
-        let family = Family::of(ip);
+        let family = Family::of(*ip);
         if !(required.contains(&family) || optional == Some(family)) {
             return Err(Failure::new(
                 FailureReason::BadRequest,
@@ -365,7 +368,7 @@ fn plan<'p>(req: &ServiceRequest, pools: &'p Pools) -> Result<Plan<'p>, Failure>
                     required
                         .iter()
                         .chain(optional.iter())
-                        .map(|f| f.k8s_name())
+                        .map(|f| pools::k8s_name(*f))
                         .collect::<Vec<_>>()
                         .join(", ")
                 ),
@@ -454,7 +457,7 @@ fn keep_current(
     for &i in order.iter() {
         let st = &mut states[i];
         for &ip in &services[i].current {
-            let family = Family::of(&ip);
+            let family = Family::of(ip);
             if st.got.contains_key(&family)
                 || used
                     .get(&ip)
@@ -587,7 +590,7 @@ fn assign_new(
             let shared = services[i].sharing.key.as_ref().and_then(|_| {
                 used.iter()
                     .find(|(ip, h)| {
-                        Family::of(ip) == family
+                        Family::of(**ip) == family
                             && with_family.iter().any(|p| p.contains(**ip))
                             && may_join(services, h, i).is_ok()
                     })
@@ -672,7 +675,7 @@ fn results(
             Err(_) => services[i]
                 .current
                 .iter()
-                .map(Family::of)
+                .map(|ip| Family::of(*ip))
                 .chain([Family::V4, Family::V6])
                 .collect(),
         };

@@ -4,12 +4,12 @@
 use std::net::SocketAddr;
 
 use anyhow::{anyhow, Context, Result};
-use lb_common::map_names as names;
+use lb_agent::maps::{self, PinnedMaps};
+use lb_common::{map_names as names, net::words_socket};
 use serde::Serialize;
 
 use crate::{
     maglev::shares,
-    maps::{self, Maps},
     services::{self, ServiceArg},
     table::{self, Align, Table},
     Render,
@@ -48,15 +48,16 @@ pub struct BackendsReport {
     pub services: Vec<ServiceBackends>,
 }
 
-pub fn run(maps: &Maps, args: &Args) -> Result<BackendsReport> {
+pub fn run(maps: &PinnedMaps, args: &Args) -> Result<BackendsReport> {
     let services_map = maps.services()?;
     let list = match &args.service {
         Some(a) => {
-            let info = maps::get_service(&services_map, &a.key())?
+            let info = maps::service(&services_map, &a.key())
+                .context("reading SERVICES")?
                 .ok_or_else(|| anyhow!("no service {a} in SERVICES"))?;
             vec![(a.key(), info)]
         }
-        None => maps::list_services(&services_map)?,
+        None => services::listed(&services_map)?,
     };
     let maglev = maps.maglev()?;
     let backends = maps.backends()?;
@@ -70,9 +71,10 @@ pub fn run(maps: &Maps, args: &Args) -> Result<BackendsReport> {
                 .get(&s.backend_id, 0)
                 .with_context(|| format!("reading BACKENDS[{}]", s.backend_id))?
                 .backend;
-            let t = maps::read_stats(&stats, s.backend_id, names::BACKEND_STATS)?;
+            let t = maps::traffic(&stats, s.backend_id)
+                .with_context(|| format!("reading {}[{}]", names::BACKEND_STATS, s.backend_id))?;
             rows.push(BackendRow {
-                address: services::socket_of(&b.addr, b.port, b.family),
+                address: words_socket(&b.addr, b.port, b.family),
                 backend_id: s.backend_id,
                 entries: s.entries,
                 share_pct: s.share_pct,

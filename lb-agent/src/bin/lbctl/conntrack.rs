@@ -3,12 +3,14 @@
 use std::net::{IpAddr, SocketAddr};
 
 use anyhow::{Context, Result};
-use lb_agent::dataplane::{family, ip_words};
-use lb_common::{Flow, FlowKey, ServiceKey};
+use lb_agent::maps::{self, PinnedMaps};
+use lb_common::{
+    net::{ip_words, protocol_name, words_socket, Family},
+    Flow, FlowKey, ServiceKey,
+};
 use serde::Serialize;
 
 use crate::{
-    maps::{self, Maps},
     services::{self, ServiceArg},
     table::{self, Align, Table},
     Render,
@@ -47,10 +49,14 @@ impl Filter {
     pub fn from_args(args: &Args) -> Self {
         Self {
             service: args.service.map(|s| s.key()),
-            backend: args
-                .backend
-                .map(|b| (ip_words(b.ip()), b.port().to_be(), family(b.ip()))),
-            client: args.client.map(|c| (ip_words(c), family(c))),
+            backend: args.backend.map(|b| {
+                (
+                    ip_words(b.ip()),
+                    b.port().to_be(),
+                    Family::of(b.ip()).number(),
+                )
+            }),
+            client: args.client.map(|c| (ip_words(c), Family::of(c).number())),
             cpu: args.cpu,
         }
     }
@@ -105,10 +111,10 @@ pub struct Entry {
 pub fn entry(key: &FlowKey, cpu: usize, flow: &Flow, now_ns: u64) -> Entry {
     Entry {
         cpu,
-        protocol: services::proto_name(key.proto),
-        client: services::socket_of(&key.src, key.sport, key.family),
-        vip: services::socket_of(&key.dst, key.dport, key.family),
-        backend: services::socket_of(&flow.backend_addr, flow.backend_port, key.family),
+        protocol: protocol_name(key.proto),
+        client: words_socket(&key.src, key.sport, key.family),
+        vip: words_socket(&key.dst, key.dport, key.family),
+        backend: words_socket(&flow.backend_addr, flow.backend_port, key.family),
         backend_id: flow.backend_id,
         service_id: flow.service_id,
         affinity: None,
@@ -127,14 +133,14 @@ pub struct ConntrackReport {
     pub entries: Vec<Entry>,
 }
 
-pub fn run(maps: &Maps, args: &Args) -> Result<ConntrackReport> {
+pub fn run(maps: &PinnedMaps, args: &Args) -> Result<ConntrackReport> {
     let map = maps.conntrack()?;
     let filter = Filter::from_args(args);
     let now = maps::coarse_now_ns();
     let limit = args.limit.unwrap_or(usize::MAX);
     // Service id -> its affinity, from the live services.
     let affinity: std::collections::BTreeMap<u32, Option<&'static str>> =
-        maps::list_services(&maps.services()?)?
+        services::listed(&maps.services()?)?
             .into_iter()
             .map(|(_, info)| (info.id, services::affinity(&info)))
             .collect();

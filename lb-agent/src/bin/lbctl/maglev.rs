@@ -3,11 +3,12 @@
 use std::{collections::BTreeMap, net::SocketAddr};
 
 use anyhow::{anyhow, Context, Result};
+use lb_agent::maps::{self, PinnedMaps};
+use lb_common::net::words_socket;
 use serde::Serialize;
 
 use crate::{
-    maps::{self, Maps},
-    services::{self, ServiceArg},
+    services::ServiceArg,
     table::{self, Align, Table},
     Render,
 };
@@ -64,10 +65,11 @@ pub struct MaglevReport {
     pub backends: Vec<MaglevBackend>,
 }
 
-pub fn run(maps: &Maps, args: &Args) -> Result<MaglevReport> {
+pub fn run(maps: &PinnedMaps, args: &Args) -> Result<MaglevReport> {
     let services = maps.services()?;
     let key = args.service.key();
-    let info = maps::get_service(&services, &key)?
+    let info = maps::service(&services, &key)
+        .context("reading SERVICES")?
         .ok_or_else(|| anyhow!("no service {} in SERVICES", args.service))?;
     let table = maps.maglev()?.live_table(&info)?;
     let backends = maps.backends()?;
@@ -79,7 +81,7 @@ pub fn run(maps: &Maps, args: &Args) -> Result<MaglevReport> {
             .backend;
         out.push(MaglevBackend {
             backend_id: s.backend_id,
-            address: services::socket_of(&b.addr, b.port, b.family),
+            address: words_socket(&b.addr, b.port, b.family),
             entries: s.entries,
             share_pct: s.share_pct,
         });

@@ -4,7 +4,6 @@
 mod backends;
 mod conntrack;
 mod maglev;
-mod maps;
 mod services;
 mod stats;
 mod table;
@@ -78,7 +77,7 @@ fn emit<R: Render>(report: R, json: bool) -> Result<ExitCode> {
 }
 
 fn run(cli: &Cli) -> Result<ExitCode> {
-    let maps = maps::Maps::open(&cli.pin_dir)?;
+    let maps = lb_agent::maps::PinnedMaps::open(&cli.pin_dir)?;
     let json = cli.json;
     match &cli.command {
         Command::Services => emit(services::run(&maps)?, json),

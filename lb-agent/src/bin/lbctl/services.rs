@@ -3,20 +3,20 @@
 
 use std::{
     fmt,
-    net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr},
+    net::{IpAddr, SocketAddr},
     str::FromStr,
 };
 
-use anyhow::Result;
-use lb_agent::dataplane::service_key;
+use anyhow::{Context, Result};
+use lb_agent::maps::{self, PinnedMaps};
 use lb_common::{
-    addr_octets, map_names as names, ServiceInfo, ServiceKey, FAMILY_V4, PROTO_ICMP, PROTO_ICMPV6,
-    PROTO_TCP, PROTO_UDP, SERVICE_F_CLIENT_AFFINITY, SERVICE_F_SNAT, SERVICE_F_SOURCE_RANGES,
+    map_names as names,
+    net::{protocol_name, service_key, words_ip, Protocol},
+    ServiceInfo, ServiceKey, SERVICE_F_CLIENT_AFFINITY, SERVICE_F_SNAT, SERVICE_F_SOURCE_RANGES,
 };
 use serde::Serialize;
 
 use crate::{
-    maps::{self, Maps},
     table::{self, Align, Table},
     Render,
 };
@@ -46,7 +46,10 @@ impl FromStr for ServiceArg {
             )
         };
         let (addr, proto) = s.rsplit_once('/').ok_or_else(|| bad("no /PROTO"))?;
-        let proto = parse_proto(proto).ok_or_else(|| bad("PROTO must be tcp or udp"))?;
+        let proto = proto
+            .parse::<Protocol>()
+            .map_err(|_| bad("PROTO must be tcp or udp"))?
+            .number();
         let sa: SocketAddr = addr
             .parse()
             .map_err(|_| bad("VIP:PORT is not an address and port (IPv6 needs brackets)"))?;
@@ -64,47 +67,21 @@ impl fmt::Display for ServiceArg {
             f,
             "{}/{}",
             SocketAddr::new(self.vip, self.port),
-            proto_name(self.proto)
+            protocol_name(self.proto)
         )
     }
 }
 
-pub fn parse_proto(s: &str) -> Option<u8> {
-    match s.to_ascii_lowercase().as_str() {
-        "tcp" => Some(PROTO_TCP),
-        "udp" => Some(PROTO_UDP),
-        _ => None,
-    }
-}
-
-pub fn proto_name(proto: u8) -> String {
-    match proto {
-        PROTO_TCP => "tcp".into(),
-        PROTO_UDP => "udp".into(),
-        PROTO_ICMP => "icmp".into(),
-        PROTO_ICMPV6 => "icmpv6".into(),
-        n => format!("proto-{n}"),
-    }
-}
-
-/// The address stored in a key or value, read back.
-pub fn ip_of(words: &[u32; 4], family: u8) -> IpAddr {
-    let o = addr_octets(words);
-    if family == FAMILY_V4 {
-        IpAddr::V4(Ipv4Addr::new(o[0], o[1], o[2], o[3]))
-    } else {
-        IpAddr::V6(Ipv6Addr::from(o))
-    }
-}
-
-/// An address and a network-order port, as `ip:port` / `[ip]:port`.
-pub fn socket_of(words: &[u32; 4], port_be: u16, family: u8) -> SocketAddr {
-    SocketAddr::new(ip_of(words, family), u16::from_be(port_be))
+/// Every service (echo markers left out) in listing order.
+pub fn listed(map: &maps::ServicesMap) -> Result<Vec<(ServiceKey, ServiceInfo)>> {
+    let mut out = maps::services(map).context("reading SERVICES")?;
+    out.sort_by_key(|a| sort_key(&a.0));
+    Ok(out)
 }
 
 pub fn service_arg(key: &ServiceKey) -> ServiceArg {
     ServiceArg {
-        vip: ip_of(&key.addr, key.family),
+        vip: words_ip(&key.addr, key.family),
         port: u16::from_be(key.port),
         proto: key.proto,
     }
@@ -122,7 +99,7 @@ pub fn sort_key(key: &ServiceKey) -> (u8, IpAddr, u16, u8) {
 
 /// The client networks a service admits; `None`: all.
 pub fn source_ranges(
-    maps: &Maps,
+    maps: &PinnedMaps,
     key: &ServiceKey,
     info: &ServiceInfo,
 ) -> Result<Option<Vec<String>>> {
@@ -130,7 +107,7 @@ pub fn source_ranges(
         return Ok(None);
     }
     let trie = maps.source_ranges()?;
-    let nets = lb_agent::dataplane::read_ranges(&trie, info.range_scope(), key.family)?;
+    let nets = maps::ranges::read_ranges(&trie, info.range_scope(), key.family)?;
     Ok(Some(nets.iter().map(ToString::to_string).collect()))
 }
 
@@ -146,7 +123,7 @@ pub fn is_snat(info: &ServiceInfo) -> bool {
 /// `nat`, or `snat <address>`.
 pub fn mode(key: &ServiceKey, info: &ServiceInfo) -> String {
     if is_snat(info) {
-        format!("snat {}", ip_of(&info.snat_addr, key.family))
+        format!("snat {}", words_ip(&info.snat_addr, key.family))
     } else {
         "nat".into()
     }
@@ -181,20 +158,21 @@ pub struct ServicesReport {
     pub services: Vec<ServiceRow>,
 }
 
-pub fn run(maps: &Maps) -> Result<ServicesReport> {
+pub fn run(maps: &PinnedMaps) -> Result<ServicesReport> {
     let services = maps.services()?;
     let stats = maps.service_stats()?;
     let mut rows = Vec::new();
-    for (key, info) in maps::list_services(&services)? {
+    for (key, info) in listed(&services)? {
         let a = service_arg(&key);
-        let t = maps::read_stats(&stats, info.id, names::SERVICE_STATS)?;
+        let t = maps::traffic(&stats, info.id)
+            .with_context(|| format!("reading {}[{}]", names::SERVICE_STATS, info.id))?;
         rows.push(ServiceRow {
             service: a.to_string(),
             vip: a.vip,
             port: a.port,
-            protocol: proto_name(a.proto),
+            protocol: protocol_name(a.proto),
             mode: if is_snat(&info) { "snat" } else { "nat" },
-            snat_addr: is_snat(&info).then(|| ip_of(&info.snat_addr, key.family)),
+            snat_addr: is_snat(&info).then(|| words_ip(&info.snat_addr, key.family)),
             affinity: affinity(&info),
             source_ranges: source_ranges(maps, &key, &info)?,
             service_id: info.id,
@@ -263,7 +241,7 @@ impl Render for ServicesReport {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use lb_common::FAMILY_V6;
+    use lb_common::{FAMILY_V6, PROTO_TCP, PROTO_UDP};
 
     #[test]
     fn parses_v4_and_v6_services() {
@@ -303,23 +281,5 @@ mod tests {
             .unwrap()
             .key();
         assert_eq!(k.family, FAMILY_V6);
-    }
-
-    #[test]
-    fn socket_of_reads_network_order() {
-        let words = lb_common::addr_from_v4([10, 0, 0, 1]);
-        assert_eq!(
-            socket_of(&words, 8080u16.to_be(), FAMILY_V4).to_string(),
-            "10.0.0.1:8080"
-        );
-    }
-
-    #[test]
-    fn echo_markers_are_not_services() {
-        let ip: IpAddr = "192.0.2.10".parse().unwrap();
-        assert!(maps::is_echo_marker(&service_key(ip, 0, PROTO_ICMP)));
-        assert!(!maps::is_echo_marker(&service_key(ip, 80, PROTO_TCP)));
-        let ip6: IpAddr = "2001:db8::1".parse().unwrap();
-        assert!(maps::is_echo_marker(&service_key(ip6, 0, PROTO_ICMPV6)));
     }
 }

@@ -1,12 +1,12 @@
 //! `lbctl stats`: packets per verdict reason and CPU, and how evenly the
 //! CPUs share the work.
 
-use anyhow::Result;
+use anyhow::{Context, Result};
+use lb_agent::maps::{self, PinnedMaps};
 use lb_common::{Reason, REASON_COUNT};
 use serde::Serialize;
 
 use crate::{
-    maps::{self, Maps},
     table::{self, Align, Table},
     Render,
 };
@@ -118,8 +118,9 @@ pub fn report(
     }
 }
 
-pub fn run(maps: &Maps) -> Result<StatsReport> {
-    let counts = maps.reason_counts_per_cpu()?;
+pub fn run(maps: &PinnedMaps) -> Result<StatsReport> {
+    let counts =
+        maps::reason_counts_per_cpu(&maps.reason_stats()?).context("reading REASON_STATS")?;
     let online = maps::online_cpus();
     let machine_cpus = online.as_ref().map_or(counts.len(), Vec::len);
     Ok(report(&counts, online.as_deref(), machine_cpus))

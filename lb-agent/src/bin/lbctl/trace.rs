@@ -10,34 +10,19 @@
 use std::net::{IpAddr, SocketAddr};
 
 use anyhow::{bail, Context, Result};
-use lb_agent::dataplane::{family, ip_words, service_key};
+use lb_agent::maps::{self, PinnedMaps};
 use lb_common::{
     hash::{flow_hash, maglev_hash, snat_port_candidate},
-    Config, Flow, FlowKey, ReplyNat, ServiceInfo, PORT_F_SERVICE, PROTO_TCP, PROTO_UDP,
-    SERVICE_F_CLIENT_AFFINITY, SNAT_PROBES,
+    net::{ip_words, protocol_name, service_key, words_ip, words_socket, Family, Protocol},
+    Config, FlowKey, ReplyNat, ServiceInfo, PORT_F_SERVICE, PROTO_TCP, SERVICE_F_CLIENT_AFFINITY,
+    SNAT_PROBES,
 };
 use serde::Serialize;
 
 use crate::{
-    maps::{self, Maps},
     services::{self, ServiceArg},
     table, Render,
 };
-
-#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
-pub enum Proto {
-    Tcp,
-    Udp,
-}
-
-impl Proto {
-    pub fn number(self) -> u8 {
-        match self {
-            Proto::Tcp => PROTO_TCP,
-            Proto::Udp => PROTO_UDP,
-        }
-    }
-}
 
 #[derive(clap::Args)]
 pub struct Args {
@@ -49,8 +34,15 @@ pub struct Args {
     pub sport: u16,
     /// Service port.
     pub dport: u16,
-    #[arg(value_enum)]
-    pub proto: Proto,
+    #[arg(value_parser = protocol_arg())]
+    pub proto: Protocol,
+}
+
+/// `tcp` or `udp`, listed in `--help`.
+fn protocol_arg() -> impl clap::builder::TypedValueParser<Value = Protocol> {
+    use clap::builder::TypedValueParser;
+    clap::builder::PossibleValuesParser::new(["tcp", "udp"])
+        .map(|s| s.parse::<Protocol>().expect("one of the possible values"))
 }
 
 /// The flow's key exactly as the XDP program builds it from a packet:
@@ -65,7 +57,7 @@ pub fn flow_key(src: IpAddr, dst: IpAddr, sport: u16, dport: u16, proto: u8) -> 
         sport: sport.to_be(),
         dport: dport.to_be(),
         proto,
-        family: family(src),
+        family: Family::of(src).number(),
         _pad: [0; 2],
     })
 }
@@ -212,22 +204,13 @@ pub struct TraceReport {
 
 /// This flow's CONNTRACK entries, per CPU that holds one.
 fn conntrack_hits(
-    maps: &Maps,
+    maps: &PinnedMaps,
     key: &FlowKey,
     snat: bool,
     cfg: &Config,
     now: u64,
 ) -> Result<Vec<ConntrackHit>> {
-    let flows: Vec<(usize, Flow)> = match maps.conntrack()?.get(key, 0) {
-        Ok(v) => v
-            .iter()
-            .enumerate()
-            .filter(|(_, f)| f.created_ns != 0)
-            .map(|(c, f)| (c, *f))
-            .collect(),
-        Err(aya::maps::MapError::KeyNotFound) => Vec::new(),
-        Err(e) => return Err(e).context("reading CONNTRACK"),
-    };
+    let flows = maps::conntrack_flow(&maps.conntrack()?, key).context("reading CONNTRACK")?;
     let mut hits = Vec::new();
     for (cpu, f) in flows {
         let e = crate::conntrack::entry(key, cpu, &f, now);
@@ -246,14 +229,15 @@ fn conntrack_hits(
 
 /// This flow's SHARED_FLOWS entry, and whether the data plane would use it.
 fn shared_hit(
-    maps: &Maps,
+    maps: &PinnedMaps,
     key: &FlowKey,
     info: &ServiceInfo,
     snat: bool,
     now: u64,
 ) -> Result<Option<SharedHit>> {
-    Ok(match maps.shared_flows()?.get(key, 0) {
-        Ok(f) => {
+    let flow = maps::optional(maps.shared_flows()?.get(key, 0)).context("reading SHARED_FLOWS")?;
+    Ok(match flow {
+        Some(f) => {
             let e = crate::conntrack::entry(key, 0, &f, now);
             let unusable = if f.service_id != info.id {
                 Some(format!(
@@ -283,14 +267,13 @@ fn shared_hit(
                 unusable,
             })
         }
-        Err(aya::maps::MapError::KeyNotFound) => None,
-        Err(e) => return Err(e).context("reading SHARED_FLOWS"),
+        None => None,
     })
 }
 
 /// The SNAT port the data plane tries first, and the one this flow holds.
 fn snat_info(
-    maps: &Maps,
+    maps: &PinnedMaps,
     key: &FlowKey,
     info: &ServiceInfo,
     cfg: &Config,
@@ -299,7 +282,7 @@ fn snat_info(
     // Ports come from the whole tuple's hash, affinity or not.
     let hash = flow_hash(key);
     let mut s = SnatInfo {
-        snat_addr: services::ip_of(&info.snat_addr, key.family),
+        snat_addr: words_ip(&info.snat_addr, key.family),
         port_min: cfg.snat_port_min,
         port_max: cfg.snat_port_max,
         first_candidate: snat_port_candidate(hash, 0, cfg.snat_port_min, cfg.snat_port_max),
@@ -326,7 +309,7 @@ fn snat_info(
 /// Maglev's entry for the flow, which a new flow (or a packet no table
 /// knows, or a TCP SYN) gets.
 fn maglev_pick(
-    maps: &Maps,
+    maps: &PinnedMaps,
     key: &FlowKey,
     info: &ServiceInfo,
     backends: &aya::maps::Array<aya::maps::MapData, lb_common::BackendEntry>,
@@ -364,7 +347,7 @@ fn maglev_pick(
             table_size: info.table_size,
             index,
             backend_id: id,
-            backend: backend.map(|b| services::socket_of(&b.addr, b.port, b.family)),
+            backend: backend.map(|b| words_socket(&b.addr, b.port, b.family)),
             error,
         };
         Ok((Some(pick), backend.map(|b| (id, b))))
@@ -386,7 +369,7 @@ fn cpus_disagree(hits: &[ConntrackHit]) -> bool {
     live_ids.len() > 1
 }
 
-pub fn run(maps: &Maps, args: &Args) -> Result<TraceReport> {
+pub fn run(maps: &PinnedMaps, args: &Args) -> Result<TraceReport> {
     let proto = args.proto.number();
     let key = flow_key(args.src, args.dst, args.sport, args.dport, proto)?;
     let svc_arg = ServiceArg {
@@ -399,9 +382,9 @@ pub fn run(maps: &Maps, args: &Args) -> Result<TraceReport> {
             "{} -> {}/{}",
             SocketAddr::new(args.src, args.sport),
             SocketAddr::new(args.dst, args.dport),
-            services::proto_name(proto)
+            protocol_name(proto)
         ),
-        protocol: services::proto_name(proto),
+        protocol: protocol_name(proto),
         service: svc_arg.to_string(),
         matched: false,
         service_id: None,
@@ -420,7 +403,7 @@ pub fn run(maps: &Maps, args: &Args) -> Result<TraceReport> {
         note: None,
     };
     let svc_key = service_key(args.dst, args.dport, proto);
-    let Some(info) = maps::get_service(&maps.services()?, &svc_key)? else {
+    let Some(info) = maps::service(&maps.services()?, &svc_key).context("reading SERVICES")? else {
         report.note = Some(format!(
             "no service matches {svc_arg}: the data plane passes the packet on (pass_no_service)"
         ));
@@ -435,8 +418,8 @@ pub fn run(maps: &Maps, args: &Args) -> Result<TraceReport> {
     report.source_ranges = services::source_ranges(maps, &svc_key, &info)?;
     if report.source_ranges.is_some() {
         let trie = maps.source_ranges()?;
-        let allowed = lb_agent::dataplane::admits(&trie, info.range_scope(), key.src)
-            .context("SOURCE_RANGES")?;
+        let allowed =
+            maps::ranges::admits(&trie, info.range_scope(), key.src).context("SOURCE_RANGES")?;
         report.source_allowed = Some(allowed);
         if !allowed {
             report.note = Some(format!(
@@ -448,7 +431,7 @@ pub fn run(maps: &Maps, args: &Args) -> Result<TraceReport> {
         }
     }
 
-    let cfg = maps.config()?;
+    let cfg = maps::config(&maps.config()?).context("reading CONFIG[0]")?;
     let snat = services::is_snat(&info);
     let backends = maps.backends()?;
 
@@ -480,7 +463,7 @@ pub fn run(maps: &Maps, args: &Args) -> Result<TraceReport> {
         backends.get(&id, 0).ok().map(|e| (id, e.backend))
     } else if let Some((id, b)) = picked {
         report.decided_by = "maglev";
-        report.backend = Some(services::socket_of(&b.addr, b.port, b.family));
+        report.backend = Some(words_socket(&b.addr, b.port, b.family));
         report.backend_id = Some(id);
         Some((id, b))
     } else {
@@ -660,6 +643,7 @@ impl Render for TraceReport {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use lb_common::PROTO_UDP;
     use lb_common::{addr_from_v4, addr_from_v6, FAMILY_V4, FAMILY_V6};
 
     #[test]

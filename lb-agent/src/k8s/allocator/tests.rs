@@ -96,14 +96,14 @@ fn metrics_count_services_without_address_by_reason() {
     let mut allocation = Allocation::default();
     allocation.in_use.insert("public".into(), 1);
     allocation.decisions.insert(
-        ServiceKey::new("ns", "a"),
+        ServiceName::new("ns", "a"),
         Decision {
             addresses: vec![ip("192.0.2.1")],
             ..Default::default()
         },
     );
     allocation.decisions.insert(
-        ServiceKey::new("ns", "b"),
+        ServiceName::new("ns", "b"),
         Decision {
             failure: Some(Failure {
                 reason: FailureReason::PoolExhausted,

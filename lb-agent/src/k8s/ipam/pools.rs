@@ -15,55 +15,21 @@ use crate::k8s::crd::LoadBalancerPoolSpec;
 /// What a pool reports as its size at most (a /64 would not fit a gauge).
 pub const SIZE_CAP: u64 = 1 << 32;
 
-/// An IP address family.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub enum Family {
-    V4,
-    V6,
-}
+pub use lb_common::net::Family;
 
-impl Family {
-    pub fn of(ip: &IpAddr) -> Family {
-        match ip {
-            IpAddr::V4(_) => Family::V4,
-            IpAddr::V6(_) => Family::V6,
-        }
-    }
-
-    pub fn other(self) -> Family {
-        match self {
-            Family::V4 => Family::V6,
-            Family::V6 => Family::V4,
-        }
-    }
-
-    pub(crate) fn bits(self) -> u32 {
-        match self {
-            Family::V4 => 32,
-            Family::V6 => 128,
-        }
-    }
-
-    /// The name Kubernetes uses in `spec.ipFamilies`.
-    pub fn k8s_name(self) -> &'static str {
-        match self {
-            Family::V4 => "IPv4",
-            Family::V6 => "IPv6",
-        }
-    }
-
-    pub(super) fn from_k8s_name(s: &str) -> Option<Family> {
-        match s {
-            "IPv4" => Some(Family::V4),
-            "IPv6" => Some(Family::V6),
-            _ => None,
-        }
+/// The name Kubernetes gives a family in `spec.ipFamilies`.
+pub fn k8s_name(family: Family) -> &'static str {
+    match family {
+        Family::V4 => "IPv4",
+        Family::V6 => "IPv6",
     }
 }
 
-impl fmt::Display for Family {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.k8s_name())
+pub(super) fn from_k8s_name(s: &str) -> Option<Family> {
+    match s {
+        "IPv4" => Some(Family::V4),
+        "IPv6" => Some(Family::V6),
+        _ => None,
     }
 }
 
@@ -110,7 +76,7 @@ impl AddressRange {
         };
         if let Some((addr, prefix)) = entry.split_once('/') {
             let ip = parse_ip(addr)?;
-            let family = Family::of(&ip);
+            let family = Family::of(ip);
             let prefix: u32 = prefix
                 .trim()
                 .parse()
@@ -142,7 +108,7 @@ impl AddressRange {
         }
         if let Some((a, b)) = entry.split_once('-') {
             let (a, b) = (parse_ip(a)?, parse_ip(b)?);
-            if Family::of(&a) != Family::of(&b) {
+            if Family::of(a) != Family::of(b) {
                 return Err(format!("{entry:?}: the range mixes IPv4 and IPv6"));
             }
             let (first, last) = (to_u128(a), to_u128(b));
@@ -150,7 +116,7 @@ impl AddressRange {
                 return Err(format!("{entry:?}: the range ends before it starts"));
             }
             return Ok(AddressRange {
-                family: Family::of(&a),
+                family: Family::of(a),
                 first,
                 last,
             });
@@ -158,7 +124,7 @@ impl AddressRange {
         let ip = parse_ip(entry)
             .map_err(|_| format!("{entry:?} is not a CIDR, a range (A-B) or an IP address"))?;
         Ok(AddressRange {
-            family: Family::of(&ip),
+            family: Family::of(ip),
             first: to_u128(ip),
             last: to_u128(ip),
         })
@@ -178,7 +144,7 @@ impl AddressRange {
 
     /// Whether `ip` lies in the range (avoidBuggyIPs not considered).
     pub fn contains(&self, ip: IpAddr) -> bool {
-        Family::of(&ip) == self.family && (self.first..=self.last).contains(&to_u128(ip))
+        Family::of(ip) == self.family && (self.first..=self.last).contains(&to_u128(ip))
     }
 
     pub fn overlaps(&self, other: &AddressRange) -> bool {
@@ -341,7 +307,7 @@ impl Pool {
 
     /// Whether the pool may hand out `ip` (avoidBuggyIPs considered).
     pub fn contains(&self, ip: IpAddr) -> bool {
-        let family = Family::of(&ip);
+        let family = Family::of(ip);
         !(self.avoid_buggy_ips && is_buggy(family, to_u128(ip)))
             && self.ranges.iter().any(|r| r.contains(ip))
     }

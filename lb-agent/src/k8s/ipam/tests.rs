@@ -46,7 +46,7 @@ fn svc(name: &str, created: i64) -> ServiceRequest {
 }
 
 fn decision<'a>(a: &'a Allocation, name: &str) -> &'a Decision {
-    &a.decisions[&ServiceKey::new("ns", name)]
+    &a.decisions[&ServiceName::new("ns", name)]
 }
 
 fn reason(a: &Allocation, name: &str) -> Option<FailureReason> {
@@ -271,7 +271,7 @@ fn reads_a_service() {
         "status": {"loadBalancer": {"ingress": [{"ip": "192.0.2.9"}, {"hostname": "x.example"}]}}
     }));
     let r = ServiceRequest::from_service(&s);
-    assert_eq!(r.key, ServiceKey::new("web", "front"));
+    assert_eq!(r.key, ServiceName::new("web", "front"));
     assert_eq!(r.created, Some("2026-01-02T03:04:05Z".parse().unwrap()));
     assert_eq!(r.pool.as_deref(), Some("public"));
     assert_eq!(r.requested, ips(&["192.0.2.7", "2001:db8::7"]));
@@ -414,11 +414,11 @@ fn same_creation_time_breaks_ties_by_namespace_and_name() {
     y.created = at(1);
     let alloc = allocate(&[x, y], &p);
     assert_eq!(
-        alloc.decisions[&ServiceKey::new("a-ns", "z")].addresses,
+        alloc.decisions[&ServiceName::new("a-ns", "z")].addresses,
         ips(&["192.0.2.10"])
     );
     assert_eq!(
-        alloc.decisions[&ServiceKey::new("b-ns", "a")]
+        alloc.decisions[&ServiceName::new("b-ns", "a")]
             .failure
             .as_ref()
             .unwrap()
@@ -708,7 +708,7 @@ fn require_dual_stack_gets_both_or_nothing() {
     a.families = vec![Family::V4, Family::V6];
     a.policy = FamilyPolicy::RequireDualStack;
     let mut b = a.clone();
-    b.key = ServiceKey::new("ns", "b");
+    b.key = ServiceName::new("ns", "b");
     b.created = at(2);
     b.current = ips(&["192.0.2.2"]);
     let single = svc("single", 3);
@@ -997,7 +997,7 @@ fn a_team_pool_serves_only_its_namespaces_and_comes_before_the_default() {
     b_private.labels.clear();
     let alloc = allocate(&[a, other, b, b_private], &p);
     let got = |ns: &str, name: &str| {
-        alloc.decisions[&ServiceKey::new(ns, name)]
+        alloc.decisions[&ServiceName::new(ns, name)]
             .addresses
             .clone()
     };
@@ -1025,7 +1025,7 @@ fn a_service_no_pool_may_serve_is_told_why() {
         ),
     )]);
     let alloc = allocate(&[in_ns("shop", "web", 1)], &p);
-    let f = alloc.decisions[&ServiceKey::new("shop", "web")]
+    let f = alloc.decisions[&ServiceName::new("shop", "web")]
         .failure
         .clone()
         .unwrap();
@@ -1041,7 +1041,7 @@ fn a_service_no_pool_may_serve_is_told_why() {
     asks.requested = ips(&["198.51.100.1"]);
     let alloc = allocate(&[named, asks], &p);
     for name in ["named", "asks"] {
-        let d = &alloc.decisions[&ServiceKey::new("shop", name)];
+        let d = &alloc.decisions[&ServiceName::new("shop", name)];
         assert!(d.addresses.is_empty(), "{name}");
         assert_eq!(
             d.failure.as_ref().unwrap().reason,
@@ -1087,7 +1087,7 @@ fn a_held_address_whose_pool_no_longer_serves_the_service_moves() {
     held.current = ips(&["198.51.100.0"]);
     let alloc = allocate(&[held], &p);
     assert_eq!(
-        alloc.decisions[&ServiceKey::new("shop", "web")].addresses,
+        alloc.decisions[&ServiceName::new("shop", "web")].addresses,
         ips(&["192.0.2.10"])
     );
 }

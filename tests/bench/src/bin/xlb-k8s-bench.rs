@@ -213,7 +213,7 @@ fn latency_run(others: usize, changes: usize) -> Result<Latencies, String> {
 
     let config = agent_config(&t, &mut cluster, "");
     let _agent = t.start_agent(&config);
-    let key = lb_agent::dataplane::service_key(IpAddr::V4(VIP), 80, PROTO_TCP);
+    let key = lb_common::net::service_key(IpAddr::V4(VIP), 80, PROTO_TCP);
     let deadline = Instant::now() + Duration::from_secs(30);
     while backend_count(&t.pin_dir, &key) != Some(1) {
         if Instant::now() > deadline {

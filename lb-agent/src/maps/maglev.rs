@@ -1,7 +1,8 @@
-//! The `MAGLEV` map, written through shared memory mappings (the map is
-//! created with BPF_F_MMAPABLE): filling a 65537-entry table is 65537 stores,
-//! not 65537 syscalls. The caller publishes a table only afterwards, with a
-//! `SERVICES` update, and that syscall orders the stores before it.
+//! The `MAGLEV` map, read and written through shared memory mappings (the
+//! map is created with BPF_F_MMAPABLE): filling a 65537-entry table is 65537
+//! stores, not 65537 syscalls. The agent publishes a table only afterwards,
+//! with a `SERVICES` update, and that syscall orders the stores before it.
+//! lbctl maps the same pages read-only.
 //!
 //! Only the pages a write or read touches are mapped, and only while it
 //! runs: the pool can be hundreds of megabytes, and a mapping kept open would
@@ -16,6 +17,7 @@ use std::{
 };
 
 use aya::maps::MapData;
+use lb_common::ServiceInfo;
 
 /// Bytes between two array elements in the mapping.
 const STRIDE: usize = 8;
@@ -24,6 +26,7 @@ const PAGE: usize = 4096;
 pub struct MaglevPool {
     map: MapData,
     entries: u32,
+    writable: bool,
 }
 
 /// A mapping of part of the pool, unmapped on drop.
@@ -51,19 +54,45 @@ impl Drop for Window {
 }
 
 impl MaglevPool {
-    pub fn new(map: MapData, entries: u32) -> io::Result<Self> {
-        let pool = Self { map, entries };
-        // Fail early if the map cannot be mapped at all.
+    /// The pool for reading and writing (the agent).
+    pub fn new(map: MapData) -> io::Result<Self> {
+        Self::open(map, true)
+    }
+
+    /// The pool for reading only (lbctl).
+    pub fn read_only(map: MapData) -> io::Result<Self> {
+        Self::open(map, false)
+    }
+
+    fn open(map: MapData, writable: bool) -> io::Result<Self> {
+        let entries = map.info().map_err(io::Error::other)?.max_entries();
+        let pool = Self {
+            map,
+            entries,
+            writable,
+        };
+        // Fail early if the map cannot be mapped at all (a map created
+        // without BPF_F_MMAPABLE by an old agent).
         drop(pool.window(0, 1)?);
         Ok(pool)
     }
 
+    pub fn entries(&self) -> u32 {
+        self.entries
+    }
+
     /// Maps the pages holding entries `start..start + len`.
     fn window(&self, start: u32, len: u32) -> io::Result<Window> {
-        assert!(
-            start as u64 + len as u64 <= self.entries as u64,
-            "Maglev access past the pool"
-        );
+        if start as u64 + len as u64 > self.entries as u64 {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                format!(
+                    "MAGLEV entries {start}..{} are past the pool ({} entries)",
+                    start as u64 + len as u64,
+                    self.entries
+                ),
+            ));
+        }
         let first = start as usize * STRIDE;
         let end = (start as usize + len as usize) * STRIDE;
         let offset = first / PAGE * PAGE;
@@ -73,7 +102,11 @@ impl MaglevPool {
             libc::mmap(
                 std::ptr::null_mut(),
                 map_len,
-                libc::PROT_READ | libc::PROT_WRITE,
+                if self.writable {
+                    libc::PROT_READ | libc::PROT_WRITE
+                } else {
+                    libc::PROT_READ
+                },
                 libc::MAP_SHARED,
                 self.map.fd().as_fd().as_raw_fd(),
                 offset as libc::off_t,
@@ -95,6 +128,7 @@ impl MaglevPool {
         start: u32,
         values: impl ExactSizeIterator<Item = u32>,
     ) -> io::Result<()> {
+        assert!(self.writable, "writing a read-only Maglev pool");
         let w = self.window(start, values.len() as u32)?;
         for (i, v) in values.enumerate() {
             // SAFETY: in the window; volatile because the kernel reads it.
@@ -110,5 +144,19 @@ impl MaglevPool {
         Ok((0..len as usize)
             .map(|i| unsafe { w.slot(start as usize + i).read_volatile() })
             .collect())
+    }
+
+    /// Entry `idx`.
+    pub fn get(&self, idx: u32) -> io::Result<u32> {
+        Ok(self.read(idx, 1)?[0])
+    }
+
+    /// The live table of a service (backend ids); empty when it has no
+    /// backends (the data plane then drops new flows).
+    pub fn live_table(&self, info: &ServiceInfo) -> io::Result<Vec<u32>> {
+        if info.backend_count == 0 || info.table_size == 0 {
+            return Ok(Vec::new());
+        }
+        self.read(info.live_start(), info.table_size)
     }
 }
