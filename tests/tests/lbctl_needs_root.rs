@@ -16,9 +16,10 @@ use lb_agent::{
 };
 use lb_common::{
     hash::{flow_hash, snat_port_candidate},
+    map_names as names,
     net::{ip_words, Family},
-    map_names as names, Flow, FlowKey, Reason, ServiceKey, DEFAULT_SNAT_PORT_MAX,
-    DEFAULT_SNAT_PORT_MIN, PROTO_TCP, REASON_COUNT,
+    Flow, FlowKey, Reason, ServiceKey, DEFAULT_SNAT_PORT_MAX, DEFAULT_SNAT_PORT_MIN, PROTO_TCP,
+    REASON_COUNT,
 };
 use serde_json::Value;
 

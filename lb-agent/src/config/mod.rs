@@ -321,10 +321,44 @@ impl ConfigError {
 // ---------------------------------------------------------------------------
 // Parsing and validation.
 
+/// The streaming parser, set to accept what serde_yaml accepts: YAML 1.2
+/// booleans only, duplicate keys and merge keys refused. No node budget: the
+/// file is the operator's own, and a large one is the point.
+fn streaming_options() -> serde_saphyr::Options {
+    let mut o = serde_saphyr::Options::default();
+    o.budget = None;
+    o.strict_booleans = true;
+    o.duplicate_keys = serde_saphyr::DuplicateKeyPolicy::Error;
+    o.merge_keys = serde_saphyr::MergeKeyPolicy::Error;
+    o.with_snippet = false;
+    o
+}
+
 impl AgentConfig {
     /// Parses and validates a configuration file's text.
+    ///
+    /// serde-saphyr deserializes as it parses, so a file of 100,000
+    /// backends costs little more than its text; serde_yaml would first
+    /// hold every YAML event of the document (about 25 times the text).
+    /// Only when the text is refused does serde_yaml parse it again, because
+    /// its errors name the field path (`services[3].backends[0].port`),
+    /// which the messages are built on.
     pub fn parse(text: &str) -> Result<AgentConfig, ConfigError> {
-        let raw: RawConfig = serde_yaml::from_str(text).map_err(|e| yaml_error(text, e))?;
+        let raw: RawConfig = serde_saphyr::from_str_with_options(text, streaming_options())
+            .map_err(|e| match serde_yaml::from_str::<RawConfig>(text) {
+                Err(detailed) => yaml_error(text, detailed),
+                // Refused by one parser only: report what the streaming one said.
+                Ok(_) => {
+                    let (line, column) = e
+                        .location()
+                        .map_or((1, 1), |l| (l.line() as usize, l.column() as usize));
+                    ConfigError::Syntax {
+                        line,
+                        column,
+                        message: e.to_string(),
+                    }
+                }
+            })?;
         Validator { text }.config(raw)
     }
 
