@@ -6,10 +6,13 @@
 use std::{convert::Infallible, sync::Arc, time::Duration};
 
 use bytes::Bytes;
-use http_body_util::Full;
+use http_body_util::{combinators::BoxBody, BodyExt, Full, StreamBody};
 use hyper::{
-    body::Incoming, header, server::conn::http1, service::service_fn, Method, Request, Response,
-    StatusCode,
+    body::{Frame, Incoming},
+    header,
+    server::conn::http1,
+    service::service_fn,
+    Method, Request, Response, StatusCode,
 };
 use hyper_util::rt::{TokioIo, TokioTimer};
 use tokio::{net::TcpListener, sync::Semaphore};
@@ -75,8 +78,13 @@ async fn serve_with(
     }
 }
 
-fn text(status: StatusCode, body: &'static str) -> Response<Full<Bytes>> {
-    let mut r = Response::new(Full::new(Bytes::from_static(body.as_bytes())));
+type Body = BoxBody<Bytes, Infallible>;
+
+/// Parts of a `/metrics` body queued between the encoder and the connection.
+const METRICS_PARTS_QUEUED: usize = 8;
+
+fn text(status: StatusCode, body: &'static str) -> Response<Body> {
+    let mut r = Response::new(Full::new(Bytes::from_static(body.as_bytes())).boxed());
     *r.status_mut() = status;
     r.headers_mut().insert(
         header::CONTENT_TYPE,
@@ -89,7 +97,7 @@ async fn respond(
     req: Request<Incoming>,
     metrics: &Arc<Metrics>,
     health: &Arc<HealthFn>,
-) -> Response<Full<Bytes>> {
+) -> Response<Body> {
     if req.method() != Method::GET && req.method() != Method::HEAD {
         let mut r = text(StatusCode::METHOD_NOT_ALLOWED, "method not allowed\n");
         r.headers_mut()
@@ -100,9 +108,9 @@ async fn respond(
         "/metrics" => {
             // The snapshot source reads BPF maps and may block on a lock.
             let m = metrics.clone();
-            match tokio::task::spawn_blocking(move || m.render()).await {
-                Ok(body) => {
-                    let mut r = Response::new(Full::new(Bytes::from(body)));
+            match tokio::task::spawn_blocking(move || m.scrape()).await {
+                Ok(scrape) => {
+                    let mut r = Response::new(metrics_body(scrape));
                     r.headers_mut().insert(
                         header::CONTENT_TYPE,
                         header::HeaderValue::from_static(
@@ -128,6 +136,27 @@ async fn respond(
         header::HeaderValue::from_static("no-store"),
     );
     r
+}
+
+/// The scrape as a streamed body: the encoder runs on a blocking thread
+/// and hands over a chunk of series at a time, so a scrape of a large node
+/// never holds its whole text. It stops when the client goes away.
+fn metrics_body(mut scrape: crate::metrics::Scrape) -> Body {
+    let (tx, rx) = tokio::sync::mpsc::channel::<Bytes>(METRICS_PARTS_QUEUED);
+    tokio::task::spawn_blocking(move || {
+        let head = Bytes::from(std::mem::take(&mut scrape.head));
+        if tx.blocking_send(head).is_ok() {
+            scrape.encode(|text| {
+                tx.blocking_send(Bytes::copy_from_slice(text.as_bytes()))
+                    .is_ok()
+            });
+        }
+    });
+    let parts = futures::stream::unfold(rx, |mut rx| async move {
+        let part = rx.recv().await?;
+        Some((Ok::<_, Infallible>(Frame::data(part)), rx))
+    });
+    StreamBody::new(parts).boxed()
 }
 
 #[cfg(test)]
@@ -190,7 +219,29 @@ mod tests {
         let text = String::from_utf8(out).unwrap();
         let (head, body) = text.split_once("\r\n\r\n")?;
         let status = head.split(' ').nth(1)?.parse().ok()?;
-        Some((status, head.to_string(), body.to_string()))
+        let body = if head
+            .to_ascii_lowercase()
+            .contains("transfer-encoding: chunked")
+        {
+            dechunk(body)?
+        } else {
+            body.to_string()
+        };
+        Some((status, head.to_string(), body))
+    }
+
+    /// A chunked body's content; `None` if it is cut short.
+    fn dechunk(mut body: &str) -> Option<String> {
+        let mut out = String::new();
+        loop {
+            let (size, rest) = body.split_once("\r\n")?;
+            let size = usize::from_str_radix(size, 16).ok()?;
+            if size == 0 {
+                return Some(out);
+            }
+            out.push_str(rest.get(..size)?);
+            body = rest.get(size..)?.strip_prefix("\r\n")?;
+        }
     }
 
     async fn get(addr: SocketAddr, path: &str) -> (u16, String, String) {
@@ -232,6 +283,38 @@ mod tests {
             "{head}"
         );
         assert!(body.lines().any(|l| l == "xlb_agent_ready 1"), "{body}");
+    }
+
+    #[tokio::test]
+    async fn a_large_scrape_is_streamed_whole() {
+        use crate::metrics::{BackendSample, DataplaneSnapshot};
+        let srv = start(HEAD_TIMEOUT).await;
+        let n = 20_000;
+        srv.metrics.set_snapshot_source(move || DataplaneSnapshot {
+            backends: (0..n)
+                .map(|i| BackendSample {
+                    service: "web".into(),
+                    backend: format!("10.1.{}.{}:80", i / 256, i % 256),
+                    healthy: true,
+                    stats: Default::default(),
+                })
+                .collect(),
+            conntrack_capacity: 7,
+            ..Default::default()
+        });
+        let (status, _, body) = get(srv.addr, "/metrics").await;
+        assert_eq!(status, 200);
+        let healthy = body
+            .lines()
+            .filter(|l| l.starts_with("xlb_backend_healthy{"))
+            .count();
+        assert_eq!(healthy, n);
+        // The last family comes through too: nothing was cut off.
+        assert!(
+            body.lines().any(|l| l == "xlb_conntrack_capacity 7"),
+            "{}",
+            &body[body.len() - 500..]
+        );
     }
 
     #[tokio::test]

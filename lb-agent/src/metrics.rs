@@ -20,7 +20,6 @@ use std::sync::{Arc, PoisonError, RwLock};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use lb_common::{Reason, TrafficStats, REASON_COUNT};
-use prometheus::core::{Collector, Desc};
 use prometheus::proto::{self, LabelPair, MetricFamily, MetricType};
 use prometheus::{
     Gauge, Histogram, HistogramOpts, IntCounterVec, IntGauge, Opts, Registry, TextEncoder,
@@ -226,30 +225,6 @@ const DP_FAMILIES: &[DpFamily] = &[
     ),
 ];
 
-/// Produces the data-plane families from a snapshot taken at collect time.
-struct DataplaneCollector {
-    source: SourceSlot,
-    /// One per entry of `DP_FAMILIES`, same order.
-    descs: Vec<Desc>,
-}
-
-impl DataplaneCollector {
-    fn new(source: SourceSlot) -> prometheus::Result<Self> {
-        let descs = DP_FAMILIES
-            .iter()
-            .map(|f| {
-                Desc::new(
-                    f.name.to_owned(),
-                    f.help.to_owned(),
-                    f.source.labels().iter().map(|l| (*l).to_owned()).collect(),
-                    Default::default(),
-                )
-            })
-            .collect::<prometheus::Result<Vec<_>>>()?;
-        Ok(Self { source, descs })
-    }
-}
-
 fn sample(kind: MetricType, labels: &[&str], values: &[&str], value: f64) -> proto::Metric {
     let pairs = labels
         .iter()
@@ -274,76 +249,91 @@ fn sample(kind: MetricType, labels: &[&str], values: &[&str], value: f64) -> pro
     m
 }
 
-fn dp_families(snap: &DataplaneSnapshot) -> Vec<MetricFamily> {
-    let mut out = Vec::with_capacity(DP_FAMILIES.len());
-    for f in DP_FAMILIES {
-        let labels = f.source.labels();
-        let metrics: Vec<proto::Metric> = match f.source {
-            Source::Service(field) => snap
-                .services
-                .iter()
-                .map(|s| {
-                    let (vip, port) = (s.vip.to_string(), s.port.to_string());
-                    let values = [s.name.as_str(), &vip, &port, &s.protocol];
-                    sample(f.kind, labels, &values, field(&s.stats) as f64)
-                })
-                .collect(),
-            Source::Backend(field) => snap
-                .backends
-                .iter()
-                .map(|b| {
-                    let values = [b.service.as_str(), &b.backend];
-                    sample(f.kind, labels, &values, field(&b.stats) as f64)
-                })
-                .collect(),
-            Source::BackendHealthy => snap
-                .backends
-                .iter()
-                .map(|b| {
-                    let values = [b.service.as_str(), &b.backend];
-                    sample(f.kind, labels, &values, if b.healthy { 1.0 } else { 0.0 })
-                })
-                .collect(),
-            Source::Reason => snap
-                .reasons
-                .iter()
-                .map(|(r, n)| sample(f.kind, labels, &[r.as_str()], *n as f64))
-                .collect(),
-            Source::ConntrackEntries => {
-                vec![sample(f.kind, &[], &[], snap.conntrack_entries as f64)]
-            }
-            Source::ConntrackCapacity => {
-                vec![sample(f.kind, &[], &[], snap.conntrack_capacity as f64)]
-            }
-        };
-        let mut mf = MetricFamily::default();
-        mf.set_name(f.name.to_owned());
-        mf.set_help(f.help.to_owned());
-        mf.set_field_type(f.kind);
-        mf.set_metric(metrics);
-        out.push(mf);
+/// How many series of a family the snapshot has.
+fn series_count(source: Source, snap: &DataplaneSnapshot) -> usize {
+    match source {
+        Source::Service(_) => snap.services.len(),
+        Source::Backend(_) | Source::BackendHealthy => snap.backends.len(),
+        Source::Reason => snap.reasons.len(),
+        Source::ConntrackEntries | Source::ConntrackCapacity => 1,
     }
-    out
 }
 
-impl Collector for DataplaneCollector {
-    fn desc(&self) -> Vec<&Desc> {
-        self.descs.iter().collect()
+/// Series `i` of family `f`.
+fn series(f: &DpFamily, snap: &DataplaneSnapshot, i: usize) -> proto::Metric {
+    let labels = f.source.labels();
+    match f.source {
+        Source::Service(field) => {
+            let s = &snap.services[i];
+            let (vip, port) = (s.vip.to_string(), s.port.to_string());
+            let values = [s.name.as_str(), &vip, &port, &s.protocol];
+            sample(f.kind, labels, &values, field(&s.stats) as f64)
+        }
+        Source::Backend(field) => {
+            let b = &snap.backends[i];
+            let values = [b.service.as_str(), &b.backend];
+            sample(f.kind, labels, &values, field(&b.stats) as f64)
+        }
+        Source::BackendHealthy => {
+            let b = &snap.backends[i];
+            let values = [b.service.as_str(), &b.backend];
+            sample(f.kind, labels, &values, if b.healthy { 1.0 } else { 0.0 })
+        }
+        Source::Reason => {
+            let (r, n) = &snap.reasons[i];
+            sample(f.kind, labels, &[r.as_str()], *n as f64)
+        }
+        Source::ConntrackEntries => sample(f.kind, &[], &[], snap.conntrack_entries as f64),
+        Source::ConntrackCapacity => sample(f.kind, &[], &[], snap.conntrack_capacity as f64),
     }
+}
 
-    fn collect(&self) -> Vec<MetricFamily> {
-        // Clone the source out so that no lock is held while it runs.
-        let source = self
-            .source
-            .read()
-            .unwrap_or_else(PoisonError::into_inner)
-            .clone();
-        match source {
-            Some(source) => dp_families(&source()),
-            // No data plane yet: leave the families out rather than report zeros.
-            None => Vec::new(),
+/// Series handed to the encoder at a time. A node with 100,000 backends has
+/// 600,000 backend series; built all at once as the client library's
+/// structures they took about 250 MB for one scrape, in chunks a few MB.
+const SERIES_PER_CHUNK: usize = 2048;
+
+/// Hands the data-plane families to `part` in the text format, a chunk of
+/// series at a time: each chunk is encoded as a family of its own, and the
+/// `# HELP`/`# TYPE` lines of all but the first chunk are left out. Stops
+/// early when `part` returns false (the scraper went away).
+fn encode_dataplane(
+    snap: &DataplaneSnapshot,
+    mut part: impl FnMut(&str) -> bool,
+) -> prometheus::Result<()> {
+    let encoder = TextEncoder::new();
+    let mut chunk_text = String::new();
+    for f in DP_FAMILIES {
+        let count = series_count(f.source, snap);
+        for start in (0..count).step_by(SERIES_PER_CHUNK) {
+            let end = (start + SERIES_PER_CHUNK).min(count);
+            let mut mf = MetricFamily::default();
+            mf.set_name(f.name.to_owned());
+            mf.set_help(f.help.to_owned());
+            mf.set_field_type(f.kind);
+            mf.set_metric((start..end).map(|i| series(f, snap, i)).collect());
+            chunk_text.clear();
+            encoder.encode_utf8(&[mf], &mut chunk_text)?;
+            let text = if start == 0 {
+                chunk_text.as_str()
+            } else {
+                skip_lines(&chunk_text, 2)
+            };
+            if !part(text) {
+                return Ok(());
+            }
         }
     }
+    Ok(())
+}
+
+/// `text` without its first `n` lines.
+fn skip_lines(text: &str, n: usize) -> &str {
+    let mut rest = text;
+    for _ in 0..n {
+        rest = rest.split_once('\n').map_or("", |(_, r)| r);
+    }
+    rest
 }
 
 // ---------------------------------------------------------------------------
@@ -426,7 +416,6 @@ impl Metrics {
         registry.register(Box::new(reload_duration.clone()))?;
         registry.register(Box::new(last_reload_success.clone()))?;
         registry.register(Box::new(ready.clone()))?;
-        registry.register(Box::new(DataplaneCollector::new(source.clone())?))?;
 
         Ok(Self {
             registry,
@@ -468,15 +457,59 @@ impl Metrics {
         self.ready.set(i64::from(ready));
     }
 
-    /// Everything in the Prometheus text format (version 0.0.4). Reads the
-    /// data plane through the snapshot source.
+    /// Everything in the Prometheus text format (version 0.0.4), as one
+    /// string. Reads the data plane through the snapshot source.
     pub fn render(&self) -> String {
+        let scrape = self.scrape();
+        let mut out = scrape.head.clone();
+        scrape.encode(|text| {
+            out.push_str(text);
+            true
+        });
+        out
+    }
+
+    /// What a scrape reports: the registry's families, encoded, and the data
+    /// plane's snapshot, encoded a part at a time by [`Scrape::encode`] (a
+    /// node with 100,000 backends has about 45 MB of series; `/metrics`
+    /// streams them rather than holding them). Calls the snapshot source,
+    /// which may block and may panic.
+    pub fn scrape(&self) -> Scrape {
         let families = self.registry.gather();
-        let mut out = String::new();
-        if let Err(e) = TextEncoder::new().encode_utf8(&families, &mut out) {
+        let mut head = String::new();
+        if let Err(e) = TextEncoder::new().encode_utf8(&families, &mut head) {
             tracing::warn!(error = %e, "encoding metrics failed");
         }
-        out
+        // Clone the source out so that no lock is held while it runs. No
+        // data plane yet: its families are left out rather than reported as zeros.
+        let source = self
+            .source
+            .read()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone();
+        Scrape {
+            head,
+            dataplane: source.map(|source| source()),
+        }
+    }
+}
+
+/// One scrape's content; see [`Metrics::scrape`].
+pub struct Scrape {
+    /// The registry's families in the text format.
+    pub head: String,
+    dataplane: Option<DataplaneSnapshot>,
+}
+
+impl Scrape {
+    /// Hands the data-plane families to `part`, a chunk of series at a
+    /// time, until `part` returns false.
+    pub fn encode(&self, part: impl FnMut(&str) -> bool) {
+        if let Some(snap) = &self.dataplane {
+            if let Err(e) = encode_dataplane(snap, part) {
+                tracing::warn!(error = %e, "encoding data-plane metrics failed");
+            }
+        }
     }
 }
 
@@ -714,6 +747,36 @@ mod tests {
         has_line(
             &m.render(),
             r#"xlb_backend_healthy{service="we\"ird\\name\n",backend="[2001:db8::1]:443"} 1"#,
+        );
+    }
+
+    #[test]
+    fn a_family_of_many_chunks_is_still_one_family_with_every_series() {
+        let m = Metrics::new();
+        let n = 2 * SERIES_PER_CHUNK + 3;
+        m.set_snapshot_source(move || DataplaneSnapshot {
+            backends: (0..n)
+                .map(|i| BackendSample {
+                    service: "web".into(),
+                    backend: format!("10.1.{}.{}:80", i / 256, i % 256),
+                    healthy: i % 2 == 0,
+                    stats: stats(i as u64),
+                })
+                .collect(),
+            ..Default::default()
+        });
+        let text = m.render();
+        for family in ["xlb_backend_packets_total", "xlb_backend_healthy"] {
+            let help = format!("# HELP {family} ");
+            let kind = format!("# TYPE {family} ");
+            assert_eq!(text.lines().filter(|l| l.starts_with(&help)).count(), 1);
+            assert_eq!(text.lines().filter(|l| l.starts_with(&kind)).count(), 1);
+            let series = format!("{family}{{");
+            assert_eq!(text.lines().filter(|l| l.starts_with(&series)).count(), n);
+        }
+        has_line(
+            &text,
+            r#"xlb_backend_healthy{service="web",backend="10.1.16.1:80"} 0"#,
         );
     }
 }
