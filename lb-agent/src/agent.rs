@@ -26,12 +26,13 @@ use tracing::{error, info, warn};
 
 use crate::{
     announce::{task::AnnounceTask, Route},
-    config::{AgentConfig, RemovedBackendFlows, ServiceConfig, XdpAttachMode},
+    config::{AgentConfig, XdpAttachMode},
     dataplane::{Dataplane, Protocol, ServiceSpec},
     health::{HealthChecker, HealthSnapshot},
     k8s::{desired::SourceOptions, watch::DesiredRx},
     metrics::{BackendSample, DataplaneSnapshot, Metrics, ServiceSample},
     netif::interface_address,
+    service::{DesiredService, RemovedBackendFlows},
 };
 
 pub struct AgentOptions {
@@ -419,7 +420,7 @@ impl Agent {
 impl Agent {
     /// The file's services, then those from Kubernetes on VIPs the file does
     /// not use.
-    fn all_services(&mut self) -> Vec<ServiceConfig> {
+    fn all_services(&mut self) -> Vec<DesiredService> {
         let mut all = self.config.services.clone();
         let Some(rx) = &self.k8s else {
             return all;

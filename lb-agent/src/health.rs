@@ -49,7 +49,7 @@ use tokio::{
     time::MissedTickBehavior,
 };
 
-use crate::config::{CheckKind, HealthCheck};
+use crate::service::{CheckKind, HealthCheck};
 
 /// The health of every checked backend, by address. Cheap to clone (an
 /// `Arc`); the checker copies the map on write when a clone is held.

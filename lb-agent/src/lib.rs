@@ -10,3 +10,4 @@ pub mod k8s;
 pub mod maps;
 pub mod metrics;
 pub mod netif;
+pub mod service;

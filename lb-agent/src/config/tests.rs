@@ -1,6 +1,7 @@
 //! The file's rules, one field at a time.
 
 use super::*;
+use crate::dataplane::Protocol;
 
 /// The example of docs/config.md, every field set.
 const FULL: &str = "\
@@ -111,19 +112,19 @@ fn full_example() {
         bgp: None,
         kubernetes: None,
         services: vec![
-            ServiceConfig {
+            DesiredService {
                 name: "web".into(),
                 vip: v4("192.0.2.10"),
                 port: 80,
                 protocol: Protocol::Tcp,
                 mode: Mode::Nat,
                 backends: vec![
-                    BackendConfig {
+                    DesiredBackend {
                         ip: v4("10.2.0.2"),
                         port: 8080,
                         weight: 1,
                     },
-                    BackendConfig {
+                    DesiredBackend {
                         ip: v4("10.2.0.3"),
                         port: 8080,
                         weight: 0,
@@ -141,13 +142,13 @@ fn full_example() {
                 source_ranges: None,
                 affinity: None,
             },
-            ServiceConfig {
+            DesiredService {
                 name: "dns6".into(),
                 vip: ip("2001:db8::53"),
                 port: 53,
                 protocol: Protocol::Udp,
                 mode: Mode::Snat,
-                backends: vec![BackendConfig {
+                backends: vec![DesiredBackend {
                     ip: ip("fd00::2"),
                     port: 53,
                     weight: 1000,

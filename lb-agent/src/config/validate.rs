@@ -131,8 +131,8 @@ impl Validator<'_> {
         raw_services: Vec<RawService>,
         snat_ipv4: Option<Ipv4Addr>,
         snat_ipv6: Option<Ipv6Addr>,
-    ) -> Checked<Vec<ServiceConfig>> {
-        let mut services: Vec<ServiceConfig> = Vec::with_capacity(raw_services.len());
+    ) -> Checked<Vec<DesiredService>> {
+        let mut services: Vec<DesiredService> = Vec::with_capacity(raw_services.len());
         // name -> index; (vip, port, protocol) -> index
         let mut names: HashMap<String, usize> = HashMap::with_capacity(raw_services.len());
         let mut vips: HashMap<(IpAddr, u16, Protocol), usize> =
@@ -486,7 +486,7 @@ impl Validator<'_> {
         }
     }
 
-    fn service(&self, rs: RawService, path: &FieldPath) -> Checked<ServiceConfig> {
+    fn service(&self, rs: RawService, path: &FieldPath) -> Checked<DesiredService> {
         let name = rs.name;
         let name_ok = !name.is_empty()
             && name.len() <= MAX_SERVICE_NAME
@@ -555,7 +555,7 @@ impl Validator<'_> {
                 ));
             }
             seen.insert(addr, j);
-            backends.push(BackendConfig {
+            backends.push(DesiredBackend {
                 ip,
                 port: bport,
                 weight,
@@ -568,7 +568,7 @@ impl Validator<'_> {
         };
         let source_ranges = self.source_ranges(rs.source_ranges, vip, path)?;
         let affinity = self.affinity(rs.affinity, rs.affinity_timeout, path)?;
-        Ok(ServiceConfig {
+        Ok(DesiredService {
             name,
             vip,
             port,

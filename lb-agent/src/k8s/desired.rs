@@ -35,11 +35,11 @@ use k8s_openapi::api::{
 
 use super::{serves, EXCLUDE_LABEL, MODE_ANNOTATION, SERVICE_NAME_LABEL};
 use crate::{
-    config::{
-        parse_source_range, ranges_for, BackendConfig, ClientAffinity, Mode, RemovedBackendFlows,
-        ServiceConfig, DEFAULT_AFFINITY_TIMEOUT, MAX_AFFINITY_TIMEOUT,
-    },
     dataplane::Protocol,
+    service::{
+        parse_source_range, ranges_for, ClientAffinity, DesiredBackend, DesiredService, Mode,
+        RemovedBackendFlows, DEFAULT_AFFINITY_TIMEOUT, MAX_AFFINITY_TIMEOUT,
+    },
 };
 
 /// What decides which Services are ours and how they are forwarded.
@@ -54,10 +54,10 @@ pub struct SourceOptions {
 /// The desired state from the cluster, with the reasons anything was left out.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Desired {
-    pub services: Vec<ServiceConfig>,
+    pub services: Vec<DesiredService>,
     /// `namespace/name` → the data-plane services made from it: the last good
     /// result, reused when a later version of the object is unusable.
-    pub by_service: BTreeMap<String, Vec<ServiceConfig>>,
+    pub by_service: BTreeMap<String, Vec<DesiredService>>,
     /// Human-readable, one per problem (logged by the watcher).
     pub problems: Vec<String>,
     /// This node carries the exclusion label.
@@ -199,7 +199,7 @@ fn service_configs(
     slices: &[&EndpointSlice],
     opts: &SourceOptions,
     zone: Option<&str>,
-) -> Result<(Vec<ServiceConfig>, Vec<String>), String> {
+) -> Result<(Vec<DesiredService>, Vec<String>), String> {
     let ns = svc.metadata.namespace.as_deref().unwrap_or("");
     let name = svc.metadata.name.as_deref().unwrap_or("");
     let spec = svc.spec.as_ref().ok_or("no spec")?;
@@ -261,7 +261,7 @@ fn service_configs(
             } else {
                 port_name.clone()
             };
-            out.push(ServiceConfig {
+            out.push(DesiredService {
                 name: format!("{ns}/{name}:{label}"),
                 vip,
                 port: *port,
@@ -405,7 +405,7 @@ fn backends_for(
     port_name: &str,
     protocol: Protocol,
     here: &Here<'_>,
-) -> Vec<BackendConfig> {
+) -> Vec<DesiredBackend> {
     let family = if ipv4 { "IPv4" } else { "IPv6" };
     let mut candidates = Vec::new();
     for slice in slices {
@@ -474,7 +474,7 @@ fn backends_for(
     }
     chosen
         .into_iter()
-        .map(|((ip, port), weight)| BackendConfig { ip, port, weight })
+        .map(|((ip, port), weight)| DesiredBackend { ip, port, weight })
         .collect()
 }
 

@@ -2,7 +2,7 @@
 //! EndpointSlices become data-plane services; one elected agent hands out
 //! LoadBalancer addresses from `LoadBalancerPool`s.
 //!
-//! - [`desired`]: pure conversion of API objects into `ServiceConfig`s.
+//! - [`desired`]: pure conversion of API objects into `DesiredService`s.
 //! - [`watch`]: reflectors over Services, EndpointSlices and this Node that
 //!   publish the desired state.
 //! - [`ipam`]: pure address-pool arithmetic and allocation decisions.

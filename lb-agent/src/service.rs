@@ -1,0 +1,132 @@
+//! What a service should be, whichever source says so: the config file
+//! (`config`) and Kubernetes (`k8s::desired`) both produce these, and the
+//! agent programs the data plane and the health checks from them.
+
+use std::{
+    net::{IpAddr, SocketAddr},
+    time::Duration,
+};
+
+use ipnet::IpNet;
+
+use crate::dataplane::Protocol;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Mode {
+    /// DNAT only; the client address is kept.
+    Nat,
+    /// DNAT + SNAT to the node's address.
+    Snat,
+}
+
+/// What happens to flows on a backend that leaves the service.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RemovedBackendFlows {
+    /// Kept until they end (as Kubernetes terminating endpoints are).
+    Keep,
+    /// Their connection-table entries are deleted: the next packet goes to a
+    /// new backend (TCP connections break, which is the point).
+    Reset,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DesiredService {
+    pub name: String,
+    pub vip: IpAddr,
+    pub port: u16,
+    pub protocol: Protocol,
+    pub mode: Mode,
+    pub backends: Vec<DesiredBackend>,
+    pub health_check: Option<HealthCheck>,
+    /// Maglev table size (prime); `None`: chosen from the backend count.
+    pub table_size: Option<u32>,
+    pub removed_backend_flows: RemovedBackendFlows,
+    /// Clients allowed to connect; `None`: everyone. `Some` and empty: no
+    /// one (a Kubernetes Service whose ranges are all of the other family).
+    pub source_ranges: Option<Vec<IpNet>>,
+    /// Session affinity by client address, and its (reported) timeout.
+    pub affinity: Option<ClientAffinity>,
+}
+
+/// `affinity: client_ip` / `sessionAffinity: ClientIP`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ClientAffinity {
+    /// Kubernetes' `timeoutSeconds` (1 s to 24 h; default 3 h). xlb's
+    /// affinity is computed from the client address rather than remembered,
+    /// so it does not lapse: docs/config.md explains.
+    pub timeout: Duration,
+}
+
+/// Kubernetes' default `sessionAffinityConfig.clientIP.timeoutSeconds`.
+pub const DEFAULT_AFFINITY_TIMEOUT: Duration = Duration::from_secs(10800);
+/// Kubernetes' largest `timeoutSeconds`.
+pub const MAX_AFFINITY_TIMEOUT: Duration = Duration::from_secs(86400);
+
+/// Parses one source range: a CIDR, or a single address (a /32 or /128).
+/// `strict` refuses host bits (the config file); otherwise they are cleared,
+/// as kube-proxy does with what the API server accepted.
+pub fn parse_source_range(entry: &str, strict: bool) -> Result<IpNet, String> {
+    let entry = entry.trim();
+    let net = match entry.parse::<IpNet>() {
+        Ok(n) => n,
+        Err(_) => match entry.parse::<IpAddr>() {
+            Ok(ip) => IpNet::from(ip),
+            Err(_) => return Err(format!("{entry:?} is not a CIDR (e.g. 203.0.113.0/24)")),
+        },
+    };
+    if strict && net.trunc() != net {
+        return Err(format!(
+            "{entry:?} has host bits set (the network is {})",
+            net.trunc()
+        ));
+    }
+    Ok(net.trunc())
+}
+
+/// The ranges of `ranges` of the family of `vip`, sorted and deduplicated.
+pub fn ranges_for(vip: IpAddr, ranges: &[IpNet]) -> Vec<IpNet> {
+    let mut out: Vec<IpNet> = ranges
+        .iter()
+        .filter(|n| n.addr().is_ipv4() == vip.is_ipv4())
+        .copied()
+        .collect();
+    out.sort();
+    out.dedup();
+    out
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DesiredBackend {
+    pub ip: IpAddr,
+    pub port: u16,
+    pub weight: u32,
+}
+
+impl DesiredBackend {
+    pub fn addr(&self) -> SocketAddr {
+        SocketAddr::new(self.ip, self.port)
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct HealthCheck {
+    pub kind: CheckKind,
+    pub interval: Duration,
+    pub timeout: Duration,
+    /// Consecutive successes that bring a backend (back) in.
+    pub rise: u32,
+    /// Consecutive failures that take it out.
+    pub fall: u32,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum CheckKind {
+    /// A TCP connect to the backend's address (or `port` if set).
+    Tcp { port: Option<u16> },
+    /// An HTTP/1.1 GET of `path`; healthy when the status is `expect_status`.
+    Http {
+        port: Option<u16>,
+        path: String,
+        expect_status: u16,
+    },
+}
