@@ -1066,110 +1066,9 @@ fn run(o: &Opts) -> Res<()> {
         })
         .collect();
     if o.tcp {
-        println!(
-            "\nTCP: wrk -t{} -c{} -d{}s --latency http://{VIP}/ from the client, {} rounds of {}",
-            o.threads,
-            o.connections,
-            o.duration,
-            o.rounds,
-            o.cases
-                .iter()
-                .map(|m| m.id())
-                .collect::<Vec<_>>()
-                .join(", ")
-        );
-        for round in 1..=o.rounds {
-            println!("round {round}/{}", o.rounds);
-            for s in tcp.iter_mut() {
-                check_interrupt()?;
-                let (r, stopped) = tcp_run(&ctx, o, s.mech);
-                check_interrupt()?;
-                match r {
-                    Ok(w) => {
-                        println!(
-                            "  {:<38} {:>9.0} req/s  p50 {:>9}  p90 {:>9}  p99 {:>9}  errors {}  retransmits {}",
-                            s.mech.label(&o.xdp_mode),
-                            w.rps,
-                            fmt_ms(w.p50_ms),
-                            fmt_ms(w.p90_ms),
-                            fmt_ms(w.p99_ms),
-                            w.errors,
-                            w.retrans
-                        );
-                        s.per_round.push(Some(w.rps));
-                        s.runs.push(w);
-                    }
-                    Err(e) => {
-                        println!("  {:<38} FAILED: {e}", s.mech.label(&o.xdp_mode));
-                        s.per_round.push(None);
-                        s.errors.push(e);
-                    }
-                }
-                // A mechanism that cannot be removed would falsify every later case.
-                stopped.map_err(|e| format!("removing {}: {e}", s.mech.id()))?;
-            }
-        }
-        let _ = writeln!(
-            md,
-            "TCP, `wrk -t{} -c{} -d{}s --latency http://{VIP}/`, {} interleaved rounds; each column is \
-             the median of the rounds, \"vs xlb\" the median of the per-round ratios:\n",
-            o.threads, o.connections, o.duration, o.rounds
-        );
-        md.push_str(
-            "| case | requests/s | min - max | p50 | p90 | p99 | TCP retransmits | vs xlb |\n",
-        );
-        md.push_str("|---|---:|---:|---:|---:|---:|---:|---:|\n");
-        let xlb_rounds = tcp
-            .iter()
-            .find(|s| s.mech == Mech::Xlb)
-            .map(|s| s.per_round.clone());
-        for s in &tcp {
-            if s.runs.is_empty() {
-                let _ = writeln!(
-                    md,
-                    "| {} | failed: {} | | | | | | |",
-                    s.mech.label(&o.xdp_mode),
-                    short_err(s.errors.first().map_or("no run", |e| e.as_str()))
-                );
-                continue;
-            }
-            let rps = s.med(|w| w.rps);
-            let min = s.runs.iter().map(|w| w.rps).fold(f64::INFINITY, f64::min);
-            let max = s.runs.iter().map(|w| w.rps).fold(0.0, f64::max);
-            let errors: u64 = s.runs.iter().map(|w| w.errors).sum();
-            let vs = xlb_rounds
-                .as_ref()
-                .and_then(|x| ratio_per_round(&s.per_round, x))
-                .map_or("-".into(), |r| format!("{r:.2}x"));
-            let _ = writeln!(
-                md,
-                "| {}{} | {} | {} - {} | {} | {} | {} | {} | {vs} |",
-                s.mech.label(&o.xdp_mode),
-                if errors > 0 {
-                    format!(" ({errors} socket errors)")
-                } else {
-                    String::new()
-                },
-                thousands(rps as u64),
-                thousands(min as u64),
-                thousands(max as u64),
-                fmt_ms(s.med(|w| w.p50_ms)),
-                fmt_ms(s.med(|w| w.p90_ms)),
-                fmt_ms(s.med(|w| w.p99_ms)),
-                thousands(s.med(|w| w.retrans as f64) as u64),
-            );
-            if !s.errors.is_empty() {
-                let _ = writeln!(
-                    md,
-                    "| ↳ {} failed run(s): {} | | | | | | | |",
-                    s.errors.len(),
-                    short_err(&s.errors[0])
-                );
-            }
-        }
-        md.push('\n');
+        tcp_rounds(&ctx, o, &mut tcp)?;
+        tcp_table(o, &tcp, &mut md);
     }
-
     let mut udp: Vec<UdpSummary> = [Mech::Xlb, Mech::Nftables]
         .into_iter()
         .map(|mech| UdpSummary {
@@ -1180,156 +1079,12 @@ fn run(o: &Opts) -> Res<()> {
         })
         .collect();
     if o.udp {
-        println!(
-            "\nUDP: {} sender thread(s), {} sockets, {}-byte datagrams to {VIP}:{UDP_PORT} for {} s; \
-             sinks on :{UDP_BACKEND_PORT} in the backends; {} rounds",
-            o.udp_senders, o.udp_sockets, o.udp_payload, o.udp_duration, o.rounds
-        );
-        let sinks = Sinks::start(&t)?;
-        for round in 1..=o.rounds {
-            println!("round {round}/{}", o.rounds);
-            for s in udp.iter_mut() {
-                check_interrupt()?;
-                let (r, stopped) = udp_run(&ctx, o, &sinks, s.mech);
-                check_interrupt()?;
-                match r {
-                    Ok(u) => {
-                        println!(
-                            "  {:<38} sent {:>8.0}/s  forwarded (backend NICs) {:>8.0}/s  received by sinks {:>8.0}/s  lost {:.1}%  probe {}/30",
-                            s.mech.label(&o.xdp_mode),
-                            u.sent_pps,
-                            u.nic_pps,
-                            u.sink_pps,
-                            u.lost_pct,
-                            u.probe
-                        );
-                        s.per_round.push(Some(u.sink_pps));
-                        s.runs.push(u);
-                    }
-                    Err(e) => {
-                        println!("  {:<38} FAILED: {e}", s.mech.label(&o.xdp_mode));
-                        s.per_round.push(None);
-                        s.errors.push(e);
-                    }
-                }
-                stopped.map_err(|e| format!("removing {}: {e}", s.mech.id()))?;
-            }
-        }
-        drop(sinks);
-        let _ = writeln!(
-            md,
-            "UDP, {} sender thread(s) on {} sockets, {}-byte datagrams for {} s, {} interleaved rounds; \
-             medians, and the median of the per-round ratios:\n",
-            o.udp_senders, o.udp_sockets, o.udp_payload, o.udp_duration, o.rounds
-        );
-        md.push_str(
-            "| case | sent/s | forwarded/s (backend NICs) | received by sinks/s | lost | probes arrived | sinks vs nftables |\n",
-        );
-        md.push_str("|---|---:|---:|---:|---:|---:|---:|\n");
-        let nft_rounds = udp
-            .iter()
-            .find(|s| s.mech == Mech::Nftables)
-            .map(|s| s.per_round.clone());
-        for s in &udp {
-            if s.runs.is_empty() {
-                let _ = writeln!(
-                    md,
-                    "| {} | failed: {} | | | | | |",
-                    s.mech.label(&o.xdp_mode),
-                    short_err(s.errors.first().map_or("no run", |e| e.as_str()))
-                );
-                continue;
-            }
-            let sink = s.med(|u| u.sink_pps);
-            let _ = writeln!(
-                md,
-                "| {} | {} | {} | {} | {:.1}% | {}/30 | {} |",
-                s.mech.label(&o.xdp_mode),
-                thousands(s.med(|u| u.sent_pps) as u64),
-                thousands(s.med(|u| u.nic_pps) as u64),
-                thousands(sink as u64),
-                s.med(|u| u.lost_pct),
-                s.med(|u| u.probe as f64),
-                nft_rounds
-                    .as_ref()
-                    .and_then(|n| ratio_per_round(&s.per_round, n))
-                    .map_or("-".into(), |r| format!("{r:.2}x"))
-            );
-        }
-        md.push('\n');
+        udp_rounds(&ctx, o, &mut udp)?;
+        udp_table(o, &udp, &mut md);
     }
-
-    let mut mem: Vec<MemResult> = Vec::new();
     if o.memory {
-        let (n, per) = (o.services, o.backends_per_service);
-        println!(
-            "\nagent memory and reload: {n} services x {per} backends (table_size 16381 each)"
-        );
-        let r = memory_test(&ctx, n, per);
-        check_interrupt()?;
-        let full = matches!(&r, Err(e) if e.contains("is full"));
-        report_mem(n, per, &r);
-        mem.push(MemResult {
-            services: n,
-            per,
-            outcome: r,
-        });
-        let max_backends = lb_common::MAX_BACKENDS as usize;
-        if full && n * per > max_backends {
-            // The data plane's backend table holds fewer: measure the largest
-            // configuration that fits, with the same backends per service.
-            let fit = max_backends / per;
-            println!(
-                "  retrying with {fit} services x {per} backends ({} backends, the data plane holds {max_backends})",
-                fit * per
-            );
-            let r = memory_test(&ctx, fit, per);
-            check_interrupt()?;
-            report_mem(fit, per, &r);
-            mem.push(MemResult {
-                services: fit,
-                per,
-                outcome: r,
-            });
-        }
-        md.push_str(
-            "Agent with many services (no health checks, `maglev_pool_entries: 32768000`):\n\n",
-        );
-        md.push_str("| services x backends | start to ready | VmRSS | RssFile (mapped MAGLEV pool) | RssAnon (heap) | after the reload: VmRSS / RssAnon | VmHWM | reload (1 backend changed) |\n");
-        md.push_str("|---|---:|---:|---:|---:|---:|---:|---:|\n");
-        for m in &mem {
-            match &m.outcome {
-                Ok(x) => {
-                    let reload = match &x.reload {
-                        Ok((secs, took)) => format!("{:.0} ms (log: took={took})", secs * 1000.0),
-                        Err(e) => format!("failed: {}", short_err(e)),
-                    };
-                    let _ = writeln!(
-                        md,
-                        "| {} x {} | {:.1} s | {} | {} | {} | {} / {} | {} | {reload} |",
-                        m.services,
-                        m.per,
-                        x.ready_s,
-                        mb(x.rss_kb),
-                        mb(x.file_kb),
-                        mb(x.anon_kb),
-                        mb(x.after_reload_rss_kb),
-                        mb(x.after_reload_anon_kb),
-                        mb(x.hwm_kb),
-                    );
-                }
-                Err(e) => {
-                    let _ = writeln!(
-                        md,
-                        "| {} x {} | failed: {} | | | | | | |",
-                        m.services,
-                        m.per,
-                        short_err(&summarize_agent_error(e))
-                    );
-                }
-            }
-        }
-        md.push('\n');
+        let mem = memory_runs(&ctx, o)?;
+        memory_table(&mem, &mut md);
     }
 
     println!("\n---- results (markdown) ----\n");
@@ -1343,6 +1098,279 @@ fn run(o: &Opts) -> Res<()> {
     }
     println!("total time {:.0} s", started.elapsed().as_secs_f64());
     Ok(())
+}
+
+/// The TCP part: every case once per round, interleaved.
+fn tcp_rounds(ctx: &Ctx, o: &Opts, tcp: &mut [TcpSummary]) -> Res<()> {
+    println!(
+        "\nTCP: wrk -t{} -c{} -d{}s --latency http://{VIP}/ from the client, {} rounds of {}",
+        o.threads,
+        o.connections,
+        o.duration,
+        o.rounds,
+        o.cases
+            .iter()
+            .map(|m| m.id())
+            .collect::<Vec<_>>()
+            .join(", ")
+    );
+    for round in 1..=o.rounds {
+        println!("round {round}/{}", o.rounds);
+        for s in tcp.iter_mut() {
+            check_interrupt()?;
+            let (r, stopped) = tcp_run(ctx, o, s.mech);
+            check_interrupt()?;
+            match r {
+                Ok(w) => {
+                    println!(
+                        "  {:<38} {:>9.0} req/s  p50 {:>9}  p90 {:>9}  p99 {:>9}  errors {}  retransmits {}",
+                        s.mech.label(&o.xdp_mode),
+                        w.rps,
+                        fmt_ms(w.p50_ms),
+                        fmt_ms(w.p90_ms),
+                        fmt_ms(w.p99_ms),
+                        w.errors,
+                        w.retrans
+                    );
+                    s.per_round.push(Some(w.rps));
+                    s.runs.push(w);
+                }
+                Err(e) => {
+                    println!("  {:<38} FAILED: {e}", s.mech.label(&o.xdp_mode));
+                    s.per_round.push(None);
+                    s.errors.push(e);
+                }
+            }
+            // A mechanism that cannot be removed would falsify every later case.
+            stopped.map_err(|e| format!("removing {}: {e}", s.mech.id()))?;
+        }
+    }
+    Ok(())
+}
+
+/// The TCP results as a markdown table.
+fn tcp_table(o: &Opts, tcp: &[TcpSummary], md: &mut String) {
+    let _ = writeln!(
+        md,
+        "TCP, `wrk -t{} -c{} -d{}s --latency http://{VIP}/`, {} interleaved rounds; each column is \
+         the median of the rounds, \"vs xlb\" the median of the per-round ratios:\n",
+        o.threads, o.connections, o.duration, o.rounds
+    );
+    md.push_str("| case | requests/s | min - max | p50 | p90 | p99 | TCP retransmits | vs xlb |\n");
+    md.push_str("|---|---:|---:|---:|---:|---:|---:|---:|\n");
+    let xlb_rounds = tcp
+        .iter()
+        .find(|s| s.mech == Mech::Xlb)
+        .map(|s| s.per_round.clone());
+    for s in tcp {
+        if s.runs.is_empty() {
+            let _ = writeln!(
+                md,
+                "| {} | failed: {} | | | | | | |",
+                s.mech.label(&o.xdp_mode),
+                short_err(s.errors.first().map_or("no run", |e| e.as_str()))
+            );
+            continue;
+        }
+        let rps = s.med(|w| w.rps);
+        let min = s.runs.iter().map(|w| w.rps).fold(f64::INFINITY, f64::min);
+        let max = s.runs.iter().map(|w| w.rps).fold(0.0, f64::max);
+        let errors: u64 = s.runs.iter().map(|w| w.errors).sum();
+        let vs = xlb_rounds
+            .as_ref()
+            .and_then(|x| ratio_per_round(&s.per_round, x))
+            .map_or("-".into(), |r| format!("{r:.2}x"));
+        let _ = writeln!(
+            md,
+            "| {}{} | {} | {} - {} | {} | {} | {} | {} | {vs} |",
+            s.mech.label(&o.xdp_mode),
+            if errors > 0 {
+                format!(" ({errors} socket errors)")
+            } else {
+                String::new()
+            },
+            thousands(rps as u64),
+            thousands(min as u64),
+            thousands(max as u64),
+            fmt_ms(s.med(|w| w.p50_ms)),
+            fmt_ms(s.med(|w| w.p90_ms)),
+            fmt_ms(s.med(|w| w.p99_ms)),
+            thousands(s.med(|w| w.retrans as f64) as u64),
+        );
+        if !s.errors.is_empty() {
+            let _ = writeln!(
+                md,
+                "| ↳ {} failed run(s): {} | | | | | | | |",
+                s.errors.len(),
+                short_err(&s.errors[0])
+            );
+        }
+    }
+    md.push('\n');
+}
+
+/// The UDP part: xlb and nftables once per round, interleaved.
+fn udp_rounds(ctx: &Ctx, o: &Opts, udp: &mut [UdpSummary]) -> Res<()> {
+    println!(
+        "\nUDP: {} sender thread(s), {} sockets, {}-byte datagrams to {VIP}:{UDP_PORT} for {} s; \
+         sinks on :{UDP_BACKEND_PORT} in the backends; {} rounds",
+        o.udp_senders, o.udp_sockets, o.udp_payload, o.udp_duration, o.rounds
+    );
+    let sinks = Sinks::start(ctx.t)?;
+    for round in 1..=o.rounds {
+        println!("round {round}/{}", o.rounds);
+        for s in udp.iter_mut() {
+            check_interrupt()?;
+            let (r, stopped) = udp_run(ctx, o, &sinks, s.mech);
+            check_interrupt()?;
+            match r {
+                Ok(u) => {
+                    println!(
+                        "  {:<38} sent {:>8.0}/s  forwarded (backend NICs) {:>8.0}/s  received by sinks {:>8.0}/s  lost {:.1}%  probe {}/30",
+                        s.mech.label(&o.xdp_mode),
+                        u.sent_pps,
+                        u.nic_pps,
+                        u.sink_pps,
+                        u.lost_pct,
+                        u.probe
+                    );
+                    s.per_round.push(Some(u.sink_pps));
+                    s.runs.push(u);
+                }
+                Err(e) => {
+                    println!("  {:<38} FAILED: {e}", s.mech.label(&o.xdp_mode));
+                    s.per_round.push(None);
+                    s.errors.push(e);
+                }
+            }
+            stopped.map_err(|e| format!("removing {}: {e}", s.mech.id()))?;
+        }
+    }
+    drop(sinks);
+    Ok(())
+}
+
+/// The UDP results as a markdown table.
+fn udp_table(o: &Opts, udp: &[UdpSummary], md: &mut String) {
+    let _ = writeln!(
+        md,
+        "UDP, {} sender thread(s) on {} sockets, {}-byte datagrams for {} s, {} interleaved rounds; \
+         medians, and the median of the per-round ratios:\n",
+        o.udp_senders, o.udp_sockets, o.udp_payload, o.udp_duration, o.rounds
+    );
+    md.push_str(
+        "| case | sent/s | forwarded/s (backend NICs) | received by sinks/s | lost | probes arrived | sinks vs nftables |\n",
+    );
+    md.push_str("|---|---:|---:|---:|---:|---:|---:|\n");
+    let nft_rounds = udp
+        .iter()
+        .find(|s| s.mech == Mech::Nftables)
+        .map(|s| s.per_round.clone());
+    for s in udp {
+        if s.runs.is_empty() {
+            let _ = writeln!(
+                md,
+                "| {} | failed: {} | | | | | |",
+                s.mech.label(&o.xdp_mode),
+                short_err(s.errors.first().map_or("no run", |e| e.as_str()))
+            );
+            continue;
+        }
+        let sink = s.med(|u| u.sink_pps);
+        let _ = writeln!(
+            md,
+            "| {} | {} | {} | {} | {:.1}% | {}/30 | {} |",
+            s.mech.label(&o.xdp_mode),
+            thousands(s.med(|u| u.sent_pps) as u64),
+            thousands(s.med(|u| u.nic_pps) as u64),
+            thousands(sink as u64),
+            s.med(|u| u.lost_pct),
+            s.med(|u| u.probe as f64),
+            nft_rounds
+                .as_ref()
+                .and_then(|n| ratio_per_round(&s.per_round, n))
+                .map_or("-".into(), |r| format!("{r:.2}x"))
+        );
+    }
+    md.push('\n');
+}
+
+/// The memory part: the configured size, and the largest that fits when
+/// the data plane's backend table is too small for it.
+fn memory_runs(ctx: &Ctx, o: &Opts) -> Res<Vec<MemResult>> {
+    let mut mem: Vec<MemResult> = Vec::new();
+    let (n, per) = (o.services, o.backends_per_service);
+    println!("\nagent memory and reload: {n} services x {per} backends (table_size 16381 each)");
+    let r = memory_test(ctx, n, per);
+    check_interrupt()?;
+    let full = matches!(&r, Err(e) if e.contains("is full"));
+    report_mem(n, per, &r);
+    mem.push(MemResult {
+        services: n,
+        per,
+        outcome: r,
+    });
+    let max_backends = lb_common::MAX_BACKENDS as usize;
+    if full && n * per > max_backends {
+        // The data plane's backend table holds fewer: measure the largest
+        // configuration that fits, with the same backends per service.
+        let fit = max_backends / per;
+        println!(
+            "  retrying with {fit} services x {per} backends ({} backends, the data plane holds {max_backends})",
+            fit * per
+        );
+        let r = memory_test(ctx, fit, per);
+        check_interrupt()?;
+        report_mem(fit, per, &r);
+        mem.push(MemResult {
+            services: fit,
+            per,
+            outcome: r,
+        });
+    }
+    Ok(mem)
+}
+
+/// The memory results as a markdown table.
+fn memory_table(mem: &[MemResult], md: &mut String) {
+    md.push_str(
+        "Agent with many services (no health checks, `maglev_pool_entries: 32768000`):\n\n",
+    );
+    md.push_str("| services x backends | start to ready | VmRSS | RssFile (mapped MAGLEV pool) | RssAnon (heap) | after the reload: VmRSS / RssAnon | VmHWM | reload (1 backend changed) |\n");
+    md.push_str("|---|---:|---:|---:|---:|---:|---:|---:|\n");
+    for m in mem {
+        match &m.outcome {
+            Ok(x) => {
+                let reload = match &x.reload {
+                    Ok((secs, took)) => format!("{:.0} ms (log: took={took})", secs * 1000.0),
+                    Err(e) => format!("failed: {}", short_err(e)),
+                };
+                let _ = writeln!(
+                    md,
+                    "| {} x {} | {:.1} s | {} | {} | {} | {} / {} | {} | {reload} |",
+                    m.services,
+                    m.per,
+                    x.ready_s,
+                    mb(x.rss_kb),
+                    mb(x.file_kb),
+                    mb(x.anon_kb),
+                    mb(x.after_reload_rss_kb),
+                    mb(x.after_reload_anon_kb),
+                    mb(x.hwm_kb),
+                );
+            }
+            Err(e) => {
+                let _ = writeln!(
+                    md,
+                    "| {} x {} | failed: {} | | | | | | |",
+                    m.services,
+                    m.per,
+                    short_err(&summarize_agent_error(e))
+                );
+            }
+        }
+    }
+    md.push('\n');
 }
 
 /// The most telling line of an agent failure (its error, not the log's
