@@ -7,6 +7,7 @@
 // copied to the stack (the verifier limits it to 512 bytes across calls).
 #![allow(clippy::needless_borrows_for_generic_args)]
 
+mod bench;
 mod conntrack;
 mod csum;
 mod forward;

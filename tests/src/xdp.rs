@@ -1,9 +1,18 @@
-//! Running the XDP program through BPF_PROG_TEST_RUN in the fixture namespace.
+//! Running the XDP program through BPF_PROG_TEST_RUN in the fixture
+//! namespace, and the forwarding benchmark's traffic generator.
 
 use std::time::Duration;
 
-use aya::programs::{TestRun, TestRunOptions, Xdp};
-use lb_agent::{dataplane::Dataplane, netif::ifindex};
+use aya::{
+    maps::Array,
+    programs::{TestRun, TestRunAttrs, TestRunOptions, Xdp},
+    Ebpf, EbpfLoader,
+};
+use lb_agent::{
+    dataplane::{Dataplane, OBJECT},
+    netif::ifindex,
+};
+use lb_common::map_names;
 
 use crate::netns::{fixture_namespace_named, Netns};
 
@@ -55,4 +64,85 @@ pub fn test_run(prog: &Xdp, ingress: u32, input: &[u8]) -> (u32, Vec<u8>, Durati
         .expect("BPF_PROG_TEST_RUN");
     out.truncate(r.data_size_out as usize);
     (r.return_value, out, r.duration)
+}
+
+/// Frames per BPF_PROG_RUN batch when generating live frames (the kernel
+/// allows up to 256).
+pub const LIVE_BATCH: u32 = 64;
+
+/// The forwarding benchmark's programs (`xlb_trafficgen`,
+/// `xlb_redirect_only`, `xlb_sink`, lb-ebpf/src/bench.rs), loaded from the
+/// agent's object. The object's other maps are made as small as the kernel
+/// allows: these programs use none of them.
+pub fn load_bench_programs() -> Result<Ebpf, String> {
+    let mut loader = EbpfLoader::new();
+    for name in map_names::ALL {
+        loader.map_max_entries(name, 1);
+    }
+    let mut ebpf = loader
+        .load(OBJECT)
+        .map_err(|e| format!("loading the eBPF object: {e}"))?;
+    for name in BENCH_PROGRAMS {
+        let prog: &mut Xdp = ebpf
+            .program_mut(name)
+            .ok_or(format!("{name} is not in the object"))?
+            .try_into()
+            .map_err(|e| format!("{name}: {e}"))?;
+        prog.load().map_err(|e| format!("loading {name}: {e}"))?;
+    }
+    Ok(ebpf)
+}
+
+pub const BENCH_PROGRAMS: [&str; 3] = ["xlb_trafficgen", "xlb_redirect_only", "xlb_sink"];
+
+/// Bytes of a frame the generator rewrites on every run.
+pub const TEMPLATE_LEN: usize = 54;
+
+/// Runs `xlb_trafficgen` (from [`load_bench_programs`]) with live frames:
+/// `frames` copies of `frame` (at least [`TEMPLATE_LEN`] bytes: Ethernet,
+/// IPv4, TCP or UDP), each with the next source port, sent out of interface
+/// `ingress` of the calling thread's namespace. Returns how long the
+/// kernel took.
+pub fn generate_live(
+    ebpf: &mut Ebpf,
+    ingress: u32,
+    frame: &[u8],
+    frames: u32,
+) -> Result<Duration, String> {
+    if frame.len() < TEMPLATE_LEN {
+        return Err(format!(
+            "a generated frame needs at least {TEMPLATE_LEN} bytes, not {}",
+            frame.len()
+        ));
+    }
+    let mut template = [0u16; TEMPLATE_LEN / 2];
+    for (w, pair) in template.iter_mut().zip(frame.chunks_exact(2)) {
+        *w = u16::from_ne_bytes([pair[0], pair[1]]);
+    }
+    let mut map: Array<_, [u16; TEMPLATE_LEN / 2]> = Array::try_from(
+        ebpf.map_mut("GEN_TEMPLATE")
+            .ok_or("GEN_TEMPLATE is not in the object")?,
+    )
+    .map_err(|e| format!("GEN_TEMPLATE: {e}"))?;
+    map.set(0, template, 0)
+        .map_err(|e| format!("GEN_TEMPLATE: {e}"))?;
+    let prog: &Xdp = ebpf
+        .program("xlb_trafficgen")
+        .ok_or("xlb_trafficgen is not in the object")?
+        .try_into()
+        .map_err(|e| format!("xlb_trafficgen: {e}"))?;
+    let mut ctx = [0u32; 6];
+    ctx[1] = frame.len() as u32; // data_end
+    ctx[3] = ingress; // ingress_ifindex
+    let ctx: Vec<u8> = ctx.iter().flat_map(|w| w.to_ne_bytes()).collect();
+    let start = std::time::Instant::now();
+    prog.test_run(TestRunOptions {
+        data_in: Some(frame),
+        ctx_in: Some(&ctx),
+        repeat: frames,
+        attrs: TestRunAttrs::new().xdp_live_frames(LIVE_BATCH),
+        ..Default::default()
+    })
+    .map_err(|e| format!("BPF_PROG_RUN with live frames: {e}"))?;
+    Ok(start.elapsed())
 }
