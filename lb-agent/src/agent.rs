@@ -17,7 +17,7 @@ use std::{
 
 use anyhow::Context as _;
 use aya::programs::XdpMode;
-use lb_common::{ServiceKey, CONNTRACK_ENTRIES};
+use lb_common::{ServiceKey, SHARED_FLOWS_ENTRIES};
 use tokio::{
     signal::unix::{signal, SignalKind},
     sync::watch,
@@ -537,8 +537,7 @@ fn snapshot(dp: &Mutex<Dataplane>, labels: &Mutex<Labels>) -> DataplaneSnapshot 
     let dp = dp.lock().expect("data plane lock");
     let labels = labels.lock().expect("labels lock");
     let mut snap = DataplaneSnapshot {
-        // The table is per CPU: each CPU has this many entries of its own.
-        conntrack_capacity: CONNTRACK_ENTRIES as u64 * crate::maps::possible_cpus() as u64,
+        conntrack_capacity: SHARED_FLOWS_ENTRIES as u64,
         ..Default::default()
     };
     for (key, spec) in dp.services() {
@@ -583,6 +582,6 @@ fn snapshot(dp: &Mutex<Dataplane>, labels: &Mutex<Labels>) -> DataplaneSnapshot 
     if let Ok(reasons) = dp.reason_counts() {
         snap.reasons = DataplaneSnapshot::reasons_from_counts(&reasons);
     }
-    snap.conntrack_entries = dp.conntrack().map(|c| c.len() as u64).unwrap_or(0);
+    snap.conntrack_entries = dp.shared_flows().map(|c| c.len() as u64).unwrap_or(0);
     snap
 }

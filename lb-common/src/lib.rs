@@ -36,11 +36,9 @@ pub const MAX_BACKENDS: u32 = 131072;
 /// 2^22 entries (32 MiB: the kernel spaces array elements 8 bytes apart)
 /// hold 128 services at the default table size.
 pub const MAGLEV_POOL_ENTRIES: u32 = 1 << 22;
-/// `CONNTRACK`: flows per CPU (LRU, per-CPU).
-pub const CONNTRACK_ENTRIES: u32 = 1 << 18;
-/// `SHARED_FLOWS`: the same flows, shared by all CPUs (LRU), for a CPU that
-/// has not seen a flow yet.
-pub const SHARED_FLOWS_ENTRIES: u32 = CONNTRACK_ENTRIES;
+/// `SHARED_FLOWS`: the flow table, shared by all CPUs (LRU; each CPU's LRU
+/// list holds an equal share).
+pub const SHARED_FLOWS_ENTRIES: u32 = 1 << 18;
 /// `REPLY_NAT`: reverse translations, shared by all CPUs (LRU).
 pub const REPLY_NAT_ENTRIES: u32 = 1 << 19;
 /// `SOURCE_RANGES`: allowed client prefixes of all services. Each service
@@ -69,7 +67,6 @@ pub mod map_names {
     pub const SERVICES: &str = "SERVICES";
     pub const BACKENDS: &str = "BACKENDS";
     pub const MAGLEV: &str = "MAGLEV";
-    pub const CONNTRACK: &str = "CONNTRACK";
     pub const SHARED_FLOWS: &str = "SHARED_FLOWS";
     pub const REPLY_NAT: &str = "REPLY_NAT";
     pub const TX_PORTS: &str = "TX_PORTS";
@@ -79,11 +76,10 @@ pub mod map_names {
     pub const BACKEND_STATS: &str = "BACKEND_STATS";
     pub const REASON_STATS: &str = "REASON_STATS";
     pub const SOURCE_RANGES: &str = "SOURCE_RANGES";
-    pub const ALL: [&str; 13] = [
+    pub const ALL: [&str; 12] = [
         SERVICES,
         BACKENDS,
         MAGLEV,
-        CONNTRACK,
         SHARED_FLOWS,
         REPLY_NAT,
         TX_PORTS,
@@ -180,7 +176,7 @@ pub struct Backend {
     pub _pad: u8,
 }
 
-/// A flow as seen in a packet: key of `CONNTRACK` (client -> VIP direction)
+/// A flow as seen in a packet: key of `SHARED_FLOWS` (client -> VIP direction)
 /// and of `REPLY_NAT` (backend -> client or SNAT address direction).
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
@@ -196,9 +192,8 @@ pub struct FlowKey {
     pub _pad: [u8; 2],
 }
 
-/// Value of `CONNTRACK` (per CPU) and of `SHARED_FLOWS` (where
-/// `last_seen_ns` stays the creation time). Written by the data path on a
-/// new flow.
+/// Value of `SHARED_FLOWS`. Written by the data path on a new flow;
+/// `last_seen_ns` by whichever CPU sees the flow, at most once a second.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Flow {

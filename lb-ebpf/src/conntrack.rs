@@ -1,5 +1,6 @@
-//! Flow state: the per-CPU connection table (client -> backend) and the
-//! shared reply table (backend -> client), and Maglev picks for new flows.
+//! Flow state: the flow table (client -> backend) and the reply table
+//! (backend -> client), both shared by all CPUs, and Maglev picks for new
+//! flows.
 
 use aya_ebpf::{bindings::BPF_NOEXIST, helpers::bpf_ktime_get_coarse_ns};
 use lb_common::{
@@ -8,7 +9,7 @@ use lb_common::{
     REPLY_F_CLOSING, SERVICE_F_SNAT, SNAT_PROBES,
 };
 
-use crate::maps::{BACKENDS, CONFIG, CONNTRACK, MAGLEV, REPLY_NAT, SHARED_FLOWS};
+use crate::maps::{BACKENDS, CONFIG, MAGLEV, REPLY_NAT, SHARED_FLOWS};
 
 const NS: u64 = 1_000_000_000;
 /// Flow timestamps and reply-entry lifetimes are refreshed at most this often,
@@ -23,18 +24,14 @@ pub struct Target {
     pub backend_id: u32,
     /// Network order; 0 in NAT mode.
     pub snat_port: u16,
-    /// [`NEW_FLOW`] when this packet created the flow, [`ADOPTED_FLOW`] when
-    /// it is another CPU's flow new to this one, else 0. (Not a bool: a
-    /// bool's niche would put `Result<Target, _>`'s tag mid-struct, which
-    /// kernel BTF rejects.)
+    /// [`NEW_FLOW`] when this packet created the flow, else 0. (Not a
+    /// bool: a bool's niche would put `Result<Target, _>`'s tag mid-struct,
+    /// which kernel BTF rejects.)
     pub new_flow: u16,
 }
 
-/// `Target::new_flow`: a new flow, counted and written to both flow tables.
+/// `Target::new_flow`: a new flow, counted and written to the flow table.
 pub const NEW_FLOW: u16 = 1;
-/// `Target::new_flow`: a flow found in `SHARED_FLOWS`, written to this CPU's
-/// `CONNTRACK` only.
-pub const ADOPTED_FLOW: u16 = 2;
 
 /// `lookup_or_create`'s "no error" return.
 pub const FOUND: u32 = u32::MAX;
@@ -153,105 +150,55 @@ fn set_target(s: &mut Scratch, flow: &Flow, new_flow: u16) {
 /// Finds the flow's backend, creating the flow (and its reply entry, and in
 /// SNAT mode its source port) on a miss. `closing`: a TCP FIN or RST;
 /// `syn`: a TCP SYN without ACK, which starts a connection afresh even when
-/// an old flow with the same tuple is still in the table.
+/// an old flow with the same tuple is still in the table (the new flow's
+/// insert replaces it, for every CPU at once).
 ///
 /// Not inlined (its own stack frame); fills `s.target` and returns
 /// [`FOUND`], or returns the `Reason` to drop the packet for.
 #[inline(never)]
 pub fn lookup_or_create(svc: &ServiceInfo, closing: bool, syn: bool, s: &mut Scratch) -> u32 {
-    let t = now();
-    let snat = svc.flags & SERVICE_F_SNAT != 0;
-    if let Some(flow) = if syn {
-        None
-    } else {
-        CONNTRACK.get_ptr_mut(&s.key)
-    } {
-        // SAFETY: per-CPU value, only this CPU touches it while we run.
-        let flow = unsafe { &mut *flow };
-        let idle = t.saturating_sub(flow.last_seen_ns);
-        let cfg = config();
-        // A per-CPU hash key inserted by one CPU exists on all of them, with
-        // zeroed values elsewhere: created_ns 0 means "not seen on this CPU".
-        // An SNAT flow idle past its lifetime may have lost its port to another flow.
-        if flow.created_ns != 0 && !(snat && idle > lifetime_ns(&cfg, s.key.proto, false)) {
-            set_target(s, flow, 0);
-            if idle > REFRESH_NS || closing {
-                flow.last_seen_ns = t;
-                set_reply_key(
-                    &mut s.reply_key,
-                    &s.key,
-                    svc,
-                    &s.target.backend,
-                    flow.snat_port,
-                );
-                refresh_reply(&s.reply_key, &cfg, s.key.proto, closing, t);
+    if !syn {
+        if let Some(flow) = SHARED_FLOWS.get_ptr_mut(&s.key) {
+            // SAFETY: shared entry; plain stores, a racing CPU writes similar values.
+            let flow = unsafe { &mut *flow };
+            let t = now();
+            let idle = t.saturating_sub(flow.last_seen_ns);
+            let cfg = config();
+            // A flow of a service since replaced on the same VIP:port is not
+            // this one's; an SNAT flow idle past its lifetime may have lost
+            // its port to another flow.
+            let snat = svc.flags & SERVICE_F_SNAT != 0;
+            if flow.service_id == svc.id && !(snat && idle > lifetime_ns(&cfg, s.key.proto, false))
+            {
+                set_target(s, flow, 0);
+                if idle > REFRESH_NS || closing {
+                    flow.last_seen_ns = t;
+                    set_reply_key(
+                        &mut s.reply_key,
+                        &s.key,
+                        svc,
+                        &s.target.backend,
+                        flow.snat_port,
+                    );
+                    if !refresh_reply(&s.reply_key, &cfg, s.key.proto, closing, t) && !snat {
+                        // NAT mode: the reply translation was evicted (the
+                        // key is this flow's own); put it back.
+                        set_reply_value(
+                            &mut s.reply,
+                            &s.key,
+                            svc.id,
+                            flow.backend_id,
+                            closing,
+                            t + lifetime_ns(&cfg, s.key.proto, closing),
+                        );
+                        let _ = REPLY_NAT.insert(&s.reply_key, &s.reply, 0);
+                    }
+                }
+                return FOUND;
             }
-            return FOUND;
         }
-    }
-    if syn {
-        // A new connection on a reused tuple: other CPUs may still hold the
-        // old connection's flow, and would send this one's later packets to
-        // the old backend. Deleting a per-CPU key removes every CPU's value.
-        let _ = CONNTRACK.remove(&s.key);
-    } else if adopt(svc, closing, t, s) {
-        return FOUND;
     }
     create(svc, closing, s)
-}
-
-/// Takes over a flow another CPU created (from `SHARED_FLOWS`), so that it
-/// keeps its backend after a backend change. An SNAT flow whose port has gone
-/// to another flow meanwhile is not taken: it starts afresh.
-#[inline(always)]
-fn adopt(svc: &ServiceInfo, closing: bool, t: u64, s: &mut Scratch) -> bool {
-    let Some(f) = SHARED_FLOWS.get_ptr(&s.key) else {
-        return false;
-    };
-    // SAFETY: shared entry, written once when the flow was created.
-    let f = unsafe { &*f };
-    if f.service_id != svc.id {
-        return false;
-    }
-    s.flow.backend_addr = f.backend_addr;
-    s.flow.backend_port = f.backend_port;
-    s.flow.snat_port = f.snat_port;
-    s.flow.backend_id = f.backend_id;
-    s.flow.service_id = f.service_id;
-    s.flow._pad = 0;
-    s.flow.created_ns = f.created_ns;
-    s.flow.last_seen_ns = t;
-    set_target(s, f, ADOPTED_FLOW);
-    let cfg = config();
-    set_reply_key(
-        &mut s.reply_key,
-        &s.key,
-        svc,
-        &s.target.backend,
-        s.target.snat_port,
-    );
-    match REPLY_NAT.get_ptr_mut(&s.reply_key) {
-        // SAFETY: shared entry; plain stores, a racing CPU writes similar values.
-        Some(r) if svc.flags & SERVICE_F_SNAT == 0 || same_client(unsafe { &*r }, &s.key) => {
-            refresh(unsafe { &mut *r }, &cfg, s.key.proto, closing, t);
-            true
-        }
-        Some(_) => false,
-        None if svc.flags & SERVICE_F_SNAT != 0 => false,
-        None => {
-            // NAT mode: the reply key is this flow's own; put it back.
-            set_reply_value(
-                &mut s.reply,
-                &s.key,
-                svc.id,
-                s.target.backend_id,
-                closing,
-                t + lifetime_ns(&cfg, s.key.proto, closing),
-            );
-            let _ = REPLY_NAT.insert(&s.reply_key, &s.reply, 0);
-            true
-        }
-    }
 }
 
 #[inline(always)]
@@ -289,8 +236,8 @@ fn create(svc: &ServiceInfo, closing: bool, s: &mut Scratch) -> u32 {
     s.flow._pad = 0;
     s.flow.created_ns = t;
     s.flow.last_seen_ns = t;
-    // The caller inserts `s.flow` into CONNTRACK once `forward` has filled
-    // in the FIB answer: one map update instead of an insert and a rewrite.
+    // The caller inserts `s.flow` into SHARED_FLOWS once the packet has been
+    // rewritten and routed.
     s.target.backend.addr = backend.addr;
     s.target.backend.port = backend.port;
     s.target.backend.family = backend.family;
@@ -315,11 +262,16 @@ fn refresh(r: &mut ReplyNat, cfg: &Config, proto: u8, closing: bool, t: u64) {
     }
 }
 
+/// Refreshes the reply entry under `rk`; false if there is none.
 #[inline(always)]
-fn refresh_reply(rk: &FlowKey, cfg: &Config, proto: u8, closing: bool, t: u64) {
-    if let Some(r) = REPLY_NAT.get_ptr_mut(rk) {
-        // SAFETY: plain stores; a racing CPU writes similar values.
-        refresh(unsafe { &mut *r }, cfg, proto, closing, t);
+fn refresh_reply(rk: &FlowKey, cfg: &Config, proto: u8, closing: bool, t: u64) -> bool {
+    match REPLY_NAT.get_ptr_mut(rk) {
+        Some(r) => {
+            // SAFETY: plain stores; a racing CPU writes similar values.
+            refresh(unsafe { &mut *r }, cfg, proto, closing, t);
+            true
+        }
+        None => false,
     }
 }
 
@@ -360,23 +312,13 @@ fn claim_snat_port(svc: &ServiceInfo, backend: &Backend, cfg: &Config, s: &mut S
     0
 }
 
-/// Read-only lookup of an existing flow (for ICMP errors, which may arrive on
-/// any CPU): this CPU's table, else the shared one, else Maglev plus, in SNAT mode, the reply
-/// table entry that proves the flow and gives its port. Reads `s.key`,
-/// fills `s.target`.
+/// Read-only lookup of an existing flow (for ICMP errors): the flow table,
+/// else Maglev plus, in SNAT mode, the reply table entry that proves the
+/// flow and gives its port. Reads `s.key`, fills `s.target`.
 #[inline(always)]
 pub fn find(svc: &ServiceInfo, s: &mut Scratch) -> Option<()> {
-    // A zeroed per-CPU value (created_ns 0) is another CPU's flow: fall through.
-    if let Some(flow) = CONNTRACK
-        .get_ptr(&s.key)
-        .filter(|f| unsafe { (**f).created_ns } != 0)
-    {
-        // SAFETY: per-CPU value.
-        set_target(s, unsafe { &*flow }, 0);
-        return Some(());
-    }
     if let Some(f) = SHARED_FLOWS.get_ptr(&s.key) {
-        // SAFETY: shared entry, written once when the flow was created.
+        // SAFETY: read of a shared entry.
         let f = unsafe { &*f };
         if f.service_id == svc.id {
             set_target(s, f, 0);

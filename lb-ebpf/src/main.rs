@@ -26,7 +26,7 @@ use lb_common::{
 
 use crate::{
     forward::{forward, ttl},
-    maps::{BACKENDS, CONNTRACK, PORT_FLAGS, SCRATCH, SERVICES, SHARED_FLOWS},
+    maps::{BACKENDS, PORT_FLAGS, SCRATCH, SERVICES, SHARED_FLOWS},
     nat::{l4_min_len, rewrite},
     parse::{load8, parse, ports, ptr_at, Headers, ParseError},
 };
@@ -254,12 +254,9 @@ fn to_backend(ctx: &XdpContext, h: &Headers, svc: &lb_common::ServiceInfo) -> Ve
         &scratch.target.backend.addr,
         cache,
     );
-    if scratch.target.new_flow != 0 {
+    if scratch.target.new_flow == conntrack::NEW_FLOW {
         // A full LRU evicts its oldest entry; failure only costs a re-pick later.
-        let _ = CONNTRACK.insert(&scratch.key, &scratch.flow, 0);
-        if scratch.target.new_flow == conntrack::NEW_FLOW {
-            let _ = SHARED_FLOWS.insert(&scratch.key, &scratch.flow, 0);
-        }
+        let _ = SHARED_FLOWS.insert(&scratch.key, &scratch.flow, 0);
     }
     v
 }

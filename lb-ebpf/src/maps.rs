@@ -3,13 +3,13 @@
 
 use aya_ebpf::{
     bindings::{BPF_F_MMAPABLE, BPF_F_NO_COMMON_LRU, BPF_F_NO_PREALLOC},
-    btf_maps::{Array, DevMapHash, HashMap, LpmTrie, LruHashMap, LruPerCpuHashMap, PerCpuArray},
+    btf_maps::{Array, DevMapHash, HashMap, LpmTrie, LruHashMap, PerCpuArray},
     macros::btf_map,
 };
 use lb_common::{
     BackendEntry, Config, Flow, FlowKey, RangeKey, ReplyNat, ServiceInfo, ServiceKey, TrafficStats,
-    CONNTRACK_ENTRIES, MAGLEV_POOL_ENTRIES, MAX_BACKENDS, MAX_SERVICES, MAX_SOURCE_RANGES,
-    MAX_TX_PORTS, PORT_FLAGS_ENTRIES, REASON_COUNT, REPLY_NAT_ENTRIES, SHARED_FLOWS_ENTRIES,
+    MAGLEV_POOL_ENTRIES, MAX_BACKENDS, MAX_SERVICES, MAX_SOURCE_RANGES, MAX_TX_PORTS,
+    PORT_FLAGS_ENTRIES, REASON_COUNT, REPLY_NAT_ENTRIES, SHARED_FLOWS_ENTRIES,
 };
 
 const NO_PREALLOC: usize = BPF_F_NO_PREALLOC as usize;
@@ -35,19 +35,11 @@ pub static BACKENDS: Array<BackendEntry, { MAX_BACKENDS as usize }> = Array::new
 #[btf_map]
 pub static MAGLEV: Array<u32, { MAGLEV_POOL_ENTRIES as usize }, MMAPABLE> = Array::new();
 
-/// Client flow -> chosen backend, per CPU (RSS keeps a flow on one CPU).
-#[btf_map]
-pub static CONNTRACK: LruPerCpuHashMap<
-    FlowKey,
-    Flow,
-    { CONNTRACK_ENTRIES as usize },
-    NO_COMMON_LRU,
-> = LruPerCpuHashMap::new();
-
-/// Client flow -> chosen backend, shared by all CPUs and written once per
-/// new flow. A CPU without the flow in `CONNTRACK` looks here before it
-/// re-picks: RSS is only stable until IRQ affinity or the indirection table
-/// changes, and a re-pick after a backend change would break the connection.
+/// Client flow -> chosen backend: the flow table, one for all CPUs, so that
+/// a flow keeps its backend whichever CPU its packets land on (RSS is only
+/// stable until IRQ affinity or the indirection table changes). One insert
+/// per new flow; per-CPU LRU lists (`NO_COMMON_LRU`) keep inserts on
+/// different CPUs from contending for one lock.
 #[btf_map]
 pub static SHARED_FLOWS: LruHashMap<
     FlowKey,

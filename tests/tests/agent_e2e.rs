@@ -1014,8 +1014,8 @@ fn lbctl_counts_and_traces_match_traffic() {
         let served = counts.get(&backend_name(n)).copied().unwrap_or(0) as u64;
         let row = &rows[&backend_addr(n)];
         // Exactly one new flow per connection: a packet the kernel sends from
-        // a TCP timer on another CPU (a delayed ACK) takes the flow from
-        // SHARED_FLOWS and is not counted again.
+        // a TCP timer on another CPU (a delayed ACK) finds the flow in the
+        // table every CPU shares and is not counted again.
         let new_flows = row["new_flows"].as_u64().unwrap();
         assert_eq!(
             new_flows, served,

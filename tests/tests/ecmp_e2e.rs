@@ -215,7 +215,7 @@ fn requests(lab: &EcmpLab, ports: Range<u16>, when: &str) -> BTreeMap<u16, Strin
 }
 
 /// For every client port in `ports`: the nodes whose connection table
-/// holds that flow, each with its entry (one, if several CPUs have one).
+/// holds that flow, each with its entry.
 fn flow_owners(lab: &EcmpLab, ports: &BTreeSet<u16>) -> BTreeMap<u16, Vec<(usize, Value)>> {
     let mut owners: BTreeMap<u16, Vec<(usize, Value)>> = BTreeMap::new();
     for node in &lab.nodes {

@@ -9,7 +9,7 @@ use std::{
     process::{Command, Output},
 };
 
-use aya::maps::{Map, MapData, PerCpuArray, PerCpuHashMap, PerCpuValues};
+use aya::maps::{Map, MapData, PerCpuArray, PerCpuValues};
 use lb_agent::{
     dataplane::{BackendSpec, Dataplane, Protocol, ServiceSpec},
     maps::possible_cpus,
@@ -297,8 +297,8 @@ fn lbctl_reads_pinned_maps_needs_root() {
     );
     assert_eq!(v["matched"], false);
 
-    // A CONNTRACK entry on CPU 0 naming another backend than Maglev's: it
-    // wins in trace, and conntrack lists it.
+    // A flow-table entry naming another backend than Maglev's: it wins in
+    // trace, and conntrack lists it.
     // Maglev's pick for a flow, and a backend of the service other than it.
     let maglev_and_other = |key: &FlowKey| {
         let (maglev_id, _, _) = expected_pick(&dp, &nat, key);
@@ -323,15 +323,7 @@ fn lbctl_reads_pinned_maps_needs_root() {
         created_ns: now.saturating_sub(5_000_000_000),
         last_seen_ns: now.saturating_sub(1_000_000_000),
     };
-    {
-        let data = MapData::from_pin(dir.join(names::CONNTRACK)).unwrap();
-        let mut ct: PerCpuHashMap<MapData, FlowKey, Flow> =
-            PerCpuHashMap::try_from(Map::from_map_data(data).unwrap()).unwrap();
-        let mut values = vec![Flow::default(); possible_cpus()];
-        values[0] = flow;
-        ct.insert(key, PerCpuValues::try_from(values).unwrap(), 0)
-            .unwrap();
-    }
+    insert_flow(&dir, key, flow);
     let v = lbctl_json(
         &dir,
         &["trace", "198.51.100.7", "192.0.2.10", "40000", "80", "tcp"],
@@ -340,13 +332,13 @@ fn lbctl_reads_pinned_maps_needs_root() {
     assert_eq!(v["decided_by"], "conntrack", "{v}");
     assert_eq!(v["backend_id"], other_id);
     assert_eq!(as_sockaddr(&v["backend"]), other);
-    assert_eq!(v["conntrack"][0]["cpu"], 0);
+    assert_eq!(v["conntrack"]["backend_id"], other_id);
+    assert!(v["conntrack"]["unusable"].is_null(), "{v}");
     assert_eq!(v["maglev"]["backend_id"], maglev_id);
 
     let v = lbctl_json(&dir, &["conntrack"], 0);
     assert_eq!(v["count"], 1, "{v}");
     let e = &v["entries"][0];
-    assert_eq!(e["cpu"], 0);
     assert_eq!(
         as_sockaddr(&e["client"]),
         "198.51.100.7:40000".parse().unwrap()
@@ -362,8 +354,6 @@ fn lbctl_reads_pinned_maps_needs_root() {
         (vec!["--service", "192.0.2.10:80/tcp"], 1),
         (vec!["--service", "[2001:db8::10]:443/tcp"], 0),
         (vec!["--backend", &other_s], 1),
-        (vec!["--cpu", "0"], 1),
-        (vec!["--cpu", "1"], 0),
     ] {
         let mut args = vec!["conntrack"];
         args.extend(filter.iter().copied());
@@ -376,24 +366,19 @@ fn lbctl_reads_pinned_maps_needs_root() {
         (Some(1), Some(0))
     );
 
-    // A SHARED_FLOWS entry (a flow another CPU created) decides for a flow
-    // no CPU holds; one naming another service id is not used.
+    // An entry naming another service id (the service was re-created on
+    // the same VIP:port) is not used: Maglev decides.
     let key = flow_key("198.51.100.8", 1234, &nat);
     let (maglev_id, other, other_id) = maglev_and_other(&key);
     let service_id = dp.service_id(&nat.key()).unwrap();
-    let shared = |service_id: u32| {
-        let data = MapData::from_pin(dir.join(names::SHARED_FLOWS)).unwrap();
-        let mut m: aya::maps::HashMap<MapData, FlowKey, Flow> =
-            aya::maps::HashMap::try_from(Map::from_map_data(data).unwrap()).unwrap();
-        let flow = Flow {
-            backend_addr: ip_words(other.ip()),
-            backend_port: other.port().to_be(),
-            backend_id: other_id,
-            service_id,
-            created_ns: coarse_now_ns().saturating_sub(2_000_000_000),
-            ..Flow::default()
-        };
-        m.insert(key, flow, 0).unwrap();
+    let entry = |service_id: u32| Flow {
+        backend_addr: ip_words(other.ip()),
+        backend_port: other.port().to_be(),
+        backend_id: other_id,
+        service_id,
+        created_ns: coarse_now_ns().saturating_sub(2_000_000_000),
+        last_seen_ns: coarse_now_ns(),
+        ..Flow::default()
     };
     let trace = || {
         lbctl_json(
@@ -402,17 +387,16 @@ fn lbctl_reads_pinned_maps_needs_root() {
             0,
         )
     };
-    shared(service_id);
+    insert_flow(&dir, key, entry(service_id));
     let v = trace();
-    assert_eq!(v["decided_by"], "shared_flows", "{v}");
+    assert_eq!(v["decided_by"], "conntrack", "{v}");
     assert_eq!(v["backend_id"], other_id);
-    assert_eq!(as_sockaddr(&v["shared"]["backend"]), other);
-    assert!(v["shared"]["unusable"].is_null(), "{v}");
-    shared(service_id + 1000);
+    insert_flow(&dir, key, entry(service_id + 1000));
     let v = trace();
     assert_eq!(v["decided_by"], "maglev", "{v}");
     assert_eq!(v["backend_id"], maglev_id);
-    assert!(v["shared"]["unusable"].is_string(), "{v}");
+    assert_eq!(as_sockaddr(&v["conntrack"]["backend"]), other);
+    assert!(v["conntrack"]["unusable"].is_string(), "{v}");
 
     // stats: every reason, zero counters, no warning.
     let v = lbctl_json(&dir, &["stats"], 0);
@@ -538,7 +522,7 @@ fn lbctl_shows_source_ranges_and_affinity_needs_root() {
         assert_eq!(v["backend_id"], table[(h % table.len() as u32) as usize]);
     }
 
-    // A flow in CONNTRACK is listed with its service's affinity.
+    // A flow in the flow table is listed with its service's affinity.
     let key = flow_key("198.51.100.7", 40000, &svc);
     let now = coarse_now_ns();
     let flow = Flow {
@@ -552,15 +536,15 @@ fn lbctl_shows_source_ranges_and_affinity_needs_root() {
         last_seen_ns: now,
         ..Default::default()
     };
-    {
-        let data = MapData::from_pin(dir.join(names::CONNTRACK)).unwrap();
-        let mut ct: PerCpuHashMap<MapData, FlowKey, Flow> =
-            PerCpuHashMap::try_from(Map::from_map_data(data).unwrap()).unwrap();
-        let mut values = vec![Flow::default(); possible_cpus()];
-        values[0] = flow;
-        ct.insert(key, PerCpuValues::try_from(values).unwrap(), 0)
-            .unwrap();
-    }
+    insert_flow(&dir, key, flow);
     let v = lbctl_json(&dir, &["conntrack"], 0);
     assert_eq!(v["entries"][0]["affinity"], "client_ip", "{v}");
+}
+
+/// Writes `flow` into the pinned flow table under `dir`, as the data plane would.
+fn insert_flow(dir: &Path, key: FlowKey, flow: Flow) {
+    let data = MapData::from_pin(dir.join(names::SHARED_FLOWS)).unwrap();
+    let mut m: aya::maps::HashMap<MapData, FlowKey, Flow> =
+        aya::maps::HashMap::try_from(Map::from_map_data(data).unwrap()).unwrap();
+    m.insert(key, flow, 0).unwrap();
 }

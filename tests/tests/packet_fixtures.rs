@@ -1618,9 +1618,9 @@ fn a_flow_continues_on_another_cpu_needs_root() {
 
 /// A flow that moves to another CPU after its backend left the service (an
 /// IRQ moved while pods were replaced) keeps its backend, and its SNAT port:
-/// the other CPU finds it in `SHARED_FLOWS` instead of re-picking. It is not
-/// counted as a new flow. A SYN still starts afresh, and resetting a
-/// backend's flows removes the shared entries too.
+/// the flow table is one for all CPUs, so the other CPU finds it instead of
+/// re-picking. It is not counted as a new flow. A SYN still starts afresh,
+/// and resetting a backend's flows removes them.
 #[test]
 fn a_moved_flow_keeps_its_backend_after_a_backend_change_needs_root() {
     let mut bed = two_cpu_bed("xlb-fix-move");
@@ -1676,8 +1676,8 @@ fn a_moved_flow_keeps_its_backend_after_a_backend_change_needs_root() {
         .build();
     assert!(out == want, "ICMP on CPU 1\n{}", hexdump_diff(&want, &out));
 
-    // The NAT flow's reply translation was lost (evicted): taking the flow
-    // over puts it back.
+    // The NAT flow's reply translation was lost (evicted): the flow's next
+    // refresh (its first packet after a second idle) puts it back.
     let nat_reply = |dp: &Dataplane| {
         dp.reply_entries()
             .unwrap()
@@ -1687,6 +1687,10 @@ fn a_moved_flow_keeps_its_backend_after_a_backend_change_needs_root() {
     let (reply_key, _) = nat_reply(dp).expect("the NAT flow's reply entry");
     dp.remove_reply(&reply_key).unwrap();
     ack_reaches(dp, cl0, 46000, (B2_MAC, B2), "NAT flow on CPU 1");
+    assert!(nat_reply(dp).is_none(), "refreshed at most once a second");
+    // Idle past the refresh interval (the data plane's coarse clock).
+    std::thread::sleep(std::time::Duration::from_millis(1100));
+    ack_reaches(dp, cl0, 46000, (B2_MAC, B2), "NAT flow on CPU 1, idle");
     let (k, r) = nat_reply(dp).expect("the reply entry is back");
     assert_eq!(k, reply_key);
     assert_eq!(r.vip, lb_common::net::ip_words(VIP.into()));
@@ -1715,8 +1719,8 @@ fn a_moved_flow_keeps_its_backend_after_a_backend_change_needs_root() {
         .build();
     assert!(out == want, "unknown flow\n{}", hexdump_diff(&want, &out));
 
-    // Resetting B3:8443's flows forgets the SNAT flow on every CPU and in
-    // the shared table: its next packet, on CPU 0, goes to B2.
+    // Resetting B3:8443's flows forgets the SNAT flow: its next packet, on
+    // CPU 0, goes to B2.
     assert!(dp.reset_flows_to(sa(B3, 8443)).unwrap() >= 1);
     pin_to_cpu(0);
     let (v, out) = run(dp, cl0, &c4(ack(46001, 443)));
@@ -1725,7 +1729,7 @@ fn a_moved_flow_keeps_its_backend_after_a_backend_change_needs_root() {
     assert_eq!(got.dst, IpAddr::V4(B2), "after the reset");
 
     // A SYN reusing the NAT flow's port starts afresh on the new backend,
-    // and the shared entry follows it.
+    // and its entry follows it.
     let (_, out) = run(dp, cl0, &c4(syn(46000, 80)));
     let want = to_backend(B3_MAC)
         .ipv4(ip4(CLIENT, B3, 63))
@@ -1753,10 +1757,9 @@ fn source_ranges_refuse_before_any_flow_state_needs_root() {
         assert_eq!(v, XDP_DROP);
     }
     assert!(
-        dp.conntrack().unwrap().is_empty(),
+        dp.shared_flows().unwrap().is_empty(),
         "no flow for a refused client"
     );
-    assert!(dp.shared_flows().unwrap().is_empty());
     assert!(dp.reply_entries().unwrap().is_empty());
     let drops = dp.reason_counts().unwrap()[Reason::DropSourceRange as usize];
     assert_eq!(drops, 10);

@@ -9,7 +9,8 @@ use crate::{
 /// balancer. First the per-packet benchmark (`xlb-bench`, BPF_PROG_TEST_RUN),
 /// then the end-to-end one (`xlb-e2e-bench`: wrk and UDP through xlb,
 /// iptables, nftables, nginx and HAProxy; the agent's memory and reload
-/// time), the Kubernetes, locality and BGP convergence benchmarks. Arguments go to both (`xlb-bench` takes none and ignores them);
+/// time), the forwarding rate (`xlb-forwarding-bench`), the Kubernetes,
+/// locality and BGP convergence benchmarks. Arguments go to both (`xlb-bench` takes none and ignores them);
 /// `--e2e-only` / `--per-packet-only` run just one of them.
 pub fn run(args: &[String]) -> Result<()> {
     let e2e_only = args.iter().any(|a| a == "--e2e-only");
@@ -27,6 +28,9 @@ pub fn run(args: &[String]) -> Result<()> {
     }
     build_agent()?;
     run_bench("xlb-e2e-bench", &args)?;
+    // Packets per second with a sender that costs nothing (XDP live frames):
+    // xlb, nftables DNAT and the bare redirect limit.
+    run_bench("xlb-forwarding-bench", &[])?;
     // Pod readiness -> EndpointSlice -> data plane, and 1,000 Services'
     // memory, on the real control plane.
     run_bench("xlb-k8s-bench", &[])?;

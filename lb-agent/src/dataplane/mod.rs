@@ -17,10 +17,7 @@ use std::{
 };
 
 use aya::{
-    maps::{
-        lpm_trie::LpmTrie, Array, DevMapHash, HashMap, Map, MapData, MapError, PerCpuArray,
-        PerCpuHashMap,
-    },
+    maps::{lpm_trie::LpmTrie, Array, DevMapHash, HashMap, Map, MapData, MapError, PerCpuArray},
     programs::{
         links::{FdLink, PinnedLink},
         xdp::XdpLink,
@@ -46,6 +43,11 @@ use self::{
     write::{Ids, Placement, Reservation},
 };
 use crate::maps::{self as reads, MaglevPool};
+
+/// Pins of maps that earlier versions had and this one does not use: removed
+/// when the agent adopts a pin directory. `CONNTRACK` was a per-CPU copy of
+/// the flow table; `SHARED_FLOWS` alone holds the flows now (and is adopted).
+const RETIRED_PINS: [&str; 1] = ["CONNTRACK"];
 
 /// The XDP object, built from lb-ebpf by build.rs.
 pub static OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/lb-ebpf"));
@@ -225,7 +227,6 @@ struct Maps {
     port_flags: Array<MapData, u8>,
     config: Array<MapData, Config>,
     tx_ports: DevMapHash<MapData>,
-    conntrack: PerCpuHashMap<MapData, FlowKey, Flow>,
     shared_flows: HashMap<MapData, FlowKey, Flow>,
     reply_nat: HashMap<MapData, FlowKey, ReplyNat>,
     service_stats: PerCpuArray<MapData, TrafficStats>,
@@ -263,6 +264,11 @@ impl Dataplane {
             }
             None => Vec::new(),
         };
+        if let Some(dir) = pin_dir {
+            for old in RETIRED_PINS {
+                let _ = std::fs::remove_file(dir.join(old));
+            }
+        }
         for (name, path) in &paths {
             if path.exists() {
                 check_pinned_layout(name, path)?;
@@ -313,8 +319,6 @@ impl Dataplane {
                 .map_err(map_err(names::CONFIG))?,
             tx_ports: DevMapHash::try_from(take(&mut ebpf, names::TX_PORTS)?)
                 .map_err(map_err(names::TX_PORTS))?,
-            conntrack: PerCpuHashMap::try_from(take(&mut ebpf, names::CONNTRACK)?)
-                .map_err(map_err(names::CONNTRACK))?,
             shared_flows: HashMap::try_from(take(&mut ebpf, names::SHARED_FLOWS)?)
                 .map_err(map_err(names::SHARED_FLOWS))?,
             reply_nat: HashMap::try_from(take(&mut ebpf, names::REPLY_NAT)?)
@@ -819,14 +823,6 @@ impl Dataplane {
         let addr = ip_words(backend.ip());
         let port = backend.port().to_be();
         let mut keys = BTreeSet::new();
-        for (k, _, f) in self.conntrack()? {
-            if f.backend_addr == addr && f.backend_port == port {
-                keys.insert(FlowKeyOrd(k));
-            }
-        }
-        for k in &keys {
-            let _ = self.maps.conntrack.remove(&k.0);
-        }
         for (k, f) in self.shared_flows()? {
             if f.backend_addr == addr && f.backend_port == port {
                 let _ = self.maps.shared_flows.remove(&k);

@@ -1,4 +1,4 @@
-//! The running state, read and reset: counters, the flow tables, the live
+//! The running state, read and reset: counters, the flow table, the live
 //! Maglev tables.
 
 use super::*;
@@ -22,12 +22,7 @@ impl Dataplane {
         reads::traffic(&self.maps.backend_stats, id).map_err(map_err(names::BACKEND_STATS))
     }
 
-    /// Every connection-table entry, with the CPU that holds it.
-    pub fn conntrack(&self) -> Result<Vec<(FlowKey, usize, Flow)>> {
-        reads::conntrack_entries(&self.maps.conntrack).map_err(map_err(names::CONNTRACK))
-    }
-
-    /// Every entry of the shared flow table.
+    /// Every entry of the flow table.
     pub fn shared_flows(&self) -> Result<Vec<(FlowKey, Flow)>> {
         reads::entries(&self.maps.shared_flows).map_err(map_err(names::SHARED_FLOWS))
     }
@@ -38,15 +33,6 @@ impl Dataplane {
 
     /// Clears flows, reply translations and counters (between test cases).
     pub fn clear_dynamic_state(&mut self) -> Result<()> {
-        let keys: Vec<_> = self
-            .maps
-            .conntrack
-            .keys()
-            .collect::<Result<_, _>>()
-            .map_err(map_err(names::CONNTRACK))?;
-        for k in keys {
-            let _ = self.maps.conntrack.remove(&k);
-        }
         let keys: Vec<_> = self
             .maps
             .shared_flows

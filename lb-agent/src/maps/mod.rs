@@ -10,8 +10,7 @@ pub mod ranges;
 use std::{io, mem::size_of, path::Path, path::PathBuf};
 
 use aya::maps::{
-    lpm_trie::LpmTrie, Array, HashMap, Map, MapData, MapError, MapInfo, PerCpuArray, PerCpuHashMap,
-    PerCpuValues,
+    lpm_trie::LpmTrie, Array, HashMap, Map, MapData, MapError, MapInfo, PerCpuArray, PerCpuValues,
 };
 use lb_common::{
     map_names as names, BackendEntry, Config, Flow, FlowKey, RangeKey, ReplyNat, ServiceInfo,
@@ -24,7 +23,6 @@ pub type ServicesMap = HashMap<MapData, ServiceKey, ServiceInfo>;
 pub type BackendsMap = Array<MapData, BackendEntry>;
 pub type StatsMap = PerCpuArray<MapData, TrafficStats>;
 pub type ReasonsMap = PerCpuArray<MapData, u64>;
-pub type ConntrackMap = PerCpuHashMap<MapData, FlowKey, Flow>;
 pub type FlowsMap = HashMap<MapData, FlowKey, Flow>;
 pub type ReplyMap = HashMap<MapData, FlowKey, ReplyNat>;
 pub type RangesMap = LpmTrie<MapData, RangeKey, u8>;
@@ -38,7 +36,7 @@ pub fn expected_layout(name: &str) -> Option<(usize, usize)> {
         names::SERVICES => (size_of::<ServiceKey>(), size_of::<ServiceInfo>()),
         names::BACKENDS => (4, size_of::<BackendEntry>()),
         names::MAGLEV => (4, 4),
-        names::CONNTRACK | names::SHARED_FLOWS => (size_of::<FlowKey>(), size_of::<Flow>()),
+        names::SHARED_FLOWS => (size_of::<FlowKey>(), size_of::<Flow>()),
         names::REPLY_NAT => (size_of::<FlowKey>(), size_of::<ReplyNat>()),
         names::PORT_FLAGS => (4, 1),
         names::CONFIG => (4, size_of::<Config>()),
@@ -182,10 +180,6 @@ impl PinnedMaps {
         self.typed(names::SOURCE_RANGES)
     }
 
-    pub fn conntrack(&self) -> Result<ConntrackMap, OpenError> {
-        self.typed(names::CONNTRACK)
-    }
-
     pub fn shared_flows(&self) -> Result<FlowsMap, OpenError> {
         self.typed(names::SHARED_FLOWS)
     }
@@ -278,38 +272,6 @@ pub fn optional<T>(r: Result<T, MapError>) -> Result<Option<T>, MapError> {
         Err(MapError::KeyNotFound) => Ok(None),
         Err(e) => Err(e),
     }
-}
-
-/// Every connection-table entry with the CPU that holds it. A key inserted
-/// on one CPU exists on all of them, zeroed on the others: those are not
-/// flows (the program treats them as misses too).
-pub fn conntrack_entries(map: &ConntrackMap) -> Result<Vec<(FlowKey, usize, Flow)>, MapError> {
-    let mut out = Vec::new();
-    for item in map.iter() {
-        let (k, per_cpu) = item?;
-        out.extend(
-            per_cpu
-                .iter()
-                .enumerate()
-                .filter(|(_, f)| f.created_ns != 0)
-                .map(|(cpu, f)| (k, cpu, *f)),
-        );
-    }
-    Ok(out)
-}
-
-/// A flow's entries on each CPU (non-zero ones only).
-pub fn conntrack_flow(map: &ConntrackMap, key: &FlowKey) -> Result<Vec<(usize, Flow)>, MapError> {
-    Ok(optional(map.get(key, 0))?
-        .map(|per_cpu| {
-            per_cpu
-                .iter()
-                .enumerate()
-                .filter(|(_, f)| f.created_ns != 0)
-                .map(|(cpu, f)| (cpu, *f))
-                .collect()
-        })
-        .unwrap_or_default())
 }
 
 /// Every entry of a plain hash map (the shared flow table, reply translations).

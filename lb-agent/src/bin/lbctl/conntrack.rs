@@ -1,4 +1,5 @@
-//! `lbctl conntrack`: the per-CPU connection table (client flow -> backend).
+//! `lbctl conntrack`: the flow table (client flow -> backend), shared by
+//! every CPU.
 
 use std::net::{IpAddr, SocketAddr};
 
@@ -27,9 +28,6 @@ pub struct Args {
     /// Only flows from this client address.
     #[arg(long, value_name = "IP")]
     pub client: Option<IpAddr>,
-    /// Only entries held by this CPU.
-    #[arg(long, value_name = "N")]
-    pub cpu: Option<usize>,
     /// Show at most N entries (all matching entries are still counted).
     #[arg(long, value_name = "N")]
     pub limit: Option<usize>,
@@ -42,7 +40,6 @@ pub struct Filter {
     /// Address words, network-order port, family.
     pub backend: Option<([u32; 4], u16, u8)>,
     pub client: Option<([u32; 4], u8)>,
-    pub cpu: Option<usize>,
 }
 
 impl Filter {
@@ -57,14 +54,10 @@ impl Filter {
                 )
             }),
             client: args.client.map(|c| (ip_words(c), Family::of(c).number())),
-            cpu: args.cpu,
         }
     }
 
-    pub fn matches(&self, key: &FlowKey, cpu: usize, flow: &Flow) -> bool {
-        if self.cpu.is_some_and(|c| c != cpu) {
-            return false;
-        }
+    pub fn matches(&self, key: &FlowKey, flow: &Flow) -> bool {
         if let Some(s) = &self.service {
             if key.dst != s.addr
                 || key.dport != s.port
@@ -90,7 +83,6 @@ impl Filter {
 
 #[derive(Serialize)]
 pub struct Entry {
-    pub cpu: usize,
     pub protocol: String,
     pub client: SocketAddr,
     pub vip: SocketAddr,
@@ -108,9 +100,8 @@ pub struct Entry {
     pub idle_ns: u64,
 }
 
-pub fn entry(key: &FlowKey, cpu: usize, flow: &Flow, now_ns: u64) -> Entry {
+pub fn entry(key: &FlowKey, flow: &Flow, now_ns: u64) -> Entry {
     Entry {
-        cpu,
         protocol: protocol_name(key.proto),
         client: words_socket(&key.src, key.sport, key.family),
         vip: words_socket(&key.dst, key.dport, key.family),
@@ -134,7 +125,7 @@ pub struct ConntrackReport {
 }
 
 pub fn run(maps: &PinnedMaps, args: &Args) -> Result<ConntrackReport> {
-    let map = maps.conntrack()?;
+    let map = maps.shared_flows()?;
     let filter = Filter::from_args(args);
     let now = maps::coarse_now_ns();
     let limit = args.limit.unwrap_or(usize::MAX);
@@ -147,22 +138,18 @@ pub fn run(maps: &PinnedMaps, args: &Args) -> Result<ConntrackReport> {
     let mut count = 0;
     let mut entries = Vec::new();
     for item in map.iter() {
-        let (key, per_cpu) = item.context("reading CONNTRACK")?;
-        for (cpu, flow) in per_cpu.iter().enumerate() {
-            // A per-CPU LRU entry has a value slot on every CPU; only the
-            // CPUs that saw the flow filled theirs.
-            if flow.created_ns == 0 || !filter.matches(&key, cpu, flow) {
-                continue;
-            }
-            count += 1;
-            if entries.len() < limit {
-                let mut e = entry(&key, cpu, flow, now);
-                e.affinity = affinity.get(&flow.service_id).copied().flatten();
-                entries.push(e);
-            }
+        let (key, flow) = item.context("reading SHARED_FLOWS")?;
+        if !filter.matches(&key, &flow) {
+            continue;
+        }
+        count += 1;
+        if entries.len() < limit {
+            let mut e = entry(&key, &flow, now);
+            e.affinity = affinity.get(&flow.service_id).copied().flatten();
+            entries.push(e);
         }
     }
-    entries.sort_by_key(|a| (a.vip, a.client, a.cpu));
+    entries.sort_by_key(|a| (a.vip, a.client));
     Ok(ConntrackReport {
         count,
         shown: entries.len(),
@@ -175,7 +162,6 @@ impl Render for ConntrackReport {
         let mut s = String::new();
         if !self.entries.is_empty() {
             let mut t = Table::new(&[
-                ("CPU", Align::Right),
                 ("PROTO", Align::Left),
                 ("CLIENT", Align::Left),
                 ("VIP", Align::Left),
@@ -187,7 +173,6 @@ impl Render for ConntrackReport {
             ]);
             for e in &self.entries {
                 t.row(vec![
-                    e.cpu.to_string(),
                     e.protocol.clone(),
                     e.client.to_string(),
                     e.vip.to_string(),
@@ -253,7 +238,6 @@ mod tests {
             service: None,
             backend: None,
             client: None,
-            cpu: None,
             limit: None,
         }
     }
@@ -261,41 +245,37 @@ mod tests {
     #[test]
     fn filters_match_each_field() {
         let (k, f) = (flow_key(), flow());
-        assert!(Filter::from_args(&args()).matches(&k, 0, &f));
+        assert!(Filter::from_args(&args()).matches(&k, &f));
         let mut a = args();
         a.service = Some("192.0.2.10:80/tcp".parse().unwrap());
-        assert!(Filter::from_args(&a).matches(&k, 0, &f));
+        assert!(Filter::from_args(&a).matches(&k, &f));
         a.service = Some("192.0.2.10:80/udp".parse().unwrap());
-        assert!(!Filter::from_args(&a).matches(&k, 0, &f));
+        assert!(!Filter::from_args(&a).matches(&k, &f));
         let mut a = args();
         a.backend = Some("10.2.0.3:8080".parse().unwrap());
-        assert!(Filter::from_args(&a).matches(&k, 0, &f));
+        assert!(Filter::from_args(&a).matches(&k, &f));
         a.backend = Some("10.2.0.3:8081".parse().unwrap());
-        assert!(!Filter::from_args(&a).matches(&k, 0, &f));
+        assert!(!Filter::from_args(&a).matches(&k, &f));
         let mut a = args();
         a.client = Some("198.51.100.7".parse().unwrap());
-        assert!(Filter::from_args(&a).matches(&k, 0, &f));
+        assert!(Filter::from_args(&a).matches(&k, &f));
         a.client = Some("198.51.100.8".parse().unwrap());
-        assert!(!Filter::from_args(&a).matches(&k, 0, &f));
-        let mut a = args();
-        a.cpu = Some(1);
-        assert!(Filter::from_args(&a).matches(&k, 1, &f));
-        assert!(!Filter::from_args(&a).matches(&k, 0, &f));
+        assert!(!Filter::from_args(&a).matches(&k, &f));
     }
 
     #[test]
     fn entries_read_back_addresses_and_ages() {
-        let e = entry(&flow_key(), 2, &flow(), 5_000_000_000);
+        let e = entry(&flow_key(), &flow(), 5_000_000_000);
         assert_eq!(e.client.to_string(), "198.51.100.7:40000");
         assert_eq!(e.vip.to_string(), "192.0.2.10:80");
         assert_eq!(e.backend.to_string(), "10.2.0.3:8080");
         assert_eq!(e.snat_port, None);
         assert_eq!((e.age_ns, e.idle_ns), (4_000_000_000, 2_000_000_000));
         // A coarse clock may lag a timestamp taken just now: no underflow.
-        let e = entry(&flow_key(), 2, &flow(), 0);
+        let e = entry(&flow_key(), &flow(), 0);
         assert_eq!((e.age_ns, e.idle_ns), (0, 0));
         let mut f = flow();
         f.snat_port = 12345u16.to_be();
-        assert_eq!(entry(&flow_key(), 0, &f, 0).snat_port, Some(12345));
+        assert_eq!(entry(&flow_key(), &f, 0).snat_port, Some(12345));
     }
 }

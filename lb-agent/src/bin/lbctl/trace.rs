@@ -1,8 +1,8 @@
 //! `lbctl trace SRC DST SPORT DPORT PROTO`: where a client flow goes now,
 //! worked out from the live maps the way the XDP program does it
 //! (lb-ebpf/src/conntrack.rs: `lookup_or_create`, `pick`,
-//! `adopt`, `claim_snat_port`): this CPU's CONNTRACK entry if there is one,
-//! else the SHARED_FLOWS entry, else
+//! `claim_snat_port`): the flow's SHARED_FLOWS entry if there is a usable
+//! one, else
 //! `MAGLEV[table_base + active * M + maglev_hash(key, flags) % M]` (the
 //! hash is of the client address alone under session affinity). A client
 //! outside the service's source ranges is dropped before any of it.
@@ -85,7 +85,7 @@ pub fn table_index(info: &ServiceInfo, hash: u32) -> Option<TableIndex> {
 }
 
 /// Idle time after which the data plane no longer trusts an SNAT flow's
-/// CONNTRACK entry (its port may have gone to another flow) and re-picks.
+/// entry (its port may have gone to another flow) and re-picks.
 pub fn snat_flow_lifetime_ns(cfg: &Config, proto: u8) -> u64 {
     let s = if proto == PROTO_TCP {
         cfg.tcp_timeout_s
@@ -132,27 +132,14 @@ pub struct MaglevPick {
     pub error: Option<String>,
 }
 
+/// The flow's `SHARED_FLOWS` entry (used for any packet but a TCP SYN).
 #[derive(Serialize)]
-pub struct ConntrackHit {
-    pub cpu: usize,
+pub struct FlowHit {
     pub backend: SocketAddr,
     pub backend_id: u32,
     pub snat_port: Option<u16>,
     pub age_ns: u64,
     pub idle_ns: u64,
-    /// SNAT flow idle past its lifetime: the data plane ignores the entry
-    /// and picks again.
-    pub stale: bool,
-}
-
-/// The flow's `SHARED_FLOWS` entry: what a CPU without a CONNTRACK entry
-/// uses (for a packet other than a TCP SYN).
-#[derive(Serialize)]
-pub struct SharedHit {
-    pub backend: SocketAddr,
-    pub backend_id: u32,
-    pub snat_port: Option<u16>,
-    pub age_ns: u64,
     /// Why the data plane would not use it (then it picks again), if so.
     pub unusable: Option<String>,
 }
@@ -189,11 +176,10 @@ pub struct TraceReport {
     pub source_ranges: Option<Vec<String>>,
     /// Whether the ranges admit the client (`None`: no ranges).
     pub source_allowed: Option<bool>,
-    /// CONNTRACK entries of this flow, per CPU that holds one.
-    pub conntrack: Vec<ConntrackHit>,
-    pub shared: Option<SharedHit>,
+    /// The flow's entry in the flow table.
+    pub conntrack: Option<FlowHit>,
     pub maglev: Option<MaglevPick>,
-    /// `conntrack`, `shared_flows`, `maglev`, or `none` (the flow is
+    /// `conntrack` (the flow table), `maglev`, or `none` (the flow is
     /// dropped or passed).
     pub decided_by: &'static str,
     pub backend: Option<SocketAddr>,
@@ -202,73 +188,36 @@ pub struct TraceReport {
     pub note: Option<String>,
 }
 
-/// This flow's CONNTRACK entries, per CPU that holds one.
-fn conntrack_hits(
+/// This flow's SHARED_FLOWS entry, and whether the data plane would use it.
+fn flow_hit(
     maps: &PinnedMaps,
     key: &FlowKey,
-    snat: bool,
+    info: &ServiceInfo,
     cfg: &Config,
     now: u64,
-) -> Result<Vec<ConntrackHit>> {
-    let flows = maps::conntrack_flow(&maps.conntrack()?, key).context("reading CONNTRACK")?;
-    let mut hits = Vec::new();
-    for (cpu, f) in flows {
-        let e = crate::conntrack::entry(key, cpu, &f, now);
-        hits.push(ConntrackHit {
-            cpu,
+) -> Result<Option<FlowHit>> {
+    let flow = maps::optional(maps.shared_flows()?.get(key, 0)).context("reading SHARED_FLOWS")?;
+    Ok(flow.map(|f| {
+        let e = crate::conntrack::entry(key, &f, now);
+        let unusable = if f.service_id != info.id {
+            Some(format!(
+                "it names service id {}, not {}: the service was re-created",
+                f.service_id, info.id
+            ))
+        } else if services::is_snat(info) && e.idle_ns > snat_flow_lifetime_ns(cfg, key.proto) {
+            Some("idle past the SNAT lifetime: its port may have gone to another flow".into())
+        } else {
+            None
+        };
+        FlowHit {
             backend: e.backend,
             backend_id: f.backend_id,
             snat_port: e.snat_port,
             age_ns: e.age_ns,
             idle_ns: e.idle_ns,
-            stale: snat && e.idle_ns > snat_flow_lifetime_ns(cfg, key.proto),
-        });
-    }
-    Ok(hits)
-}
-
-/// This flow's SHARED_FLOWS entry, and whether the data plane would use it.
-fn shared_hit(
-    maps: &PinnedMaps,
-    key: &FlowKey,
-    info: &ServiceInfo,
-    snat: bool,
-    now: u64,
-) -> Result<Option<SharedHit>> {
-    let flow = maps::optional(maps.shared_flows()?.get(key, 0)).context("reading SHARED_FLOWS")?;
-    Ok(match flow {
-        Some(f) => {
-            let e = crate::conntrack::entry(key, 0, &f, now);
-            let unusable = if f.service_id != info.id {
-                Some(format!(
-                    "it names service id {}, not {}: the service was re-created",
-                    f.service_id, info.id
-                ))
-            } else if snat {
-                let backend = lb_common::Backend {
-                    addr: f.backend_addr,
-                    port: f.backend_port,
-                    family: key.family,
-                    ..Default::default()
-                };
-                let rk = snat_reply_key(key, info.snat_addr, &backend, f.snat_port);
-                match maps.reply_nat()?.get(&rk, 0) {
-                    Ok(r) if same_client(&r, key) => None,
-                    _ => Some("its SNAT port has gone to another flow".into()),
-                }
-            } else {
-                None
-            };
-            Some(SharedHit {
-                backend: e.backend,
-                backend_id: f.backend_id,
-                snat_port: e.snat_port,
-                age_ns: e.age_ns,
-                unusable,
-            })
+            unusable,
         }
-        None => None,
-    })
+    }))
 }
 
 /// The SNAT port the data plane tries first, and the one this flow holds.
@@ -357,18 +306,6 @@ fn maglev_pick(
 /// What [`maglev_pick`] found, and the backend it names.
 type MaglevOutcome = (Option<MaglevPick>, Option<(u32, lb_common::Backend)>);
 
-/// Whether CPUs hold live entries naming different backends for the flow.
-fn cpus_disagree(hits: &[ConntrackHit]) -> bool {
-    let mut live_ids: Vec<u32> = hits
-        .iter()
-        .filter(|h| !h.stale)
-        .map(|h| h.backend_id)
-        .collect();
-    live_ids.sort_unstable();
-    live_ids.dedup();
-    live_ids.len() > 1
-}
-
 pub fn run(maps: &PinnedMaps, args: &Args) -> Result<TraceReport> {
     let proto = args.proto.number();
     let key = flow_key(args.src, args.dst, args.sport, args.dport, proto)?;
@@ -393,8 +330,7 @@ pub fn run(maps: &PinnedMaps, args: &Args) -> Result<TraceReport> {
         affinity: None,
         source_ranges: None,
         source_allowed: None,
-        conntrack: Vec::new(),
-        shared: None,
+        conntrack: None,
         maglev: None,
         decided_by: "none",
         backend: None,
@@ -435,30 +371,20 @@ pub fn run(maps: &PinnedMaps, args: &Args) -> Result<TraceReport> {
     let snat = services::is_snat(&info);
     let backends = maps.backends()?;
 
-    // CONNTRACK first, as the data plane does.
-    let now = maps::coarse_now_ns();
-    report.conntrack = conntrack_hits(maps, &key, snat, &cfg, now)?;
-
-    // SHARED_FLOWS next: a CPU without the flow takes it from there.
-    report.shared = shared_hit(maps, &key, &info, snat, now)?;
+    // The flow table first, as the data plane does.
+    report.conntrack = flow_hit(maps, &key, &info, &cfg, maps::coarse_now_ns())?;
 
     // The Maglev pick, which a new flow (or a packet no table knows, or a
     // TCP SYN) gets.
     let (pick, picked) = maglev_pick(maps, &key, &info, &backends)?;
     report.maglev = pick;
 
-    // A remembered flow (this CPU's table, else the shared one) wins.
-    let remembered = match report.conntrack.iter().find(|h| !h.stale) {
-        Some(h) => Some(("conntrack", h.backend, h.backend_id)),
-        None => report
-            .shared
-            .as_ref()
-            .filter(|h| h.unusable.is_none())
-            .map(|h| ("shared_flows", h.backend, h.backend_id)),
-    };
-    let chosen = if let Some((by, backend, id)) = remembered {
-        report.decided_by = by;
-        report.backend = Some(backend);
+    // A remembered flow wins.
+    let remembered = report.conntrack.as_ref().filter(|h| h.unusable.is_none());
+    let chosen = if let Some(h) = remembered {
+        let id = h.backend_id;
+        report.decided_by = "conntrack";
+        report.backend = Some(h.backend);
         report.backend_id = Some(id);
         backends.get(&id, 0).ok().map(|e| (id, e.backend))
     } else if let Some((id, b)) = picked {
@@ -473,13 +399,6 @@ pub fn run(maps: &PinnedMaps, args: &Args) -> Result<TraceReport> {
         }
         None
     };
-    if cpus_disagree(&report.conntrack) {
-        report.note = Some(
-            "CPUs hold entries naming different backends for this flow: the backend \
-             depends on the CPU the packet lands on"
-                .into(),
-        );
-    }
 
     if snat {
         report.snat = Some(snat_info(maps, &key, &info, &cfg, chosen.map(|c| c.1))?);
@@ -488,15 +407,12 @@ pub fn run(maps: &PinnedMaps, args: &Args) -> Result<TraceReport> {
 }
 
 impl TraceReport {
-    /// The CONNTRACK and SHARED_FLOWS lines of the human output.
+    /// The flow table's line of the human output.
     fn flow_lines(&self, s: &mut String) {
-        if self.conntrack.is_empty() {
-            s.push_str("conntrack not in CONNTRACK on any CPU\n");
-        }
-        for h in &self.conntrack {
-            s.push_str(&format!(
-                "conntrack CPU {}: backend {} (id {}){}, age {}, idle {}{}\n",
-                h.cpu,
+        match &self.conntrack {
+            None => s.push_str("conntrack not in SHARED_FLOWS\n"),
+            Some(h) => s.push_str(&format!(
+                "conntrack backend {} (id {}){}, age {}, idle {}{}\n",
                 h.backend,
                 h.backend_id,
                 h.snat_port
@@ -504,23 +420,6 @@ impl TraceReport {
                     .unwrap_or_default(),
                 table::duration_ns(h.age_ns),
                 table::duration_ns(h.idle_ns),
-                if h.stale {
-                    " (stale: idle past the SNAT lifetime, ignored)"
-                } else {
-                    ""
-                }
-            ));
-        }
-        match &self.shared {
-            None => s.push_str("shared    not in SHARED_FLOWS\n"),
-            Some(h) => s.push_str(&format!(
-                "shared    backend {} (id {}){}, age {}{}\n",
-                h.backend,
-                h.backend_id,
-                h.snat_port
-                    .map(|p| format!(", snat port {p}"))
-                    .unwrap_or_default(),
-                table::duration_ns(h.age_ns),
                 h.unusable
                     .as_ref()
                     .map(|u| format!(" (not used: {u})"))
