@@ -428,7 +428,27 @@ fn median_of(rates: &[Rate], f: impl Fn(&Rate) -> f64) -> f64 {
     median(&rates.iter().map(f).collect::<Vec<_>>())
 }
 
-/// The table: medians over rounds; ratios are taken within each round.
+/// One traffic kind's rounds of one case.
+fn rates_of(results: &Results, traffic: Traffic, case: Case) -> &[Rate] {
+    results
+        .iter()
+        .find(|(tr, c, _)| *tr == traffic && *c == case)
+        .map(|(_, _, r)| r.as_slice())
+        .unwrap_or(&[])
+}
+
+/// The median over rounds of `a`'s forwarded rate over `b`'s, each ratio
+/// taken within one round (the machine's speed drifts between rounds).
+fn ratio(a: &[Rate], b: &[Rate]) -> f64 {
+    let per_round: Vec<f64> = a
+        .iter()
+        .zip(b)
+        .map(|(x, y)| x.forwarded_pps / y.forwarded_pps)
+        .collect();
+    median(&per_round)
+}
+
+/// The table: medians over rounds.
 fn table(results: &Results, o: &Opts) -> String {
     let mut md = format!(
         "Forwarding rate, {} rounds of ~{} s per case, interleaved; one generator \
@@ -438,35 +458,19 @@ fn table(results: &Results, o: &Opts) -> String {
         o.rounds, o.seconds
     );
     for traffic in Traffic::ALL {
-        let of = |case: Case| {
-            results
-                .iter()
-                .find(|(tr, c, _)| *tr == traffic && *c == case)
-                .map(|(_, _, r)| r.as_slice())
-                .unwrap_or(&[])
-        };
-        let ratio = |a: &[Rate], b: &[Rate]| {
-            let per_round: Vec<f64> = a
-                .iter()
-                .zip(b)
-                .map(|(x, y)| x.forwarded_pps / y.forwarded_pps)
-                .collect();
-            median(&per_round)
-        };
+        let nft = rates_of(results, traffic, Case::Nftables);
+        let limit = rates_of(results, traffic, Case::Limit);
         for case in Case::ALL {
-            let r = of(case);
-            let vs_nft = match case {
-                Case::Nftables => "1.00x".to_string(),
-                _ => format!("{:.2}x", ratio(r, of(Case::Nftables))),
-            };
+            let r = rates_of(results, traffic, case);
             let _ = writeln!(
                 md,
-                "| {} | {} | {} pps | {} pps | {vs_nft} | {:.0}% |",
+                "| {} | {} | {} pps | {} pps | {:.2}x | {:.0}% |",
                 traffic.label(),
                 case.label(),
                 thousands(median_of(r, |x| x.generated_pps) as u64),
                 thousands(median_of(r, |x| x.forwarded_pps) as u64),
-                ratio(r, of(Case::Limit)) * 100.0
+                ratio(r, nft),
+                ratio(r, limit) * 100.0
             );
         }
     }
@@ -479,28 +483,20 @@ fn run(o: &Opts) -> Res<()> {
     let t = Topology::new("fw", BACKENDS);
     prepare(&t)?;
     let results = rounds(o, &t, &bins, &mut programs)?;
-    let md = table(&results, o);
-    println!("\n{md}");
-    let xlb = |traffic| {
-        let find = |case| {
-            results
-                .iter()
-                .find(|(tr, c, _)| *tr == traffic && *c == case)
-                .map(|(_, _, r)| median_of(r, |x| x.forwarded_pps))
-                .unwrap_or(f64::NAN)
-        };
-        (
-            find(Case::Xlb) / find(Case::Nftables),
-            find(Case::Xlb) / find(Case::Limit),
-        )
-    };
-    let (udp_nft, udp_limit) = xlb(Traffic::Udp);
-    let (syn_nft, syn_limit) = xlb(Traffic::TcpSyn);
-    println!(
-        "forwarding: xlb UDP {udp_nft:.2}x nftables, {:.0}% of the limit; TCP SYN {syn_nft:.2}x nftables, {:.0}% of the limit",
-        udp_limit * 100.0,
-        syn_limit * 100.0
-    );
+    println!("\n{}", table(&results, o));
+    let summary: Vec<String> = Traffic::ALL
+        .iter()
+        .map(|&traffic| {
+            let xlb = rates_of(&results, traffic, Case::Xlb);
+            format!(
+                "{} {:.2}x nftables, {:.0}% of the limit",
+                traffic.label(),
+                ratio(xlb, rates_of(&results, traffic, Case::Nftables)),
+                ratio(xlb, rates_of(&results, traffic, Case::Limit)) * 100.0
+            )
+        })
+        .collect();
+    println!("forwarding: xlb {}", summary.join("; "));
     Ok(())
 }
 
