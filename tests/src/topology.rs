@@ -746,8 +746,8 @@ impl HttpConn {
 }
 
 // ---------------------------------------------------------------------------
-// CPU affinity: the data plane's flow table is per CPU, and which CPU
-// handles a packet on a veth follows the CPU that sent it.
+// CPU affinity: which CPU handles a packet on a veth follows the CPU that
+// sent it, which is how tests move a flow between CPUs.
 
 /// The CPUs the calling thread may run on.
 pub fn allowed_cpus() -> Vec<usize> {
