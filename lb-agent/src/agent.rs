@@ -17,7 +17,7 @@ use std::{
 
 use anyhow::Context as _;
 use aya::programs::XdpMode;
-use lb_common::{ServiceKey, SHARED_FLOWS_ENTRIES};
+use lb_common::ServiceKey;
 use tokio::{
     signal::unix::{signal, SignalKind},
     sync::watch,
@@ -27,7 +27,7 @@ use tracing::{error, info, warn};
 use crate::{
     announce::{task::AnnounceTask, Route},
     config::{AgentConfig, XdpAttachMode},
-    dataplane::{Dataplane, Protocol, ServiceSpec},
+    dataplane::{Dataplane, MapSizes, Protocol, ServiceSpec},
     health::{HealthChecker, HealthSnapshot},
     k8s::{desired::SourceOptions, watch::DesiredRx},
     metrics::{BackendSample, DataplaneSnapshot, Metrics, ServiceSample},
@@ -112,8 +112,12 @@ impl Agent {
     pub async fn start(opts: AgentOptions, config: AgentConfig) -> anyhow::Result<Self> {
         let config = with_node_addresses(config);
         let config_bytes = std::fs::read(&opts.config_path).unwrap_or_default();
-        let mut dp = Dataplane::open_with(Some(&opts.pin_dir), config.maglev_pool_entries)
-            .context("loading the XDP program")?;
+        let sizes = MapSizes {
+            maglev_pool_entries: config.maglev_pool_entries,
+            flow_table_entries: config.flow_table_entries,
+        };
+        let mut dp =
+            Dataplane::open_with(Some(&opts.pin_dir), sizes).context("loading the XDP program")?;
         let adopted = dp.services().count();
         if adopted > 0 {
             info!(
@@ -537,7 +541,7 @@ fn snapshot(dp: &Mutex<Dataplane>, labels: &Mutex<Labels>) -> DataplaneSnapshot 
     let dp = dp.lock().expect("data plane lock");
     let labels = labels.lock().expect("labels lock");
     let mut snap = DataplaneSnapshot {
-        conntrack_capacity: SHARED_FLOWS_ENTRIES as u64,
+        conntrack_capacity: dp.flow_table_capacity() as u64,
         ..Default::default()
     };
     for (key, spec) in dp.services() {
@@ -583,5 +587,6 @@ fn snapshot(dp: &Mutex<Dataplane>, labels: &Mutex<Labels>) -> DataplaneSnapshot 
         snap.reasons = DataplaneSnapshot::reasons_from_counts(&reasons);
     }
     snap.conntrack_entries = dp.shared_flows().map(|c| c.len() as u64).unwrap_or(0);
+    snap.flows_repicked = dp.flows_repicked().unwrap_or(0);
     snap
 }

@@ -61,11 +61,12 @@ pub struct DataplaneSnapshot {
     /// [`DataplaneSnapshot::reasons_from_counts`] builds it from
     /// `Dataplane::reason_counts()`.
     pub reasons: Vec<(String, u64)>,
-    /// Live connection-table entries (over all CPUs).
+    /// Live flow-table entries.
     pub conntrack_entries: u64,
-    /// Connection-table capacity (over all CPUs: `CONNTRACK_ENTRIES` times
-    /// the number of possible CPUs, the map being per-CPU).
+    /// Flow-table capacity (beyond it the least recently used flow goes).
     pub conntrack_capacity: u64,
+    /// TCP packets (not SYNs) whose flow was not in the table: re-picked.
+    pub flows_repicked: u64,
 }
 
 impl DataplaneSnapshot {
@@ -98,6 +99,7 @@ enum Source {
     Reason,
     ConntrackEntries,
     ConntrackCapacity,
+    FlowsRepicked,
 }
 
 impl Source {
@@ -106,7 +108,7 @@ impl Source {
             Source::Service(_) => SERVICE_LABELS,
             Source::Backend(_) | Source::BackendHealthy => BACKEND_LABELS,
             Source::Reason => REASON_LABELS,
-            Source::ConntrackEntries | Source::ConntrackCapacity => &[],
+            Source::ConntrackEntries | Source::ConntrackCapacity | Source::FlowsRepicked => &[],
         }
     }
 }
@@ -215,13 +217,18 @@ const DP_FAMILIES: &[DpFamily] = &[
     ),
     gauge(
         "xlb_conntrack_entries",
-        "Live entries in the connection table, over all CPUs.",
+        "Live entries in the flow table.",
         Source::ConntrackEntries,
     ),
     gauge(
         "xlb_conntrack_capacity",
-        "Capacity of the connection table, over all CPUs.",
+        "Capacity of the flow table: beyond it, the least recently used flow is evicted.",
         Source::ConntrackCapacity,
+    ),
+    counter(
+        "xlb_flows_repicked_total",
+        "TCP packets (not SYNs) whose flow was not in the flow table (evicted when it was full, or begun before this node saw it): sent where Maglev says now.",
+        Source::FlowsRepicked,
     ),
 ];
 
@@ -255,7 +262,7 @@ fn series_count(source: Source, snap: &DataplaneSnapshot) -> usize {
         Source::Service(_) => snap.services.len(),
         Source::Backend(_) | Source::BackendHealthy => snap.backends.len(),
         Source::Reason => snap.reasons.len(),
-        Source::ConntrackEntries | Source::ConntrackCapacity => 1,
+        Source::ConntrackEntries | Source::ConntrackCapacity | Source::FlowsRepicked => 1,
     }
 }
 
@@ -285,6 +292,7 @@ fn series(f: &DpFamily, snap: &DataplaneSnapshot, i: usize) -> proto::Metric {
         }
         Source::ConntrackEntries => sample(f.kind, &[], &[], snap.conntrack_entries as f64),
         Source::ConntrackCapacity => sample(f.kind, &[], &[], snap.conntrack_capacity as f64),
+        Source::FlowsRepicked => sample(f.kind, &[], &[], snap.flows_repicked as f64),
     }
 }
 
@@ -572,6 +580,7 @@ mod tests {
             reasons: DataplaneSnapshot::reasons_from_counts(&counts),
             conntrack_entries: 42,
             conntrack_capacity: 1 << 20,
+            flows_repicked: 9,
         }
     }
 
@@ -639,6 +648,7 @@ mod tests {
         }
         has_line(t, "xlb_conntrack_entries 42");
         has_line(t, "xlb_conntrack_capacity 1048576");
+        has_line(t, "xlb_flows_repicked_total 9");
 
         has_line(t, r#"xlb_config_reloads_total{result="ok"} 2"#);
         has_line(t, r#"xlb_config_reloads_total{result="error"} 1"#);
@@ -694,6 +704,7 @@ mod tests {
             "xlb_datapath_packets_total",
             "xlb_conntrack_entries",
             "xlb_conntrack_capacity",
+            "xlb_flows_repicked_total",
             "xlb_config_reloads_total",
             "xlb_config_reload_duration_seconds",
             "xlb_config_last_reload_success_timestamp_seconds",

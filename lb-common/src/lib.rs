@@ -62,6 +62,13 @@ pub const DEFAULT_SNAT_PORT_MAX: u16 = 32767;
 /// How many ports the program probes before it gives up on a new SNAT flow.
 pub const SNAT_PROBES: u32 = 16;
 
+/// `FLOW_EVENTS[0]`: TCP packets other than a SYN whose flow was not in the
+/// flow table (evicted while the table was full, or begun before this node
+/// saw it): re-picked by Maglev, so they keep their backend while the
+/// backend set is unchanged.
+pub const FLOW_EVENT_REPICKED: u32 = 0;
+pub const FLOW_EVENT_COUNT: u32 = 1;
+
 /// Names of the maps as they are pinned under `/sys/fs/bpf/xlb/`.
 pub mod map_names {
     pub const SERVICES: &str = "SERVICES";
@@ -76,7 +83,8 @@ pub mod map_names {
     pub const BACKEND_STATS: &str = "BACKEND_STATS";
     pub const REASON_STATS: &str = "REASON_STATS";
     pub const SOURCE_RANGES: &str = "SOURCE_RANGES";
-    pub const ALL: [&str; 12] = [
+    pub const FLOW_EVENTS: &str = "FLOW_EVENTS";
+    pub const ALL: [&str; 13] = [
         SERVICES,
         BACKENDS,
         MAGLEV,
@@ -89,6 +97,7 @@ pub mod map_names {
         BACKEND_STATS,
         REASON_STATS,
         SOURCE_RANGES,
+        FLOW_EVENTS,
     ];
 }
 

@@ -5,8 +5,8 @@
 use aya_ebpf::{bindings::BPF_NOEXIST, helpers::bpf_ktime_get_coarse_ns};
 use lb_common::{
     hash::{flow_hash, maglev_hash, snat_port_candidate},
-    Backend, Config, FibCache, Flow, FlowKey, Reason, ReplyNat, ServiceInfo, PROTO_TCP,
-    REPLY_F_CLOSING, SERVICE_F_SNAT, SNAT_PROBES,
+    Backend, Config, FibCache, Flow, FlowKey, Reason, ReplyNat, ServiceInfo, FLOW_EVENT_REPICKED,
+    PROTO_TCP, REPLY_F_CLOSING, SERVICE_F_SNAT, SNAT_PROBES,
 };
 
 use crate::maps::{BACKENDS, CONFIG, MAGLEV, REPLY_NAT, SHARED_FLOWS};
@@ -196,6 +196,11 @@ pub fn lookup_or_create(svc: &ServiceInfo, closing: bool, syn: bool, s: &mut Scr
                 }
                 return FOUND;
             }
+        }
+        if s.key.proto == PROTO_TCP {
+            // Mid-connection and not in the table: evicted, or older than
+            // this node's view of it. Maglev picks again.
+            crate::stats::count_flow_event(FLOW_EVENT_REPICKED);
         }
     }
     create(svc, closing, s)

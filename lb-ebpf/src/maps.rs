@@ -8,8 +8,8 @@ use aya_ebpf::{
 };
 use lb_common::{
     BackendEntry, Config, Flow, FlowKey, RangeKey, ReplyNat, ServiceInfo, ServiceKey, TrafficStats,
-    MAGLEV_POOL_ENTRIES, MAX_BACKENDS, MAX_SERVICES, MAX_SOURCE_RANGES, MAX_TX_PORTS,
-    PORT_FLAGS_ENTRIES, REASON_COUNT, REPLY_NAT_ENTRIES, SHARED_FLOWS_ENTRIES,
+    FLOW_EVENT_COUNT, MAGLEV_POOL_ENTRIES, MAX_BACKENDS, MAX_SERVICES, MAX_SOURCE_RANGES,
+    MAX_TX_PORTS, PORT_FLAGS_ENTRIES, REASON_COUNT, REPLY_NAT_ENTRIES, SHARED_FLOWS_ENTRIES,
 };
 
 const NO_PREALLOC: usize = BPF_F_NO_PREALLOC as usize;
@@ -47,6 +47,10 @@ pub static SHARED_FLOWS: LruHashMap<
     { SHARED_FLOWS_ENTRIES as usize },
     NO_COMMON_LRU,
 > = LruHashMap::new();
+
+/// Per CPU: flow events by `FLOW_EVENT_*` index.
+#[btf_map]
+pub static FLOW_EVENTS: PerCpuArray<u64, { FLOW_EVENT_COUNT as usize }> = PerCpuArray::new();
 
 /// Reply flow -> how to translate it back. Shared by all CPUs: replies hash
 /// to a different receive queue than the requests they answer.

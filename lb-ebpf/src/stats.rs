@@ -1,10 +1,18 @@
 //! Per-CPU counters: one reason per packet, traffic per service and backend.
 
-use crate::maps::{BACKEND_STATS, REASON_STATS, SERVICE_STATS};
+use crate::maps::{BACKEND_STATS, FLOW_EVENTS, REASON_STATS, SERVICE_STATS};
 
 #[inline(always)]
 pub fn count_reason(reason: u32) {
     if let Some(c) = REASON_STATS.get_ptr_mut(reason) {
+        // SAFETY: per-CPU slot, only this CPU writes it while we run.
+        unsafe { *c += 1 };
+    }
+}
+
+#[inline(always)]
+pub fn count_flow_event(event: u32) {
+    if let Some(c) = FLOW_EVENTS.get_ptr_mut(event) {
         // SAFETY: per-CPU slot, only this CPU writes it while we run.
         unsafe { *c += 1 };
     }

@@ -9,7 +9,7 @@ use aya::{
     Ebpf, EbpfLoader,
 };
 use lb_agent::{
-    dataplane::{Dataplane, OBJECT},
+    dataplane::{Dataplane, MapSizes, OBJECT},
     netif::ifindex,
 };
 use lb_common::map_names;
@@ -35,11 +35,17 @@ impl FixtureBed {
     /// As [`FixtureBed::new`], with the maps pinned under `pin_dir` (so that
     /// lbctl can read them).
     pub fn with_pins(name: &str, pin_dir: Option<&std::path::Path>) -> Self {
+        Self::with(name, pin_dir, MapSizes::default())
+    }
+
+    /// As [`FixtureBed::with_pins`], with maps of the given sizes.
+    pub fn with(name: &str, pin_dir: Option<&std::path::Path>, sizes: MapSizes) -> Self {
         let ns = fixture_namespace_named(name);
         ns.enter();
         let cl0 = ifindex("cl0").expect("cl0");
         let be0 = ifindex("be0").expect("be0");
-        let mut dp = Dataplane::open(pin_dir).expect("load the XDP program (root needed)");
+        let mut dp =
+            Dataplane::open_with(pin_dir, sizes).expect("load the XDP program (root needed)");
         dp.allow_redirect(cl0).unwrap();
         dp.allow_redirect(be0).unwrap();
         Self { dp, cl0, be0, ns }

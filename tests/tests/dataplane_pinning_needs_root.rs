@@ -3,7 +3,7 @@
 
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 
-use lb_agent::dataplane::{BackendSpec, Dataplane, Protocol, ServiceSpec};
+use lb_agent::dataplane::{BackendSpec, Dataplane, MapSizes, Protocol, ServiceSpec};
 
 struct PinDir(std::path::PathBuf);
 
@@ -172,7 +172,14 @@ fn quarantined_regions_do_not_make_the_pool_look_full() {
         ..spec(port, None, backends)
     };
     // Room for exactly two services (two tables of M each).
-    let mut dp = Dataplane::open_with(None, 4 * m).expect("open (root needed)");
+    let mut dp = Dataplane::open_with(
+        None,
+        MapSizes {
+            maglev_pool_entries: 4 * m,
+            ..MapSizes::default()
+        },
+    )
+    .expect("open (root needed)");
     let a = sized(80, &[1, 2]);
     dp.set_service(&a).unwrap();
     // Changed again at once: a fresh region, the first one quarantined.

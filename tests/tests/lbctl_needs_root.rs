@@ -409,6 +409,7 @@ fn lbctl_reads_pinned_maps_needs_root() {
     let want: Vec<&str> = Reason::ALL.iter().map(|r| r.name()).collect();
     assert_eq!(reasons, want);
     assert_eq!(v["total_packets"], 0);
+    assert_eq!(v["flows_repicked"], 0);
     assert!(v["warning"].is_null());
     // Counters skewed to one CPU: the RSS warning (on a machine with >1 CPU).
     let online = aya::util::online_cpus().unwrap();

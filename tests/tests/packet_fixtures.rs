@@ -9,7 +9,7 @@ use std::{
     net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr},
 };
 
-use lb_agent::dataplane::{BackendSpec, Dataplane, Protocol, ServiceSpec};
+use lb_agent::dataplane::{BackendSpec, Dataplane, MapSizes, Protocol, ServiceSpec};
 use lb_common::{Reason, REASON_COUNT};
 use xlb_tests::{
     packet::{
@@ -1584,9 +1584,9 @@ fn ack_reaches(dp: &mut Dataplane, cl0: u32, sport: u16, backend: (Mac, Ipv4Addr
     assert!(out == want, "{what}\n{}", hexdump_diff(&want, &out));
 }
 
-/// The connection table is per CPU: a flow's packets that land on another
-/// CPU than its first one (RSS changes, IRQ moves) find a zeroed value there
-/// and must be treated as a miss, not as a flow to 0.0.0.0.
+/// A flow's packets that land on another CPU than its first one (RSS
+/// changes, IRQ moves) find the same entry there: the flow table is one for
+/// all CPUs.
 #[test]
 fn a_flow_continues_on_another_cpu_needs_root() {
     let mut bed = two_cpu_bed("xlb-fix-cpu");
@@ -1870,4 +1870,64 @@ fn client_affinity_is_the_same_on_every_node_needs_root() {
             "client {c} on node 2"
         );
     }
+}
+
+/// The flow table full: the least recently used flows are evicted, an
+/// evicted flow's next packet is re-picked by Maglev onto the backend it had
+/// (the backend set is unchanged), and the re-picks are counted.
+#[test]
+fn a_full_flow_table_evicts_and_evicted_flows_keep_their_backend_needs_root() {
+    const TABLE: u32 = 1024;
+    let sizes = MapSizes {
+        flow_table_entries: TABLE,
+        ..MapSizes::default()
+    };
+    let mut bed = FixtureBed::with("xlb-fix-full", None, sizes);
+    pin_to_cpu(0);
+    let (dp, cl0) = (&mut bed.dp, bed.cl0);
+    let three = [(B2.into(), 8080), (B3.into(), 8080), (B4.into(), 8080)];
+    dp.set_service(&svc(VIP.into(), 80, Protocol::Tcp, None, &three))
+        .unwrap();
+    assert_eq!(dp.flow_table_capacity(), TABLE);
+    let backend_of = |out: &[u8]| xlb_tests::packet::parse(out).unwrap().dst;
+
+    // 100 flows while the table has room: Maglev's picks.
+    let first: Vec<(u16, IpAddr)> = (20000..20100)
+        .map(|p| {
+            let (v, out) = run(dp, cl0, &c4(syn(p, 80)));
+            assert_eq!(v, XDP_REDIRECT);
+            (p, backend_of(&out))
+        })
+        .collect();
+    let spread: std::collections::BTreeSet<IpAddr> = first.iter().map(|f| f.1).collect();
+    assert_eq!(spread.len(), 3, "Maglev spreads 100 flows over 3 backends");
+
+    // Four times the table's size in new flows: it fills and evicts.
+    for p in 30000..30000 + 4 * TABLE as u16 {
+        assert_eq!(run(dp, cl0, &c4(syn(p, 80))).0, XDP_REDIRECT);
+    }
+    let flows = dp.shared_flows().unwrap();
+    assert!(flows.len() <= TABLE as usize, "{} entries", flows.len());
+    let kept = flows
+        .iter()
+        .filter(|(k, _)| (20000..20100).contains(&u16::from_be(k.sport)))
+        .count();
+    assert!(
+        kept < 10,
+        "{kept} of the 100 oldest flows are still in a full table"
+    );
+
+    // Their next packets go to the backends they had, and are counted.
+    let repicked = dp.flows_repicked().unwrap();
+    for (p, b) in &first {
+        let (v, out) = run(dp, cl0, &c4(ack(*p, 80)));
+        assert_eq!(v, XDP_REDIRECT);
+        assert_eq!(backend_of(&out), *b, "evicted flow from port {p}");
+    }
+    let counted = dp.flows_repicked().unwrap() - repicked;
+    assert!(
+        counted as usize >= first.len() - kept,
+        "{counted} re-picks counted for {} evicted flows",
+        first.len() - kept
+    );
 }

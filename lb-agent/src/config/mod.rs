@@ -42,6 +42,8 @@ pub struct AgentConfig {
     /// Size of the kernel's Maglev pool (entries; two tables per service).
     /// Takes effect when the maps are created (first start or after cleanup).
     pub maglev_pool_entries: u32,
+    /// Size of the flow table (entries, one per flow); likewise.
+    pub flow_table_entries: u32,
     /// Announcing VIPs through a BGP speaker; `None`: no announcements.
     pub bgp: Option<BgpConfig>,
     /// Services from a Kubernetes cluster, besides those in the file.

@@ -14,6 +14,7 @@ pub(super) struct RawConfig {
     pub(super) xdp_mode: Option<RawXdpMode>,
     pub(super) timeouts: Option<RawTimeouts>,
     pub(super) maglev_pool_entries: Option<u32>,
+    pub(super) flow_table_entries: Option<u32>,
     pub(super) bgp: Option<RawBgp>,
     pub(super) kubernetes: Option<RawKubernetes>,
     #[serde(default)]

@@ -109,6 +109,7 @@ fn full_example() {
         tcp_closing_timeout: Duration::from_secs(10),
         udp_timeout: Duration::from_secs(60),
         maglev_pool_entries: lb_common::MAGLEV_POOL_ENTRIES,
+        flow_table_entries: lb_common::SHARED_FLOWS_ENTRIES,
         bgp: None,
         kubernetes: None,
         services: vec![
@@ -436,6 +437,16 @@ fn wrong_types_and_missing_fields() {
         "services[1].table_size",
         "invalid type: floating point",
     );
+}
+
+#[test]
+fn map_sizes() {
+    let text = edit(BASE, "snat_ipv4: 10.0.0.1", "flow_table_entries: 4096");
+    assert_eq!(AgentConfig::parse(&text).unwrap().flow_table_entries, 4096);
+    let text = edit(BASE, "snat_ipv4: 10.0.0.1", "flow_table_entries: 100");
+    rejects(&text, 2, "flow_table_entries", "100 is outside 1024..=67108864");
+    let text = edit(BASE, "snat_ipv4: 10.0.0.1", "maglev_pool_entries: 1000");
+    rejects(&text, 2, "maglev_pool_entries", "1000 is outside");
 }
 
 #[test]

@@ -13,6 +13,11 @@ use lb_common::maglev;
 use super::{locate::*, raw::*, *};
 use crate::dataplane::Protocol;
 
+/// Bounds of `flow_table_entries`: a table smaller than a few thousand
+/// flows evicts live ones under any load; 2^26 flows take ~9 GiB.
+const MIN_FLOW_TABLE_ENTRIES: u32 = 1024;
+const MAX_FLOW_TABLE_ENTRIES: u32 = 1 << 26;
+
 pub(super) struct Validator<'t> {
     pub(super) text: &'t str,
 }
@@ -98,6 +103,16 @@ impl Validator<'_> {
                 ))
             }
         };
+        let flow_table_entries = match raw.flow_table_entries {
+            None => lb_common::SHARED_FLOWS_ENTRIES,
+            Some(n) if (MIN_FLOW_TABLE_ENTRIES..=MAX_FLOW_TABLE_ENTRIES).contains(&n) => n,
+            Some(n) => {
+                return Err(self.err(
+                    root().key("flow_table_entries"),
+                    format!("{n} is outside {MIN_FLOW_TABLE_ENTRIES}..={MAX_FLOW_TABLE_ENTRIES}"),
+                ))
+            }
+        };
         let bgp = match raw.bgp {
             None => None,
             Some(b) => Some(self.bgp(b)?),
@@ -118,6 +133,7 @@ impl Validator<'_> {
             tcp_closing_timeout,
             udp_timeout,
             maglev_pool_entries,
+            flow_table_entries,
             bgp,
             kubernetes,
             services,

@@ -31,9 +31,9 @@ use lb_common::{
     maglev, map_names as names,
     net::{ip_words, service_key, words_ip, Family},
     BackendEntry, Config, Flow, FlowKey, ReplyNat, ServiceInfo, ServiceKey, TrafficStats,
-    FAMILY_V4, FAMILY_V6, MAGLEV_POOL_ENTRIES, MAX_BACKENDS, MAX_SERVICES, PORT_F_BACKEND,
-    PORT_F_SERVICE, PROTO_ICMP, PROTO_ICMPV6, REASON_COUNT, SERVICE_F_CLIENT_AFFINITY,
-    SERVICE_F_SNAT, SERVICE_F_SOURCE_RANGES,
+    FAMILY_V4, FAMILY_V6, FLOW_EVENT_COUNT, FLOW_EVENT_REPICKED, MAGLEV_POOL_ENTRIES, MAX_BACKENDS,
+    MAX_SERVICES, PORT_F_BACKEND, PORT_F_SERVICE, PROTO_ICMP, PROTO_ICMPV6, REASON_COUNT,
+    SERVICE_F_CLIENT_AFFINITY, SERVICE_F_SNAT, SERVICE_F_SOURCE_RANGES, SHARED_FLOWS_ENTRIES,
 };
 
 use self::{
@@ -43,6 +43,25 @@ use self::{
     write::{Ids, Placement, Reservation},
 };
 use crate::maps::{self as reads, MaglevPool};
+
+/// The sizes of the maps the config can size (entries).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MapSizes {
+    /// The Maglev pool: two tables of M entries per service, 8 bytes each
+    /// in the kernel.
+    pub maglev_pool_entries: u32,
+    /// The flow table: one entry per flow, ~140 bytes each.
+    pub flow_table_entries: u32,
+}
+
+impl Default for MapSizes {
+    fn default() -> Self {
+        Self {
+            maglev_pool_entries: MAGLEV_POOL_ENTRIES,
+            flow_table_entries: SHARED_FLOWS_ENTRIES,
+        }
+    }
+}
 
 /// Pins of maps that earlier versions had and this one does not use: removed
 /// when the agent adopts a pin directory. `CONNTRACK` was a per-CPU copy of
@@ -228,10 +247,14 @@ struct Maps {
     config: Array<MapData, Config>,
     tx_ports: DevMapHash<MapData>,
     shared_flows: HashMap<MapData, FlowKey, Flow>,
+    /// The flow table's size as the kernel holds it (a pinned table keeps
+    /// the size it was created with).
+    flow_table_entries: u32,
     reply_nat: HashMap<MapData, FlowKey, ReplyNat>,
     service_stats: PerCpuArray<MapData, TrafficStats>,
     backend_stats: PerCpuArray<MapData, TrafficStats>,
     reason_stats: PerCpuArray<MapData, u64>,
+    flow_events: PerCpuArray<MapData, u64>,
     ranges: SourceRanges,
 }
 
@@ -246,15 +269,15 @@ impl Dataplane {
     /// maps already pinned there are reused: a restarted agent adopts the
     /// running state (services, flows, counters) instead of starting empty.
     pub fn open(pin_dir: Option<&Path>) -> Result<Self> {
-        Self::open_with(pin_dir, MAGLEV_POOL_ENTRIES)
+        Self::open_with(pin_dir, MapSizes::default())
     }
 
-    /// As [`Dataplane::open`], with the Maglev pool sized to `pool_entries`
-    /// (two tables of M entries per service; 8 bytes each in the kernel).
-    /// Pinned maps keep the size they were created with.
-    pub fn open_with(pin_dir: Option<&Path>, pool_entries: u32) -> Result<Self> {
+    /// As [`Dataplane::open`], with the sizes of the maps that the config
+    /// sizes. Pinned maps keep the size they were created with.
+    pub fn open_with(pin_dir: Option<&Path>, sizes: MapSizes) -> Result<Self> {
         let mut loader = EbpfLoader::new();
-        loader.map_max_entries(names::MAGLEV, pool_entries);
+        loader.map_max_entries(names::MAGLEV, sizes.maglev_pool_entries);
+        loader.map_max_entries(names::SHARED_FLOWS, sizes.flow_table_entries);
         let paths: Vec<(&str, PathBuf)> = match pin_dir {
             Some(dir) => {
                 check_bpffs(dir)?;
@@ -300,6 +323,11 @@ impl Dataplane {
         fn take(ebpf: &mut Ebpf, name: &'static str) -> Result<Map> {
             ebpf.take_map(name).ok_or(DataplaneError::MissingMap(name))
         }
+        let flows = take(&mut ebpf, names::SHARED_FLOWS)?;
+        let flow_table_entries = match &flows {
+            Map::LruHashMap(data) => data.info().map(|i| i.max_entries()).unwrap_or(0),
+            _ => return Err(DataplaneError::MissingMap(names::SHARED_FLOWS)),
+        };
         let maglev_data = match take(&mut ebpf, names::MAGLEV)? {
             Map::Array(data) => data,
             _ => return Err(DataplaneError::MissingMap(names::MAGLEV)),
@@ -319,14 +347,16 @@ impl Dataplane {
                 .map_err(map_err(names::CONFIG))?,
             tx_ports: DevMapHash::try_from(take(&mut ebpf, names::TX_PORTS)?)
                 .map_err(map_err(names::TX_PORTS))?,
-            shared_flows: HashMap::try_from(take(&mut ebpf, names::SHARED_FLOWS)?)
-                .map_err(map_err(names::SHARED_FLOWS))?,
+            shared_flows: HashMap::try_from(flows).map_err(map_err(names::SHARED_FLOWS))?,
+            flow_table_entries,
             reply_nat: HashMap::try_from(take(&mut ebpf, names::REPLY_NAT)?)
                 .map_err(map_err(names::REPLY_NAT))?,
             service_stats: PerCpuArray::try_from(take(&mut ebpf, names::SERVICE_STATS)?)
                 .map_err(map_err(names::SERVICE_STATS))?,
             backend_stats: PerCpuArray::try_from(take(&mut ebpf, names::BACKEND_STATS)?)
                 .map_err(map_err(names::BACKEND_STATS))?,
+            flow_events: PerCpuArray::try_from(take(&mut ebpf, names::FLOW_EVENTS)?)
+                .map_err(map_err(names::FLOW_EVENTS))?,
             reason_stats: PerCpuArray::try_from(take(&mut ebpf, names::REASON_STATS)?)
                 .map_err(map_err(names::REASON_STATS))?,
             ranges: SourceRanges::open(

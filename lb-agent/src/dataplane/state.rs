@@ -22,6 +22,19 @@ impl Dataplane {
         reads::traffic(&self.maps.backend_stats, id).map_err(map_err(names::BACKEND_STATS))
     }
 
+    /// TCP packets (not SYNs) whose flow was not in the flow table, summed
+    /// over CPUs: see `lb_common::FLOW_EVENT_REPICKED`.
+    pub fn flows_repicked(&self) -> Result<u64> {
+        reads::flow_event(&self.maps.flow_events, FLOW_EVENT_REPICKED)
+            .map_err(map_err(names::FLOW_EVENTS))
+    }
+
+    /// How many flows the flow table holds before it evicts the least
+    /// recently used.
+    pub fn flow_table_capacity(&self) -> u32 {
+        self.maps.flow_table_entries
+    }
+
     /// Every entry of the flow table.
     pub fn shared_flows(&self) -> Result<Vec<(FlowKey, Flow)>> {
         reads::entries(&self.maps.shared_flows).map_err(map_err(names::SHARED_FLOWS))
@@ -53,6 +66,9 @@ impl Dataplane {
         }
         for i in 0..REASON_COUNT {
             zero_stats(&mut self.maps.reason_stats, i).map_err(map_err(names::REASON_STATS))?;
+        }
+        for i in 0..FLOW_EVENT_COUNT {
+            zero_stats(&mut self.maps.flow_events, i).map_err(map_err(names::FLOW_EVENTS))?;
         }
         let services: BTreeSet<u32> = self.state.values().map(|p| p.info.id).collect();
         for id in services {

@@ -41,7 +41,7 @@ pub fn expected_layout(name: &str) -> Option<(usize, usize)> {
         names::PORT_FLAGS => (4, 1),
         names::CONFIG => (4, size_of::<Config>()),
         names::SERVICE_STATS | names::BACKEND_STATS => (4, size_of::<TrafficStats>()),
-        names::REASON_STATS => (4, 8),
+        names::REASON_STATS | names::FLOW_EVENTS => (4, 8),
         names::SOURCE_RANGES => (4 + size_of::<RangeKey>(), 1),
         _ => return None,
     })
@@ -207,6 +207,15 @@ impl PinnedMaps {
     pub fn reason_stats(&self) -> Result<ReasonsMap, OpenError> {
         self.typed(names::REASON_STATS)
     }
+
+    /// `FLOW_EVENTS`; `None` when pinned by a version without it.
+    pub fn flow_events(&self) -> Result<Option<ReasonsMap>, OpenError> {
+        match self.typed(names::FLOW_EVENTS) {
+            Ok(m) => Ok(Some(m)),
+            Err(OpenError::NotPinned(_)) => Ok(None),
+            Err(e) => Err(e),
+        }
+    }
 }
 
 fn io_error(path: &Path, e: io::Error) -> OpenError {
@@ -241,6 +250,11 @@ pub fn reason_counts(map: &ReasonsMap) -> Result<ReasonCounts, MapError> {
         }
     }
     Ok(out)
+}
+
+/// `FLOW_EVENTS[event]` summed over CPUs.
+pub fn flow_event(map: &ReasonsMap, event: u32) -> Result<u64, MapError> {
+    Ok(map.get(&event, 0)?.iter().sum())
 }
 
 /// A service's or backend's traffic, summed over CPUs.

@@ -70,6 +70,10 @@ pub struct StatsReport {
     pub cpus: Vec<usize>,
     pub reasons: Vec<ReasonRow>,
     pub total_packets: u64,
+    /// TCP packets (not SYNs) whose flow was not in the flow table (evicted
+    /// when it was full, or begun before this node saw it), re-picked by
+    /// Maglev; `None` when the pinned maps predate the counter.
+    pub flows_repicked: Option<u64>,
     pub cpu_shares: Vec<CpuShare>,
     /// The CPU that took most of the packets, when it took over 80% of them.
     pub skew: Option<Skew>,
@@ -112,6 +116,7 @@ pub fn report(
         cpus,
         reasons,
         total_packets: total,
+        flows_repicked: None,
         cpu_shares,
         warning: skew.as_ref().map(skew_warning),
         skew,
@@ -123,7 +128,14 @@ pub fn run(maps: &PinnedMaps) -> Result<StatsReport> {
         maps::reason_counts_per_cpu(&maps.reason_stats()?).context("reading REASON_STATS")?;
     let online = maps::online_cpus();
     let machine_cpus = online.as_ref().map_or(counts.len(), Vec::len);
-    Ok(report(&counts, online.as_deref(), machine_cpus))
+    let mut r = report(&counts, online.as_deref(), machine_cpus);
+    r.flows_repicked = match maps.flow_events()? {
+        Some(m) => Some(
+            maps::flow_event(&m, lb_common::FLOW_EVENT_REPICKED).context("reading FLOW_EVENTS")?,
+        ),
+        None => None,
+    };
+    Ok(r)
 }
 
 impl Render for StatsReport {
@@ -154,6 +166,11 @@ impl Render for StatsReport {
         }
         s.push_str(&t.render());
         s.push_str(&format!("total packets: {}\n", self.total_packets));
+        if let Some(n) = self.flows_repicked {
+            s.push_str(&format!(
+                "flows re-picked (TCP mid-connection, not in the flow table): {n}\n"
+            ));
+        }
         if let Some(w) = &self.warning {
             s.push_str(&format!("WARNING: {w}\n"));
         }
