@@ -444,7 +444,12 @@ fn map_sizes() {
     let text = edit(BASE, "snat_ipv4: 10.0.0.1", "flow_table_entries: 4096");
     assert_eq!(AgentConfig::parse(&text).unwrap().flow_table_entries, 4096);
     let text = edit(BASE, "snat_ipv4: 10.0.0.1", "flow_table_entries: 100");
-    rejects(&text, 2, "flow_table_entries", "100 is outside 1024..=67108864");
+    rejects(
+        &text,
+        2,
+        "flow_table_entries",
+        "100 is outside 1024..=67108864",
+    );
     let text = edit(BASE, "snat_ipv4: 10.0.0.1", "maglev_pool_entries: 1000");
     rejects(&text, 2, "maglev_pool_entries", "1000 is outside");
 }
