@@ -254,17 +254,25 @@ impl Agent {
                 _ = int.recv() => break,
             }
         }
-        if let Some(allocator) = self.allocator.take() {
-            // Free the Lease so another agent takes over at once.
-            allocator.stop().await;
-        }
-        if let (Some(task), Some(bgp)) = (&self.announce, &self.config.bgp) {
-            // Withdraw first, so the router stops sending before we stop
-            // managing the node; then give it the drain time to converge.
-            task.withdraw_all().await;
-            info!(drain = ?bgp.drain_time, "VIPs withdrawn; draining");
-            tokio::time::sleep(bgp.drain_time).await;
-        }
+        // Withdraw at once, so the router stops sending before we stop
+        // managing the node, and give it the drain time to converge. The
+        // Lease is freed (so another agent allocates at once) meanwhile: an
+        // allocator finishing its work must delay neither the withdrawal nor
+        // the exit.
+        let allocator = self.allocator.take();
+        let step_down = async {
+            if let Some(allocator) = allocator {
+                allocator.stop().await;
+            }
+        };
+        let withdraw_and_drain = async {
+            if let (Some(task), Some(bgp)) = (&self.announce, &self.config.bgp) {
+                task.withdraw_all().await;
+                info!(drain = ?bgp.drain_time, "VIPs withdrawn; draining");
+                tokio::time::sleep(bgp.drain_time).await;
+            }
+        };
+        tokio::join!(step_down, withdraw_and_drain);
         info!("exiting; the XDP program stays attached and keeps forwarding (lb-agent --cleanup detaches it)");
         Ok(())
     }

@@ -479,12 +479,18 @@ fn ecmp_over_three_nodes(driver: Driver) {
     );
     let st = lab.node(1).wait_agent_exit(Duration::from_secs(10));
     let exited_after = sent.elapsed();
+    eprintln!("SIGTERM: node 1's agent exited after {exited_after:?}");
     assert!(st.success(), "node 1's agent exited with {st}");
     let log = lab.nodes[0].agent_log();
     assert!(log.contains("VIPs withdrawn; draining"), "{log}");
     assert!(
         exited_after >= Duration::from_secs(1),
         "node 1's agent exited {exited_after:?} after SIGTERM, before its drain_time (1s)"
+    );
+    assert!(
+        exited_after < Duration::from_millis(1500),
+        "node 1's agent exited {exited_after:?} after SIGTERM: its drain_time (1s) is \
+         the only wait it should add"
     );
     assert_eq!(hops_of(&lab), vec![2, 3]);
     let before = counters(&lab, 1);
