@@ -30,9 +30,10 @@ use crate::{
     dataplane::{Dataplane, MapSizes, Protocol, ServiceSpec},
     health::{HealthChecker, HealthSnapshot},
     k8s::{desired::SourceOptions, watch::DesiredRx},
+    load::{controller::SCALE, LoadTarget, LoadTask, LoadWeights},
     metrics::{BackendSample, DataplaneSnapshot, Metrics, ServiceSample},
     netif::interface_address,
-    service::{DesiredService, RemovedBackendFlows},
+    service::{Balance, DesiredService, RemovedBackendFlows},
 };
 
 pub struct AgentOptions {
@@ -48,6 +49,10 @@ pub struct Agent {
     dp: Arc<Mutex<Dataplane>>,
     health: HealthChecker,
     health_rx: watch::Receiver<HealthSnapshot>,
+    /// Weights of the load-aware services, and the interval it runs at.
+    load: LoadTask,
+    load_rx: watch::Receiver<LoadWeights>,
+    load_interval: Duration,
     metrics: Arc<Metrics>,
     ready: Arc<AtomicBool>,
     /// Service names and health by key, read by the metrics snapshot.
@@ -145,6 +150,8 @@ impl Agent {
             tokio::spawn(crate::http::serve(listener, metrics.clone(), probe));
         }
         let (health, health_rx) = HealthChecker::new();
+        let load_interval = config.load_interval;
+        let (load, load_rx) = LoadTask::start(dp.clone(), health_rx.clone(), load_interval);
         let mut agent = Self {
             opts,
             config,
@@ -152,6 +159,9 @@ impl Agent {
             dp,
             health,
             health_rx,
+            load,
+            load_rx,
+            load_interval,
             metrics,
             ready,
             labels,
@@ -250,6 +260,13 @@ impl Agent {
                         }
                     }
                 }
+                changed = self.load_rx.changed() => {
+                    if changed.is_ok() {
+                        if let Err(e) = self.reconcile() {
+                            error!("applying load-aware weights: {e:#}");
+                        }
+                    }
+                }
                 _ = term.recv() => break,
                 _ = int.recv() => break,
             }
@@ -335,6 +352,11 @@ impl Agent {
         targets.sort_by_key(|t| t.0);
         targets.dedup_by_key(|t| t.0);
         self.health.set_targets(targets);
+        if self.config.load_interval != self.load_interval {
+            self.load_interval = self.config.load_interval;
+            (self.load, self.load_rx) =
+                LoadTask::start(self.dp.clone(), self.health_rx.clone(), self.load_interval);
+        }
         self.reconcile()
     }
 
@@ -349,16 +371,28 @@ impl Agent {
         let mut desired: BTreeMap<ServiceKey, (ServiceSpec, RemovedBackendFlows, String)> =
             BTreeMap::new();
         let services = self.all_services();
+        let load = self.load_rx.borrow().clone();
+        let mut load_targets = Vec::new();
         for svc in &services {
             let mut spec = self.config.service_spec(svc);
             let checked = svc.health_check.is_some();
             spec.backends
                 .retain(|b| !(checked && unhealthy.contains(&b.addr)));
+            if let Balance::LoadAware { agent_check } = &svc.balance {
+                load_targets.push(LoadTarget {
+                    key: spec.key(),
+                    name: svc.name.clone(),
+                    backends: spec.backends.iter().map(|b| (b.addr, b.weight)).collect(),
+                    agent_check: *agent_check,
+                });
+                apply_load(&mut spec, &load);
+            }
             desired.insert(
                 spec.key(),
                 (spec, svc.removed_backend_flows, svc.name.clone()),
             );
         }
+        self.load.set_targets(load_targets);
         let mut dp = self.dp.lock().expect("data plane lock");
         let current: BTreeMap<ServiceKey, ServiceSpec> =
             dp.services().map(|(k, s)| (*k, s.clone())).collect();
@@ -499,6 +533,25 @@ impl Agent {
             }
         }
         routes
+    }
+}
+
+/// A load-aware service's weights: the controller's where it decided,
+/// else the configured weights on its scale (a backend it has not seen yet
+/// starts at the ramp, as it would there). Backends that reported `down` are out.
+fn apply_load(spec: &mut ServiceSpec, load: &LoadWeights) {
+    let Some(l) = load.get(&spec.key()) else {
+        return;
+    };
+    let ramp = crate::load::controller::Params::default().ramp_start;
+    spec.backends
+        .retain(|b| !l.backends.get(&b.addr).is_some_and(|d| d.decision.down));
+    for b in &mut spec.backends {
+        b.weight = match l.backends.get(&b.addr) {
+            Some(d) => d.decision.weight,
+            None if b.weight == 0 => 0,
+            None => ((b.weight as f64 * SCALE * ramp).round() as u32).max(1),
+        };
     }
 }
 

@@ -67,6 +67,9 @@ pub struct Health {
     pub last_error: Option<String>,
     /// Checks completed so far.
     pub checks: u64,
+    /// How long the most recent check took (connect, or connect, request and
+    /// status line) if it succeeded: a load signal (`crate::load`).
+    pub latency: Option<Duration>,
 }
 
 impl Health {
@@ -76,6 +79,7 @@ impl Health {
             since: now,
             last_error: None,
             checks: 0,
+            latency: None,
         }
     }
 }
@@ -263,12 +267,14 @@ async fn run(
     ticker.set_missed_tick_behavior(MissedTickBehavior::Delay);
     loop {
         ticker.tick().await;
+        let started = Instant::now();
         let result = match tokio::time::timeout(timeout, probe(addr, &check.kind)).await {
             Ok(result) => result,
             Err(_) => Err(format!("timed out after {timeout:?}")),
         };
         let transition = tracker.record(result.is_ok());
         let now = Instant::now();
+        let latency = result.is_ok().then(|| now - started);
         let mut applied = false;
         tx.send_if_modified(|snapshot| {
             if !alive.load(Ordering::Acquire) || !snapshot.contains_key(&addr) {
@@ -280,6 +286,7 @@ async fn run(
             applied = true;
             health.checks += 1;
             health.last_error = result.as_ref().err().cloned();
+            health.latency = latency;
             if transition {
                 health.healthy = tracker.healthy;
                 health.since = now;

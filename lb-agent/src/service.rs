@@ -46,6 +46,32 @@ pub struct DesiredService {
     pub source_ranges: Option<Vec<IpNet>>,
     /// Session affinity by client address, and its (reported) timeout.
     pub affinity: Option<ClientAffinity>,
+    /// How new flows are shared among the backends.
+    pub balance: Balance,
+}
+
+/// `balance:` / the `xlb.dev/balance` annotation.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub enum Balance {
+    /// By the configured weights (Maglev), whatever the backends' load.
+    #[default]
+    Static,
+    /// The configured weights scaled by the backends' measured load
+    /// (`crate::load`): open flows, probe latency, reports.
+    LoadAware { agent_check: Option<AgentCheck> },
+}
+
+impl Balance {
+    pub fn is_load_aware(&self) -> bool {
+        matches!(self, Balance::LoadAware { .. })
+    }
+}
+
+/// HAProxy's agent check: a TCP port on the backend's address that answers
+/// one line such as `75%`, `drain`, `down` or `up` (`crate::load::agent`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct AgentCheck {
+    pub port: u16,
 }
 
 /// `affinity: client_ip` / `sessionAffinity: ClientIP`.

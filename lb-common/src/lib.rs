@@ -84,7 +84,8 @@ pub mod map_names {
     pub const REASON_STATS: &str = "REASON_STATS";
     pub const SOURCE_RANGES: &str = "SOURCE_RANGES";
     pub const FLOW_EVENTS: &str = "FLOW_EVENTS";
-    pub const ALL: [&str; 13] = [
+    pub const BACKEND_CLOSED: &str = "BACKEND_CLOSED";
+    pub const ALL: [&str; 14] = [
         SERVICES,
         BACKENDS,
         MAGLEV,
@@ -98,6 +99,7 @@ pub mod map_names {
         REASON_STATS,
         SOURCE_RANGES,
         FLOW_EVENTS,
+        BACKEND_CLOSED,
     ];
 }
 
@@ -213,12 +215,17 @@ pub struct Flow {
     pub snat_port: u16,
     pub backend_id: u32,
     pub service_id: u32,
-    pub _pad: u32,
+    /// `FLOW_F_*`.
+    pub flags: u32,
     /// `bpf_ktime_get_coarse_ns` of the flow's creation and of its latest
     /// packet (updated at most once a second).
     pub created_ns: u64,
     pub last_seen_ns: u64,
 }
+
+/// `Flow::flags`: the client sent a FIN or RST; counted once in
+/// `BACKEND_CLOSED`, so that opened minus closed is the backend's open flows.
+pub const FLOW_F_CLOSED: u32 = 1;
 
 /// Value of `BACKENDS`, indexed by backend id: the backend, written by the
 /// agent before any table names the id, and the FIB's answer for it, which

@@ -6,7 +6,7 @@ use aya_ebpf::{bindings::BPF_NOEXIST, helpers::bpf_ktime_get_coarse_ns};
 use lb_common::{
     hash::{flow_hash, maglev_hash, snat_port_candidate},
     Backend, Config, FibCache, Flow, FlowKey, Reason, ReplyNat, ServiceInfo, FLOW_EVENT_REPICKED,
-    PROTO_TCP, REPLY_F_CLOSING, SERVICE_F_SNAT, SNAT_PROBES,
+    FLOW_F_CLOSED, PROTO_TCP, REPLY_F_CLOSING, SERVICE_F_SNAT, SNAT_PROBES,
 };
 
 use crate::maps::{BACKENDS, CONFIG, MAGLEV, REPLY_NAT, SHARED_FLOWS};
@@ -171,6 +171,10 @@ pub fn lookup_or_create(svc: &ServiceInfo, closing: bool, syn: bool, s: &mut Scr
             if flow.service_id == svc.id && !(snat && idle > lifetime_ns(&cfg, s.key.proto, false))
             {
                 set_target(s, flow, 0);
+                if closing && flow.flags & FLOW_F_CLOSED == 0 {
+                    flow.flags |= FLOW_F_CLOSED;
+                    crate::stats::count_closed(flow.backend_id);
+                }
                 if idle > REFRESH_NS || closing {
                     flow.last_seen_ns = t;
                     set_reply_key(
@@ -238,7 +242,12 @@ fn create(svc: &ServiceInfo, closing: bool, s: &mut Scratch) -> u32 {
     s.flow.snat_port = snat_port;
     s.flow.backend_id = backend_id;
     s.flow.service_id = svc.id;
-    s.flow._pad = 0;
+    // A flow that begins with a FIN or RST is opened and closed at once.
+    s.flow.flags = 0;
+    if closing {
+        s.flow.flags = FLOW_F_CLOSED;
+        crate::stats::count_closed(backend_id);
+    }
     s.flow.created_ns = t;
     s.flow.last_seen_ns = t;
     // The caller inserts `s.flow` into SHARED_FLOWS once the packet has been

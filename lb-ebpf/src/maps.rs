@@ -77,6 +77,12 @@ pub static SERVICE_STATS: PerCpuArray<TrafficStats, { MAX_SERVICES as usize }> =
 #[btf_map]
 pub static BACKEND_STATS: PerCpuArray<TrafficStats, { MAX_BACKENDS as usize }> = PerCpuArray::new();
 
+/// Per CPU, per backend id: flows whose client sent a FIN or RST (each
+/// counted once, `FLOW_F_CLOSED`). With `BACKEND_STATS.new_flows`, the
+/// agent's count of a backend's open flows (load-aware balancing).
+#[btf_map]
+pub static BACKEND_CLOSED: PerCpuArray<u64, { MAX_BACKENDS as usize }> = PerCpuArray::new();
+
 /// Packets per `lb_common::Reason`.
 #[btf_map]
 pub static REASON_STATS: PerCpuArray<u64, { REASON_COUNT as usize }> = PerCpuArray::new();

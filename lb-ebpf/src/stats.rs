@@ -1,6 +1,6 @@
 //! Per-CPU counters: one reason per packet, traffic per service and backend.
 
-use crate::maps::{BACKEND_STATS, FLOW_EVENTS, REASON_STATS, SERVICE_STATS};
+use crate::maps::{BACKEND_CLOSED, BACKEND_STATS, FLOW_EVENTS, REASON_STATS, SERVICE_STATS};
 
 #[inline(always)]
 pub fn count_reason(reason: u32) {
@@ -39,5 +39,14 @@ pub fn count_traffic(service_id: u32, backend_id: u32, bytes: u64, new_flow: boo
             s.bytes += bytes;
             s.new_flows += new_flow as u64;
         }
+    }
+}
+
+/// Counts a flow of `backend_id` that the client closed.
+#[inline(always)]
+pub fn count_closed(backend_id: u32) {
+    if let Some(c) = BACKEND_CLOSED.get_ptr_mut(backend_id) {
+        // SAFETY: per-CPU slot.
+        unsafe { *c += 1 };
     }
 }

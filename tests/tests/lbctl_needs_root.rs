@@ -319,7 +319,7 @@ fn lbctl_reads_pinned_maps_needs_root() {
         snat_port: 0,
         backend_id: other_id,
         service_id: dp.service_id(&nat.key()).unwrap(),
-        _pad: 0,
+        flags: 0,
         created_ns: now.saturating_sub(5_000_000_000),
         last_seen_ns: now.saturating_sub(1_000_000_000),
     };

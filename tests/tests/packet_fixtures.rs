@@ -7,6 +7,7 @@
 use std::{
     collections::BTreeMap,
     net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr},
+    time::Duration,
 };
 
 use lb_agent::dataplane::{BackendSpec, Dataplane, MapSizes, Protocol, ServiceSpec};
@@ -1930,4 +1931,47 @@ fn a_full_flow_table_evicts_and_evicted_flows_keep_their_backend_needs_root() {
         "{counted} re-picks counted for {} evicted flows",
         first.len() - kept
     );
+}
+
+/// A TCP segment from the client with `flags`.
+fn c4_flags(sport: u16, flags: u8) -> Vec<u8> {
+    c4(Tcp::new(sport, 80).seq(2000).ack(5001).flags(flags))
+}
+
+/// The data plane counts a backend's open flows for load-aware balancing:
+/// each new flow once, each flow its client closes (FIN or RST) once,
+/// whichever CPU sees it and however often the FIN is retransmitted; the
+/// table walk finds the flows still open.
+#[test]
+fn open_flows_per_backend_are_counted_needs_root() {
+    let mut bed = two_cpu_bed("xlb-fix-open");
+    let (dp, cl0) = (&mut bed.dp, bed.cl0);
+    // VIP:80 has the one backend B2.
+    let b2 = dp
+        .backend_id(&base_services()[0].key(), sa(B2, 8080))
+        .unwrap();
+    for port in [45000, 45001, 45002] {
+        let (v, _) = run(dp, cl0, &c4(syn(port, 80)));
+        assert_eq!(v, XDP_REDIRECT);
+    }
+    assert_eq!(dp.backend_flows(b2).unwrap(), (3, 0));
+    pin_to_cpu(0);
+    let (v, _) = run(dp, cl0, &c4_flags(45000, tcp_flags::FIN | tcp_flags::ACK));
+    assert_eq!(v, XDP_REDIRECT);
+    // The FIN again, retransmitted on the other CPU, and the last ACK.
+    pin_to_cpu(1);
+    run(dp, cl0, &c4_flags(45000, tcp_flags::FIN | tcp_flags::ACK));
+    run(dp, cl0, &c4_flags(45000, tcp_flags::ACK));
+    assert_eq!(
+        dp.backend_flows(b2).unwrap(),
+        (3, 1),
+        "one FIN, counted once"
+    );
+    let open = dp.open_flows_by_backend(Duration::from_secs(60)).unwrap();
+    assert_eq!(open.get(&b2), Some(&2));
+    // A reset for a flow the table does not know opens and closes it at once.
+    run(dp, cl0, &c4_flags(47000, tcp_flags::RST));
+    assert_eq!(dp.backend_flows(b2).unwrap(), (4, 2));
+    let open = dp.open_flows_by_backend(Duration::from_secs(60)).unwrap();
+    assert_eq!(open.get(&b2), Some(&2));
 }

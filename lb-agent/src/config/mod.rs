@@ -16,8 +16,9 @@ use ipnet::IpNet;
 use crate::{
     dataplane::{BackendSpec, ServiceSpec},
     service::{
-        parse_source_range, ranges_for, CheckKind, ClientAffinity, DesiredBackend, DesiredService,
-        HealthCheck, Mode, RemovedBackendFlows, DEFAULT_AFFINITY_TIMEOUT, MAX_AFFINITY_TIMEOUT,
+        parse_source_range, ranges_for, AgentCheck, Balance, CheckKind, ClientAffinity,
+        DesiredBackend, DesiredService, HealthCheck, Mode, RemovedBackendFlows,
+        DEFAULT_AFFINITY_TIMEOUT, MAX_AFFINITY_TIMEOUT,
     },
 };
 
@@ -48,8 +49,16 @@ pub struct AgentConfig {
     pub bgp: Option<BgpConfig>,
     /// Services from a Kubernetes cluster, besides those in the file.
     pub kubernetes: Option<KubernetesConfig>,
+    /// How often the load-aware services' weights are recomputed
+    /// (`load_aware.interval`).
+    pub load_interval: Duration,
     pub services: Vec<DesiredService>,
 }
+
+/// `load_aware.interval` when not set: fast enough to follow a backend
+/// that slows within seconds, slow enough that the smoothing sees a few
+/// hundred flows per step at moderate rates.
+pub const DEFAULT_LOAD_INTERVAL: Duration = Duration::from_secs(1);
 
 /// The `kubernetes` section: where the cluster is and which Services are ours.
 #[derive(Clone, Debug, PartialEq, Eq)]

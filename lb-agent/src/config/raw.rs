@@ -17,6 +17,7 @@ pub(super) struct RawConfig {
     pub(super) flow_table_entries: Option<u32>,
     pub(super) bgp: Option<RawBgp>,
     pub(super) kubernetes: Option<RawKubernetes>,
+    pub(super) load_aware: Option<RawLoadAware>,
     #[serde(default)]
     pub(super) services: Vec<RawService>,
 }
@@ -138,6 +139,32 @@ pub(super) struct RawService {
     pub(super) source_ranges: Option<Vec<String>>,
     pub(super) affinity: Option<RawAffinity>,
     pub(super) affinity_timeout: Option<String>,
+    pub(super) balance: Option<RawBalance>,
+    pub(super) agent_check: Option<RawAgentCheck>,
+}
+
+#[derive(Deserialize)]
+#[serde(expecting = "static or load-aware")]
+pub(super) enum RawBalance {
+    #[serde(rename = "static")]
+    Static,
+    #[serde(rename = "load-aware")]
+    LoadAware,
+}
+
+#[derive(Deserialize)]
+#[serde(
+    deny_unknown_fields,
+    expecting = "an agent check (a mapping with port)"
+)]
+pub(super) struct RawAgentCheck {
+    pub(super) port: i64,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields, expecting = "a mapping with interval")]
+pub(super) struct RawLoadAware {
+    pub(super) interval: Option<String>,
 }
 
 #[derive(Deserialize)]

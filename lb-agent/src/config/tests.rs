@@ -112,6 +112,7 @@ fn full_example() {
         flow_table_entries: lb_common::SHARED_FLOWS_ENTRIES,
         bgp: None,
         kubernetes: None,
+        load_interval: DEFAULT_LOAD_INTERVAL,
         services: vec![
             DesiredService {
                 name: "web".into(),
@@ -142,6 +143,7 @@ fn full_example() {
                 removed_backend_flows: RemovedBackendFlows::Keep,
                 source_ranges: None,
                 affinity: None,
+                balance: Balance::Static,
             },
             DesiredService {
                 name: "dns6".into(),
@@ -169,6 +171,7 @@ fn full_example() {
                 removed_backend_flows: RemovedBackendFlows::Reset,
                 source_ranges: None,
                 affinity: None,
+                balance: Balance::Static,
             },
         ],
     };
@@ -723,6 +726,62 @@ fn source_ranges_and_affinity() {
     assert_eq!(
         t.services[0].affinity.unwrap().timeout,
         Duration::from_secs(600)
+    );
+}
+
+#[test]
+fn balance_and_agent_check() {
+    let with = |extra: &str| edit(BASE, "  - name: web\n", &format!("  - name: web\n{extra}"));
+    let ok = AgentConfig::parse(&with(
+        "    balance: load-aware\n    agent_check: {port: 9999}\n",
+    ))
+    .unwrap();
+    assert_eq!(
+        ok.services[0].balance,
+        Balance::LoadAware {
+            agent_check: Some(AgentCheck { port: 9999 })
+        }
+    );
+    assert_eq!(
+        ok.services[1].balance,
+        Balance::Static,
+        "static unless chosen"
+    );
+    assert_eq!(ok.load_interval, DEFAULT_LOAD_INTERVAL);
+    let ok = AgentConfig::parse(&edit(
+        &with("    balance: static\n"),
+        "snat_ipv4: 10.0.0.1\n",
+        "snat_ipv4: 10.0.0.1\nload_aware: {interval: 250ms}\n",
+    ))
+    .unwrap();
+    assert_eq!(ok.load_interval, Duration::from_millis(250));
+    rejects(
+        &with("    balance: least-conn\n"),
+        5,
+        "services[0].balance",
+        "`static` or `load-aware`",
+    );
+    rejects(
+        &with("    agent_check: {port: 9999}\n"),
+        5,
+        "services[0].agent_check",
+        "needs balance: load-aware",
+    );
+    rejects(
+        &with("    balance: load-aware\n    agent_check: {port: 0}\n"),
+        6,
+        "services[0].agent_check.port",
+        "",
+    );
+    rejects(
+        &edit(
+            BASE,
+            "snat_ipv4: 10.0.0.1\n",
+            "snat_ipv4: 10.0.0.1\nload_aware: {interval: 5ms}\n",
+        ),
+        3,
+        "load_aware.interval",
+        "outside 100ms..=60s",
     );
 }
 

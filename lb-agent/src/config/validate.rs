@@ -121,6 +121,17 @@ impl Validator<'_> {
             None => None,
             Some(k) => Some(self.kubernetes(k)?),
         };
+        let load_interval = match raw.load_aware.and_then(|l| l.interval) {
+            None => DEFAULT_LOAD_INTERVAL,
+            Some(t) => {
+                let at = || root().key("load_aware").key("interval");
+                let d = self.duration(&t, at)?;
+                if !(Duration::from_millis(100)..=Duration::from_secs(60)).contains(&d) {
+                    return Err(self.err(at(), format!("{t:?} is outside 100ms..=60s")));
+                }
+                d
+            }
+        };
         let services = self.services(raw.services, snat_ipv4, snat_ipv6)?;
         Ok(AgentConfig {
             interfaces,
@@ -136,6 +147,7 @@ impl Validator<'_> {
             flow_table_entries,
             bgp,
             kubernetes,
+            load_interval,
             services,
         })
     }
@@ -584,6 +596,7 @@ impl Validator<'_> {
         };
         let source_ranges = self.source_ranges(rs.source_ranges, vip, path)?;
         let affinity = self.affinity(rs.affinity, rs.affinity_timeout, path)?;
+        let balance = self.balance(rs.balance, rs.agent_check, path)?;
         Ok(DesiredService {
             name,
             vip,
@@ -596,6 +609,34 @@ impl Validator<'_> {
             removed_backend_flows,
             source_ranges,
             affinity,
+            balance,
+        })
+    }
+
+    /// `balance` and `agent_check`.
+    fn balance(
+        &self,
+        balance: Option<RawBalance>,
+        agent_check: Option<RawAgentCheck>,
+        path: &FieldPath,
+    ) -> Checked<Balance> {
+        let agent_check = match agent_check {
+            None => None,
+            Some(a) => Some(AgentCheck {
+                port: self.port(a.port, || path.key("agent_check").key("port"))?,
+            }),
+        };
+        Ok(match balance {
+            Some(RawBalance::LoadAware) => Balance::LoadAware { agent_check },
+            None | Some(RawBalance::Static) => {
+                if agent_check.is_some() {
+                    return Err(self.err(
+                        path.key("agent_check"),
+                        "agent_check needs balance: load-aware (static weights ignore it)",
+                    ));
+                }
+                Balance::Static
+            }
         })
     }
 

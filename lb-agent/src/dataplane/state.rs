@@ -22,6 +22,32 @@ impl Dataplane {
         reads::traffic(&self.maps.backend_stats, id).map_err(map_err(names::BACKEND_STATS))
     }
 
+    /// Flows of a backend id opened and closed so far (by its client's FIN
+    /// or RST), summed over CPUs; opened minus closed is its open flows,
+    /// less those that vanished without a FIN (`open_flows_by_backend`).
+    pub fn backend_flows(&self, id: u32) -> Result<(u64, u64)> {
+        let opened = self.backend_stats(id)?.new_flows;
+        let closed = reads::flow_event(&self.maps.backend_closed, id)
+            .map_err(map_err(names::BACKEND_CLOSED))?;
+        Ok((opened, closed))
+    }
+
+    /// The flow table's open flows per backend id: not closed, and seen
+    /// within `active`. Walks the whole table (a syscall per entry), so the
+    /// load controller calls it seldom and counts between walks.
+    pub fn open_flows_by_backend(&self, active: Duration) -> Result<BTreeMap<u32, u64>> {
+        let now = reads::coarse_now_ns();
+        let mut out = BTreeMap::new();
+        for item in self.maps.shared_flows.iter() {
+            let (_, f) = item.map_err(map_err(names::SHARED_FLOWS))?;
+            let fresh = now.saturating_sub(f.last_seen_ns) <= active.as_nanos() as u64;
+            if f.flags & FLOW_F_CLOSED == 0 && fresh {
+                *out.entry(f.backend_id).or_default() += 1;
+            }
+        }
+        Ok(out)
+    }
+
     /// TCP packets (not SYNs) whose flow was not in the flow table, summed
     /// over CPUs: see `lb_common::FLOW_EVENT_REPICKED`.
     pub fn flows_repicked(&self) -> Result<u64> {
@@ -81,6 +107,8 @@ impl Dataplane {
             .collect();
         for id in backends {
             zero_stats(&mut self.maps.backend_stats, id).map_err(map_err(names::BACKEND_STATS))?;
+            zero_stats(&mut self.maps.backend_closed, id)
+                .map_err(map_err(names::BACKEND_CLOSED))?;
         }
         Ok(())
     }

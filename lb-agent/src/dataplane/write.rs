@@ -135,6 +135,7 @@ impl Maps {
         }
         for &id in fresh {
             zero_stats(&mut self.backend_stats, id).map_err(map_err(names::BACKEND_STATS))?;
+            zero_stats(&mut self.backend_closed, id).map_err(map_err(names::BACKEND_CLOSED))?;
         }
         if p.new_service {
             zero_stats(&mut self.service_stats, p.service_id)

@@ -33,12 +33,15 @@ use k8s_openapi::api::{
     discovery::v1::EndpointSlice,
 };
 
-use super::{serves, EXCLUDE_LABEL, MODE_ANNOTATION, SERVICE_NAME_LABEL};
+use super::{
+    serves, AGENT_CHECK_PORT_ANNOTATION, BALANCE_ANNOTATION, EXCLUDE_LABEL, MODE_ANNOTATION,
+    SERVICE_NAME_LABEL,
+};
 use crate::{
     dataplane::Protocol,
     service::{
-        parse_source_range, ranges_for, ClientAffinity, DesiredBackend, DesiredService, Mode,
-        RemovedBackendFlows, DEFAULT_AFFINITY_TIMEOUT, MAX_AFFINITY_TIMEOUT,
+        parse_source_range, ranges_for, AgentCheck, Balance, ClientAffinity, DesiredBackend,
+        DesiredService, Mode, RemovedBackendFlows, DEFAULT_AFFINITY_TIMEOUT, MAX_AFFINITY_TIMEOUT,
     },
 };
 
@@ -228,6 +231,7 @@ fn service_configs(
     };
     let source_ranges = source_ranges(svc)?;
     let affinity = affinity(svc)?;
+    let balance = balance(svc)?;
     let mut notes = Vec::new();
     let mut vips = Vec::new();
     for ing in super::ingress(svc) {
@@ -275,6 +279,7 @@ fn service_configs(
                 removed_backend_flows: RemovedBackendFlows::Keep,
                 source_ranges: source_ranges.as_ref().map(|r| ranges_for(vip, r)),
                 affinity,
+                balance: balance.clone(),
             });
         }
     }
@@ -342,6 +347,38 @@ fn source_ranges(svc: &Service) -> Result<Option<Vec<IpNet>>, String> {
 
 /// `sessionAffinity: ClientIP` and its timeout (validated as the API server
 /// does, for objects that reached us some other way).
+/// The `xlb.dev/balance` and `xlb.dev/agent-check-port` annotations.
+fn balance(svc: &Service) -> Result<Balance, String> {
+    let get = |k: &str| {
+        svc.metadata
+            .annotations
+            .as_ref()
+            .and_then(|a| a.get(k))
+            .map(|v| v.trim())
+    };
+    let agent_check = match get(AGENT_CHECK_PORT_ANNOTATION) {
+        None => None,
+        Some(p) => match p.parse::<u16>() {
+            Ok(port) if port > 0 => Some(AgentCheck { port }),
+            _ => {
+                return Err(format!(
+                    "annotation {AGENT_CHECK_PORT_ANNOTATION}: {p:?} is not a port (1-65535)"
+                ))
+            }
+        },
+    };
+    match get(BALANCE_ANNOTATION) {
+        Some("load-aware") => Ok(Balance::LoadAware { agent_check }),
+        None | Some("static") if agent_check.is_some() => Err(format!(
+            "annotation {AGENT_CHECK_PORT_ANNOTATION} needs {BALANCE_ANNOTATION}: load-aware"
+        )),
+        None | Some("static") => Ok(Balance::Static),
+        Some(other) => Err(format!(
+            "annotation {BALANCE_ANNOTATION}: {other:?} is neither static nor load-aware"
+        )),
+    }
+}
+
 fn affinity(svc: &Service) -> Result<Option<ClientAffinity>, String> {
     let Some(spec) = svc.spec.as_ref() else {
         return Ok(None);

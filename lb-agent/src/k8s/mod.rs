@@ -28,6 +28,10 @@ pub const IP_ANNOTATION: &str = "xlb.dev/ip";
 pub const SHARED_IP_ANNOTATION: &str = "xlb.dev/allow-shared-ip";
 /// Annotation choosing `nat` or `snat` forwarding for one Service.
 pub const MODE_ANNOTATION: &str = "xlb.dev/mode";
+/// Annotation choosing `static` or `load-aware` balancing for one Service.
+pub const BALANCE_ANNOTATION: &str = "xlb.dev/balance";
+/// Annotation naming the port of the endpoints' agent check (load-aware).
+pub const AGENT_CHECK_PORT_ANNOTATION: &str = "xlb.dev/agent-check-port";
 /// The Service status condition the allocator maintains.
 pub const ALLOCATED_CONDITION: &str = "xlb.dev/AddressAllocated";
 /// Node label that keeps a node out of load balancing (Kubernetes' own).

@@ -41,7 +41,7 @@ pub fn expected_layout(name: &str) -> Option<(usize, usize)> {
         names::PORT_FLAGS => (4, 1),
         names::CONFIG => (4, size_of::<Config>()),
         names::SERVICE_STATS | names::BACKEND_STATS => (4, size_of::<TrafficStats>()),
-        names::REASON_STATS | names::FLOW_EVENTS => (4, 8),
+        names::REASON_STATS | names::FLOW_EVENTS | names::BACKEND_CLOSED => (4, 8),
         names::SOURCE_RANGES => (4 + size_of::<RangeKey>(), 1),
         _ => return None,
     })

@@ -1,0 +1,441 @@
+//! The rule that turns load signals into weights, for one service. Pure:
+//! signals in, weights out, state carried between steps. docs/load-aware.md
+//! states the rule and why each default is what it is.
+
+use std::{collections::BTreeMap, net::SocketAddr, time::Duration};
+
+/// What a backend said through its agent check (HAProxy's convention).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Report {
+    /// `75%`: the configured weight scaled by this much (0 counts as drain).
+    Percent(u32),
+    /// `drain`: no new flows; established ones stay.
+    Drain,
+    /// `down` (also `fail`, `stopped`, `maint`): out, as a failed health check.
+    Down,
+}
+
+/// One backend's signals at one step; `None`: not known (not configured,
+/// or not measured yet).
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct Signals {
+    /// The configured weight; 0 stays 0.
+    pub weight: u32,
+    /// Open flows (the data plane's count).
+    pub open_flows: Option<f64>,
+    /// The health check's latency.
+    pub latency: Option<Duration>,
+    /// The agent check's latest answer.
+    pub report: Option<Report>,
+    /// CPU use of the backend's cgroup against its limit (1.0: all of it).
+    pub cpu: Option<f64>,
+}
+
+/// The weight decided for one backend, and why.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Decision {
+    /// What the data plane gets; 0: no new flows (drain).
+    pub weight: u32,
+    /// Out of the service (the backend reported `down`).
+    pub down: bool,
+    /// The load factor (floor..=1) before any report's percentage.
+    pub factor: f64,
+    /// How loaded it looked against the others (1: as loaded as the mean).
+    pub pressure: f64,
+}
+
+/// The rule's constants.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Params {
+    /// The smallest factor: a slow backend keeps a trickle of new flows, so
+    /// the open-flow signal can show that it recovered.
+    pub floor: f64,
+    /// How strongly one step follows the pressure: factor × pressure^-gain.
+    pub gain: f64,
+    /// The most a factor changes in one step (× or ÷).
+    pub max_step: f64,
+    /// Pressure up to 1 + this does not lower a factor (no chasing noise);
+    /// any pressure under 1 raises it, so that equal load ends at the
+    /// configured weights.
+    pub deadband: f64,
+    /// Weight of the newest sample in the smoothed signals.
+    pub smoothing: f64,
+    /// Below this many open flows per backend (mean), the flow signal is
+    /// noise and not used.
+    pub min_flows: f64,
+    /// Added to every latency before comparing: sub-millisecond jitter of
+    /// idle backends is not load.
+    pub latency_slack: Duration,
+    /// A backend that joins a service with others starts at this factor.
+    pub ramp_start: f64,
+}
+
+impl Default for Params {
+    fn default() -> Self {
+        Params {
+            floor: 0.05,
+            gain: 0.5,
+            max_step: 1.5,
+            deadband: 0.1,
+            smoothing: 0.5,
+            min_flows: 1.0,
+            latency_slack: Duration::from_millis(2),
+            ramp_start: 0.25,
+        }
+    }
+}
+
+/// The weights are the configured ones times the factor on this scale, so
+/// that a factor of 0.05 is still a whole number.
+pub const SCALE: f64 = 100.0;
+
+#[derive(Clone, Copy, Debug)]
+struct State {
+    factor: f64,
+    /// Added at this step: its signals say nothing yet (no flows is not
+    /// the same as little load).
+    fresh: bool,
+    flows: Option<f64>,
+    latency: Option<f64>,
+}
+
+/// One service's controller.
+#[derive(Clone, Debug, Default)]
+pub struct Controller {
+    params: Params,
+    state: BTreeMap<SocketAddr, State>,
+    /// Every backend with a weight reported drain or down at the last step.
+    pub all_draining: bool,
+}
+
+fn smooth(prev: Option<f64>, now: Option<f64>, alpha: f64) -> Option<f64> {
+    match (prev, now) {
+        (Some(p), Some(n)) => Some(alpha * n + (1.0 - alpha) * p),
+        (_, n) => n,
+    }
+}
+
+/// Each value against the mean of them all; `None` where not comparable
+/// (unknown, or fewer than two known).
+fn ratios(values: &[Option<f64>]) -> Vec<Option<f64>> {
+    let known: Vec<f64> = values.iter().flatten().copied().collect();
+    let mean = known.iter().sum::<f64>() / known.len().max(1) as f64;
+    values
+        .iter()
+        .map(|v| match v {
+            Some(v) if known.len() >= 2 && mean > 0.0 => Some(v / mean),
+            _ => None,
+        })
+        .collect()
+}
+
+impl Controller {
+    pub fn new(params: Params) -> Controller {
+        Controller {
+            params,
+            ..Default::default()
+        }
+    }
+
+    /// One step: new weights from the signals. Backends missing from
+    /// `signals` are forgotten; new ones ramp up from `ramp_start`.
+    pub fn step(
+        &mut self,
+        signals: &BTreeMap<SocketAddr, Signals>,
+    ) -> BTreeMap<SocketAddr, Decision> {
+        let p = self.params;
+        self.state.retain(|a, _| signals.contains_key(a));
+        let had_others = !self.state.is_empty();
+        for (addr, s) in signals {
+            let st = self.state.entry(*addr).or_insert(State {
+                factor: if had_others { p.ramp_start } else { 1.0 },
+                fresh: true,
+                flows: None,
+                latency: None,
+            });
+            st.flows = smooth(st.flows, s.open_flows, p.smoothing);
+            st.latency = smooth(
+                st.latency,
+                s.latency.map(|l| (l + p.latency_slack).as_secs_f64()),
+                p.smoothing,
+            );
+        }
+        // Who takes part in the comparison: configured in, not reported out.
+        let active: Vec<SocketAddr> = signals
+            .iter()
+            .filter(|(_, s)| s.weight > 0 && !matches!(s.report, Some(Report::Down)))
+            .map(|(a, _)| *a)
+            .collect();
+        let pressure = self.pressures(&active, signals);
+        for (addr, pr) in active.iter().zip(&pressure) {
+            let st = self.state.get_mut(addr).expect("state for every signal");
+            if st.fresh {
+                st.fresh = false;
+            } else if *pr > 1.0 + p.deadband || *pr < 1.0 {
+                let next = st.factor * pr.powf(-p.gain);
+                st.factor = next
+                    .clamp(st.factor / p.max_step, st.factor * p.max_step)
+                    .min(1.0);
+            }
+        }
+        // Only the ratios matter: when every factor fell, the least loaded
+        // backend gets its full weight back.
+        let top = active
+            .iter()
+            .map(|a| self.state[a].factor)
+            .fold(0.0, f64::max);
+        for a in &active {
+            let st = self.state.get_mut(a).expect("state for every signal");
+            if top > 0.0 {
+                st.factor /= top;
+            }
+            st.factor = st.factor.clamp(p.floor, 1.0);
+        }
+        self.decide(signals, &active, &pressure)
+    }
+
+    /// Each active backend's pressure: the worst of its signals against the
+    /// service's mean.
+    fn pressures(
+        &self,
+        active: &[SocketAddr],
+        signals: &BTreeMap<SocketAddr, Signals>,
+    ) -> Vec<f64> {
+        let st = |a: &SocketAddr| self.state[a];
+        let flows: Vec<Option<f64>> = active
+            .iter()
+            .map(|a| st(a).flows.map(|f| (f + 1.0) / signals[a].weight as f64))
+            .collect();
+        let mean_flows =
+            active.iter().filter_map(|a| st(a).flows).sum::<f64>() / active.len().max(1) as f64;
+        let flows = if mean_flows >= self.params.min_flows {
+            ratios(&flows)
+        } else {
+            vec![None; active.len()]
+        };
+        let latency = ratios(&active.iter().map(|a| st(a).latency).collect::<Vec<_>>());
+        let cpu = ratios(&active.iter().map(|a| signals[a].cpu).collect::<Vec<_>>());
+        (0..active.len())
+            .map(|i| {
+                [flows[i], latency[i], cpu[i]]
+                    .into_iter()
+                    .flatten()
+                    .reduce(f64::max)
+                    .unwrap_or(1.0)
+            })
+            .collect()
+    }
+
+    /// The weights: configured × factor, then the agent check's say. When
+    /// every backend reports drain (or 0 %), the reports are set aside and
+    /// `all_draining` says so: new flows keep a home, as Kubernetes keeps
+    /// using terminating endpoints when no other is left.
+    fn decide(
+        &mut self,
+        signals: &BTreeMap<SocketAddr, Signals>,
+        active: &[SocketAddr],
+        pressure: &[f64],
+    ) -> BTreeMap<SocketAddr, Decision> {
+        let drains = |s: &Signals| matches!(s.report, Some(Report::Drain | Report::Percent(0)));
+        let weighted: Vec<&Signals> = signals.values().filter(|s| s.weight > 0).collect();
+        self.all_draining = !weighted.is_empty()
+            && weighted
+                .iter()
+                .all(|s| drains(s) || matches!(s.report, Some(Report::Down)));
+        let mut out = BTreeMap::new();
+        for (addr, s) in signals {
+            let factor = self.state[addr].factor;
+            let pressure = active
+                .iter()
+                .position(|a| a == addr)
+                .map_or(1.0, |i| pressure[i]);
+            let scaled = |f: f64| ((s.weight as f64 * f * SCALE).round() as u32).max(1);
+            let (weight, down) = match s.report {
+                _ if s.weight == 0 => (0, false),
+                _ if self.all_draining => (scaled(factor), false),
+                Some(Report::Down) => (0, true),
+                Some(Report::Drain | Report::Percent(0)) => (0, false),
+                Some(Report::Percent(pct)) => (scaled(factor * pct as f64 / 100.0), false),
+                None => (scaled(factor), false),
+            };
+            out.insert(
+                *addr,
+                Decision {
+                    weight,
+                    down,
+                    factor,
+                    pressure,
+                },
+            );
+        }
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn addr(n: u8) -> SocketAddr {
+        SocketAddr::from(([10, 0, 0, n], 80))
+    }
+
+    fn signals(flows: &[f64]) -> BTreeMap<SocketAddr, Signals> {
+        flows
+            .iter()
+            .enumerate()
+            .map(|(i, f)| {
+                (
+                    addr(i as u8 + 1),
+                    Signals {
+                        weight: 1,
+                        open_flows: Some(*f),
+                        ..Default::default()
+                    },
+                )
+            })
+            .collect()
+    }
+
+    fn weights(d: &BTreeMap<SocketAddr, Decision>) -> Vec<u32> {
+        d.values().map(|d| d.weight).collect()
+    }
+
+    /// A simulated service: open flows follow Little's law, flows = arrival
+    /// share × time in service, and backend `slow` takes `slowdown` times as
+    /// long. Returns the shares after `steps`.
+    fn simulate(c: &mut Controller, times: &[f64], steps: usize) -> Vec<f64> {
+        let mut w: Vec<f64> = vec![1.0; times.len()];
+        for _ in 0..steps {
+            let total: f64 = w.iter().sum();
+            let flows: Vec<f64> = w
+                .iter()
+                .zip(times)
+                .map(|(w, t)| 300.0 * w / total * t)
+                .collect();
+            let d = c.step(&signals(&flows));
+            w = d.values().map(|d| d.weight as f64).collect();
+        }
+        let total: f64 = w.iter().sum();
+        w.iter().map(|w| w / total).collect()
+    }
+
+    #[test]
+    fn equal_load_keeps_the_configured_weights() {
+        let mut c = Controller::new(Params::default());
+        for _ in 0..20 {
+            let d = c.step(&signals(&[30.0, 31.0, 29.0]));
+            assert_eq!(weights(&d), vec![100, 100, 100]);
+        }
+    }
+
+    #[test]
+    fn a_slow_backend_loses_share_and_gets_it_back() {
+        let mut c = Controller::new(Params::default());
+        // Backend 1 takes 4× as long per flow: least-connections' balance
+        // point is share ∝ 1/time, i.e. 1/9 for it, 4/9 for the others.
+        let shares = simulate(&mut c, &[0.4, 0.1, 0.1], 30);
+        assert!(shares[0] < 0.16, "slow backend kept {shares:?}");
+        assert!(shares[0] > 0.03, "slow backend starved: {shares:?}");
+        // It recovers: back to an equal share.
+        let shares = simulate(&mut c, &[0.1, 0.1, 0.1], 30);
+        for s in &shares {
+            assert!(
+                (s - 1.0 / 3.0).abs() < 0.03,
+                "not back to equal: {shares:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn one_step_changes_a_weight_by_at_most_max_step() {
+        let mut c = Controller::new(Params::default());
+        c.step(&signals(&[10.0, 10.0, 10.0, 10.0]));
+        let d = c.step(&signals(&[100_000.0, 10.0, 10.0, 10.0]));
+        assert_eq!(weights(&d), vec![67, 100, 100, 100], "÷1.5 at most");
+    }
+
+    #[test]
+    fn the_floor_holds_however_loaded() {
+        let mut c = Controller::new(Params::default());
+        let mut d = BTreeMap::new();
+        for _ in 0..50 {
+            d = c.step(&signals(&[10_000.0, 1.0]));
+        }
+        assert_eq!(weights(&d), vec![5, 100]);
+    }
+
+    #[test]
+    fn a_new_backend_ramps_up_instead_of_flooding() {
+        let mut c = Controller::new(Params::default());
+        c.step(&signals(&[40.0, 40.0]));
+        let mut seen = Vec::new();
+        for _ in 0..6 {
+            let d = c.step(&signals(&[40.0, 40.0, 0.0]));
+            seen.push(d[&addr(3)].weight);
+        }
+        assert!(seen[0] <= 40, "starts low: {seen:?}");
+        assert!(seen.windows(2).all(|w| w[1] >= w[0]), "{seen:?}");
+        assert!(*seen.last().unwrap() >= 80, "{seen:?}");
+    }
+
+    #[test]
+    fn few_flows_are_noise() {
+        let mut c = Controller::new(Params::default());
+        for _ in 0..10 {
+            let d = c.step(&signals(&[1.0, 0.0, 0.0]));
+            assert_eq!(weights(&d), vec![100, 100, 100]);
+        }
+    }
+
+    #[test]
+    fn a_slow_probe_counts_as_pressure() {
+        let mut c = Controller::new(Params::default());
+        let mut s = signals(&[0.0, 0.0]);
+        s.get_mut(&addr(1)).unwrap().latency = Some(Duration::from_millis(50));
+        s.get_mut(&addr(2)).unwrap().latency = Some(Duration::from_millis(1));
+        let mut d = BTreeMap::new();
+        for _ in 0..5 {
+            d = c.step(&s);
+        }
+        assert!(d[&addr(1)].weight < 50, "{d:?}");
+        assert_eq!(d[&addr(2)].weight, 100);
+    }
+
+    #[test]
+    fn reports_scale_drain_and_take_out() {
+        let mut c = Controller::new(Params::default());
+        let mut s = signals(&[5.0, 5.0, 5.0, 5.0]);
+        s.get_mut(&addr(1)).unwrap().report = Some(Report::Percent(50));
+        s.get_mut(&addr(2)).unwrap().report = Some(Report::Drain);
+        s.get_mut(&addr(3)).unwrap().report = Some(Report::Down);
+        let d = c.step(&s);
+        assert_eq!(weights(&d), vec![50, 0, 0, 100]);
+        assert!(d[&addr(3)].down && !d[&addr(2)].down);
+        assert!(!c.all_draining);
+    }
+
+    #[test]
+    fn every_backend_draining_sets_the_reports_aside() {
+        let mut c = Controller::new(Params::default());
+        let mut s = signals(&[5.0, 5.0]);
+        s.get_mut(&addr(1)).unwrap().report = Some(Report::Drain);
+        s.get_mut(&addr(2)).unwrap().report = Some(Report::Percent(0));
+        let d = c.step(&s);
+        assert_eq!(weights(&d), vec![100, 100]);
+        assert!(c.all_draining);
+    }
+
+    #[test]
+    fn configured_weights_scale_and_zero_stays_zero() {
+        let mut c = Controller::new(Params::default());
+        let mut s = signals(&[5.0, 5.0, 5.0]);
+        s.get_mut(&addr(1)).unwrap().weight = 3;
+        s.get_mut(&addr(3)).unwrap().weight = 0;
+        // Backend 1 has three times the weight and three times the flows:
+        // equally loaded per unit of weight.
+        s.get_mut(&addr(1)).unwrap().open_flows = Some(15.0);
+        let d = c.step(&s);
+        assert_eq!(weights(&d), vec![300, 100, 0]);
+    }
+}

@@ -1,0 +1,332 @@
+//! Load-aware balancing: weights that follow the backends' load.
+//!
+//! [`LoadTask`] runs every `load_aware.interval` for the services with
+//! `balance: load-aware`. It gathers each backend's signals:
+//!
+//! 1. open flows, from the data plane's counters (flows opened minus flows
+//!    whose client sent FIN or RST), corrected by a walk of the flow table
+//!    every [`WALK_EVERY`] steps for flows that vanished without a FIN;
+//! 2. the health check's latency, when the service has a check;
+//! 3. the backend's own report through HAProxy's agent check
+//!    ([`agent_check`]), when configured;
+//!
+//! and hands them to one [`controller::Controller`] per service, whose rule
+//! docs/load-aware.md describes. The weights it publishes are applied by the
+//! agent's reconcile like any other change: the Maglev table is replaced
+//! atomically and established flows keep their backend (the flow table).
+
+pub mod agent_check;
+pub mod controller;
+
+use std::{
+    collections::{BTreeMap, BTreeSet},
+    net::SocketAddr,
+    sync::{Arc, Mutex},
+    time::Duration,
+};
+
+use lb_common::ServiceKey;
+use tokio::{sync::watch, task::JoinHandle, time::MissedTickBehavior};
+use tracing::{info, warn};
+
+use self::controller::{Controller, Decision, Params, Report, Signals};
+use crate::{dataplane::Dataplane, health::HealthSnapshot, service::AgentCheck};
+
+/// The flow table is walked every this many steps (a syscall per flow).
+pub const WALK_EVERY: u64 = 10;
+/// Flows not seen for this long are not counted as open by the walk.
+const ACTIVE: Duration = Duration::from_secs(30);
+
+/// A load-aware service, as the agent's reconcile sees it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LoadTarget {
+    pub key: ServiceKey,
+    pub name: String,
+    /// Backends in the service (health checks passed) and their configured weights.
+    pub backends: Vec<(SocketAddr, u32)>,
+    pub agent_check: Option<AgentCheck>,
+}
+
+/// What the controller decided for one backend, and the signals behind it.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct BackendLoad {
+    pub decision: Decision,
+    pub signals: Signals,
+}
+
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct ServiceLoad {
+    pub name: String,
+    pub backends: BTreeMap<SocketAddr, BackendLoad>,
+    /// Every backend reported drain: the reports are set aside.
+    pub all_draining: bool,
+}
+
+/// The latest decisions, by service.
+pub type LoadWeights = Arc<BTreeMap<ServiceKey, ServiceLoad>>;
+
+/// Runs the controllers; dropping it stops them.
+pub struct LoadTask {
+    targets: watch::Sender<Vec<LoadTarget>>,
+    handle: JoinHandle<()>,
+}
+
+impl Drop for LoadTask {
+    fn drop(&mut self) {
+        self.handle.abort();
+    }
+}
+
+impl LoadTask {
+    /// Starts the task; the receiver wakes when a weight changes.
+    pub fn start(
+        dp: Arc<Mutex<Dataplane>>,
+        health: watch::Receiver<HealthSnapshot>,
+        interval: Duration,
+    ) -> (LoadTask, watch::Receiver<LoadWeights>) {
+        let (targets, targets_rx) = watch::channel(Vec::new());
+        let (tx, rx) = watch::channel(LoadWeights::default());
+        let mut run = Run {
+            dp,
+            health,
+            interval,
+            targets: targets_rx,
+            tx,
+            controllers: BTreeMap::new(),
+            flows: BTreeMap::new(),
+            agents: BTreeMap::new(),
+            steps: 0,
+        };
+        let handle = tokio::spawn(async move { run.run().await });
+        (LoadTask { targets, handle }, rx)
+    }
+
+    /// The load-aware services now (sent on when they changed).
+    pub fn set_targets(&self, mut targets: Vec<LoadTarget>) {
+        targets.sort_by_key(|t| t.key);
+        self.targets.send_if_modified(|cur| {
+            let changed = *cur != targets;
+            if changed {
+                *cur = targets;
+            }
+            changed
+        });
+    }
+}
+
+/// The data plane's counters for one backend at the last walk.
+#[derive(Clone, Copy, Debug)]
+struct FlowCount {
+    id: u32,
+    /// Open flows the walk found.
+    base: u64,
+    opened: u64,
+    closed: u64,
+}
+
+/// One backend's agent check: the latest answer, and the last error logged.
+#[derive(Default)]
+struct AgentState {
+    report: Option<Report>,
+    error: Option<String>,
+}
+
+struct Run {
+    dp: Arc<Mutex<Dataplane>>,
+    health: watch::Receiver<HealthSnapshot>,
+    interval: Duration,
+    targets: watch::Receiver<Vec<LoadTarget>>,
+    tx: watch::Sender<LoadWeights>,
+    controllers: BTreeMap<ServiceKey, Controller>,
+    flows: BTreeMap<(ServiceKey, SocketAddr), FlowCount>,
+    agents: BTreeMap<SocketAddr, AgentState>,
+    steps: u64,
+}
+
+impl Run {
+    async fn run(&mut self) {
+        let mut ticker = tokio::time::interval(self.interval);
+        ticker.set_missed_tick_behavior(MissedTickBehavior::Delay);
+        loop {
+            ticker.tick().await;
+            let targets = self.targets.borrow().clone();
+            self.controllers
+                .retain(|k, _| targets.iter().any(|t| t.key == *k));
+            self.flows.retain(|(k, a), _| {
+                targets
+                    .iter()
+                    .any(|t| t.key == *k && t.backends.iter().any(|b| b.0 == *a))
+            });
+            let open = self.open_flows(&targets);
+            let reports = self.agent_reports(&targets).await;
+            let health = self.health.borrow().clone();
+            let mut all = BTreeMap::new();
+            for t in &targets {
+                let signals: BTreeMap<SocketAddr, Signals> = t
+                    .backends
+                    .iter()
+                    .map(|&(addr, weight)| {
+                        let s = Signals {
+                            weight,
+                            open_flows: open.get(&(t.key, addr)).map(|&n| n as f64),
+                            latency: health.get(&addr).and_then(|h| h.latency),
+                            report: reports.get(&(t.key, addr)).copied(),
+                            cpu: None,
+                        };
+                        (addr, s)
+                    })
+                    .collect();
+                let c = self
+                    .controllers
+                    .entry(t.key)
+                    .or_insert_with(|| Controller::new(Params::default()));
+                let was_draining = c.all_draining;
+                let decisions = c.step(&signals);
+                if c.all_draining && !was_draining {
+                    warn!(service = %t.name, "every backend reports drain: the reports are set aside so that new flows still have a backend");
+                }
+                let backends = decisions
+                    .into_iter()
+                    .map(|(a, decision)| {
+                        (
+                            a,
+                            BackendLoad {
+                                decision,
+                                signals: signals[&a],
+                            },
+                        )
+                    })
+                    .collect();
+                all.insert(
+                    t.key,
+                    ServiceLoad {
+                        name: t.name.clone(),
+                        backends,
+                        all_draining: c.all_draining,
+                    },
+                );
+            }
+            self.steps += 1;
+            self.tx.send_if_modified(|cur| {
+                let changed = weights_differ(cur, &all);
+                *cur = Arc::new(all);
+                changed
+            });
+        }
+    }
+
+    /// Open flows per backend: the last walk's count plus flows opened
+    /// minus flows closed since.
+    fn open_flows(&mut self, targets: &[LoadTarget]) -> BTreeMap<(ServiceKey, SocketAddr), u64> {
+        let dp = self.dp.lock().expect("data plane lock");
+        let walk = (self.steps % WALK_EVERY == 0)
+            .then(|| dp.open_flows_by_backend(ACTIVE))
+            .and_then(|r| r.inspect_err(|e| warn!("counting open flows: {e}")).ok());
+        let mut out = BTreeMap::new();
+        for t in targets {
+            for &(addr, _) in &t.backends {
+                let Some(id) = dp.backend_id(&t.key, addr) else {
+                    continue;
+                };
+                let Ok((opened, closed)) = dp.backend_flows(id) else {
+                    continue;
+                };
+                let entry = self.flows.get(&(t.key, addr)).filter(|f| f.id == id);
+                let count = match (&walk, entry) {
+                    (Some(w), _) => FlowCount {
+                        id,
+                        base: w.get(&id).copied().unwrap_or(0),
+                        opened,
+                        closed,
+                    },
+                    (None, Some(f)) => *f,
+                    // A backend id not seen before: count from now.
+                    (None, None) => FlowCount {
+                        id,
+                        base: 0,
+                        opened,
+                        closed,
+                    },
+                };
+                self.flows.insert((t.key, addr), count);
+                let open = (count.base + opened.saturating_sub(count.opened))
+                    .saturating_sub(closed.saturating_sub(count.closed));
+                out.insert((t.key, addr), open);
+            }
+        }
+        out
+    }
+
+    /// Asks every agent check at once, within half an interval. A failed
+    /// check drops the backend's report (its other signals decide), logged
+    /// when the error changes.
+    async fn agent_reports(
+        &mut self,
+        targets: &[LoadTarget],
+    ) -> BTreeMap<(ServiceKey, SocketAddr), Report> {
+        let addrs: BTreeSet<SocketAddr> = targets
+            .iter()
+            .filter_map(|t| t.agent_check.map(|a| (t, a)))
+            .flat_map(|(t, a)| {
+                t.backends
+                    .iter()
+                    .map(move |b| SocketAddr::new(b.0.ip(), a.port))
+            })
+            .collect();
+        self.agents.retain(|a, _| addrs.contains(a));
+        let timeout = self.interval / 2;
+        let answers = futures::future::join_all(
+            addrs
+                .iter()
+                .map(|&a| async move { (a, agent_check::ask(a, timeout).await) }),
+        )
+        .await;
+        for (addr, answer) in answers {
+            let st = self.agents.entry(addr).or_default();
+            match answer {
+                Ok(report) => {
+                    if st.error.take().is_some() {
+                        info!(agent = %addr, "agent check answers again");
+                    }
+                    st.report = report;
+                }
+                Err(e) => {
+                    if st.error.as_deref() != Some(&e) {
+                        warn!(agent = %addr, "agent check: {e}; its report is not used until it answers");
+                    }
+                    st.error = Some(e);
+                    st.report = None;
+                }
+            }
+        }
+        // By backend: the agent's address is the backend's, on the agent port.
+        let mut out = BTreeMap::new();
+        for t in targets {
+            let Some(a) = t.agent_check else { continue };
+            for &(b, _) in &t.backends {
+                let agent = SocketAddr::new(b.ip(), a.port);
+                if let Some(report) = self.agents.get(&agent).and_then(|s| s.report) {
+                    out.insert((t.key, b), report);
+                }
+            }
+        }
+        out
+    }
+}
+
+/// Whether the data plane would change: a weight or a `down` differs.
+fn weights_differ(
+    a: &BTreeMap<ServiceKey, ServiceLoad>,
+    b: &BTreeMap<ServiceKey, ServiceLoad>,
+) -> bool {
+    let view = |m: &BTreeMap<ServiceKey, ServiceLoad>| -> Vec<(ServiceKey, SocketAddr, u32, bool)> {
+        m.iter()
+            .flat_map(|(k, s)| {
+                s.backends
+                    .iter()
+                    .map(move |(a, l)| (*k, *a, l.decision.weight, l.decision.down))
+            })
+            .collect()
+    };
+    view(a) != view(b)
+}
