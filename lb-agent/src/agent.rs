@@ -30,8 +30,13 @@ use crate::{
     dataplane::{Dataplane, MapSizes, Protocol, ServiceSpec},
     health::{HealthChecker, HealthSnapshot},
     k8s::{desired::SourceOptions, watch::DesiredRx},
-    load::{controller::SCALE, LoadTarget, LoadTask, LoadWeights},
-    metrics::{BackendSample, DataplaneSnapshot, Metrics, ServiceSample},
+    load::{
+        controller::{Report, SCALE},
+        LoadTarget, LoadTask, LoadWeights,
+    },
+    metrics::{
+        BackendSample, BackendValue, DataplaneSnapshot, LoadSamples, Metrics, ServiceSample,
+    },
     netif::interface_address,
     service::{Balance, DesiredService, RemovedBackendFlows},
 };
@@ -75,6 +80,7 @@ struct Labels {
     /// data plane: their `xlb_backend_healthy` must read 0, not vanish.
     configured: BTreeMap<ServiceKey, Vec<SocketAddr>>,
     health: HealthSnapshot,
+    load: LoadWeights,
 }
 
 /// When the FIB has no neighbour entry for a backend yet, the data plane
@@ -262,9 +268,7 @@ impl Agent {
                 }
                 changed = self.load_rx.changed() => {
                     if changed.is_ok() {
-                        if let Err(e) = self.reconcile() {
-                            error!("applying load-aware weights: {e:#}");
-                        }
+                        self.load_changed();
                     }
                 }
                 _ = term.recv() => break,
@@ -292,6 +296,21 @@ impl Agent {
         tokio::join!(step_down, withdraw_and_drain);
         info!("exiting; the XDP program stays attached and keeps forwarding (lb-agent --cleanup detaches it)");
         Ok(())
+    }
+
+    /// A step of the load controllers: the metrics show its signals at
+    /// once; the data plane changes only if a weight did.
+    fn load_changed(&mut self) {
+        let new = self.load_rx.borrow_and_update().clone();
+        let mut labels = self.labels.lock().expect("labels lock");
+        let differ = crate::load::weights_differ(&labels.load, &new);
+        labels.load = new;
+        drop(labels);
+        if differ {
+            if let Err(e) = self.reconcile() {
+                error!("applying load-aware weights: {e:#}");
+            }
+        }
     }
 
     /// Re-reads the config file; on any error the running state stays as it was.
@@ -371,7 +390,7 @@ impl Agent {
         let mut desired: BTreeMap<ServiceKey, (ServiceSpec, RemovedBackendFlows, String)> =
             BTreeMap::new();
         let services = self.all_services();
-        let load = self.load_rx.borrow().clone();
+        let load = self.load_rx.borrow_and_update().clone();
         let mut load_targets = Vec::new();
         for svc in &services {
             let mut spec = self.config.service_spec(svc);
@@ -451,6 +470,7 @@ impl Agent {
             })
             .collect();
         labels.health = health;
+        labels.load = load;
         drop(labels);
         if let Some(task) = &self.announce {
             task.apply(self.desired_routes());
@@ -629,6 +649,7 @@ fn snapshot(dp: &Mutex<Dataplane>, labels: &Mutex<Labels>) -> DataplaneSnapshot 
                 service: name.clone(),
                 backend: b.addr.to_string(),
                 healthy: labels.health.get(&b.addr).is_none_or(|h| h.healthy),
+                weight: b.weight,
                 stats: stats.unwrap_or_default(),
             });
         }
@@ -639,6 +660,7 @@ fn snapshot(dp: &Mutex<Dataplane>, labels: &Mutex<Labels>) -> DataplaneSnapshot 
                     service: name.clone(),
                     backend: addr.to_string(),
                     healthy: labels.health.get(addr).is_none_or(|h| h.healthy),
+                    weight: 0,
                     stats: Default::default(),
                 });
             }
@@ -649,5 +671,38 @@ fn snapshot(dp: &Mutex<Dataplane>, labels: &Mutex<Labels>) -> DataplaneSnapshot 
     }
     snap.conntrack_entries = dp.shared_flows().map(|c| c.len() as u64).unwrap_or(0);
     snap.flows_repicked = dp.flows_repicked().unwrap_or(0);
+    snap.load = load_samples(&labels.load);
     snap
+}
+
+/// The load-aware services' signals and weights, as metric samples.
+fn load_samples(load: &LoadWeights) -> LoadSamples {
+    let mut out = LoadSamples::default();
+    for s in load.values() {
+        out.all_draining.push(BackendValue {
+            service: s.name.clone(),
+            backend: String::new(),
+            value: if s.all_draining { 1.0 } else { 0.0 },
+        });
+        for (addr, l) in &s.backends {
+            let v = |value: f64| BackendValue {
+                service: s.name.clone(),
+                backend: addr.to_string(),
+                value,
+            };
+            let sig = &l.signals;
+            out.open_flows.push(v(sig.open_flows.unwrap_or(0.0)));
+            out.factor.push(v(l.decision.factor));
+            out.pressure.push(v(l.decision.pressure));
+            if let Some(lat) = sig.latency {
+                out.probe_latency.push(v(lat.as_secs_f64()));
+            }
+            match sig.report {
+                Some(Report::Percent(p)) => out.reported_percent.push(v(p as f64)),
+                Some(Report::Drain) => out.reported_percent.push(v(0.0)),
+                Some(Report::Down) | None => {}
+            }
+        }
+    }
+    out
 }

@@ -296,6 +296,7 @@ mod tests {
                     service: "web".into(),
                     backend: format!("10.1.{}.{}:80", i / 256, i % 256),
                     healthy: true,
+                    weight: 1,
                     stats: Default::default(),
                 })
                 .collect(),

@@ -49,11 +49,35 @@ pub struct BackendSample {
     /// The backend's address, e.g. `10.0.0.7:8080` (`backend` label).
     pub backend: String,
     pub healthy: bool,
+    /// The weight in the data plane now (load-aware: the controller's).
+    pub weight: u32,
     pub stats: TrafficStats,
 }
 
+/// One value of one backend of one service.
+#[derive(Clone, Debug, PartialEq)]
+pub struct BackendValue {
+    pub service: String,
+    pub backend: String,
+    pub value: f64,
+}
+
+/// The load-aware services' signals and decisions (`crate::load`).
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct LoadSamples {
+    pub open_flows: Vec<BackendValue>,
+    pub factor: Vec<BackendValue>,
+    pub pressure: Vec<BackendValue>,
+    /// Only backends whose health check measured one.
+    pub probe_latency: Vec<BackendValue>,
+    /// Only backends whose agent check answered a percentage (drain: 0).
+    pub reported_percent: Vec<BackendValue>,
+    /// Per service (`backend` empty): 1 when every backend reports drain.
+    pub all_draining: Vec<BackendValue>,
+}
+
 /// Everything the data-plane metric families are built from, read at scrape time.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Debug, Default, PartialEq)]
 pub struct DataplaneSnapshot {
     pub services: Vec<ServiceSample>,
     pub backends: Vec<BackendSample>,
@@ -67,6 +91,7 @@ pub struct DataplaneSnapshot {
     pub conntrack_capacity: u64,
     /// TCP packets (not SYNs) whose flow was not in the table: re-picked.
     pub flows_repicked: u64,
+    pub load: LoadSamples,
 }
 
 impl DataplaneSnapshot {
@@ -89,6 +114,7 @@ type SourceSlot = Arc<RwLock<Option<Arc<SnapshotFn>>>>;
 const SERVICE_LABELS: &[&str] = &["service", "vip", "port", "protocol"];
 const BACKEND_LABELS: &[&str] = &["service", "backend"];
 const REASON_LABELS: &[&str] = &["reason"];
+const SERVICE_NAME_LABELS: &[&str] = &["service"];
 
 /// Where a data-plane family takes its samples from.
 #[derive(Clone, Copy)]
@@ -96,6 +122,9 @@ enum Source {
     Service(fn(&TrafficStats) -> u64),
     Backend(fn(&TrafficStats) -> u64),
     BackendHealthy,
+    BackendWeight,
+    Load(fn(&LoadSamples) -> &Vec<BackendValue>),
+    AllDraining,
     Reason,
     ConntrackEntries,
     ConntrackCapacity,
@@ -106,7 +135,11 @@ impl Source {
     fn labels(self) -> &'static [&'static str] {
         match self {
             Source::Service(_) => SERVICE_LABELS,
-            Source::Backend(_) | Source::BackendHealthy => BACKEND_LABELS,
+            Source::Backend(_)
+            | Source::BackendHealthy
+            | Source::BackendWeight
+            | Source::Load(_) => BACKEND_LABELS,
+            Source::AllDraining => SERVICE_NAME_LABELS,
             Source::Reason => REASON_LABELS,
             Source::ConntrackEntries | Source::ConntrackCapacity | Source::FlowsRepicked => &[],
         }
@@ -210,6 +243,41 @@ const DP_FAMILIES: &[DpFamily] = &[
         "Whether the backend passes its health checks (1) or not (0).",
         Source::BackendHealthy,
     ),
+    gauge(
+        "xlb_backend_weight",
+        "The backend's weight in the data plane now (load-aware services: the controller's, on a scale of 100 per configured unit).",
+        Source::BackendWeight,
+    ),
+    gauge(
+        "xlb_backend_open_flows",
+        "Load-aware: the backend's open flows (opened minus closed by FIN or RST, corrected by walks of the flow table).",
+        Source::Load(|l| &l.open_flows),
+    ),
+    gauge(
+        "xlb_backend_load_factor",
+        "Load-aware: the factor (0.05 to 1) the configured weight is scaled by.",
+        Source::Load(|l| &l.factor),
+    ),
+    gauge(
+        "xlb_backend_load_pressure",
+        "Load-aware: how loaded the backend looks against its service's mean (1: as loaded as the mean).",
+        Source::Load(|l| &l.pressure),
+    ),
+    gauge(
+        "xlb_backend_probe_latency_seconds",
+        "Load-aware: how long the backend's latest successful health check took.",
+        Source::Load(|l| &l.probe_latency),
+    ),
+    gauge(
+        "xlb_backend_reported_load_percent",
+        "Load-aware: the weight percentage the backend's agent check reported (drain: 0).",
+        Source::Load(|l| &l.reported_percent),
+    ),
+    gauge(
+        "xlb_service_all_backends_draining",
+        "Load-aware: 1 when every backend of the service reports drain; the reports are set aside so that new flows keep a backend.",
+        Source::AllDraining,
+    ),
     counter(
         "xlb_datapath_packets_total",
         "Packets seen by the XDP program, by the reason for its verdict (pass, tx, redirect, drop).",
@@ -260,7 +328,9 @@ fn sample(kind: MetricType, labels: &[&str], values: &[&str], value: f64) -> pro
 fn series_count(source: Source, snap: &DataplaneSnapshot) -> usize {
     match source {
         Source::Service(_) => snap.services.len(),
-        Source::Backend(_) | Source::BackendHealthy => snap.backends.len(),
+        Source::Backend(_) | Source::BackendHealthy | Source::BackendWeight => snap.backends.len(),
+        Source::Load(values) => values(&snap.load).len(),
+        Source::AllDraining => snap.load.all_draining.len(),
         Source::Reason => snap.reasons.len(),
         Source::ConntrackEntries | Source::ConntrackCapacity | Source::FlowsRepicked => 1,
     }
@@ -285,6 +355,19 @@ fn series(f: &DpFamily, snap: &DataplaneSnapshot, i: usize) -> proto::Metric {
             let b = &snap.backends[i];
             let values = [b.service.as_str(), &b.backend];
             sample(f.kind, labels, &values, if b.healthy { 1.0 } else { 0.0 })
+        }
+        Source::BackendWeight => {
+            let b = &snap.backends[i];
+            let values = [b.service.as_str(), &b.backend];
+            sample(f.kind, labels, &values, b.weight as f64)
+        }
+        Source::Load(values) => {
+            let v = &values(&snap.load)[i];
+            sample(f.kind, labels, &[v.service.as_str(), &v.backend], v.value)
+        }
+        Source::AllDraining => {
+            let v = &snap.load.all_draining[i];
+            sample(f.kind, labels, &[v.service.as_str()], v.value)
         }
         Source::Reason => {
             let (r, n) = &snap.reasons[i];
@@ -568,12 +651,14 @@ mod tests {
                     service: "web".into(),
                     backend: "10.1.0.1:8080".into(),
                     healthy: true,
+                    weight: 1,
                     stats: stats(30),
                 },
                 BackendSample {
                     service: "web".into(),
                     backend: "10.1.0.2:8080".into(),
                     healthy: false,
+                    weight: 1,
                     stats: stats(0),
                 },
             ],
@@ -581,6 +666,22 @@ mod tests {
             conntrack_entries: 42,
             conntrack_capacity: 1 << 20,
             flows_repicked: 9,
+            load: LoadSamples {
+                open_flows: vec![value("10.1.0.1:8080", 12.0)],
+                factor: vec![value("10.1.0.1:8080", 0.5)],
+                pressure: vec![value("10.1.0.1:8080", 1.25)],
+                probe_latency: vec![value("10.1.0.1:8080", 0.003)],
+                reported_percent: vec![value("10.1.0.2:8080", 40.0)],
+                all_draining: vec![value("", 0.0)],
+            },
+        }
+    }
+
+    fn value(backend: &str, value: f64) -> BackendValue {
+        BackendValue {
+            service: "web".into(),
+            backend: backend.into(),
+            value,
         }
     }
 
@@ -635,6 +736,15 @@ mod tests {
         has_line(t, &format!("xlb_backend_packets_total{{{b2}}} 0"));
         has_line(t, &format!("xlb_backend_healthy{{{b1}}} 1"));
         has_line(t, &format!("xlb_backend_healthy{{{b2}}} 0"));
+        has_line(t, &format!("xlb_backend_weight{{{b1}}} 1"));
+        has_line(t, &format!("xlb_backend_open_flows{{{b1}}} 12"));
+        has_line(t, &format!("xlb_backend_load_factor{{{b1}}} 0.5"));
+        has_line(t, &format!("xlb_backend_load_pressure{{{b1}}} 1.25"));
+        has_line(
+            t,
+            &format!("xlb_backend_probe_latency_seconds{{{b1}}} 0.003"),
+        );
+        has_line(t, "xlb_service_all_backends_draining{service=\"web\"} 0");
 
         for r in Reason::ALL {
             has_line(
@@ -701,6 +811,13 @@ mod tests {
             "xlb_backend_reply_packets_total",
             "xlb_backend_reply_bytes_total",
             "xlb_backend_healthy",
+            "xlb_backend_weight",
+            "xlb_backend_open_flows",
+            "xlb_backend_load_factor",
+            "xlb_backend_load_pressure",
+            "xlb_backend_probe_latency_seconds",
+            "xlb_backend_reported_load_percent",
+            "xlb_service_all_backends_draining",
             "xlb_datapath_packets_total",
             "xlb_conntrack_entries",
             "xlb_conntrack_capacity",
@@ -751,6 +868,7 @@ mod tests {
                 service: "we\"ird\\name\n".into(),
                 backend: "[2001:db8::1]:443".into(),
                 healthy: true,
+                weight: 1,
                 stats: TrafficStats::default(),
             }],
             ..Default::default()
@@ -771,6 +889,7 @@ mod tests {
                     service: "web".into(),
                     backend: format!("10.1.{}.{}:80", i / 256, i % 256),
                     healthy: i % 2 == 0,
+                    weight: 1,
                     stats: stats(i as u64),
                 })
                 .collect(),

@@ -78,7 +78,7 @@ impl Drop for LoadTask {
 }
 
 impl LoadTask {
-    /// Starts the task; the receiver wakes when a weight changes.
+    /// Starts the task; the receiver wakes at every step.
     pub fn start(
         dp: Arc<Mutex<Dataplane>>,
         health: watch::Receiver<HealthSnapshot>,
@@ -207,11 +207,9 @@ impl Run {
                 );
             }
             self.steps += 1;
-            self.tx.send_if_modified(|cur| {
-                let changed = weights_differ(cur, &all);
-                *cur = Arc::new(all);
-                changed
-            });
+            // Every step, for the metrics; the agent reprograms the data
+            // plane only when a weight changed (`weights_differ`).
+            self.tx.send_replace(Arc::new(all));
         }
     }
 
@@ -315,7 +313,7 @@ impl Run {
 }
 
 /// Whether the data plane would change: a weight or a `down` differs.
-fn weights_differ(
+pub fn weights_differ(
     a: &BTreeMap<ServiceKey, ServiceLoad>,
     b: &BTreeMap<ServiceKey, ServiceLoad>,
 ) -> bool {
