@@ -85,7 +85,8 @@ pub mod map_names {
     pub const SOURCE_RANGES: &str = "SOURCE_RANGES";
     pub const FLOW_EVENTS: &str = "FLOW_EVENTS";
     pub const BACKEND_CLOSED: &str = "BACKEND_CLOSED";
-    pub const ALL: [&str; 14] = [
+    pub const BACKEND_LOAD: &str = "BACKEND_LOAD";
+    pub const ALL: [&str; 15] = [
         SERVICES,
         BACKENDS,
         MAGLEV,
@@ -100,6 +101,7 @@ pub mod map_names {
         SOURCE_RANGES,
         FLOW_EVENTS,
         BACKEND_CLOSED,
+        BACKEND_LOAD,
     ];
 }
 
@@ -226,6 +228,36 @@ pub struct Flow {
 /// `Flow::flags`: the client sent a FIN or RST; counted once in
 /// `BACKEND_CLOSED`, so that opened minus closed is the backend's open flows.
 pub const FLOW_F_CLOSED: u32 = 1;
+
+/// Value of `BACKEND_LOAD`, indexed by backend id: what the agent's
+/// load-aware controller decided and why, for `lbctl backends`. The data
+/// path does not read it. `flags` 0: the backend is not load-aware.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct BackendLoad {
+    /// The weight given to Maglev.
+    pub weight: u32,
+    /// The load factor and pressure, in thousandths.
+    pub factor_milli: u32,
+    pub pressure_milli: u32,
+    /// Open flows as the agent counts them.
+    pub open_flows: u32,
+    /// The health check's latency (µs); `u32::MAX`: none.
+    pub latency_us: u32,
+    /// The agent check's report: `LOAD_REPORT_*`, and the percentage.
+    pub report: u32,
+    pub report_pct: u32,
+    /// `LOAD_F_*`.
+    pub flags: u32,
+}
+
+/// `BackendLoad::flags`: written by a load-aware controller.
+pub const LOAD_F_SET: u32 = 1;
+/// `BackendLoad::report`.
+pub const LOAD_REPORT_NONE: u32 = 0;
+pub const LOAD_REPORT_PERCENT: u32 = 1;
+pub const LOAD_REPORT_DRAIN: u32 = 2;
+pub const LOAD_REPORT_DOWN: u32 = 3;
 
 /// Value of `BACKENDS`, indexed by backend id: the backend, written by the
 /// agent before any table names the id, and the FIB's answer for it, which
@@ -460,6 +492,7 @@ mod pod {
     unsafe impl aya::Pod for ServiceKey {}
     unsafe impl aya::Pod for ServiceInfo {}
     unsafe impl aya::Pod for Backend {}
+    unsafe impl aya::Pod for BackendLoad {}
     unsafe impl aya::Pod for FlowKey {}
     unsafe impl aya::Pod for Flow {}
     unsafe impl aya::Pod for ReplyNat {}

@@ -7,9 +7,10 @@ use aya_ebpf::{
     macros::btf_map,
 };
 use lb_common::{
-    BackendEntry, Config, Flow, FlowKey, RangeKey, ReplyNat, ServiceInfo, ServiceKey, TrafficStats,
-    FLOW_EVENT_COUNT, MAGLEV_POOL_ENTRIES, MAX_BACKENDS, MAX_SERVICES, MAX_SOURCE_RANGES,
-    MAX_TX_PORTS, PORT_FLAGS_ENTRIES, REASON_COUNT, REPLY_NAT_ENTRIES, SHARED_FLOWS_ENTRIES,
+    BackendEntry, BackendLoad, Config, Flow, FlowKey, RangeKey, ReplyNat, ServiceInfo, ServiceKey,
+    TrafficStats, FLOW_EVENT_COUNT, MAGLEV_POOL_ENTRIES, MAX_BACKENDS, MAX_SERVICES,
+    MAX_SOURCE_RANGES, MAX_TX_PORTS, PORT_FLAGS_ENTRIES, REASON_COUNT, REPLY_NAT_ENTRIES,
+    SHARED_FLOWS_ENTRIES,
 };
 
 const NO_PREALLOC: usize = BPF_F_NO_PREALLOC as usize;
@@ -82,6 +83,11 @@ pub static BACKEND_STATS: PerCpuArray<TrafficStats, { MAX_BACKENDS as usize }> =
 /// agent's count of a backend's open flows (load-aware balancing).
 #[btf_map]
 pub static BACKEND_CLOSED: PerCpuArray<u64, { MAX_BACKENDS as usize }> = PerCpuArray::new();
+
+/// Per backend id: the load-aware controller's decision, for lbctl. Not
+/// read here; declared so that it is created and pinned with the others.
+#[btf_map]
+pub static BACKEND_LOAD: Array<BackendLoad, { MAX_BACKENDS as usize }> = Array::new();
 
 /// Packets per `lb_common::Reason`.
 #[btf_map]

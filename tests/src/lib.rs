@@ -1,6 +1,7 @@
 //! Test support for xlb: packet fixtures, checkers and helpers shared by the integration tests.
 
 pub mod announce_lab;
+pub mod cgroup;
 pub mod cluster;
 pub mod ecmp;
 pub mod k8s_topology;

@@ -145,6 +145,11 @@ impl Topology {
         )
     }
 
+    /// The process id of backend `n`'s nginx (1-based; one process).
+    pub fn backend_pid(&self, n: usize) -> u32 {
+        self.nginx[n - 1].as_ref().expect("nginx running").id()
+    }
+
     /// Kills backend `n`'s nginx (1-based).
     pub fn kill_backend(&mut self, n: usize) {
         if let Some(mut c) = self.nginx[n - 1].take() {

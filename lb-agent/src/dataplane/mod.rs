@@ -30,8 +30,8 @@ pub use lb_common::net::Protocol;
 use lb_common::{
     maglev, map_names as names,
     net::{ip_words, service_key, words_ip, Family},
-    BackendEntry, Config, Flow, FlowKey, ReplyNat, ServiceInfo, ServiceKey, TrafficStats,
-    FAMILY_V4, FAMILY_V6, FLOW_EVENT_COUNT, FLOW_EVENT_REPICKED, FLOW_F_CLOSED,
+    BackendEntry, BackendLoad, Config, Flow, FlowKey, ReplyNat, ServiceInfo, ServiceKey,
+    TrafficStats, FAMILY_V4, FAMILY_V6, FLOW_EVENT_COUNT, FLOW_EVENT_REPICKED, FLOW_F_CLOSED,
     MAGLEV_POOL_ENTRIES, MAX_BACKENDS, MAX_SERVICES, PORT_F_BACKEND, PORT_F_SERVICE, PROTO_ICMP,
     PROTO_ICMPV6, REASON_COUNT, SERVICE_F_CLIENT_AFFINITY, SERVICE_F_SNAT, SERVICE_F_SOURCE_RANGES,
     SHARED_FLOWS_ENTRIES,
@@ -257,6 +257,7 @@ struct Maps {
     reason_stats: PerCpuArray<MapData, u64>,
     flow_events: PerCpuArray<MapData, u64>,
     backend_closed: PerCpuArray<MapData, u64>,
+    backend_load: Array<MapData, BackendLoad>,
     ranges: SourceRanges,
 }
 
@@ -361,6 +362,8 @@ impl Dataplane {
                 .map_err(map_err(names::FLOW_EVENTS))?,
             backend_closed: PerCpuArray::try_from(take(&mut ebpf, names::BACKEND_CLOSED)?)
                 .map_err(map_err(names::BACKEND_CLOSED))?,
+            backend_load: Array::try_from(take(&mut ebpf, names::BACKEND_LOAD)?)
+                .map_err(map_err(names::BACKEND_LOAD))?,
             reason_stats: PerCpuArray::try_from(take(&mut ebpf, names::REASON_STATS)?)
                 .map_err(map_err(names::REASON_STATS))?,
             ranges: SourceRanges::open(

@@ -32,6 +32,15 @@ impl Dataplane {
         Ok((opened, closed))
     }
 
+    /// Records the load-aware controller's decision for a backend id (read
+    /// by `lbctl backends`).
+    pub fn set_backend_load(&mut self, id: u32, load: &BackendLoad) -> Result<()> {
+        self.maps
+            .backend_load
+            .set(id, *load, 0)
+            .map_err(map_err(names::BACKEND_LOAD))
+    }
+
     /// The flow table's open flows per backend id: not closed, and seen
     /// within `active`. Walks the whole table (a syscall per entry), so the
     /// load controller calls it seldom and counts between walks.

@@ -5,7 +5,7 @@
 use std::net::{IpAddr, SocketAddr};
 
 use lb_common::{
-    maglev, map_names as names, Backend, BackendEntry, ServiceInfo, ServiceKey,
+    maglev, map_names as names, Backend, BackendEntry, BackendLoad, ServiceInfo, ServiceKey,
     SERVICE_F_CLIENT_AFFINITY, SERVICE_F_SNAT, SERVICE_F_SOURCE_RANGES,
 };
 
@@ -136,6 +136,9 @@ impl Maps {
         for &id in fresh {
             zero_stats(&mut self.backend_stats, id).map_err(map_err(names::BACKEND_STATS))?;
             zero_stats(&mut self.backend_closed, id).map_err(map_err(names::BACKEND_CLOSED))?;
+            self.backend_load
+                .set(id, BackendLoad::default(), 0)
+                .map_err(map_err(names::BACKEND_LOAD))?;
         }
         if p.new_service {
             zero_stats(&mut self.service_stats, p.service_id)

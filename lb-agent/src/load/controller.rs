@@ -63,6 +63,10 @@ pub struct Params {
     /// Below this many open flows per backend (mean), the flow signal is
     /// noise and not used.
     pub min_flows: f64,
+    /// Added to every backend's open flows (per unit of weight) before
+    /// comparing: a count of a few flows swings by its square root from one
+    /// sample to the next, which is not load.
+    pub pseudo_flows: f64,
     /// Added to every latency before comparing: sub-millisecond jitter of
     /// idle backends is not load.
     pub latency_slack: Duration,
@@ -76,9 +80,10 @@ impl Default for Params {
             floor: 0.05,
             gain: 0.5,
             max_step: 1.5,
-            deadband: 0.1,
-            smoothing: 0.5,
+            deadband: 0.2,
+            smoothing: 0.3,
             min_flows: 1.0,
+            pseudo_flows: 4.0,
             latency_slack: Duration::from_millis(2),
             ramp_start: 0.25,
         }
@@ -204,7 +209,11 @@ impl Controller {
         let st = |a: &SocketAddr| self.state[a];
         let flows: Vec<Option<f64>> = active
             .iter()
-            .map(|a| st(a).flows.map(|f| (f + 1.0) / signals[a].weight as f64))
+            .map(|a| {
+                st(a)
+                    .flows
+                    .map(|f| f / signals[a].weight as f64 + self.params.pseudo_flows)
+            })
             .collect();
         let mean_flows =
             active.iter().filter_map(|a| st(a).flows).sum::<f64>() / active.len().max(1) as f64;
@@ -377,6 +386,43 @@ mod tests {
         assert!(seen[0] <= 40, "starts low: {seen:?}");
         assert!(seen.windows(2).all(|w| w[1] >= w[0]), "{seen:?}");
         assert!(*seen.last().unwrap() >= 80, "{seen:?}");
+    }
+
+    /// Instantaneous counts at low load (4 clients over 3 backends) jump
+    /// between 0 and 4: that must not move the weights much.
+    #[test]
+    fn sampling_noise_at_low_load_leaves_the_weights_near_full() {
+        let mut c = Controller::new(Params::default());
+        let mut seed = 12345u64;
+        let mut rand = || {
+            seed = seed
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            (seed >> 33) as f64 / (1u64 << 31) as f64
+        };
+        let mut lowest = 100;
+        let mut w = [100.0; 3];
+        for _ in 0..400 {
+            // Each client's flow lands by weight.
+            let mut flows = [0.0; 3];
+            for _ in 0..4 {
+                let x = rand() * w.iter().sum::<f64>();
+                let i = if x < w[0] {
+                    0
+                } else if x < w[0] + w[1] {
+                    1
+                } else {
+                    2
+                };
+                flows[i] += 1.0;
+            }
+            let d = c.step(&signals(&flows));
+            for (w, d) in w.iter_mut().zip(d.values()) {
+                *w = d.weight as f64;
+            }
+            lowest = lowest.min(*weights(&d).iter().min().unwrap());
+        }
+        assert!(lowest >= 75, "noise pushed a weight to {lowest}");
     }
 
     #[test]

@@ -54,6 +54,32 @@ pub struct BackendLoad {
     pub signals: Signals,
 }
 
+impl BackendLoad {
+    /// As `BACKEND_LOAD` holds it.
+    pub fn record(&self) -> lb_common::BackendLoad {
+        let milli = |x: f64| (x * 1000.0).round().clamp(0.0, u32::MAX as f64) as u32;
+        let (report, report_pct) = match self.signals.report {
+            None => (lb_common::LOAD_REPORT_NONE, 0),
+            Some(Report::Percent(p)) => (lb_common::LOAD_REPORT_PERCENT, p),
+            Some(Report::Drain) => (lb_common::LOAD_REPORT_DRAIN, 0),
+            Some(Report::Down) => (lb_common::LOAD_REPORT_DOWN, 0),
+        };
+        lb_common::BackendLoad {
+            weight: self.decision.weight,
+            factor_milli: milli(self.decision.factor),
+            pressure_milli: milli(self.decision.pressure),
+            open_flows: self.signals.open_flows.unwrap_or(0.0) as u32,
+            latency_us: self
+                .signals
+                .latency
+                .map_or(u32::MAX, |l| l.as_micros().min(u32::MAX as u128 - 1) as u32),
+            report,
+            report_pct,
+            flags: lb_common::LOAD_F_SET,
+        }
+    }
+}
+
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct ServiceLoad {
     pub name: String,
@@ -207,9 +233,26 @@ impl Run {
                 );
             }
             self.steps += 1;
+            self.record(&all);
             // Every step, for the metrics; the agent reprograms the data
             // plane only when a weight changed (`weights_differ`).
             self.tx.send_replace(Arc::new(all));
+        }
+    }
+
+    /// Writes each decision to `BACKEND_LOAD` for lbctl.
+    fn record(&self, all: &BTreeMap<ServiceKey, ServiceLoad>) {
+        let mut dp = self.dp.lock().expect("data plane lock");
+        for (key, s) in all {
+            for (addr, l) in &s.backends {
+                let Some(id) = dp.backend_id(key, *addr) else {
+                    continue;
+                };
+                if let Err(e) = dp.set_backend_load(id, &l.record()) {
+                    warn!("recording a backend's load: {e}");
+                    return;
+                }
+            }
         }
     }
 

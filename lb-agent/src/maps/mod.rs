@@ -13,8 +13,8 @@ use aya::maps::{
     lpm_trie::LpmTrie, Array, HashMap, Map, MapData, MapError, MapInfo, PerCpuArray, PerCpuValues,
 };
 use lb_common::{
-    map_names as names, BackendEntry, Config, Flow, FlowKey, RangeKey, ReplyNat, ServiceInfo,
-    ServiceKey, TrafficStats, REASON_COUNT,
+    map_names as names, BackendEntry, BackendLoad, Config, Flow, FlowKey, RangeKey, ReplyNat,
+    ServiceInfo, ServiceKey, TrafficStats, REASON_COUNT,
 };
 
 pub use self::maglev::MaglevPool;
@@ -42,6 +42,7 @@ pub fn expected_layout(name: &str) -> Option<(usize, usize)> {
         names::CONFIG => (4, size_of::<Config>()),
         names::SERVICE_STATS | names::BACKEND_STATS => (4, size_of::<TrafficStats>()),
         names::REASON_STATS | names::FLOW_EVENTS | names::BACKEND_CLOSED => (4, 8),
+        names::BACKEND_LOAD => (4, size_of::<BackendLoad>()),
         names::SOURCE_RANGES => (4 + size_of::<RangeKey>(), 1),
         _ => return None,
     })
@@ -208,13 +209,30 @@ impl PinnedMaps {
         self.typed(names::REASON_STATS)
     }
 
-    /// `FLOW_EVENTS`; `None` when pinned by a version without it.
-    pub fn flow_events(&self) -> Result<Option<ReasonsMap>, OpenError> {
-        match self.typed(names::FLOW_EVENTS) {
+    /// `BACKEND_CLOSED`; `None` when pinned by a version without it.
+    pub fn backend_closed(&self) -> Result<Option<ReasonsMap>, OpenError> {
+        self.optional(names::BACKEND_CLOSED)
+    }
+
+    /// `BACKEND_LOAD`; `None` when pinned by a version without it.
+    pub fn backend_load(&self) -> Result<Option<Array<MapData, BackendLoad>>, OpenError> {
+        self.optional(names::BACKEND_LOAD)
+    }
+
+    fn optional<M>(&self, name: &'static str) -> Result<Option<M>, OpenError>
+    where
+        M: TryFrom<Map, Error = MapError>,
+    {
+        match self.typed(name) {
             Ok(m) => Ok(Some(m)),
             Err(OpenError::NotPinned(_)) => Ok(None),
             Err(e) => Err(e),
         }
+    }
+
+    /// `FLOW_EVENTS`; `None` when pinned by a version without it.
+    pub fn flow_events(&self) -> Result<Option<ReasonsMap>, OpenError> {
+        self.optional(names::FLOW_EVENTS)
     }
 }
 

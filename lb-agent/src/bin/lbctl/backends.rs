@@ -32,6 +32,44 @@ pub struct BackendRow {
     pub new_flows: u64,
     pub reply_packets: u64,
     pub reply_bytes: u64,
+    /// Flows opened minus flows their clients closed (the data plane's
+    /// counters; flows that vanished without a FIN still count).
+    pub open_flows: u64,
+    /// Load-aware services: the controller's decision and its signals.
+    pub load: Option<LoadRow>,
+}
+
+#[derive(Serialize)]
+pub struct LoadRow {
+    pub weight: u32,
+    pub factor: f64,
+    pub pressure: f64,
+    /// Open flows as the agent counts them (corrected by table walks).
+    pub open_flows: u32,
+    pub probe_latency_ms: Option<f64>,
+    /// The agent check's answer: `75%`, `drain`, `down`; `None`: none.
+    pub reported: Option<String>,
+}
+
+impl LoadRow {
+    fn from(l: &lb_common::BackendLoad) -> Option<LoadRow> {
+        if l.flags & lb_common::LOAD_F_SET == 0 {
+            return None;
+        }
+        Some(LoadRow {
+            weight: l.weight,
+            factor: l.factor_milli as f64 / 1000.0,
+            pressure: l.pressure_milli as f64 / 1000.0,
+            open_flows: l.open_flows,
+            probe_latency_ms: (l.latency_us != u32::MAX).then(|| l.latency_us as f64 / 1000.0),
+            reported: match l.report {
+                lb_common::LOAD_REPORT_PERCENT => Some(format!("{}%", l.report_pct)),
+                lb_common::LOAD_REPORT_DRAIN => Some("drain".into()),
+                lb_common::LOAD_REPORT_DOWN => Some("down".into()),
+                _ => None,
+            },
+        })
+    }
 }
 
 #[derive(Serialize)]
@@ -62,6 +100,8 @@ pub fn run(maps: &PinnedMaps, args: &Args) -> Result<BackendsReport> {
     let maglev = maps.maglev()?;
     let backends = maps.backends()?;
     let stats = maps.backend_stats()?;
+    let closed = maps.backend_closed()?;
+    let load = maps.backend_load()?;
     let mut out = Vec::new();
     for (key, info) in list {
         let table = maglev.live_table(&info)?;
@@ -73,6 +113,18 @@ pub fn run(maps: &PinnedMaps, args: &Args) -> Result<BackendsReport> {
                 .backend;
             let t = maps::traffic(&stats, s.backend_id)
                 .with_context(|| format!("reading {}[{}]", names::BACKEND_STATS, s.backend_id))?;
+            let closed = match &closed {
+                Some(m) => maps::flow_event(m, s.backend_id).with_context(|| {
+                    format!("reading {}[{}]", names::BACKEND_CLOSED, s.backend_id)
+                })?,
+                None => 0,
+            };
+            let load = match &load {
+                Some(m) => LoadRow::from(&m.get(&s.backend_id, 0).with_context(|| {
+                    format!("reading {}[{}]", names::BACKEND_LOAD, s.backend_id)
+                })?),
+                None => None,
+            };
             rows.push(BackendRow {
                 address: words_socket(&b.addr, b.port, b.family),
                 backend_id: s.backend_id,
@@ -83,6 +135,8 @@ pub fn run(maps: &PinnedMaps, args: &Args) -> Result<BackendsReport> {
                 new_flows: t.new_flows,
                 reply_packets: t.reply_packets,
                 reply_bytes: t.reply_bytes,
+                open_flows: t.new_flows.saturating_sub(closed),
+                load,
             });
         }
         rows.sort_by_key(|r| r.address);
@@ -115,25 +169,42 @@ impl Render for BackendsReport {
                 s.push_str("  no backends in the table: new flows are dropped\n");
                 continue;
             }
-            let mut t = Table::new(&[
+            let load_aware = svc.backends.iter().any(|b| b.load.is_some());
+            let mut columns = vec![
                 ("BACKEND", Align::Left),
                 ("ID", Align::Right),
                 ("SHARE", Align::Right),
                 ("PACKETS", Align::Right),
                 ("BYTES", Align::Right),
                 ("NEW FLOWS", Align::Right),
+                ("OPEN", Align::Right),
                 ("REPLY PKTS", Align::Right),
-            ]);
+            ];
+            if load_aware {
+                columns.extend([
+                    ("WEIGHT", Align::Right),
+                    ("FACTOR", Align::Right),
+                    ("PRESSURE", Align::Right),
+                    ("PROBE", Align::Right),
+                    ("REPORT", Align::Left),
+                ]);
+            }
+            let mut t = Table::new(&columns);
             for b in &svc.backends {
-                t.row(vec![
+                let mut row = vec![
                     b.address.to_string(),
                     b.backend_id.to_string(),
                     table::pct(b.share_pct),
                     b.packets.to_string(),
                     table::bytes(b.bytes),
                     b.new_flows.to_string(),
+                    b.open_flows.to_string(),
                     b.reply_packets.to_string(),
-                ]);
+                ];
+                if load_aware {
+                    row.extend(load_cells(b.load.as_ref()));
+                }
+                t.row(row);
             }
             for line in t.render().lines() {
                 s.push_str("  ");
@@ -143,4 +214,19 @@ impl Render for BackendsReport {
         }
         s
     }
+}
+
+/// The load-aware columns of one backend.
+fn load_cells(l: Option<&LoadRow>) -> Vec<String> {
+    let Some(l) = l else {
+        return vec!["-".into(); 5];
+    };
+    vec![
+        l.weight.to_string(),
+        format!("{:.2}", l.factor),
+        format!("{:.2}", l.pressure),
+        l.probe_latency_ms
+            .map_or("-".into(), |ms| format!("{ms:.1}ms")),
+        l.reported.clone().unwrap_or_else(|| "-".into()),
+    ]
 }
