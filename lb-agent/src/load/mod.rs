@@ -260,7 +260,9 @@ impl Run {
     /// minus flows closed since.
     fn open_flows(&mut self, targets: &[LoadTarget]) -> BTreeMap<(ServiceKey, SocketAddr), u64> {
         let dp = self.dp.lock().expect("data plane lock");
-        let walk = self.steps.is_multiple_of(WALK_EVERY)
+        let walk = self
+            .steps
+            .is_multiple_of(WALK_EVERY)
             .then(|| dp.open_flows_by_backend(ACTIVE))
             .and_then(|r| r.inspect_err(|e| warn!("counting open flows: {e}")).ok());
         let mut out = BTreeMap::new();

@@ -448,3 +448,50 @@ fn traffic_distribution_prefers_this_node_then_its_zone_then_all() {
     }
     assert_eq!(http(&o, "worker-3"), all);
 }
+
+#[test]
+fn balance_and_agent_check_annotations() {
+    let mut o = load(WEB);
+    let d = compute(&o, &opts("worker-1"), &Desired::default());
+    assert!(d.services.iter().all(|s| s.balance == Balance::Static));
+    let set = |o: &mut Objects, k: &str, v: &str| {
+        o.services[0]
+            .metadata
+            .annotations
+            .get_or_insert_with(Default::default)
+            .insert(k.into(), v.into());
+    };
+    set(&mut o, BALANCE_ANNOTATION, "load-aware");
+    set(&mut o, AGENT_CHECK_PORT_ANNOTATION, "9999");
+    let good = compute(&o, &opts("worker-1"), &Desired::default());
+    assert!(!good.services.is_empty());
+    assert!(good.services.iter().all(|s| s.balance
+        == Balance::LoadAware {
+            agent_check: Some(AgentCheck { port: 9999 })
+        }));
+    for (k, v, why) in [
+        (
+            BALANCE_ANNOTATION,
+            "least-conn",
+            "neither static nor load-aware",
+        ),
+        (AGENT_CHECK_PORT_ANNOTATION, "http", "is not a port"),
+        (
+            BALANCE_ANNOTATION,
+            "static",
+            "needs xlb.dev/balance: load-aware",
+        ),
+    ] {
+        let mut bad = load(WEB);
+        set(&mut bad, BALANCE_ANNOTATION, "load-aware");
+        set(&mut bad, AGENT_CHECK_PORT_ANNOTATION, "9999");
+        set(&mut bad, k, v);
+        let d = compute(&bad, &opts("worker-1"), &good);
+        assert_eq!(d.services, good.services, "{v}: keeps the last good state");
+        assert!(
+            d.problems.iter().any(|p| p.contains(why)),
+            "{v}: {:?}",
+            d.problems
+        );
+    }
+}
