@@ -377,3 +377,25 @@ pub fn reply_lookup(key: &FlowKey, closing: bool) -> Option<&mut ReplyNat> {
     refresh(r, &config(), key.proto, closing, now());
     Some(r)
 }
+
+/// A backend's RST ends its flow: the client may never send again (no FIN
+/// or RST of its own), so the flow is counted closed here. Uses `key` as
+/// scratch for the client-side key. Not inlined: only resets pay for it.
+#[inline(never)]
+pub fn close_from_backend(r: &ReplyNat, key: &mut FlowKey, proto: u8, family: u8) {
+    key.src = r.client;
+    key.dst = r.vip;
+    key.sport = r.cport;
+    key.dport = r.vport;
+    key.proto = proto;
+    key.family = family;
+    key._pad = [0; 2];
+    if let Some(f) = SHARED_FLOWS.get_ptr_mut(key) {
+        // SAFETY: shared entry; a racing CPU sets the same bit.
+        let f = unsafe { &mut *f };
+        if f.flags & FLOW_F_CLOSED == 0 && f.backend_id == r.backend_id {
+            f.flags |= FLOW_F_CLOSED;
+            crate::stats::count_closed(f.backend_id);
+        }
+    }
+}

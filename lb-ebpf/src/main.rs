@@ -281,6 +281,9 @@ fn from_backend_inner(ctx: &XdpContext, h: &Headers) -> Option<Verdict> {
     s.key.proto = h.proto;
     s.key.family = h.family;
     let r = conntrack::reply_lookup(&s.key, flags & (TCP_FIN | TCP_RST) != 0)?;
+    if flags & TCP_RST != 0 {
+        conntrack::close_from_backend(r, &mut s.reply_key, h.proto, h.family);
+    }
     if ttl(ctx, h) <= 1 {
         return Some(pass(Reason::PassTtlExpired));
     }

@@ -1945,7 +1945,7 @@ fn c4_flags(sport: u16, flags: u8) -> Vec<u8> {
 #[test]
 fn open_flows_per_backend_are_counted_needs_root() {
     let mut bed = two_cpu_bed("xlb-fix-open");
-    let (dp, cl0) = (&mut bed.dp, bed.cl0);
+    let (dp, cl0, be0) = (&mut bed.dp, bed.cl0, bed.be0);
     // VIP:80 has the one backend B2.
     let b2 = dp
         .backend_id(&base_services()[0].key(), sa(B2, 8080))
@@ -1974,4 +1974,20 @@ fn open_flows_per_backend_are_counted_needs_root() {
     assert_eq!(dp.backend_flows(b2).unwrap(), (4, 2));
     let open = dp.open_flows_by_backend(Duration::from_secs(60)).unwrap();
     assert_eq!(open.get(&b2), Some(&2));
+    // The backend resets a connection (an overloaded server closing without
+    // reading): the client may never send again, so that closes it too.
+    let rst = from_backend(B2_MAC)
+        .ipv4(ip4(B2, CLIENT, 64))
+        .tcp(Tcp::new(8080, 45001).seq(5001).flags(tcp_flags::RST))
+        .build();
+    let (v, _) = run(dp, be0, &rst);
+    assert_eq!(v, XDP_REDIRECT, "the reset is translated back");
+    run(dp, be0, &rst);
+    assert_eq!(
+        dp.backend_flows(b2).unwrap(),
+        (4, 3),
+        "the reset, counted once"
+    );
+    let open = dp.open_flows_by_backend(Duration::from_secs(60)).unwrap();
+    assert_eq!(open.get(&b2), Some(&1));
 }

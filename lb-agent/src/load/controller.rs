@@ -29,7 +29,13 @@ pub struct Signals {
     pub report: Option<Report>,
     /// CPU use of the backend's cgroup against its limit (1.0: all of it).
     pub cpu: Option<f64>,
+    /// The latest health check failed (an overloaded backend answering 503
+    /// is loaded, not idle, though it holds few flows).
+    pub probe_failed: bool,
 }
+
+/// The pressure a failed probe counts as, at least.
+pub const FAILED_PROBE_PRESSURE: f64 = 2.0;
 
 /// The weight decided for one backend, and why.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -80,7 +86,7 @@ impl Default for Params {
             floor: 0.05,
             gain: 0.5,
             max_step: 1.5,
-            deadband: 0.2,
+            deadband: 0.3,
             smoothing: 0.3,
             min_flows: 1.0,
             pseudo_flows: 4.0,
@@ -224,13 +230,24 @@ impl Controller {
         };
         let latency = ratios(&active.iter().map(|a| st(a).latency).collect::<Vec<_>>());
         let cpu = ratios(&active.iter().map(|a| signals[a].cpu).collect::<Vec<_>>());
-        (0..active.len())
-            .map(|i| {
-                [flows[i], latency[i], cpu[i]]
+        // Open flows (averaged over the step) and CPU are measured load;
+        // one probe's latency is a single noisy sample, so it counts only
+        // where neither is known. A failed probe is load whatever else says.
+        active
+            .iter()
+            .enumerate()
+            .map(|(i, a)| {
+                let p = [flows[i], cpu[i]]
                     .into_iter()
                     .flatten()
                     .reduce(f64::max)
-                    .unwrap_or(1.0)
+                    .or(latency[i])
+                    .unwrap_or(1.0);
+                if signals[a].probe_failed {
+                    p.max(FAILED_PROBE_PRESSURE)
+                } else {
+                    p
+                }
             })
             .collect()
     }
@@ -423,6 +440,17 @@ mod tests {
             lowest = lowest.min(*weights(&d).iter().min().unwrap());
         }
         assert!(lowest >= 75, "noise pushed a weight to {lowest}");
+    }
+
+    #[test]
+    fn a_failed_probe_is_pressure_however_few_its_flows() {
+        let mut c = Controller::new(Params::default());
+        let mut s = signals(&[2.0, 10.0, 10.0]);
+        s.get_mut(&addr(1)).unwrap().probe_failed = true;
+        c.step(&s);
+        let d = c.step(&s);
+        assert!(d[&addr(1)].pressure >= FAILED_PROBE_PRESSURE, "{d:?}");
+        assert!(d[&addr(1)].weight < d[&addr(2)].weight, "{d:?}");
     }
 
     #[test]

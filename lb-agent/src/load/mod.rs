@@ -34,6 +34,11 @@ use crate::{dataplane::Dataplane, health::HealthSnapshot, service::AgentCheck};
 
 /// The flow table is walked every this many steps (a syscall per flow).
 pub const WALK_EVERY: u64 = 10;
+/// Open flows are sampled this many times per step and averaged: one
+/// sample of a few flows says little, and a backend's queue fills and
+/// empties faster than a step.
+const SAMPLES: u64 = 10;
+
 /// Flows not seen for this long are not counted as open by the walk.
 const ACTIVE: Duration = Duration::from_secs(30);
 
@@ -121,7 +126,6 @@ impl LoadTask {
             controllers: BTreeMap::new(),
             flows: BTreeMap::new(),
             agents: BTreeMap::new(),
-            steps: 0,
         };
         let handle = tokio::spawn(async move { run.run().await });
         (LoadTask { targets, handle }, rx)
@@ -166,78 +170,102 @@ struct Run {
     controllers: BTreeMap<ServiceKey, Controller>,
     flows: BTreeMap<(ServiceKey, SocketAddr), FlowCount>,
     agents: BTreeMap<SocketAddr, AgentState>,
-    steps: u64,
 }
 
 impl Run {
     async fn run(&mut self) {
-        let mut ticker = tokio::time::interval(self.interval);
+        let mut ticker = tokio::time::interval(self.interval / SAMPLES as u32);
         ticker.set_missed_tick_behavior(MissedTickBehavior::Delay);
+        let mut sums: BTreeMap<(ServiceKey, SocketAddr), (f64, u32)> = BTreeMap::new();
+        let mut tick = 0u64;
         loop {
             ticker.tick().await;
             let targets = self.targets.borrow().clone();
-            self.controllers
-                .retain(|k, _| targets.iter().any(|t| t.key == *k));
-            self.flows.retain(|(k, a), _| {
-                targets
-                    .iter()
-                    .any(|t| t.key == *k && t.backends.iter().any(|b| b.0 == *a))
-            });
-            let open = self.open_flows(&targets);
-            let reports = self.agent_reports(&targets).await;
-            let health = self.health.borrow().clone();
-            let mut all = BTreeMap::new();
-            for t in &targets {
-                let signals: BTreeMap<SocketAddr, Signals> = t
-                    .backends
-                    .iter()
-                    .map(|&(addr, weight)| {
-                        let s = Signals {
-                            weight,
-                            open_flows: open.get(&(t.key, addr)).map(|&n| n as f64),
-                            latency: health.get(&addr).and_then(|h| h.latency),
-                            report: reports.get(&(t.key, addr)).copied(),
-                            cpu: None,
-                        };
-                        (addr, s)
-                    })
-                    .collect();
-                let c = self
-                    .controllers
-                    .entry(t.key)
-                    .or_insert_with(|| Controller::new(Params::default()));
-                let was_draining = c.all_draining;
-                let decisions = c.step(&signals);
-                if c.all_draining && !was_draining {
-                    warn!(service = %t.name, "every backend reports drain: the reports are set aside so that new flows still have a backend");
-                }
-                let backends = decisions
-                    .into_iter()
-                    .map(|(a, decision)| {
-                        (
-                            a,
-                            BackendLoad {
-                                decision,
-                                signals: signals[&a],
-                            },
-                        )
-                    })
-                    .collect();
-                all.insert(
-                    t.key,
-                    ServiceLoad {
-                        name: t.name.clone(),
-                        backends,
-                        all_draining: c.all_draining,
-                    },
-                );
+            let walk = tick.is_multiple_of(SAMPLES * WALK_EVERY);
+            for (k, n) in self.open_flows(&targets, walk) {
+                let e = sums.entry(k).or_default();
+                e.0 += n as f64;
+                e.1 += 1;
             }
-            self.steps += 1;
-            self.record(&all);
-            // Every step, for the metrics; the agent reprograms the data
-            // plane only when a weight changed (`weights_differ`).
-            self.tx.send_replace(Arc::new(all));
+            tick += 1;
+            if !tick.is_multiple_of(SAMPLES) {
+                continue;
+            }
+            let open = std::mem::take(&mut sums)
+                .into_iter()
+                .map(|(k, (sum, n))| (k, sum / n as f64))
+                .collect();
+            self.step(&targets, open).await;
         }
+    }
+
+    /// One controller step per service, from the open flows averaged over
+    /// the interval and the other signals now.
+    async fn step(
+        &mut self,
+        targets: &[LoadTarget],
+        open: BTreeMap<(ServiceKey, SocketAddr), f64>,
+    ) {
+        self.controllers
+            .retain(|k, _| targets.iter().any(|t| t.key == *k));
+        self.flows.retain(|(k, a), _| {
+            targets
+                .iter()
+                .any(|t| t.key == *k && t.backends.iter().any(|b| b.0 == *a))
+        });
+        let reports = self.agent_reports(targets).await;
+        let health = self.health.borrow().clone();
+        let mut all = BTreeMap::new();
+        for t in targets {
+            let signals: BTreeMap<SocketAddr, Signals> = t
+                .backends
+                .iter()
+                .map(|&(addr, weight)| {
+                    let s = Signals {
+                        weight,
+                        open_flows: open.get(&(t.key, addr)).copied(),
+                        latency: health.get(&addr).and_then(|h| h.latency),
+                        probe_failed: health.get(&addr).is_some_and(|h| h.last_error.is_some()),
+                        report: reports.get(&(t.key, addr)).copied(),
+                        cpu: None,
+                    };
+                    (addr, s)
+                })
+                .collect();
+            let c = self
+                .controllers
+                .entry(t.key)
+                .or_insert_with(|| Controller::new(Params::default()));
+            let was_draining = c.all_draining;
+            let decisions = c.step(&signals);
+            if c.all_draining && !was_draining {
+                warn!(service = %t.name, "every backend reports drain: the reports are set aside so that new flows still have a backend");
+            }
+            let backends = decisions
+                .into_iter()
+                .map(|(a, decision)| {
+                    (
+                        a,
+                        BackendLoad {
+                            decision,
+                            signals: signals[&a],
+                        },
+                    )
+                })
+                .collect();
+            all.insert(
+                t.key,
+                ServiceLoad {
+                    name: t.name.clone(),
+                    backends,
+                    all_draining: c.all_draining,
+                },
+            );
+        }
+        self.record(&all);
+        // Every step, for the metrics; the agent reprograms the data
+        // plane only when a weight changed (`weights_differ`).
+        self.tx.send_replace(Arc::new(all));
     }
 
     /// Writes each decision to `BACKEND_LOAD` for lbctl.
@@ -258,11 +286,13 @@ impl Run {
 
     /// Open flows per backend: the last walk's count plus flows opened
     /// minus flows closed since.
-    fn open_flows(&mut self, targets: &[LoadTarget]) -> BTreeMap<(ServiceKey, SocketAddr), u64> {
+    fn open_flows(
+        &mut self,
+        targets: &[LoadTarget],
+        walk: bool,
+    ) -> BTreeMap<(ServiceKey, SocketAddr), u64> {
         let dp = self.dp.lock().expect("data plane lock");
-        let walk = self
-            .steps
-            .is_multiple_of(WALK_EVERY)
+        let walk = walk
             .then(|| dp.open_flows_by_backend(ACTIVE))
             .and_then(|r| r.inspect_err(|e| warn!("counting open flows: {e}")).ok());
         let mut out = BTreeMap::new();

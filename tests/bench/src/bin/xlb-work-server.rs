@@ -1,0 +1,121 @@
+//! The application behind the load-aware benchmark: an HTTP/1.1 server with
+//! a fixed number of workers and a bounded queue, as an application server
+//! with a thread pool is. `GET /?cost_us=N` burns N µs of CPU (the thread's
+//! own CPU time, so a CPU quota stretches it in wall time) and answers the
+//! server's name; a request that finds every worker busy and the queue full
+//! is answered 503 at once, as an overloaded application's proxy does.
+//!
+//! `xlb-work-server LISTEN NAME WORKERS QUEUE`
+
+use std::{
+    io::{Read, Write},
+    net::{TcpListener, TcpStream},
+    sync::{
+        mpsc::{sync_channel, TrySendError},
+        Arc, Mutex,
+    },
+    time::Duration,
+};
+
+fn main() {
+    let args: Vec<String> = std::env::args().collect();
+    if args.len() != 5 {
+        eprintln!("usage: xlb-work-server LISTEN NAME WORKERS QUEUE");
+        std::process::exit(2);
+    }
+    let listener = TcpListener::bind(&args[1]).unwrap_or_else(|e| {
+        eprintln!("binding {}: {e}", args[1]);
+        std::process::exit(1)
+    });
+    let name: Arc<str> = args[2].as_str().into();
+    let workers: usize = args[3].parse().expect("WORKERS");
+    let queue: usize = args[4].parse().expect("QUEUE");
+    let (tx, rx) = sync_channel::<TcpStream>(queue);
+    let rx = Arc::new(Mutex::new(rx));
+    for _ in 0..workers {
+        let (rx, name) = (rx.clone(), name.clone());
+        std::thread::spawn(move || loop {
+            let next = rx.lock().expect("queue").recv();
+            match next {
+                Ok(s) => serve(s, &name),
+                Err(_) => return,
+            }
+        });
+    }
+    for stream in listener.incoming().flatten() {
+        match tx.try_send(stream) {
+            Ok(()) => {}
+            Err(TrySendError::Full(s)) => {
+                let _ = reply(s, 503, "busy");
+            }
+            Err(TrySendError::Disconnected(_)) => return,
+        }
+    }
+}
+
+/// Answers with `status` and `body`, then closes. The 503 path does not
+/// read the request first, so the client sees the answer and then a reset,
+/// as from many overloaded servers.
+fn reply(mut s: TcpStream, status: u16, body: &str) -> std::io::Result<()> {
+    let reason = if status == 200 {
+        "OK"
+    } else {
+        "Service Unavailable"
+    };
+    write!(
+        s,
+        "HTTP/1.1 {status} {reason}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    )?;
+    s.flush()
+}
+
+fn read_head(s: &mut TcpStream) -> Option<String> {
+    s.set_read_timeout(Some(Duration::from_secs(5))).ok()?;
+    let mut buf = Vec::with_capacity(256);
+    let mut chunk = [0u8; 512];
+    while !buf.windows(4).any(|w| w == b"\r\n\r\n") && buf.len() < 8192 {
+        let n = s.read(&mut chunk).ok()?;
+        if n == 0 {
+            return None;
+        }
+        buf.extend_from_slice(&chunk[..n]);
+    }
+    Some(String::from_utf8_lossy(&buf).into_owned())
+}
+
+fn serve(mut s: TcpStream, name: &str) {
+    let Some(head) = read_head(&mut s) else {
+        return;
+    };
+    let cost_us: u64 = head
+        .split_whitespace()
+        .nth(1)
+        .and_then(|path| path.split_once("cost_us="))
+        .and_then(|(_, v)| v.split(['&', ' ']).next()?.parse().ok())
+        .unwrap_or(0);
+    burn(Duration::from_micros(cost_us));
+    let _ = reply(s, 200, name);
+}
+
+/// Spends `d` of this thread's CPU time.
+fn burn(d: Duration) {
+    let start = thread_cpu();
+    let mut x = 0u64;
+    while thread_cpu() - start < d {
+        for i in 0..1000u64 {
+            x = x.wrapping_mul(6364136223846793005).wrapping_add(i);
+        }
+        std::hint::black_box(x);
+    }
+}
+
+fn thread_cpu() -> Duration {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: a valid timespec to fill.
+    unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) };
+    Duration::new(ts.tv_sec as u64, ts.tv_nsec as u32)
+}
