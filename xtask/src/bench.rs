@@ -11,8 +11,15 @@ use crate::{
 /// iptables, nftables, nginx and HAProxy; the agent's memory and reload
 /// time), the forwarding rate (`xlb-forwarding-bench`), the Kubernetes,
 /// locality and BGP convergence benchmarks. Arguments go to both (`xlb-bench` takes none and ignores them);
-/// `--e2e-only` / `--per-packet-only` run just one of them.
+/// `--e2e-only` / `--per-packet-only` run just one of them;
+/// `load-aware [ARGS]` runs only the load-aware benchmark.
 pub fn run(args: &[String]) -> Result<()> {
+    if args.first().is_some_and(|a| a == "load-aware") {
+        wait_through_ctrl_c();
+        build_agent()?;
+        let rest: Vec<&String> = args[1..].iter().collect();
+        return run_bench("xlb-load-aware-bench", &rest);
+    }
     let e2e_only = args.iter().any(|a| a == "--e2e-only");
     let per_packet_only = args.iter().any(|a| a == "--per-packet-only");
     let args: Vec<&String> = args
@@ -36,6 +43,8 @@ pub fn run(args: &[String]) -> Result<()> {
     run_bench("xlb-k8s-bench", &[])?;
     // What keeping traffic on the node buys (trafficDistribution).
     run_bench("xlb-locality-bench", &[])?;
+    // Load-aware against static weights, the seed paper's patterns.
+    run_bench("xlb-load-aware-bench", &[])?;
     // BGP convergence in the ECMP lab (defaults only).
     run_bench("xlb-convergence-bench", &[])
 }

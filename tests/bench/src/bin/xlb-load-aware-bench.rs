@@ -261,12 +261,7 @@ struct Lab {
 impl Lab {
     fn new() -> Lab {
         let mut t = Topology::new("lab-la", 3);
-        let server = workspace_root().join("target/release/xlb-work-server");
-        assert!(
-            server.exists(),
-            "{} missing: cargo build --release -p xlb-bench",
-            server.display()
-        );
+        let server = work_server();
         let mut servers = Vec::new();
         for n in 1..=3 {
             let listen = SocketAddr::from((backend_ip(n), WORK_PORT)).to_string();
@@ -342,6 +337,31 @@ impl Lab {
             weights,
         }
     }
+}
+
+/// `xlb-work-server` next to this binary, built (release) if missing.
+fn work_server() -> PathBuf {
+    let exe = std::env::current_exe().expect("current_exe");
+    let path = exe.with_file_name("xlb-work-server");
+    if !path.exists() {
+        let st = std::process::Command::new("cargo")
+            .current_dir(workspace_root())
+            .args([
+                "build",
+                "--release",
+                "-p",
+                "xlb-bench",
+                "--bin",
+                "xlb-work-server",
+            ])
+            .status()
+            .expect("running cargo build");
+        assert!(
+            st.success() && path.exists(),
+            "building xlb-work-server failed"
+        );
+    }
+    path
 }
 
 fn patterns(seconds: f64) -> Vec<Pattern> {
