@@ -65,6 +65,8 @@ pub struct Agent {
     attached: BTreeSet<String>,
     /// Announcing VIPs through the BGP speaker, when configured.
     announce: Option<AnnounceTask>,
+    /// Answering ARP/NDP for the VIPs (L2 mode), when configured.
+    l2: Option<crate::l2::L2Task>,
     /// Services from Kubernetes, when configured.
     k8s: Option<DesiredRx>,
     /// This agent's candidacy for handing out LoadBalancer addresses.
@@ -173,6 +175,7 @@ impl Agent {
             labels,
             attached: BTreeSet::new(),
             announce: None,
+            l2: None,
             k8s: None,
             allocator: None,
             shadowed: BTreeSet::new(),
@@ -222,6 +225,11 @@ impl Agent {
                 bgp.resync_interval,
                 agent.metrics.registry(),
             ));
+        }
+        if let Some(l2) = agent.config.l2.clone() {
+            agent.l2 = Some(
+                crate::l2::L2Task::start(l2, agent.dp.clone(), agent.metrics.registry()).await?,
+            );
         }
         if let Err(e) = agent.apply_config() {
             // Without its interfaces the agent is useless: stop. A service the
@@ -293,7 +301,14 @@ impl Agent {
                 tokio::time::sleep(bgp.drain_time).await;
             }
         };
-        tokio::join!(step_down, withdraw_and_drain);
+        // L2: the others take this node's VIPs over as soon as it leaves;
+        // its data plane keeps forwarding for clients that still send here.
+        let hand_over = async {
+            if let Some(l2) = &self.l2 {
+                l2.leave().await;
+            }
+        };
+        tokio::join!(step_down, withdraw_and_drain, hand_over);
         info!("exiting; the XDP program stays attached and keeps forwarding (lb-agent --cleanup detaches it)");
         Ok(())
     }
@@ -475,6 +490,14 @@ impl Agent {
         if let Some(task) = &self.announce {
             task.apply(self.desired_routes());
         }
+        if let Some(l2) = &self.l2 {
+            l2.set_vips(
+                self.servable_vips()
+                    .into_iter()
+                    .map(|v| (v, None))
+                    .collect(),
+            );
+        }
         if errors.is_empty() {
             Ok(())
         } else {
@@ -511,8 +534,16 @@ impl Agent {
     }
 
     /// The VIPs this node can serve now: the program is attached and a
-    /// service on the VIP has a backend with weight. One host route each,
-    /// with this node as next hop.
+    /// service on the VIP has a backend with weight.
+    fn servable_vips(&self) -> BTreeSet<IpAddr> {
+        let dp = self.dp.lock().expect("data plane lock");
+        dp.services()
+            .filter(|(_, spec)| spec.backends.iter().any(|b| b.weight > 0))
+            .map(|(_, spec)| spec.vip)
+            .collect()
+    }
+
+    /// One host route per servable VIP, with this node as next hop.
     fn desired_routes(&self) -> BTreeSet<Route> {
         let Some(bgp) = &self.config.bgp else {
             return BTreeSet::new();
@@ -531,24 +562,20 @@ impl Agent {
             .next_hop_ipv6
             .map(IpAddr::V6)
             .or_else(|| interface_address(first_iface, false));
-        let dp = self.dp.lock().expect("data plane lock");
         let mut routes = BTreeSet::new();
-        for (_, spec) in dp.services() {
-            if !spec.backends.iter().any(|b| b.weight > 0) {
-                continue;
-            }
-            let hop = if spec.vip.is_ipv4() { hop4 } else { hop6 };
+        for vip in self.servable_vips() {
+            let hop = if vip.is_ipv4() { hop4 } else { hop6 };
             match hop {
                 Some(next_hop) => {
                     routes.insert(Route {
-                        vip: spec.vip,
+                        vip,
                         next_hop,
                         communities: bgp.communities.clone(),
                         local_pref: bgp.local_pref,
                     });
                 }
                 None => {
-                    warn!(vip = %spec.vip, "no next hop of this family: set bgp.next_hop_ipv4/6")
+                    warn!(vip = %vip, "no next hop of this family: set bgp.next_hop_ipv4/6")
                 }
             }
         }

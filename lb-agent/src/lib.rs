@@ -7,6 +7,7 @@ pub mod dataplane;
 pub mod health;
 pub mod http;
 pub mod k8s;
+pub mod l2;
 pub mod load;
 pub mod maps;
 pub mod metrics;

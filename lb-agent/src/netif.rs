@@ -7,6 +7,8 @@
 
 use std::{io, net::IpAddr};
 
+use ipnet::IpNet;
+
 /// Index of a network interface in the caller's network namespace.
 pub fn ifindex(name: &str) -> Option<u32> {
     let c = std::ffi::CString::new(name).ok()?;
@@ -18,15 +20,73 @@ pub fn ifindex(name: &str) -> Option<u32> {
 /// The first address of `family` (v4 when `v4`) on interface `iface`:
 /// the default next hop. IPv6 link-local addresses are skipped.
 pub fn interface_address(iface: &str, v4: bool) -> Option<IpAddr> {
+    interface_networks(iface)
+        .into_iter()
+        .map(|n| n.addr())
+        .find(|a| a.is_ipv4() == v4 && !is_link_local(*a))
+}
+
+fn is_link_local(a: IpAddr) -> bool {
+    matches!(a, IpAddr::V6(v6) if v6.segments()[0] & 0xffc0 == 0xfe80)
+}
+
+/// The addresses on `iface` with their prefixes, in the kernel's order.
+pub fn interface_networks(iface: &str) -> Vec<IpNet> {
+    let mut out = Vec::new();
+    walk_ifaddrs(iface, |ifa| {
+        // SAFETY: getifaddrs gives address and netmask of the same family.
+        unsafe {
+            match (*ifa.ifa_addr).sa_family as i32 {
+                libc::AF_INET => {
+                    let a = &*(ifa.ifa_addr as *const libc::sockaddr_in);
+                    let m = &*(ifa.ifa_netmask as *const libc::sockaddr_in);
+                    let ip = std::net::Ipv4Addr::from(u32::from_be(a.sin_addr.s_addr));
+                    let len = u32::from_be(m.sin_addr.s_addr).count_ones() as u8;
+                    out.extend(IpNet::new(ip.into(), len).ok());
+                }
+                libc::AF_INET6 => {
+                    let a = &*(ifa.ifa_addr as *const libc::sockaddr_in6);
+                    let m = &*(ifa.ifa_netmask as *const libc::sockaddr_in6);
+                    let ip = std::net::Ipv6Addr::from(a.sin6_addr.s6_addr);
+                    let len = u128::from_be_bytes(m.sin6_addr.s6_addr).count_ones() as u8;
+                    out.extend(IpNet::new(ip.into(), len).ok());
+                }
+                _ => {}
+            }
+        }
+    });
+    out
+}
+
+/// The hardware (MAC) address of `iface`.
+pub fn interface_mac(iface: &str) -> Option<[u8; 6]> {
     let mut out = None;
+    walk_ifaddrs(iface, |ifa| {
+        // SAFETY: an AF_PACKET entry's address is a sockaddr_ll.
+        unsafe {
+            if (*ifa.ifa_addr).sa_family as i32 == libc::AF_PACKET {
+                let ll = &*(ifa.ifa_addr as *const libc::sockaddr_ll);
+                if ll.sll_halen == 6 && out.is_none() {
+                    let mut mac = [0u8; 6];
+                    mac.copy_from_slice(&ll.sll_addr[..6]);
+                    out = Some(mac);
+                }
+            }
+        }
+    });
+    out
+}
+
+/// Calls `f` with each entry of `iface` that has an address (and netmask).
+fn walk_ifaddrs(iface: &str, mut f: impl FnMut(&libc::ifaddrs)) {
     // SAFETY: getifaddrs fills a list we walk read-only and free once.
     unsafe {
         let mut list: *mut libc::ifaddrs = std::ptr::null_mut();
         if libc::getifaddrs(&mut list) != 0 {
-            return None;
+            return;
         }
         let mut cur = list;
-        while !cur.is_null() && out.is_none() {
+        while !cur.is_null() {
             let ifa = &*cur;
             cur = ifa.ifa_next;
             if ifa.ifa_addr.is_null()
@@ -34,26 +94,14 @@ pub fn interface_address(iface: &str, v4: bool) -> Option<IpAddr> {
             {
                 continue;
             }
-            match (*ifa.ifa_addr).sa_family as i32 {
-                libc::AF_INET if v4 => {
-                    let sin = &*(ifa.ifa_addr as *const libc::sockaddr_in);
-                    out = Some(IpAddr::from(
-                        u32::from_be(sin.sin_addr.s_addr).to_be_bytes(),
-                    ));
-                }
-                libc::AF_INET6 if !v4 => {
-                    let sin6 = &*(ifa.ifa_addr as *const libc::sockaddr_in6);
-                    let a = std::net::Ipv6Addr::from(sin6.sin6_addr.s6_addr);
-                    if a.segments()[0] & 0xffc0 != 0xfe80 {
-                        out = Some(IpAddr::V6(a));
-                    }
-                }
-                _ => {}
+            let fam = (*ifa.ifa_addr).sa_family as i32;
+            if fam != libc::AF_PACKET && ifa.ifa_netmask.is_null() {
+                continue;
             }
+            f(ifa);
         }
         libc::freeifaddrs(list);
     }
-    out
 }
 
 /// `IPV4_DEVCONF_ACCEPT_LOCAL` in linux/ip.h (the sysctl's index, 1-based).
@@ -232,6 +280,9 @@ mod tests {
         );
         assert_eq!(super::interface_address("no-such-if", true), None);
         assert!(super::driver("no-such-if").is_err());
+        assert!(super::interface_networks("lo").contains(&"127.0.0.1/8".parse().unwrap()));
+        assert_eq!(super::interface_mac("lo"), Some([0; 6]));
+        assert_eq!(super::interface_mac("no-such-if"), None);
     }
 
     use super::*;

@@ -48,6 +48,10 @@ pub const MAX_SOURCE_RANGES: u32 = 16384;
 pub const MAX_TX_PORTS: u32 = 256;
 /// `PORT_FLAGS`: one byte per L4 port number.
 pub const PORT_FLAGS_ENTRIES: u32 = 65536;
+/// `L2_VIPS`: service IPs this node answers ARP/NDP for (L2 mode).
+pub const MAX_L2_VIPS: u32 = 4096;
+/// `L2_IFACES`: interfaces L2 mode answers on.
+pub const MAX_L2_IFACES: u32 = 64;
 
 /// Maglev table size used when a service does not set one (prime).
 pub const DEFAULT_MAGLEV_SIZE: u32 = 16381;
@@ -86,7 +90,9 @@ pub mod map_names {
     pub const FLOW_EVENTS: &str = "FLOW_EVENTS";
     pub const BACKEND_CLOSED: &str = "BACKEND_CLOSED";
     pub const BACKEND_LOAD: &str = "BACKEND_LOAD";
-    pub const ALL: [&str; 15] = [
+    pub const L2_VIPS: &str = "L2_VIPS";
+    pub const L2_IFACES: &str = "L2_IFACES";
+    pub const ALL: [&str; 17] = [
         SERVICES,
         BACKENDS,
         MAGLEV,
@@ -102,6 +108,8 @@ pub mod map_names {
         FLOW_EVENTS,
         BACKEND_CLOSED,
         BACKEND_LOAD,
+        L2_VIPS,
+        L2_IFACES,
     ];
 }
 
@@ -259,6 +267,38 @@ pub const LOAD_REPORT_PERCENT: u32 = 1;
 pub const LOAD_REPORT_DRAIN: u32 = 2;
 pub const LOAD_REPORT_DOWN: u32 = 3;
 
+/// Key of `L2_VIPS`: a service IP this node owns in L2 mode.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct L2VipKey {
+    pub addr: [u32; 4],
+    pub family: u8,
+    pub _pad: [u8; 3],
+}
+
+/// Value of `L2_VIPS`: the interface the VIP is answered on (the one whose
+/// subnet holds it).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct L2Vip {
+    pub ifindex: u32,
+    pub _pad: u32,
+}
+
+/// Value of `L2_IFACES`, keyed by ifindex: the MAC answers carry, and until
+/// when (CLOCK_MONOTONIC ns, as `bpf_ktime_get_ns`) the agent vouches for
+/// its ownership. The agent renews it several times a `valid` period; an
+/// agent that crashed or froze stops renewing, and the program stops
+/// answering by itself, so a node that can no longer take part in the
+/// membership never answers beside the new owner.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct L2Iface {
+    pub mac: [u8; 6],
+    pub _pad: [u8; 2],
+    pub valid_until_ns: u64,
+}
+
 /// Value of `BACKENDS`, indexed by backend id: the backend, written by the
 /// agent before any table names the id, and the FIB's answer for it, which
 /// the data path caches there (the agent's writes reset it).
@@ -410,9 +450,13 @@ pub enum Reason {
     PassFragment = 16,
     /// A client outside the service's source ranges (`loadBalancerSourceRanges`).
     DropSourceRange = 17,
+    /// An ARP request for a VIP this node owns in L2 mode, answered (XDP_TX).
+    ArpReply = 18,
+    /// An IPv6 Neighbor Solicitation for a VIP this node owns, answered (XDP_TX).
+    NdpAdvert = 19,
 }
 
-pub const REASON_COUNT: u32 = 18;
+pub const REASON_COUNT: u32 = 20;
 
 impl Reason {
     pub const ALL: [Reason; REASON_COUNT as usize] = [
@@ -434,6 +478,8 @@ impl Reason {
         Reason::IcmpToBackend,
         Reason::PassFragment,
         Reason::DropSourceRange,
+        Reason::ArpReply,
+        Reason::NdpAdvert,
     ];
 
     /// Stable snake_case name, used in metrics and lbctl.
@@ -457,6 +503,8 @@ impl Reason {
             Reason::IcmpToBackend => "icmp_to_backend",
             Reason::PassFragment => "pass_fragment",
             Reason::DropSourceRange => "drop_source_range",
+            Reason::ArpReply => "arp_reply",
+            Reason::NdpAdvert => "ndp_advert",
         }
     }
 }
@@ -501,6 +549,9 @@ mod pod {
     unsafe impl aya::Pod for FibCache {}
     unsafe impl aya::Pod for BackendEntry {}
     unsafe impl aya::Pod for RangeKey {}
+    unsafe impl aya::Pod for L2VipKey {}
+    unsafe impl aya::Pod for L2Vip {}
+    unsafe impl aya::Pod for L2Iface {}
 }
 
 // Layouts are part of the pinned-map ABI: a change here needs a new map name.
@@ -516,4 +567,7 @@ const _: () = {
     assert!(core::mem::size_of::<BackendEntry>() == 48);
     assert!(core::mem::size_of::<TrafficStats>() == 40);
     assert!(core::mem::size_of::<RangeKey>() == 20);
+    assert!(core::mem::size_of::<L2VipKey>() == 20);
+    assert!(core::mem::size_of::<L2Vip>() == 8);
+    assert!(core::mem::size_of::<L2Iface>() == 16);
 };

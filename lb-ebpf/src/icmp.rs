@@ -24,6 +24,7 @@ const ICMP_ECHO: u8 = 8;
 const ICMPV6_PKT_TOOBIG: u8 = 2;
 const ICMPV6_ECHO: u8 = 128;
 const ICMPV6_ECHO_REPLY: u8 = 129;
+const ICMPV6_NEIGHBOR_SOLICIT: u8 = 135;
 
 /// True if `addr` is a VIP (the agent adds an echo marker for every VIP).
 #[inline(always)]
@@ -53,6 +54,10 @@ fn handle_inner(ctx: &XdpContext, h: &Headers) -> Option<Verdict> {
     let icmp = ptr_at(ctx, h.l4, 8)?;
     let (ty, code) = (load8(icmp), load8(icmp + 1));
     let v6 = h.v6();
+    if v6 && ty == ICMPV6_NEIGHBOR_SOLICIT {
+        let v = crate::l2::neighbor_solicit(ctx, h);
+        return (!v.is_none()).then_some(v);
+    }
     if (!v6 && ty == ICMP_ECHO) || (v6 && ty == ICMPV6_ECHO) {
         if !is_vip(&h.dst, h.family) {
             return None;

@@ -12,6 +12,7 @@ mod conntrack;
 mod csum;
 mod forward;
 mod icmp;
+mod l2;
 mod maps;
 mod nat;
 mod parse;
@@ -98,7 +99,14 @@ fn drop(reason: Reason) -> Verdict {
 fn process(ctx: &XdpContext) -> Verdict {
     let h = match parse(ctx) {
         Ok(h) => h,
-        Err(ParseError::NotIp) => return pass(Reason::PassNotIp),
+        Err(ParseError::NotIp) => {
+            let v = l2::arp(ctx);
+            return if v.is_none() {
+                pass(Reason::PassNotIp)
+            } else {
+                v
+            };
+        }
         Err(ParseError::Truncated) => return pass(Reason::PassTruncated),
     };
     if h.fragment {

@@ -7,10 +7,10 @@ use aya_ebpf::{
     macros::btf_map,
 };
 use lb_common::{
-    BackendEntry, BackendLoad, Config, Flow, FlowKey, RangeKey, ReplyNat, ServiceInfo, ServiceKey,
-    TrafficStats, FLOW_EVENT_COUNT, MAGLEV_POOL_ENTRIES, MAX_BACKENDS, MAX_SERVICES,
-    MAX_SOURCE_RANGES, MAX_TX_PORTS, PORT_FLAGS_ENTRIES, REASON_COUNT, REPLY_NAT_ENTRIES,
-    SHARED_FLOWS_ENTRIES,
+    BackendEntry, BackendLoad, Config, Flow, FlowKey, L2Iface, L2Vip, L2VipKey, RangeKey, ReplyNat,
+    ServiceInfo, ServiceKey, TrafficStats, FLOW_EVENT_COUNT, MAGLEV_POOL_ENTRIES, MAX_BACKENDS,
+    MAX_L2_IFACES, MAX_L2_VIPS, MAX_SERVICES, MAX_SOURCE_RANGES, MAX_TX_PORTS, PORT_FLAGS_ENTRIES,
+    REASON_COUNT, REPLY_NAT_ENTRIES, SHARED_FLOWS_ENTRIES,
 };
 
 const NO_PREALLOC: usize = BPF_F_NO_PREALLOC as usize;
@@ -98,6 +98,16 @@ pub static REASON_STATS: PerCpuArray<u64, { REASON_COUNT as usize }> = PerCpuArr
 /// costs the same with one range or thousands.
 #[btf_map]
 pub static SOURCE_RANGES: LpmTrie<RangeKey, u8, { MAX_SOURCE_RANGES as usize }> = LpmTrie::new();
+
+/// L2 mode: the service IPs this node owns now, and the interface each is
+/// answered on. The agent adds and removes them as ownership moves.
+#[btf_map]
+pub static L2_VIPS: HashMap<L2VipKey, L2Vip, { MAX_L2_VIPS as usize }> = HashMap::new();
+
+/// L2 mode: ifindex -> the MAC to answer with, and until when the agent
+/// vouches for its VIPs (see `lb_common::L2Iface`).
+#[btf_map]
+pub static L2_IFACES: HashMap<u32, L2Iface, { MAX_L2_IFACES as usize }> = HashMap::new();
 
 /// Per-CPU scratch space for large temporaries (see `conntrack::Scratch`).
 #[btf_map]

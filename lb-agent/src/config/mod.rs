@@ -52,6 +52,8 @@ pub struct AgentConfig {
     /// How often the load-aware services' weights are recomputed
     /// (`load_aware.interval`).
     pub load_interval: Duration,
+    /// Answering ARP/NDP for the VIPs (L2 mode); `None`: not answered.
+    pub l2: Option<L2Config>,
     pub services: Vec<DesiredService>,
 }
 
@@ -315,10 +317,12 @@ impl AgentConfig {
     }
 }
 
+mod l2;
 mod locate;
 mod raw;
 mod validate;
 
+pub use self::l2::{L2Config, DEFAULT_L2_PORT};
 use self::{locate::yaml_error, raw::RawConfig, validate::Validator};
 #[cfg(test)]
 mod tests;

@@ -18,6 +18,7 @@ pub(super) struct RawConfig {
     pub(super) bgp: Option<RawBgp>,
     pub(super) kubernetes: Option<RawKubernetes>,
     pub(super) load_aware: Option<RawLoadAware>,
+    pub(super) l2: Option<super::l2::RawL2>,
     #[serde(default)]
     pub(super) services: Vec<RawService>,
 }

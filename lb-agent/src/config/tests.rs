@@ -113,6 +113,7 @@ fn full_example() {
         bgp: None,
         kubernetes: None,
         load_interval: DEFAULT_LOAD_INTERVAL,
+        l2: None,
         services: vec![
             DesiredService {
                 name: "web".into(),
@@ -1142,4 +1143,80 @@ fn bgp_section_parses_and_checks() {
     let bad = format!("{BASE}bgp:\n  driver: bird\n  next_hop_ipv4: fd00::1\n");
     let e = AgentConfig::parse(&bad).unwrap_err().to_string();
     assert!(e.contains("bgp.next_hop_ipv4"), "{e}");
+}
+
+#[test]
+fn l2_section_parses_and_checks() {
+    let key = std::env::temp_dir().join(format!("xlb-l2-key-{}", std::process::id()));
+    std::fs::write(&key, "0123456789abcdef0123\n").unwrap();
+    let short = std::env::temp_dir().join(format!("xlb-l2-short-{}", std::process::id()));
+    std::fs::write(&short, "short").unwrap();
+    let base = format!(
+        "interfaces: [eth0, eth1]
+l2:
+  interfaces: [eth0]
+  node_name: node-a
+  bind: 10.0.0.11
+  peers: [10.0.0.12, \"10.0.0.13:7000\"]
+  key_file: {}
+",
+        key.display()
+    );
+    let c = AgentConfig::parse(&base).unwrap();
+    let l2 = c.l2.unwrap();
+    assert_eq!(l2.bind, "10.0.0.11:7946".parse().unwrap());
+    assert_eq!(l2.peers[1], "10.0.0.13:7000".parse().unwrap());
+    assert_eq!(l2.key, b"0123456789abcdef0123");
+    assert_eq!(l2.quorum, 2, "majority of three");
+    assert_eq!(l2.probe_interval, Duration::from_millis(100));
+    assert_eq!(l2.announce_interval, Duration::from_secs(30));
+
+    rejects(
+        &edit(&base, "interfaces: [eth0]", "interfaces: [eth2]"),
+        3,
+        "l2.interfaces[0]",
+        "not in interfaces",
+    );
+    rejects(
+        &edit(
+            &base,
+            &key.display().to_string(),
+            &short.display().to_string(),
+        ),
+        7,
+        "l2.key_file",
+        "at least 16 bytes",
+    );
+    rejects(
+        &edit(&base, "key_file: /", "key_file: /nonexistent/"),
+        7,
+        "l2.key_file",
+        "No such file",
+    );
+    rejects(
+        &format!("{base}  quorum: 4\n"),
+        8,
+        "l2.quorum",
+        "outside 1..=3",
+    );
+    rejects(
+        &format!("{base}  probe_timeout: 100ms\n"),
+        8,
+        "l2.probe_timeout",
+        "shorter than probe_interval",
+    );
+    rejects(
+        &edit(&base, "bind: 10.0.0.11", "bind: eth0"),
+        5,
+        "l2.bind",
+        "not an address",
+    );
+    rejects(
+        &edit(&base, "10.0.0.12,", "10.0.0.11,"),
+        6,
+        "l2.peers[0]",
+        "listed twice",
+    );
+    let _ = std::fs::remove_file(key);
+    let _ = std::fs::remove_file(short);
 }

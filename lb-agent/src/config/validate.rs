@@ -33,7 +33,7 @@ impl Validator<'_> {
         locate(self.text, &path.0)
     }
 
-    fn err(&self, path: FieldPath, message: impl Into<String>) -> ConfigError {
+    pub(super) fn err(&self, path: FieldPath, message: impl Into<String>) -> ConfigError {
         ConfigError::Invalid {
             line: self.line(&path),
             field: path.to_string(),
@@ -132,6 +132,10 @@ impl Validator<'_> {
                 d
             }
         };
+        let l2 = match raw.l2 {
+            None => None,
+            Some(l) => Some(self.l2(l, &interfaces)?),
+        };
         let services = self.services(raw.services, snat_ipv4, snat_ipv6)?;
         Ok(AgentConfig {
             interfaces,
@@ -148,6 +152,7 @@ impl Validator<'_> {
             bgp,
             kubernetes,
             load_interval,
+            l2,
             services,
         })
     }
@@ -498,7 +503,7 @@ impl Validator<'_> {
         }
     }
 
-    fn duration(&self, s: &str, path: impl FnOnce() -> FieldPath) -> Checked<Duration> {
+    pub(super) fn duration(&self, s: &str, path: impl FnOnce() -> FieldPath) -> Checked<Duration> {
         humantime::parse_duration(s.trim()).map_err(|e| {
             self.err(
                 path(),

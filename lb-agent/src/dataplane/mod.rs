@@ -30,11 +30,11 @@ pub use lb_common::net::Protocol;
 use lb_common::{
     maglev, map_names as names,
     net::{ip_words, service_key, words_ip, Family},
-    BackendEntry, BackendLoad, Config, Flow, FlowKey, ReplyNat, ServiceInfo, ServiceKey,
-    TrafficStats, FAMILY_V4, FAMILY_V6, FLOW_EVENT_COUNT, FLOW_EVENT_REPICKED, FLOW_F_CLOSED,
-    MAGLEV_POOL_ENTRIES, MAX_BACKENDS, MAX_SERVICES, PORT_F_BACKEND, PORT_F_SERVICE, PROTO_ICMP,
-    PROTO_ICMPV6, REASON_COUNT, SERVICE_F_CLIENT_AFFINITY, SERVICE_F_SNAT, SERVICE_F_SOURCE_RANGES,
-    SHARED_FLOWS_ENTRIES,
+    BackendEntry, BackendLoad, Config, Flow, FlowKey, L2Iface, L2Vip, L2VipKey, ReplyNat,
+    ServiceInfo, ServiceKey, TrafficStats, FAMILY_V4, FAMILY_V6, FLOW_EVENT_COUNT,
+    FLOW_EVENT_REPICKED, FLOW_F_CLOSED, MAGLEV_POOL_ENTRIES, MAX_BACKENDS, MAX_SERVICES,
+    PORT_F_BACKEND, PORT_F_SERVICE, PROTO_ICMP, PROTO_ICMPV6, REASON_COUNT,
+    SERVICE_F_CLIENT_AFFINITY, SERVICE_F_SNAT, SERVICE_F_SOURCE_RANGES, SHARED_FLOWS_ENTRIES,
 };
 
 use self::{
@@ -259,6 +259,8 @@ struct Maps {
     backend_closed: PerCpuArray<MapData, u64>,
     backend_load: Array<MapData, BackendLoad>,
     ranges: SourceRanges,
+    l2_vips: HashMap<MapData, L2VipKey, L2Vip>,
+    l2_ifaces: HashMap<MapData, u32, L2Iface>,
 }
 
 impl Dataplane {
@@ -371,6 +373,10 @@ impl Dataplane {
                     .map_err(map_err(names::SOURCE_RANGES))?,
             )
             .map_err(map_err(names::SOURCE_RANGES))?,
+            l2_vips: HashMap::try_from(take(&mut ebpf, names::L2_VIPS)?)
+                .map_err(map_err(names::L2_VIPS))?,
+            l2_ifaces: HashMap::try_from(take(&mut ebpf, names::L2_IFACES)?)
+                .map_err(map_err(names::L2_IFACES))?,
         };
         let mut dp = Self {
             maps,

@@ -41,6 +41,61 @@ impl Dataplane {
             .map_err(map_err(names::BACKEND_LOAD))
     }
 
+    /// L2 mode: answer ARP/NDP on `ifindex` with `mac` until
+    /// `valid_until_ns` (`maps::monotonic_now_ns`'s clock).
+    pub fn set_l2_iface(&mut self, ifindex: u32, mac: [u8; 6], valid_until_ns: u64) -> Result<()> {
+        let v = L2Iface {
+            mac,
+            _pad: [0; 2],
+            valid_until_ns,
+        };
+        self.maps
+            .l2_ifaces
+            .insert(ifindex, v, 0)
+            .map_err(map_err(names::L2_IFACES))
+    }
+
+    /// L2 mode: the interfaces answered on, by ifindex.
+    pub fn l2_ifaces(&self) -> Result<BTreeMap<u32, L2Iface>> {
+        let mut out = BTreeMap::new();
+        for item in self.maps.l2_ifaces.iter() {
+            let (k, v) = item.map_err(map_err(names::L2_IFACES))?;
+            out.insert(k, v);
+        }
+        Ok(out)
+    }
+
+    pub fn remove_l2_iface(&mut self, ifindex: u32) -> Result<()> {
+        match self.maps.l2_ifaces.remove(&ifindex) {
+            Ok(()) | Err(MapError::KeyNotFound) => Ok(()),
+            Err(e) => Err(map_err(names::L2_IFACES)(e)),
+        }
+    }
+
+    /// L2 mode: the VIPs this node answers for, and on which interface.
+    pub fn l2_vips(&self) -> Result<BTreeMap<IpAddr, u32>> {
+        Ok(reads::l2_vips(&self.maps.l2_vips)
+            .map_err(map_err(names::L2_VIPS))?
+            .into_iter()
+            .collect())
+    }
+
+    /// L2 mode: this node now answers for `vip` on `ifindex`.
+    pub fn set_l2_vip(&mut self, vip: IpAddr, ifindex: u32) -> Result<()> {
+        self.maps
+            .l2_vips
+            .insert(l2_key(vip), L2Vip { ifindex, _pad: 0 }, 0)
+            .map_err(map_err(names::L2_VIPS))
+    }
+
+    /// L2 mode: this node no longer answers for `vip`.
+    pub fn remove_l2_vip(&mut self, vip: IpAddr) -> Result<()> {
+        match self.maps.l2_vips.remove(&l2_key(vip)) {
+            Ok(()) | Err(MapError::KeyNotFound) => Ok(()),
+            Err(e) => Err(map_err(names::L2_VIPS)(e)),
+        }
+    }
+
     /// The flow table's open flows per backend id: not closed, and seen
     /// within `active`. Walks the whole table (a syscall per entry), so the
     /// load controller calls it seldom and counts between walks.
@@ -144,5 +199,13 @@ impl Dataplane {
             .maglev
             .live_table(&self.service_info(key)?)
             .map_err(DataplaneError::Mmap)
+    }
+}
+
+fn l2_key(vip: IpAddr) -> L2VipKey {
+    L2VipKey {
+        addr: ip_words(vip),
+        family: Family::of(vip).number(),
+        _pad: [0; 3],
     }
 }

@@ -13,8 +13,8 @@ use aya::maps::{
     lpm_trie::LpmTrie, Array, HashMap, Map, MapData, MapError, MapInfo, PerCpuArray, PerCpuValues,
 };
 use lb_common::{
-    map_names as names, BackendEntry, BackendLoad, Config, Flow, FlowKey, RangeKey, ReplyNat,
-    ServiceInfo, ServiceKey, TrafficStats, REASON_COUNT,
+    map_names as names, BackendEntry, BackendLoad, Config, Flow, FlowKey, L2Iface, L2Vip, L2VipKey,
+    RangeKey, ReplyNat, ServiceInfo, ServiceKey, TrafficStats, REASON_COUNT,
 };
 
 pub use self::maglev::MaglevPool;
@@ -26,6 +26,8 @@ pub type ReasonsMap = PerCpuArray<MapData, u64>;
 pub type FlowsMap = HashMap<MapData, FlowKey, Flow>;
 pub type ReplyMap = HashMap<MapData, FlowKey, ReplyNat>;
 pub type RangesMap = LpmTrie<MapData, RangeKey, u8>;
+pub type L2VipsMap = HashMap<MapData, L2VipKey, L2Vip>;
+pub type L2IfacesMap = HashMap<MapData, u32, L2Iface>;
 
 /// Packets per reason, one array per CPU.
 pub type ReasonCounts = [u64; REASON_COUNT as usize];
@@ -44,6 +46,8 @@ pub fn expected_layout(name: &str) -> Option<(usize, usize)> {
         names::REASON_STATS | names::FLOW_EVENTS | names::BACKEND_CLOSED => (4, 8),
         names::BACKEND_LOAD => (4, size_of::<BackendLoad>()),
         names::SOURCE_RANGES => (4 + size_of::<RangeKey>(), 1),
+        names::L2_VIPS => (size_of::<L2VipKey>(), size_of::<L2Vip>()),
+        names::L2_IFACES => (4, size_of::<L2Iface>()),
         _ => return None,
     })
 }
@@ -225,9 +229,19 @@ impl PinnedMaps {
     {
         match self.typed(name) {
             Ok(m) => Ok(Some(m)),
-            Err(OpenError::NotPinned(_)) => Ok(None),
+            Err(OpenError::NotPinned(_) | OpenError::Missing { .. }) => Ok(None),
             Err(e) => Err(e),
         }
+    }
+
+    /// `L2_VIPS`; `None` when pinned by a version without L2 mode.
+    pub fn l2_vips(&self) -> Result<Option<L2VipsMap>, OpenError> {
+        self.optional(names::L2_VIPS)
+    }
+
+    /// `L2_IFACES`; `None` when pinned by a version without L2 mode.
+    pub fn l2_ifaces(&self) -> Result<Option<L2IfacesMap>, OpenError> {
+        self.optional(names::L2_IFACES)
     }
 
     /// `FLOW_EVENTS`; `None` when pinned by a version without it.
@@ -334,6 +348,29 @@ pub fn online_cpus() -> Option<Vec<usize>> {
     aya::util::online_cpus()
         .ok()
         .map(|v| v.into_iter().map(|c| c as usize).collect())
+}
+
+/// `CLOCK_MONOTONIC` now, in nanoseconds: the clock of `bpf_ktime_get_ns`,
+/// which L2 mode's deadlines (`L2Iface::valid_until_ns`) are compared with.
+pub fn monotonic_now_ns() -> u64 {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: valid pointer to a timespec.
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
+    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
+}
+
+/// The VIPs this node answers for in L2 mode: (VIP, ifindex).
+pub fn l2_vips(map: &L2VipsMap) -> Result<Vec<(std::net::IpAddr, u32)>, MapError> {
+    let mut out = Vec::new();
+    for item in map.iter() {
+        let (k, v) = item?;
+        out.push((lb_common::net::words_ip(&k.addr, k.family), v.ifindex));
+    }
+    out.sort();
+    Ok(out)
 }
 
 /// `CLOCK_MONOTONIC_COARSE` now, in nanoseconds: the clock of the data

@@ -1,0 +1,188 @@
+//! The `l2:` section: answering ARP/NDP for service IPs on networks without
+//! a BGP router (docs/l2.md).
+
+use std::{net::SocketAddr, path::PathBuf, time::Duration};
+
+use serde::Deserialize;
+
+use super::locate::FieldPath;
+use super::validate::{root, Checked, Validator};
+
+/// L2 mode, validated.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct L2Config {
+    /// Interfaces ARP/NDP is answered on (each also in `interfaces`).
+    pub interfaces: Vec<String>,
+    /// This node's name in the membership; unique per node.
+    pub node_name: String,
+    /// Where this node's membership traffic is received (UDP).
+    pub bind: SocketAddr,
+    /// The other nodes' membership addresses.
+    pub peers: Vec<SocketAddr>,
+    /// The shared secret every packet is signed with; strangers are refused.
+    pub key: Vec<u8>,
+    pub key_file: PathBuf,
+    /// Members (this node included) a node must see to answer at all.
+    pub quorum: usize,
+    /// SWIM: how often a member is probed, how long a direct probe waits,
+    /// and how long a suspect has to refute before it is declared down.
+    pub probe_interval: Duration,
+    pub probe_timeout: Duration,
+    pub suspect_timeout: Duration,
+    /// How often owned VIPs are announced again (gratuitous ARP, unsolicited
+    /// NA) so that switch tables never age them out.
+    pub announce_interval: Duration,
+}
+
+/// Default membership port (the one memberlist uses too).
+pub const DEFAULT_L2_PORT: u16 = 7946;
+/// A key shorter than this is refused: the HMAC is only as strong as it.
+const MIN_KEY_BYTES: usize = 16;
+
+#[derive(Deserialize)]
+#[serde(
+    deny_unknown_fields,
+    expecting = "an l2 mapping (interfaces, bind, peers, key_file, ...)"
+)]
+pub(super) struct RawL2 {
+    interfaces: Vec<String>,
+    node_name: Option<String>,
+    bind: String,
+    #[serde(default)]
+    peers: Vec<String>,
+    key_file: String,
+    quorum: Option<i64>,
+    probe_interval: Option<String>,
+    probe_timeout: Option<String>,
+    suspect_timeout: Option<String>,
+    announce_interval: Option<String>,
+}
+
+impl Validator<'_> {
+    pub(super) fn l2(&self, raw: RawL2, attached: &[String]) -> Checked<L2Config> {
+        let path = || root().key("l2");
+        if raw.interfaces.is_empty() {
+            return Err(self.err(
+                path().key("interfaces"),
+                "at least one interface is required",
+            ));
+        }
+        for (i, name) in raw.interfaces.iter().enumerate() {
+            if !attached.contains(name) {
+                return Err(self.err(
+                    path().key("interfaces").index(i),
+                    format!("{name:?} is not in interfaces: the XDP program answers ARP/NDP, so it must be attached there"),
+                ));
+            }
+        }
+        let node_name = match raw.node_name {
+            Some(n) if !n.trim().is_empty() && n.len() <= 253 => n,
+            Some(n) => {
+                return Err(self.err(
+                    path().key("node_name"),
+                    format!("{n:?} is not a node name (1 to 253 characters)"),
+                ))
+            }
+            None => hostname().ok_or_else(|| {
+                self.err(
+                    path().key("node_name"),
+                    "no node_name and the host name is unknown",
+                )
+            })?,
+        };
+        let bind = self.socket(&raw.bind, || path().key("bind"))?;
+        let mut peers = Vec::new();
+        for (i, p) in raw.peers.iter().enumerate() {
+            let at = || path().key("peers").index(i);
+            let addr = self.socket(p, at)?;
+            if addr == bind || peers.contains(&addr) {
+                return Err(self.err(at(), format!("{addr} is listed twice (or is bind)")));
+            }
+            peers.push(addr);
+        }
+        let key_file = PathBuf::from(&raw.key_file);
+        let key = std::fs::read(&key_file)
+            .map_err(|e| self.err(path().key("key_file"), format!("{}: {e}", raw.key_file)))?;
+        let key = key.trim_ascii().to_vec();
+        if key.len() < MIN_KEY_BYTES {
+            return Err(self.err(
+                path().key("key_file"),
+                format!("the key must have at least {MIN_KEY_BYTES} bytes (e.g. `head -c 32 /dev/urandom | base64`)"),
+            ));
+        }
+        let members = peers.len() + 1;
+        let quorum = match raw.quorum {
+            None => members / 2 + 1,
+            Some(q) if q >= 1 && q as usize <= members => q as usize,
+            Some(q) => {
+                return Err(self.err(
+                    path().key("quorum"),
+                    format!("{q} is outside 1..={members} (the peers and this node)"),
+                ))
+            }
+        };
+        let dur = |v: Option<String>, key: &'static str, default_ms: u64| -> Checked<Duration> {
+            match v {
+                None => Ok(Duration::from_millis(default_ms)),
+                Some(s) => {
+                    let d = self.duration(&s, || path().key(key))?;
+                    if d < Duration::from_millis(10) || d > Duration::from_secs(3600) {
+                        return Err(
+                            self.err(path().key(key), format!("{s:?} is outside 10ms..=1h"))
+                        );
+                    }
+                    Ok(d)
+                }
+            }
+        };
+        let probe_interval = dur(raw.probe_interval, "probe_interval", 100)?;
+        let probe_timeout = dur(raw.probe_timeout, "probe_timeout", 40)?;
+        let suspect_timeout = dur(raw.suspect_timeout, "suspect_timeout", 300)?;
+        let announce_interval = dur(raw.announce_interval, "announce_interval", 30_000)?;
+        if probe_timeout >= probe_interval {
+            return Err(self.err(
+                path().key("probe_timeout"),
+                "must be shorter than probe_interval (the indirect probes need the rest)",
+            ));
+        }
+        Ok(L2Config {
+            interfaces: raw.interfaces,
+            node_name,
+            bind,
+            peers,
+            key,
+            key_file,
+            quorum,
+            probe_interval,
+            probe_timeout,
+            suspect_timeout,
+            announce_interval,
+        })
+    }
+
+    fn socket(&self, s: &str, at: impl Fn() -> FieldPath) -> Checked<SocketAddr> {
+        let s = s.trim();
+        if let Ok(a) = s.parse::<SocketAddr>() {
+            return Ok(a);
+        }
+        match s.parse::<std::net::IpAddr>() {
+            Ok(ip) => Ok(SocketAddr::new(ip, DEFAULT_L2_PORT)),
+            Err(_) => Err(self.err(
+                at(),
+                format!(
+                    "{s:?} is not an address or address:port (e.g. 10.0.0.11, \"[fd00::11]:7946\")"
+                ),
+            )),
+        }
+    }
+}
+
+fn hostname() -> Option<String> {
+    let mut buf = [0u8; 256];
+    // SAFETY: the buffer's length is passed with it.
+    if unsafe { libc::gethostname(buf.as_mut_ptr().cast(), buf.len()) } != 0 {
+        return None;
+    }
+    let end = buf.iter().position(|b| *b == 0)?;
+    String::from_utf8(buf[..end].to_vec()).ok()
+}

@@ -1,0 +1,138 @@
+//! The membership among agents: SWIM through the `foca` crate (transport-
+//! and identity-agnostic, no I/O of its own, maintained), over UDP. Every
+//! datagram is signed with the cluster key (HMAC-SHA256) so that nodes of
+//! another cluster, or strangers, cannot join or declare members down.
+
+use std::{net::SocketAddr, num::NonZeroUsize, time::Duration};
+
+use hmac::{Hmac, Mac};
+use serde::{Deserialize, Serialize};
+use sha2::Sha256;
+
+use crate::config::L2Config;
+
+/// A member: its node name, where it listens, and a generation bumped when
+/// it rejoins after being declared down (the newer one wins).
+#[derive(Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Member {
+    pub name: String,
+    pub addr: SocketAddr,
+    pub generation: u64,
+}
+
+impl std::fmt::Debug for Member {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}@{}#{}", self.name, self.addr, self.generation)
+    }
+}
+
+impl foca::Identity for Member {
+    type Addr = SocketAddr;
+
+    fn renew(&self) -> Option<Self> {
+        Some(Self {
+            generation: self.generation.wrapping_add(1),
+            ..self.clone()
+        })
+    }
+
+    fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    fn win_addr_conflict(&self, adversary: &Self) -> bool {
+        self.generation > adversary.generation
+    }
+}
+
+/// The SWIM settings for the configured timings. Updates are gossiped
+/// every half probe interval so that a member declared down is known by
+/// all within a few milliseconds, and down members are re-announced to
+/// every second so that a healed partition merges by itself.
+pub fn swim_config(cfg: &L2Config) -> foca::Config {
+    let mut c = foca::Config::simple();
+    c.probe_period = cfg.probe_interval;
+    c.probe_rtt = cfg.probe_timeout;
+    c.suspect_to_down_after = cfg.suspect_timeout;
+    c.num_indirect_probes = NonZeroUsize::new(3).expect("non-zero");
+    c.notify_down_members = true;
+    c.remove_down_after = Duration::from_secs(3600);
+    c.periodic_gossip = Some(foca::PeriodicParams {
+        frequency: cfg.probe_interval / 2,
+        num_members: NonZeroUsize::new(3).expect("non-zero"),
+    });
+    c.periodic_announce_to_down_members = Some(foca::PeriodicParams {
+        frequency: Duration::from_secs(1),
+        num_members: NonZeroUsize::new(3).expect("non-zero"),
+    });
+    c
+}
+
+/// Datagram header: a magic and a version, covered by the signature.
+const MAGIC: &[u8; 4] = b"XLB\x01";
+const TAG_LEN: usize = 32;
+
+/// Why a datagram was refused (the metric's label).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Refused {
+    /// Not xlb's, or another version's.
+    Malformed,
+    /// Signed with another key: another cluster, or a stranger.
+    BadKey,
+}
+
+impl Refused {
+    pub fn label(self) -> &'static str {
+        match self {
+            Refused::Malformed => "malformed",
+            Refused::BadKey => "bad_key",
+        }
+    }
+}
+
+pub fn seal(key: &[u8], payload: &[u8]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(MAGIC.len() + payload.len() + TAG_LEN);
+    out.extend_from_slice(MAGIC);
+    out.extend_from_slice(payload);
+    let tag = mac(key, &out).finalize().into_bytes();
+    out.extend_from_slice(&tag);
+    out
+}
+
+/// The payload of a datagram signed with `key`.
+pub fn open<'d>(key: &[u8], datagram: &'d [u8]) -> Result<&'d [u8], Refused> {
+    if datagram.len() < MAGIC.len() + TAG_LEN || &datagram[..MAGIC.len()] != MAGIC {
+        return Err(Refused::Malformed);
+    }
+    let (signed, tag) = datagram.split_at(datagram.len() - TAG_LEN);
+    mac(key, signed)
+        .verify_slice(tag)
+        .map_err(|_| Refused::BadKey)?;
+    Ok(&signed[MAGIC.len()..])
+}
+
+fn mac(key: &[u8], data: &[u8]) -> Hmac<Sha256> {
+    let mut m = <Hmac<Sha256> as Mac>::new_from_slice(key).expect("HMAC takes any key length");
+    m.update(data);
+    m
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_sealed_datagram_opens_with_its_key_only() {
+        let d = seal(b"0123456789abcdef", b"hello");
+        assert_eq!(open(b"0123456789abcdef", &d), Ok(&b"hello"[..]));
+        assert_eq!(open(b"another key 0123", &d), Err(Refused::BadKey));
+        let mut flipped = d.clone();
+        flipped[5] ^= 1;
+        assert_eq!(open(b"0123456789abcdef", &flipped), Err(Refused::BadKey));
+        assert_eq!(
+            open(b"0123456789abcdef", b"XLB\x01"),
+            Err(Refused::Malformed)
+        );
+        assert_eq!(open(b"0123456789abcdef", &d[1..]), Err(Refused::Malformed));
+    }
+}
