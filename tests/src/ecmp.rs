@@ -183,7 +183,7 @@ pub fn node_of_hop(hop: Ipv4Addr) -> Option<usize> {
 }
 
 /// Starts `program` in `ns` (its network namespace only), output to `log`.
-fn spawn_in(ns: &Netns, log: &Path, program: &Path, args: &[&str]) -> Child {
+pub(crate) fn spawn_in(ns: &Netns, log: &Path, program: &Path, args: &[&str]) -> Child {
     let log = fs::File::options()
         .create(true)
         .append(true)
@@ -212,7 +212,7 @@ fn output_in(ns: &Netns, program: &str, args: &[&str]) -> Output {
         .unwrap_or_else(|e| panic!("run {program}: {e}"))
 }
 
-fn kill_child(c: &mut Option<Child>) {
+pub(crate) fn kill_child(c: &mut Option<Child>) {
     if let Some(mut c) = c.take() {
         let _ = c.kill();
         let _ = c.wait();

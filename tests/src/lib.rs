@@ -5,6 +5,7 @@ pub mod cgroup;
 pub mod cluster;
 pub mod ecmp;
 pub mod k8s_topology;
+pub mod l2_lab;
 pub mod netns;
 pub mod packet;
 pub mod topology;

@@ -119,6 +119,7 @@ impl L2Task {
             quorum_since: None,
             announce_at: BTreeMap::new(),
             warned: BTreeSet::new(),
+            last_renew: None,
         };
         tokio::spawn(runner.run(rx));
         Ok(Self { tx })
@@ -251,6 +252,8 @@ struct Runner {
     valid_for: Duration,
     /// Problems logged once until they go away (interfaces, VIPs).
     warned: BTreeSet<String>,
+    /// When the deadlines were last renewed.
+    last_renew: Option<Instant>,
 }
 
 impl Runner {
@@ -524,8 +527,24 @@ impl Runner {
         }
     }
 
-    /// Vouches for this node's answers until `valid_for` from now.
+    /// Vouches for this node's answers until `valid_for` from now. If the
+    /// last deadline has lapsed, this agent was stalled (frozen, starved)
+    /// long enough for the others to take its VIPs: it answers for nothing
+    /// and qualifies again through the claim hold, in which it learns what
+    /// the membership decided meanwhile.
     fn renew_deadlines(&mut self) {
+        let now = Instant::now();
+        if let Some(last) = self.last_renew.replace(now) {
+            let gap = now.duration_since(last);
+            if gap >= self.valid_for {
+                self.quorum_since = None;
+                if !self.owned.is_empty() {
+                    warn!(stalled = ?gap, "l2: this agent stalled past its answer deadline; answering for nothing until it qualifies again");
+                    self.apply(BTreeMap::new());
+                }
+                return;
+            }
+        }
         let until = monotonic_now_ns() + self.valid_for.as_nanos() as u64;
         let mut dp = self.dp.lock().expect("data plane lock");
         for (name, i) in &self.ifaces {

@@ -3,6 +3,7 @@
 
 mod backends;
 mod conntrack;
+mod l2;
 mod maglev;
 mod services;
 mod stats;
@@ -55,6 +56,8 @@ enum Command {
     Maglev(maglev::Args),
     /// Which backend a flow goes to now, computed as the data plane does.
     Trace(trace::Args),
+    /// L2 mode: the VIPs this node answers ARP/NDP for, and its interfaces.
+    L2,
 }
 
 /// A command's result: JSON through serde, or text for people.
@@ -86,6 +89,7 @@ fn run(cli: &Cli) -> Result<ExitCode> {
         Command::Stats => emit(stats::run(&maps)?, json),
         Command::Maglev(a) => emit(maglev::run(&maps, a)?, json),
         Command::Trace(a) => emit(trace::run(&maps, a)?, json),
+        Command::L2 => emit(l2::run(&maps)?, json),
     }
 }
 

@@ -1,0 +1,585 @@
+//! The L2 topology: a switch (a bridge in its own namespace) with a client,
+//! three xlb nodes and a backend on one segment, and no router.
+//!
+//! ```text
+//!  <p>-sw  switch      br0 (ports c, n1, n2, n3, b; no multicast snooping)
+//!  <p>-c   client      eth0 10.9.0.100/24, fd00:9::100/64
+//!  <p>-nI  node I=1..3 lan 10.9.0.1I/24, fd00:9::1I/64, MAC 02:00:00:00:09:0I
+//!                      (XDP; lb-agent in L2 mode, membership on 10.9.0.1I:7946)
+//!  <p>-b   backend     eth0 10.9.0.201/24, fd00:9::201/64, nginx on 8080 ("b1")
+//! ```
+//!
+//! The VIPs (10.9.0.50-55, fd00:9::50) are on the segment's subnet, so the
+//! client asks for them by ARP/NDP and sends to whichever MAC answered. The
+//! nodes forward in snat mode, out of the interface the packet came in on.
+//! The switch ports of the nodes have GRO on (XDP_TX into a veth needs it);
+//! client and backend have TX checksum offload off (XDP cannot complete
+//! partial checksums).
+
+use std::{
+    collections::BTreeSet,
+    fs, io,
+    net::{Ipv4Addr, Ipv6Addr, SocketAddr},
+    path::{Path, PathBuf},
+    process::{Child, Command},
+    sync::{
+        atomic::{AtomicBool, Ordering},
+        Arc,
+    },
+    thread::JoinHandle,
+    time::{Duration, Instant},
+};
+
+use crate::{
+    ecmp::{kill_child, spawn_in},
+    netns::Netns,
+    topology::{agent_bin, cleanup_pins, http_get, in_netns, lbctl_bin, strip_ansi, write_atomic},
+    traffic::poll_until,
+};
+
+pub const CLIENT_V4: Ipv4Addr = Ipv4Addr::new(10, 9, 0, 100);
+pub const CLIENT_V6: Ipv6Addr = Ipv6Addr::new(0xfd00, 9, 0, 0, 0, 0, 0, 0x100);
+pub const BACKEND_V4: Ipv4Addr = Ipv4Addr::new(10, 9, 0, 201);
+pub const BACKEND_V6: Ipv6Addr = Ipv6Addr::new(0xfd00, 9, 0, 0, 0, 0, 0, 0x201);
+/// The first VIP; `vip(k)` for the others.
+pub const VIP6: Ipv6Addr = Ipv6Addr::new(0xfd00, 9, 0, 0, 0, 0, 0, 0x50);
+pub const VIPS: usize = 6;
+pub const CLIENT_MAC: [u8; 6] = [2, 0, 0, 0, 9, 0x64];
+const METRICS_PORT: u16 = 9469;
+
+/// VIP `k` (0-based): 10.9.0.50 + k.
+pub fn vip(k: usize) -> Ipv4Addr {
+    Ipv4Addr::new(10, 9, 0, 50 + k as u8)
+}
+
+pub fn node_v4(i: usize) -> Ipv4Addr {
+    Ipv4Addr::new(10, 9, 0, 10 + i as u8)
+}
+
+pub fn node_mac(i: usize) -> [u8; 6] {
+    [2, 0, 0, 0, 9, i as u8]
+}
+
+/// The node (1-based) a MAC belongs to.
+pub fn node_of(mac: [u8; 6]) -> Option<usize> {
+    (1..=3).find(|i| node_mac(*i) == mac)
+}
+
+pub struct L2Node {
+    pub index: usize,
+    pub ns: Netns,
+    pub pin_dir: PathBuf,
+    config_path: PathBuf,
+    log_path: PathBuf,
+    agent: Option<Child>,
+}
+
+impl L2Node {
+    pub fn agent_pid(&self) -> i32 {
+        self.agent.as_ref().expect("agent running").id() as i32
+    }
+
+    pub fn signal(&self, sig: i32) {
+        // SAFETY: kill(2) on our own child.
+        let rc = unsafe { libc::kill(self.agent_pid(), sig) };
+        assert_eq!(rc, 0, "kill: {}", io::Error::last_os_error());
+    }
+
+    pub fn kill_agent(&mut self) {
+        kill_child(&mut self.agent);
+    }
+
+    /// SIGTERM, and wait (at most `timeout`) for the exit.
+    pub fn stop_agent(&mut self, timeout: Duration) {
+        self.signal(libc::SIGTERM);
+        let child = self.agent.as_mut().expect("agent");
+        poll_until(timeout, Duration::from_millis(10), || {
+            child.try_wait().expect("wait").ok_or(())
+        })
+        .unwrap_or_else(|()| panic!("node {}: no exit within {timeout:?}", self.index));
+        self.agent = None;
+    }
+
+    pub fn log(&self) -> String {
+        strip_ansi(&fs::read_to_string(&self.log_path).unwrap_or_default())
+    }
+
+    pub fn metrics(&self) -> String {
+        let addr = SocketAddr::from((Ipv4Addr::LOCALHOST, METRICS_PORT));
+        in_netns(&self.ns, move || {
+            http_get(addr, "/metrics", Duration::from_secs(5))
+        })
+        .join()
+        .expect("metrics thread")
+        .map(|(_, body)| body)
+        .unwrap_or_default()
+    }
+
+    /// A metric's value (the first line starting with `series`).
+    pub fn metric(&self, series: &str) -> Option<f64> {
+        self.metrics()
+            .lines()
+            .find(|l| l.starts_with(series))
+            .and_then(|l| l.rsplit(' ').next()?.parse().ok())
+    }
+
+    pub fn lbctl_json(&self, args: &[&str]) -> serde_json::Value {
+        let out = Command::new(lbctl_bin())
+            .arg("--pin-dir")
+            .arg(&self.pin_dir)
+            .arg("--json")
+            .args(args)
+            .output()
+            .expect("run lbctl");
+        serde_json::from_slice(&out.stdout).unwrap_or_else(|e| {
+            panic!(
+                "lbctl {args:?}: not JSON ({e}): {}{}",
+                String::from_utf8_lossy(&out.stdout),
+                String::from_utf8_lossy(&out.stderr)
+            )
+        })
+    }
+
+    /// Cuts the node off the switch (its port goes down).
+    pub fn cut(&self, sw: &Netns, prefix: &str) {
+        sw.run(&format!("ip link set {prefix}n{} down", self.index));
+    }
+
+    pub fn heal(&self, sw: &Netns, prefix: &str) {
+        sw.run(&format!("ip link set {prefix}n{} up", self.index));
+    }
+}
+
+pub struct L2Lab {
+    pub prefix: String,
+    pub dir: PathBuf,
+    pub switch: Netns,
+    pub client: Netns,
+    pub backend: Netns,
+    pub nodes: Vec<L2Node>,
+    nginx: Option<Child>,
+}
+
+impl L2Lab {
+    /// Builds the segment and starts the backend; no agent runs yet.
+    pub fn start(prefix: &str) -> Self {
+        let dir = std::env::temp_dir().join(format!("xlb-{prefix}"));
+        let _ = fs::remove_dir_all(&dir);
+        fs::create_dir_all(&dir).unwrap();
+        fs::write(dir.join("l2.key"), "l2-lab-key-0123456789abcdef\n").unwrap();
+        let switch = Netns::new(&format!("{prefix}-sw"));
+        switch.run(
+            "ip link add br0 type bridge mcast_snooping 0 && ip link set br0 up && \
+             sysctl -qw net.ipv6.conf.all.disable_ipv6=1",
+        );
+        let port = |ns: &Netns, port: &str, inner: &str| {
+            crate::netns::sh(&format!(
+                "ip link add {port} netns {sw} type veth peer name {inner} netns {ns}",
+                sw = switch.name,
+                ns = ns.name
+            ));
+            switch.run(&format!(
+                "ip link set {port} master br0 && ip link set {port} up && \
+                 ethtool -K {port} gro on >/dev/null"
+            ));
+        };
+        let client = Netns::new(&format!("{prefix}-c"));
+        port(&client, &format!("{prefix}c"), "eth0");
+        client.run(&format!(
+            "ip link set eth0 address 02:00:00:00:09:64 && \
+             ip addr add {CLIENT_V4}/24 dev eth0 && ip addr add {CLIENT_V6}/64 dev eth0 nodad && \
+             ip link set eth0 up && ethtool -K eth0 gro on tx off >/dev/null"
+        ));
+        let backend = Netns::new(&format!("{prefix}-b"));
+        port(&backend, &format!("{prefix}b"), "eth0");
+        backend.run(&format!(
+            "ip addr add {BACKEND_V4}/24 dev eth0 && ip addr add {BACKEND_V6}/64 dev eth0 nodad && \
+             ip link set eth0 up && ethtool -K eth0 gro on tx off >/dev/null"
+        ));
+        let mut nodes = Vec::new();
+        for i in 1..=3 {
+            let ns = Netns::new(&format!("{prefix}-n{i}"));
+            port(&ns, &format!("{prefix}n{i}"), "lan");
+            ns.run(&format!(
+                "ip link set lan address 02:00:00:00:09:0{i} && \
+                 ip addr add {}/24 dev lan && ip addr add fd00:9::1{i}/64 dev lan nodad && \
+                 ip link set lan up && ethtool -K lan tx off >/dev/null && \
+                 sysctl -qw net.ipv4.ip_forward=1 net.ipv6.conf.all.forwarding=1",
+                node_v4(i)
+            ));
+            let pin_dir = PathBuf::from(format!("/sys/fs/bpf/xlb-{prefix}-n{i}"));
+            cleanup_pins(&pin_dir);
+            nodes.push(L2Node {
+                index: i,
+                ns,
+                pin_dir,
+                config_path: dir.join(format!("n{i}.yaml")),
+                log_path: dir.join(format!("n{i}.log")),
+                agent: None,
+            });
+        }
+        let conf = dir.join("nginx.conf");
+        fs::write(
+            &conf,
+            format!(
+                "daemon off; master_process off; pid {d}/pid; error_log {d}/error.log;\n\
+                 events {{ worker_connections 1024; }}\n\
+                 http {{ access_log off; client_body_temp_path {d}; proxy_temp_path {d}; \
+                 fastcgi_temp_path {d}; uwsgi_temp_path {d}; scgi_temp_path {d};\n\
+                 server {{ listen 8080; listen [::]:8080; location / {{ return 200 \"b1\\n\"; }} }} }}\n",
+                d = dir.display()
+            ),
+        )
+        .unwrap();
+        let nginx = spawn_in(
+            &backend,
+            &dir.join("nginx.log"),
+            Path::new("nginx"),
+            &["-c", conf.to_str().unwrap()],
+        );
+        let lab = Self {
+            prefix: prefix.to_string(),
+            dir,
+            switch,
+            client,
+            backend,
+            nodes,
+            nginx: Some(nginx),
+        };
+        crate::topology::wait_for_port(&lab.backend, SocketAddr::from((BACKEND_V4, 8080)));
+        lab
+    }
+
+    /// Node `i`'s config: every VIP (port 80, snat) to the backend, L2 mode
+    /// with the two other nodes as peers, plus `extra` lines in `l2:`.
+    pub fn config(&self, i: usize, extra: &str) -> String {
+        let mut s = format!(
+            "interfaces: [lan]\nsnat_ipv4: {}\nsnat_ipv6: fd00:9::1{i}\nmetrics_addr: 127.0.0.1:{METRICS_PORT}\nservices:\n",
+            node_v4(i)
+        );
+        for k in 0..VIPS {
+            s.push_str(&format!(
+                "  - {{ name: web{k}, vip: {}, port: 80, mode: snat, backends: [{{ ip: {BACKEND_V4}, port: 8080 }}] }}\n",
+                vip(k)
+            ));
+        }
+        s.push_str(&format!(
+            "  - {{ name: web6, vip: \"{VIP6}\", port: 80, mode: snat, backends: [{{ ip: \"{BACKEND_V6}\", port: 8080 }}] }}\n"
+        ));
+        let peers: Vec<String> = (1..=3)
+            .filter(|p| *p != i)
+            .map(|p| node_v4(p).to_string())
+            .collect();
+        s.push_str(&format!(
+            "l2:\n  interfaces: [lan]\n  node_name: n{i}\n  bind: {}\n  peers: [{}]\n  key_file: {}\n{extra}",
+            node_v4(i),
+            peers.join(", "),
+            self.dir.join("l2.key").display()
+        ));
+        s
+    }
+
+    /// Starts node `i`'s agent with `yaml` and waits until it is ready.
+    pub fn start_agent(&mut self, i: usize, yaml: &str) {
+        let n = &mut self.nodes[i - 1];
+        assert!(n.agent.is_none(), "node {i}: agent running");
+        write_atomic(&n.config_path, yaml);
+        let level = std::env::var("XLB_AGENT_LOG").unwrap_or_else(|_| "info".into());
+        let child = spawn_in(
+            &n.ns,
+            &n.log_path,
+            &agent_bin(),
+            &[
+                "--config",
+                n.config_path.to_str().unwrap(),
+                "--pin-dir",
+                n.pin_dir.to_str().unwrap(),
+                "--log",
+                &level,
+            ],
+        );
+        n.agent = Some(child);
+        let addr = SocketAddr::from((Ipv4Addr::LOCALHOST, METRICS_PORT));
+        let ns = n.ns.name.clone();
+        poll_until(Duration::from_secs(30), Duration::from_millis(50), || {
+            let ns = ns.clone();
+            let r = std::thread::spawn(move || {
+                Netns::enter_by_name(&ns);
+                http_get(addr, "/readyz", Duration::from_secs(2))
+            })
+            .join()
+            .expect("thread");
+            match r {
+                Ok((200, _)) => Ok(()),
+                _ => Err(()),
+            }
+        })
+        .unwrap_or_else(|()| {
+            panic!(
+                "node {i}: not ready in 30 s; log:\n{}",
+                self.nodes[i - 1].log()
+            )
+        });
+    }
+
+    pub fn start_all(&mut self) {
+        for i in 1..=3 {
+            let c = self.config(i, "");
+            self.start_agent(i, &c);
+        }
+    }
+
+    pub fn node(&mut self, i: usize) -> &mut L2Node {
+        &mut self.nodes[i - 1]
+    }
+
+    /// Who answers an ARP request for `ip` from the client within `wait`.
+    pub fn arp(&self, ip: Ipv4Addr, wait: Duration) -> BTreeSet<[u8; 6]> {
+        in_netns(&self.client, move || {
+            let s = RawSocket::open("eth0");
+            s.send(&arp_request(ip));
+            s.answers(wait, |f| arp_answer(f, ip))
+        })
+        .join()
+        .expect("arp thread")
+    }
+
+    /// Who answers a Neighbor Solicitation for `ip` from the client within `wait`.
+    pub fn ndp(&self, ip: Ipv6Addr, wait: Duration) -> BTreeSet<[u8; 6]> {
+        in_netns(&self.client, move || {
+            let s = RawSocket::open("eth0");
+            s.send(&neighbor_solicitation(ip));
+            s.answers(wait, |f| na_answer(f, ip))
+        })
+        .join()
+        .expect("ndp thread")
+    }
+
+    /// Polls (every 20 ms, at most `timeout`) until exactly one node
+    /// answers ARP for `ip`, and returns it.
+    pub fn wait_owner(&self, ip: Ipv4Addr, timeout: Duration) -> usize {
+        poll_until(timeout, Duration::from_millis(20), || {
+            let a = self.arp(ip, Duration::from_millis(30));
+            match a.iter().collect::<Vec<_>>()[..] {
+                [mac] => node_of(*mac).ok_or(()),
+                _ => Err(()),
+            }
+        })
+        .unwrap_or_else(|()| {
+            panic!(
+                "{ip}: no single owner within {timeout:?}; logs:\n{}",
+                self.logs()
+            )
+        })
+    }
+
+    pub fn logs(&self) -> String {
+        self.nodes
+            .iter()
+            .map(|n| format!("--- node {}\n{}", n.index, n.log()))
+            .collect()
+    }
+
+    /// `GET http://addr/` from the client.
+    pub fn get(&self, addr: SocketAddr, timeout: Duration) -> io::Result<(u16, String)> {
+        in_netns(&self.client, move || http_get(addr, "/", timeout))
+            .join()
+            .expect("client thread")
+    }
+
+    /// Forgets the client's neighbour entries, so that its next packet asks again.
+    pub fn flush_client_neighbours(&self) {
+        self.client.run("ip neigh flush dev eth0");
+    }
+
+    /// Sends an ARP request for `ip` every `every` until stopped, and
+    /// records who answered each one.
+    pub fn watch_arp(&self, ip: Ipv4Addr, every: Duration) -> ArpWatch {
+        let stop = Arc::new(AtomicBool::new(false));
+        let s = stop.clone();
+        let (started, first_round) = std::sync::mpsc::channel();
+        let thread = in_netns(&self.client, move || {
+            let sock = RawSocket::open("eth0");
+            let mut rounds = Vec::new();
+            while !s.load(Ordering::Relaxed) {
+                sock.send(&arp_request(ip));
+                rounds.push((Instant::now(), sock.answers(every, |f| arp_answer(f, ip))));
+                let _ = started.send(());
+            }
+            rounds
+        });
+        // Whatever the caller does next happens after the first request.
+        let _ = first_round.recv();
+        ArpWatch { stop, thread }
+    }
+}
+
+/// A running [`L2Lab::watch_arp`].
+pub struct ArpWatch {
+    stop: Arc<AtomicBool>,
+    thread: JoinHandle<Vec<(Instant, BTreeSet<[u8; 6]>)>>,
+}
+
+impl ArpWatch {
+    /// Each request's send time and the MACs that answered it.
+    pub fn stop(self) -> Vec<(Instant, BTreeSet<[u8; 6]>)> {
+        self.stop.store(true, Ordering::Relaxed);
+        self.thread.join().expect("watch thread")
+    }
+}
+
+impl Drop for L2Lab {
+    fn drop(&mut self) {
+        for n in &mut self.nodes {
+            kill_child(&mut n.agent);
+            cleanup_pins(&n.pin_dir);
+        }
+        kill_child(&mut self.nginx);
+    }
+}
+
+/// An AF_PACKET socket on an interface of the calling thread's namespace.
+struct RawSocket {
+    fd: i32,
+    ifindex: i32,
+}
+
+impl RawSocket {
+    fn open(iface: &str) -> Self {
+        let name = std::ffi::CString::new(iface).unwrap();
+        // SAFETY: plain syscalls with checked results.
+        unsafe {
+            let ifindex = libc::if_nametoindex(name.as_ptr()) as i32;
+            assert!(ifindex > 0, "no interface {iface}");
+            let fd = libc::socket(
+                libc::AF_PACKET,
+                libc::SOCK_RAW,
+                (libc::ETH_P_ALL as u16).to_be() as i32,
+            );
+            assert!(fd >= 0, "socket: {}", io::Error::last_os_error());
+            let mut sa: libc::sockaddr_ll = std::mem::zeroed();
+            sa.sll_family = libc::AF_PACKET as u16;
+            sa.sll_protocol = (libc::ETH_P_ALL as u16).to_be();
+            sa.sll_ifindex = ifindex;
+            let rc = libc::bind(
+                fd,
+                (&sa as *const libc::sockaddr_ll).cast(),
+                std::mem::size_of::<libc::sockaddr_ll>() as u32,
+            );
+            assert_eq!(rc, 0, "bind: {}", io::Error::last_os_error());
+            Self { fd, ifindex }
+        }
+    }
+
+    fn send(&self, frame: &[u8]) {
+        // SAFETY: as in `open`.
+        unsafe {
+            let mut sa: libc::sockaddr_ll = std::mem::zeroed();
+            sa.sll_family = libc::AF_PACKET as u16;
+            sa.sll_ifindex = self.ifindex;
+            sa.sll_halen = 6;
+            sa.sll_addr[..6].copy_from_slice(&frame[..6]);
+            let n = libc::sendto(
+                self.fd,
+                frame.as_ptr().cast(),
+                frame.len(),
+                0,
+                (&sa as *const libc::sockaddr_ll).cast(),
+                std::mem::size_of::<libc::sockaddr_ll>() as u32,
+            );
+            assert!(n > 0, "sendto: {}", io::Error::last_os_error());
+        }
+    }
+
+    /// The source MACs of the frames `is_answer` accepts, for `wait`.
+    fn answers(&self, wait: Duration, is_answer: impl Fn(&[u8]) -> bool) -> BTreeSet<[u8; 6]> {
+        let deadline = Instant::now() + wait;
+        let mut out = BTreeSet::new();
+        let mut buf = [0u8; 2048];
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return out;
+            }
+            let mut pfd = libc::pollfd {
+                fd: self.fd,
+                events: libc::POLLIN,
+                revents: 0,
+            };
+            // SAFETY: one pollfd, then a read into our buffer.
+            let n = unsafe {
+                if libc::poll(&mut pfd, 1, left.as_millis().max(1) as i32) <= 0 {
+                    continue;
+                }
+                libc::recv(self.fd, buf.as_mut_ptr().cast(), buf.len(), 0)
+            };
+            if n >= 14 && is_answer(&buf[..n as usize]) {
+                let mut mac = [0u8; 6];
+                mac.copy_from_slice(&buf[6..12]);
+                out.insert(mac);
+            }
+        }
+    }
+}
+
+impl Drop for RawSocket {
+    fn drop(&mut self) {
+        // SAFETY: our descriptor.
+        unsafe { libc::close(self.fd) };
+    }
+}
+
+fn arp_request(ip: Ipv4Addr) -> Vec<u8> {
+    let mut f = vec![0xff; 6];
+    f.extend_from_slice(&CLIENT_MAC);
+    f.extend_from_slice(&[0x08, 0x06, 0, 1, 0x08, 0, 6, 4, 0, 1]);
+    f.extend_from_slice(&CLIENT_MAC);
+    f.extend_from_slice(&CLIENT_V4.octets());
+    f.extend_from_slice(&[0; 6]);
+    f.extend_from_slice(&ip.octets());
+    f
+}
+
+/// An ARP reply telling the client where `ip` is.
+fn arp_answer(f: &[u8], ip: Ipv4Addr) -> bool {
+    f.len() >= 42
+        && f[12..14] == [0x08, 0x06]
+        && f[20..22] == [0, 2]
+        && f[28..32] == ip.octets()
+        && f[38..42] == CLIENT_V4.octets()
+        && f[6..12] == f[22..28]
+}
+
+fn neighbor_solicitation(target: Ipv6Addr) -> Vec<u8> {
+    let group = lb_agent::l2::announce::solicited_node(target);
+    let g = group.octets();
+    let mut icmp = vec![135, 0, 0, 0, 0, 0, 0, 0];
+    icmp.extend_from_slice(&target.octets());
+    icmp.extend_from_slice(&[1, 1]);
+    icmp.extend_from_slice(&CLIENT_MAC);
+    let sum = lb_agent::l2::announce::icmpv6_checksum(CLIENT_V6, group, &icmp);
+    icmp[2..4].copy_from_slice(&sum.to_be_bytes());
+    let mut f = vec![0x33, 0x33, g[12], g[13], g[14], g[15]];
+    f.extend_from_slice(&CLIENT_MAC);
+    f.extend_from_slice(&[0x86, 0xdd, 0x60, 0, 0, 0]);
+    f.extend_from_slice(&(icmp.len() as u16).to_be_bytes());
+    f.extend_from_slice(&[58, 255]);
+    f.extend_from_slice(&CLIENT_V6.octets());
+    f.extend_from_slice(&g);
+    f.extend_from_slice(&icmp);
+    f
+}
+
+/// A solicited advertisement for `ip`, to the client, checksum correct.
+fn na_answer(f: &[u8], ip: Ipv6Addr) -> bool {
+    if f.len() < 86 || f[12..14] != [0x86, 0xdd] || f[20] != 58 || f[54] != 136 {
+        return false;
+    }
+    let src = Ipv6Addr::from(<[u8; 16]>::try_from(&f[22..38]).unwrap());
+    let dst = Ipv6Addr::from(<[u8; 16]>::try_from(&f[38..54]).unwrap());
+    dst == CLIENT_V6
+        && f[62..78] == ip.octets()
+        && f[58] & 0x40 != 0
+        && lb_agent::l2::announce::icmpv6_checksum(src, dst, &f[54..86]) == 0
+        && f[80..86] == f[6..12]
+}

@@ -1,0 +1,254 @@
+//! L2 mode end to end (tests/src/l2_lab.rs): three nodes on one switch
+//! answer ARP/NDP for the VIPs, one node per VIP, and hand VIPs over when
+//! a node crashes, freezes, is cut off or stops, never answering from two
+//! nodes at once.
+
+use std::{
+    collections::BTreeSet,
+    net::{SocketAddr, UdpSocket},
+    time::Duration,
+};
+
+use xlb_tests::{
+    l2_lab::{node_of, node_v4, vip, ArpWatch, L2Lab, VIP6, VIPS},
+    topology::in_netns,
+    traffic::poll_until,
+};
+
+const WAIT: Duration = Duration::from_millis(100);
+
+/// Asserts that no ARP request the watch sent got answers from two MACs,
+/// and returns the owners seen, in order.
+#[track_caller]
+fn assert_single_answers(watch: ArpWatch, lab: &L2Lab, what: &str) -> Vec<usize> {
+    let rounds = watch.stop();
+    let mut owners: Vec<usize> = Vec::new();
+    for (at, macs) in &rounds {
+        assert!(
+            macs.len() <= 1,
+            "{what}: one ARP request answered by {macs:?} at {at:?}; logs:\n{}",
+            lab.logs()
+        );
+        if let Some(n) = macs.iter().next().and_then(|m| node_of(*m)) {
+            if owners.last() != Some(&n) {
+                owners.push(n);
+            }
+        }
+    }
+    assert!(rounds.len() > 10, "{what}: only {} probes", rounds.len());
+    owners
+}
+
+fn http_ok(lab: &L2Lab, addr: SocketAddr) -> bool {
+    matches!(lab.get(addr, Duration::from_secs(2)), Ok((200, body)) if body.trim() == "b1")
+}
+
+#[test]
+fn one_node_answers_each_vip_and_traffic_flows() {
+    let mut lab = L2Lab::start(&format!("l2a{}", std::process::id() % 10000));
+    lab.start_all();
+    let mut owners = BTreeSet::new();
+    for k in 0..VIPS {
+        let o = lab.wait_owner(vip(k), Duration::from_secs(10));
+        owners.insert(o);
+        for _ in 0..3 {
+            assert_eq!(lab.arp(vip(k), WAIT).len(), 1, "{}: two answers", vip(k));
+        }
+        let owned = format!("xlb_l2_vip_owned{{vip=\"{}\"}}", vip(k));
+        assert_eq!(lab.nodes[o - 1].metric(&owned), Some(1.0));
+    }
+    assert!(owners.len() >= 2, "all {VIPS} VIPs on one node: {owners:?}");
+
+    // IPv6: one advertisement per solicitation, from a node, checksum right.
+    let answers = poll_until(Duration::from_secs(10), Duration::from_millis(20), || {
+        let a = lab.ndp(VIP6, WAIT);
+        (a.len() == 1).then_some(a).ok_or(())
+    })
+    .unwrap_or_else(|()| panic!("no single NDP answer for {VIP6}; logs:\n{}", lab.logs()));
+    assert!(node_of(*answers.iter().next().unwrap()).is_some());
+
+    // Traffic through the owners, both families.
+    assert!(http_ok(&lab, SocketAddr::from((vip(0), 80))));
+    assert!(http_ok(&lab, SocketAddr::from((VIP6, 80))));
+
+    // What the owner shows: lbctl, and the answers counted by reason.
+    let o = lab.wait_owner(vip(0), Duration::from_secs(1));
+    let l2 = lab.nodes[o - 1].lbctl_json(&["l2"]);
+    let vips: Vec<&str> = l2["vips"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v["vip"].as_str().unwrap())
+        .collect();
+    assert!(vips.contains(&vip(0).to_string().as_str()), "{l2}");
+    assert_eq!(l2["interfaces"][0]["answering"], true, "{l2}");
+    let answered = lab.nodes[o - 1]
+        .metric("xlb_datapath_packets_total{reason=\"arp_reply\"}")
+        .unwrap_or(0.0);
+    assert!(answered >= 1.0, "arp_reply not counted");
+    for n in &lab.nodes {
+        assert_eq!(n.metric("xlb_l2_members"), Some(3.0));
+    }
+
+    // A datagram signed with another key is refused and counted; the
+    // membership stays as it was.
+    let target = SocketAddr::from((node_v4(1), 7946));
+    in_netns(&lab.client, move || {
+        let s = UdpSocket::bind("0.0.0.0:0").unwrap();
+        let forged = lb_agent::l2::gossip::seal(b"not the cluster's key!", b"join me");
+        s.send_to(&forged, target).unwrap();
+    })
+    .join()
+    .unwrap();
+    poll_until(Duration::from_secs(5), Duration::from_millis(20), || {
+        let v = lab.nodes[0].metric("xlb_l2_gossip_refused_total{reason=\"bad_key\"}");
+        (v == Some(1.0)).then_some(()).ok_or(())
+    })
+    .unwrap_or_else(|()| panic!("the forged datagram was not counted"));
+    assert!(lab.nodes[0].log().contains("refused a membership datagram"));
+    assert_eq!(lab.nodes[0].metric("xlb_l2_members"), Some(3.0));
+}
+
+#[test]
+fn a_crashed_or_frozen_owner_is_replaced_without_two_owners() {
+    let mut lab = L2Lab::start(&format!("l2b{}", std::process::id() % 10000));
+    lab.start_all();
+    let addr = SocketAddr::from((vip(0), 80));
+    let first = lab.wait_owner(vip(0), Duration::from_secs(10));
+    assert!(http_ok(&lab, addr));
+
+    // Crash: the agent dies; its program falls silent by the deadline and
+    // another node takes the VIP over.
+    let watch = lab.watch_arp(vip(0), Duration::from_millis(10));
+    lab.node(first).kill_agent();
+    let second = poll_until(Duration::from_secs(5), Duration::from_millis(20), || {
+        let o = lab.wait_owner(vip(0), Duration::from_secs(5));
+        (o != first).then_some(o).ok_or(())
+    })
+    .unwrap_or_else(|()| panic!("no takeover after a crash; logs:\n{}", lab.logs()));
+    let seen = assert_single_answers(watch, &lab, "crash");
+    assert_eq!(seen.last(), Some(&second));
+    lab.flush_client_neighbours();
+    assert!(http_ok(&lab, addr), "no traffic through the new owner");
+
+    // The crashed node comes back: it may take its VIP back, but never
+    // while the other still answers.
+    let watch = lab.watch_arp(vip(0), Duration::from_millis(10));
+    let c = lab.config(first, "");
+    lab.start_agent(first, &c);
+    poll_until(Duration::from_secs(10), Duration::from_millis(50), || {
+        (lab.nodes[first - 1].metric("xlb_l2_members") == Some(3.0))
+            .then_some(())
+            .ok_or(())
+    })
+    .unwrap_or_else(|()| panic!("node {first} did not rejoin; logs:\n{}", lab.logs()));
+    let back = lab.wait_owner(vip(0), Duration::from_secs(5));
+    assert_single_answers(watch, &lab, "rejoin");
+    assert_eq!(
+        back, first,
+        "rendezvous ownership is not stable across a rejoin"
+    );
+
+    // Freeze: a stopped agent renews nothing, so its node stops answering
+    // before the others declare it down; thawed, it rejoins.
+    let watch = lab.watch_arp(vip(0), Duration::from_millis(10));
+    lab.nodes[first - 1].signal(libc::SIGSTOP);
+    let other = poll_until(Duration::from_secs(5), Duration::from_millis(20), || {
+        let o = lab.wait_owner(vip(0), Duration::from_secs(5));
+        (o != first).then_some(o).ok_or(())
+    })
+    .unwrap_or_else(|()| panic!("no takeover from a frozen node; logs:\n{}", lab.logs()));
+    lab.nodes[first - 1].signal(libc::SIGCONT);
+    poll_until(Duration::from_secs(10), Duration::from_millis(50), || {
+        let o = lab.wait_owner(vip(0), Duration::from_secs(5));
+        (o == first).then_some(()).ok_or(())
+    })
+    .unwrap_or_else(|()| {
+        panic!(
+            "the thawed node did not take its VIP back; logs:\n{}",
+            lab.logs()
+        )
+    });
+    let seen = assert_single_answers(watch, &lab, "freeze");
+    assert!(seen.contains(&other), "{seen:?}");
+    assert!(http_ok(&lab, addr));
+}
+
+#[test]
+fn a_cut_off_owner_stops_answering_and_the_partition_heals_without_two_owners() {
+    let prefix = format!("l2c{}", std::process::id() % 10000);
+    let mut lab = L2Lab::start(&prefix);
+    lab.start_all();
+    let addr = SocketAddr::from((vip(0), 80));
+    let first = lab.wait_owner(vip(0), Duration::from_secs(10));
+    assert!(http_ok(&lab, addr));
+
+    let watch = lab.watch_arp(vip(0), Duration::from_millis(10));
+    lab.nodes[first - 1].cut(&lab.switch, &prefix);
+    let second = poll_until(Duration::from_secs(5), Duration::from_millis(20), || {
+        let o = lab.wait_owner(vip(0), Duration::from_secs(5));
+        (o != first).then_some(o).ok_or(())
+    })
+    .unwrap_or_else(|()| panic!("no takeover after a link cut; logs:\n{}", lab.logs()));
+    // The client's entry still names the cut node until the new owner's
+    // gratuitous ARP arrives: traffic resumes without a flush.
+    poll_until(Duration::from_secs(5), Duration::from_millis(50), || {
+        http_ok(&lab, addr).then_some(()).ok_or(())
+    })
+    .unwrap_or_else(|()| {
+        panic!(
+            "traffic did not resume after the cut; logs:\n{}",
+            lab.logs()
+        )
+    });
+    // Alone, the cut node has no quorum and answers for nothing.
+    poll_until(Duration::from_secs(5), Duration::from_millis(50), || {
+        (lab.nodes[first - 1].metric("xlb_l2_quorum") == Some(0.0))
+            .then_some(())
+            .ok_or(())
+    })
+    .unwrap_or_else(|()| panic!("the cut node kept its quorum; logs:\n{}", lab.logs()));
+    assert_eq!(
+        lab.nodes[first - 1].lbctl_json(&["l2"])["vips"]
+            .as_array()
+            .map(Vec::len),
+        Some(0)
+    );
+
+    lab.nodes[first - 1].heal(&lab.switch, &prefix);
+    poll_until(Duration::from_secs(10), Duration::from_millis(50), || {
+        let o = lab.wait_owner(vip(0), Duration::from_secs(5));
+        (o == first).then_some(()).ok_or(())
+    })
+    .unwrap_or_else(|()| {
+        panic!(
+            "the healed node did not take its VIP back; logs:\n{}",
+            lab.logs()
+        )
+    });
+    let seen = assert_single_answers(watch, &lab, "cut and heal");
+    assert!(seen.contains(&second), "{seen:?}");
+    assert_eq!(seen.last(), Some(&first), "{seen:?}");
+    assert!(http_ok(&lab, addr));
+}
+
+#[test]
+fn a_graceful_stop_hands_over_and_no_request_fails() {
+    let mut lab = L2Lab::start(&format!("l2d{}", std::process::id() % 10000));
+    lab.start_all();
+    let addr = SocketAddr::from((vip(0), 80));
+    let first = lab.wait_owner(vip(0), Duration::from_secs(10));
+    let watch = lab.watch_arp(vip(0), Duration::from_millis(10));
+    lab.node(first).stop_agent(Duration::from_secs(5));
+    assert!(lab.nodes[first - 1].log().contains("handed over"));
+    let next = lab.wait_owner(vip(0), Duration::from_secs(2));
+    assert_ne!(next, first);
+    for _ in 0..20 {
+        assert!(http_ok(&lab, addr), "a request failed after the handover");
+    }
+    lab.flush_client_neighbours();
+    assert!(http_ok(&lab, addr));
+    let seen = assert_single_answers(watch, &lab, "graceful stop");
+    assert_eq!(seen.last(), Some(&next), "{seen:?}");
+    assert!(seen.iter().all(|n| *n == first || *n == next), "{seen:?}");
+}
