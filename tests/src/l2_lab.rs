@@ -12,7 +12,8 @@
 //! The VIPs (10.9.0.50-55, fd00:9::50) are on the segment's subnet, so the
 //! client asks for them by ARP/NDP and sends to whichever MAC answered. The
 //! nodes forward in snat mode, out of the interface the packet came in on.
-//! The switch ports of the nodes have GRO on (XDP_TX into a veth needs it);
+//! The switch floods no unknown unicast to the nodes (a NIC's MAC filter
+//! would drop it; veth delivers it to XDP). The switch ports of the nodes have GRO on (XDP_TX into a veth needs it);
 //! client and backend have TX checksum offload off (XDP cannot complete
 //! partial checksums).
 
@@ -45,6 +46,8 @@ pub const BACKEND_V6: Ipv6Addr = Ipv6Addr::new(0xfd00, 9, 0, 0, 0, 0, 0, 0x201);
 pub const VIP6: Ipv6Addr = Ipv6Addr::new(0xfd00, 9, 0, 0, 0, 0, 0, 0x50);
 pub const VIPS: usize = 6;
 pub const CLIENT_MAC: [u8; 6] = [2, 0, 0, 0, 9, 0x64];
+/// UDP port of the echo service on the first VIP (the backend echoes).
+pub const ECHO_PORT: u16 = 9000;
 const METRICS_PORT: u16 = 9469;
 
 /// VIP `k` (0-based): 10.9.0.50 + k.
@@ -158,6 +161,7 @@ pub struct L2Lab {
     pub backend: Netns,
     pub nodes: Vec<L2Node>,
     nginx: Option<Child>,
+    echo: Option<(Arc<AtomicBool>, JoinHandle<()>)>,
 }
 
 impl L2Lab {
@@ -200,6 +204,10 @@ impl L2Lab {
         for i in 1..=3 {
             let ns = Netns::new(&format!("{prefix}-n{i}"));
             port(&ns, &format!("{prefix}n{i}"), "lan");
+            // A NIC drops unicast frames for other MACs before XDP sees
+            // them; a veth does not. So the switch floods no unknown
+            // unicast to the nodes (a dead owner's frames reach nobody).
+            switch.run(&format!("bridge link set dev {prefix}n{i} flood off"));
             ns.run(&format!(
                 "ip link set lan address 02:00:00:00:09:0{i} && \
                  ip addr add {}/24 dev lan && ip addr add fd00:9::1{i}/64 dev lan nodad && \
@@ -245,6 +253,7 @@ impl L2Lab {
             backend,
             nodes,
             nginx: Some(nginx),
+            echo: None,
         };
         crate::topology::wait_for_port(&lab.backend, SocketAddr::from((BACKEND_V4, 8080)));
         lab
@@ -265,6 +274,10 @@ impl L2Lab {
         }
         s.push_str(&format!(
             "  - {{ name: web6, vip: \"{VIP6}\", port: 80, mode: snat, backends: [{{ ip: \"{BACKEND_V6}\", port: 8080 }}] }}\n"
+        ));
+        s.push_str(&format!(
+            "  - {{ name: echo, vip: {}, port: {ECHO_PORT}, protocol: udp, mode: snat, backends: [{{ ip: {BACKEND_V4}, port: {ECHO_PORT} }}] }}\n",
+            vip(0)
         ));
         let peers: Vec<String> = (1..=3)
             .filter(|p| *p != i)
@@ -327,6 +340,30 @@ impl L2Lab {
             let c = self.config(i, "");
             self.start_agent(i, &c);
         }
+    }
+
+    /// Starts a UDP echo server on the backend (`ECHO_PORT`), once.
+    pub fn start_udp_echo(&mut self) {
+        if self.echo.is_some() {
+            return;
+        }
+        let stop = Arc::new(AtomicBool::new(false));
+        let s = stop.clone();
+        let (bound, ready) = std::sync::mpsc::channel();
+        let thread = in_netns(&self.backend, move || {
+            let sock = std::net::UdpSocket::bind((BACKEND_V4, ECHO_PORT)).expect("bind echo");
+            sock.set_read_timeout(Some(Duration::from_millis(100)))
+                .unwrap();
+            let _ = bound.send(());
+            let mut buf = [0u8; 2048];
+            while !s.load(Ordering::Relaxed) {
+                if let Ok((n, from)) = sock.recv_from(&mut buf) {
+                    let _ = sock.send_to(&buf[..n], from);
+                }
+            }
+        });
+        ready.recv().expect("echo server started");
+        self.echo = Some((stop, thread));
     }
 
     pub fn node(&mut self, i: usize) -> &mut L2Node {
@@ -435,6 +472,10 @@ impl Drop for L2Lab {
             cleanup_pins(&n.pin_dir);
         }
         kill_child(&mut self.nginx);
+        if let Some((stop, thread)) = self.echo.take() {
+            stop.store(true, Ordering::Relaxed);
+            let _ = thread.join();
+        }
     }
 }
 

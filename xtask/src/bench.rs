@@ -12,13 +12,20 @@ use crate::{
 /// time), the forwarding rate (`xlb-forwarding-bench`), the Kubernetes,
 /// locality and BGP convergence benchmarks. Arguments go to both (`xlb-bench` takes none and ignores them);
 /// `--e2e-only` / `--per-packet-only` run just one of them;
-/// `load-aware [ARGS]` runs only the load-aware benchmark.
+/// `load-aware [ARGS]` and `l2 [ARGS]` run only that benchmark.
 pub fn run(args: &[String]) -> Result<()> {
-    if args.first().is_some_and(|a| a == "load-aware") {
+    let only = [
+        ("load-aware", "xlb-load-aware-bench"),
+        ("l2", "xlb-l2-bench"),
+    ];
+    if let Some((_, bin)) = only
+        .iter()
+        .find(|(name, _)| args.first() == Some(&name.to_string()))
+    {
         wait_through_ctrl_c();
         build_agent()?;
         let rest: Vec<&String> = args[1..].iter().collect();
-        return run_bench("xlb-load-aware-bench", &rest);
+        return run_bench(bin, &rest);
     }
     let e2e_only = args.iter().any(|a| a == "--e2e-only");
     let per_packet_only = args.iter().any(|a| a == "--per-packet-only");
@@ -45,6 +52,8 @@ pub fn run(args: &[String]) -> Result<()> {
     run_bench("xlb-locality-bench", &[])?;
     // Load-aware against static weights, the seed paper's patterns.
     run_bench("xlb-load-aware-bench", &[])?;
+    // L2 mode: how long traffic stops when a VIP's owner goes away.
+    run_bench("xlb-l2-bench", &[])?;
     // BGP convergence in the ECMP lab (defaults only).
     run_bench("xlb-convergence-bench", &[])
 }

@@ -139,6 +139,12 @@ impl Validator<'_> {
         let probe_timeout = dur(raw.probe_timeout, "probe_timeout", 40)?;
         let suspect_timeout = dur(raw.suspect_timeout, "suspect_timeout", 300)?;
         let announce_interval = dur(raw.announce_interval, "announce_interval", 30_000)?;
+        if suspect_timeout < probe_interval * 2 {
+            return Err(self.err(
+                path().key("suspect_timeout"),
+                "must be at least twice probe_interval (a node cut off falls silent after two probe intervals, before the others may declare it down)",
+            ));
+        }
         if probe_timeout >= probe_interval {
             return Err(self.err(
                 path().key("probe_timeout"),

@@ -1206,6 +1206,12 @@ l2:
         "shorter than probe_interval",
     );
     rejects(
+        &format!("{base}  suspect_timeout: 150ms\n"),
+        8,
+        "l2.suspect_timeout",
+        "at least twice probe_interval",
+    );
+    rejects(
         &edit(&base, "bind: 10.0.0.11", "bind: eth0"),
         5,
         "l2.bind",

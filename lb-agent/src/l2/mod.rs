@@ -104,6 +104,7 @@ impl L2Task {
         let runner = Runner {
             metrics: L2Metrics::new(registry),
             claim_hold: cfg.probe_interval * 4,
+            contact_window: cfg.probe_interval * 2,
             valid_for: cfg.suspect_timeout,
             cfg,
             dp,
@@ -120,6 +121,7 @@ impl L2Task {
             announce_at: BTreeMap::new(),
             warned: BTreeSet::new(),
             last_renew: None,
+            last_heard: None,
         };
         tokio::spawn(runner.run(rx));
         Ok(Self { tx })
@@ -254,6 +256,13 @@ struct Runner {
     warned: BTreeSet<String>,
     /// When the deadlines were last renewed.
     last_renew: Option<Instant>,
+    /// When a signed datagram last came from another member.
+    last_heard: Option<Instant>,
+    /// Without a word from any member for this long, this node is cut off
+    /// and answers for nothing: shorter than the time the others take to
+    /// declare it down (`probe_interval + suspect_timeout`), so that it
+    /// falls silent first.
+    contact_window: Duration,
 }
 
 impl Runner {
@@ -282,6 +291,7 @@ impl Runner {
                 },
                 _ = tokio::time::sleep_until(next_timer) => self.fire_timers(),
                 _ = renew.tick() => {
+                    self.heartbeat().await;
                     self.renew_deadlines();
                     self.announce_due();
                 }
@@ -310,6 +320,10 @@ impl Runner {
     fn datagram(&mut self, data: &[u8], from: SocketAddr) {
         match gossip::open(&self.cfg.key, data) {
             Ok(payload) => {
+                self.last_heard = Some(Instant::now());
+                if payload.is_empty() {
+                    return; // a heartbeat
+                }
                 if let Err(e) = self.foca.handle_data(payload, &mut self.runtime) {
                     tracing::debug!(%from, "l2: membership datagram not applied: {e}");
                 }
@@ -365,6 +379,17 @@ impl Runner {
         }
     }
 
+    /// A signed empty datagram to every peer: SWIM's own traffic may leave
+    /// a member unheard for longer than `contact_window` (one probe per
+    /// interval, to a random member), and a node that hears nobody must
+    /// tell that it is cut off, not a peer's random pick.
+    async fn heartbeat(&mut self) {
+        let beat = gossip::seal(&self.cfg.key, &[]);
+        for peer in &self.cfg.peers {
+            let _ = self.socket.send_to(&beat, peer).await;
+        }
+    }
+
     fn announce_to(&mut self, peer: SocketAddr) {
         let dst = Member {
             name: String::new(),
@@ -400,16 +425,23 @@ impl Runner {
 
     fn update_ownership(&mut self) {
         let members = self.members();
-        let in_quorum = members.len() >= self.cfg.quorum;
+        let now = Instant::now();
+        // SWIM keeps a silent member as a suspect for a while; a node that
+        // hears nobody at all is cut off sooner than that tells.
+        let in_contact = self.cfg.quorum <= 1
+            || self
+                .last_heard
+                .is_some_and(|t| now.duration_since(t) < self.contact_window);
+        let in_quorum = members.len() >= self.cfg.quorum && in_contact;
         self.metrics.members.set(members.len() as i64);
         self.metrics.quorum.set(in_quorum as i64);
-        let now = Instant::now();
         match (in_quorum, self.quorum_since) {
             (true, None) => self.quorum_since = Some(now),
             (false, Some(_)) => {
                 warn!(
                     seen = members.len(),
                     quorum = self.cfg.quorum,
+                    in_contact,
                     "l2: lost the quorum; answering for no VIP"
                 );
                 self.quorum_since = None;
