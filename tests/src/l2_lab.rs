@@ -374,8 +374,8 @@ impl L2Lab {
     pub fn arp(&self, ip: Ipv4Addr, wait: Duration) -> BTreeSet<[u8; 6]> {
         in_netns(&self.client, move || {
             let s = RawSocket::open("eth0");
-            s.send(&arp_request(ip));
-            s.answers(wait, |f| arp_answer(f, ip))
+            s.send(&arp_request(ip, CLIENT_V4));
+            s.answers(wait, |f| arp_answer(f, ip, CLIENT_V4))
         })
         .join()
         .expect("arp thread")
@@ -438,9 +438,18 @@ impl L2Lab {
         let thread = in_netns(&self.client, move || {
             let sock = RawSocket::open("eth0");
             let mut rounds = Vec::new();
+            let mut seq: u16 = 0;
             while !s.load(Ordering::Relaxed) {
-                sock.send(&arp_request(ip));
-                rounds.push((Instant::now(), sock.answers(every, |f| arp_answer(f, ip))));
+                // Each request asks from its own address (10.9.0.128-191,
+                // which nothing else uses), and the answer goes back to it:
+                // answers that waited in the socket (this thread starved)
+                // are not counted with a later request's. (Not the hardware
+                // address: the nodes' kernels learn it for that IP.)
+                seq = seq.wrapping_add(1);
+                let from = watch_source(seq);
+                sock.send(&arp_request(ip, from));
+                let at = Instant::now();
+                rounds.push((at, sock.answers(every, |f| arp_answer(f, ip, from))));
                 let _ = started.send(());
             }
             rounds
@@ -570,24 +579,30 @@ impl Drop for RawSocket {
     }
 }
 
-fn arp_request(ip: Ipv4Addr) -> Vec<u8> {
+/// The sender address of a watch's request `seq`.
+fn watch_source(seq: u16) -> Ipv4Addr {
+    Ipv4Addr::new(10, 9, 0, 128 + (seq % 64) as u8)
+}
+
+fn arp_request(ip: Ipv4Addr, from: Ipv4Addr) -> Vec<u8> {
     let mut f = vec![0xff; 6];
     f.extend_from_slice(&CLIENT_MAC);
     f.extend_from_slice(&[0x08, 0x06, 0, 1, 0x08, 0, 6, 4, 0, 1]);
     f.extend_from_slice(&CLIENT_MAC);
-    f.extend_from_slice(&CLIENT_V4.octets());
+    f.extend_from_slice(&from.octets());
     f.extend_from_slice(&[0; 6]);
     f.extend_from_slice(&ip.octets());
     f
 }
 
-/// An ARP reply telling the client where `ip` is.
-fn arp_answer(f: &[u8], ip: Ipv4Addr) -> bool {
+/// An ARP reply to a request from `from`, telling where `ip` is.
+fn arp_answer(f: &[u8], ip: Ipv4Addr, from: Ipv4Addr) -> bool {
     f.len() >= 42
         && f[12..14] == [0x08, 0x06]
         && f[20..22] == [0, 2]
         && f[28..32] == ip.octets()
-        && f[38..42] == CLIENT_V4.octets()
+        && f[32..38] == CLIENT_MAC
+        && f[38..42] == from.octets()
         && f[6..12] == f[22..28]
 }
 

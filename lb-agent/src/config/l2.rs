@@ -15,8 +15,10 @@ pub struct L2Config {
     pub interfaces: Vec<String>,
     /// This node's name in the membership; unique per node.
     pub node_name: String,
-    /// Where this node's membership traffic is received (UDP).
-    pub bind: SocketAddr,
+    /// Where this node's membership traffic is received (UDP); `None`: the
+    /// first IPv4 address of the first L2 interface, port 7946 (resolved
+    /// when the agent starts, so that one file serves every node).
+    pub bind: Option<SocketAddr>,
     /// The other nodes' membership addresses.
     pub peers: Vec<SocketAddr>,
     /// The shared secret every packet is signed with; strangers are refused.
@@ -47,7 +49,7 @@ const MIN_KEY_BYTES: usize = 16;
 pub(super) struct RawL2 {
     interfaces: Vec<String>,
     node_name: Option<String>,
-    bind: String,
+    bind: Option<String>,
     #[serde(default)]
     peers: Vec<String>,
     key_file: String,
@@ -90,12 +92,15 @@ impl Validator<'_> {
                 )
             })?,
         };
-        let bind = self.socket(&raw.bind, || path().key("bind"))?;
+        let bind = match &raw.bind {
+            None => None,
+            Some(b) => Some(self.socket(b, || path().key("bind"))?),
+        };
         let mut peers = Vec::new();
         for (i, p) in raw.peers.iter().enumerate() {
             let at = || path().key("peers").index(i);
             let addr = self.socket(p, at)?;
-            if addr == bind || peers.contains(&addr) {
+            if Some(addr) == bind || peers.contains(&addr) {
                 return Err(self.err(at(), format!("{addr} is listed twice (or is bind)")));
             }
             peers.push(addr);

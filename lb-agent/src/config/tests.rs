@@ -1164,7 +1164,9 @@ l2:
     );
     let c = AgentConfig::parse(&base).unwrap();
     let l2 = c.l2.unwrap();
-    assert_eq!(l2.bind, "10.0.0.11:7946".parse().unwrap());
+    assert_eq!(l2.bind, Some("10.0.0.11:7946".parse().unwrap()));
+    let unbound = AgentConfig::parse(&edit(&base, "  bind: 10.0.0.11\n", "")).unwrap();
+    assert_eq!(unbound.l2.unwrap().bind, None);
     assert_eq!(l2.peers[1], "10.0.0.13:7000".parse().unwrap());
     assert_eq!(l2.key, b"0123456789abcdef0123");
     assert_eq!(l2.quorum, 2, "majority of three");

@@ -68,9 +68,28 @@ pub fn swim_config(cfg: &L2Config) -> foca::Config {
     c
 }
 
-/// Datagram header: a magic and a version, covered by the signature.
-const MAGIC: &[u8; 4] = b"XLB\x01";
+/// Datagram header: a magic and a version, covered by the signature, then
+/// the kind of datagram.
+const MAGIC: &[u8; 4] = b"XLB\x02";
 const TAG_LEN: usize = 32;
+
+/// What a datagram carries.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kind {
+    /// SWIM (foca's encoding).
+    Swim = 0,
+    /// A heartbeat: the sender and the VIPs it answers for (`Heartbeat`).
+    Heartbeat = 1,
+}
+
+/// Sent to every peer each renewal: that the sender lives, and which VIPs
+/// it answers for now. A node takes a VIP only when no member it hears
+/// from holds it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Heartbeat {
+    pub name: String,
+    pub holds: Vec<std::net::IpAddr>,
+}
 
 /// Why a datagram was refused (the metric's label).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -90,25 +109,31 @@ impl Refused {
     }
 }
 
-pub fn seal(key: &[u8], payload: &[u8]) -> Vec<u8> {
-    let mut out = Vec::with_capacity(MAGIC.len() + payload.len() + TAG_LEN);
+pub fn seal(key: &[u8], kind: Kind, payload: &[u8]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(MAGIC.len() + 1 + payload.len() + TAG_LEN);
     out.extend_from_slice(MAGIC);
+    out.push(kind as u8);
     out.extend_from_slice(payload);
     let tag = mac(key, &out).finalize().into_bytes();
     out.extend_from_slice(&tag);
     out
 }
 
-/// The payload of a datagram signed with `key`.
-pub fn open<'d>(key: &[u8], datagram: &'d [u8]) -> Result<&'d [u8], Refused> {
-    if datagram.len() < MAGIC.len() + TAG_LEN || &datagram[..MAGIC.len()] != MAGIC {
+/// The kind and payload of a datagram signed with `key`.
+pub fn open<'d>(key: &[u8], datagram: &'d [u8]) -> Result<(Kind, &'d [u8]), Refused> {
+    if datagram.len() < MAGIC.len() + 1 + TAG_LEN || &datagram[..MAGIC.len()] != MAGIC {
         return Err(Refused::Malformed);
     }
     let (signed, tag) = datagram.split_at(datagram.len() - TAG_LEN);
     mac(key, signed)
         .verify_slice(tag)
         .map_err(|_| Refused::BadKey)?;
-    Ok(&signed[MAGIC.len()..])
+    let kind = match signed[MAGIC.len()] {
+        0 => Kind::Swim,
+        1 => Kind::Heartbeat,
+        _ => return Err(Refused::Malformed),
+    };
+    Ok((kind, &signed[MAGIC.len() + 1..]))
 }
 
 fn mac(key: &[u8], data: &[u8]) -> Hmac<Sha256> {
@@ -123,8 +148,11 @@ mod tests {
 
     #[test]
     fn a_sealed_datagram_opens_with_its_key_only() {
-        let d = seal(b"0123456789abcdef", b"hello");
-        assert_eq!(open(b"0123456789abcdef", &d), Ok(&b"hello"[..]));
+        let d = seal(b"0123456789abcdef", Kind::Swim, b"hello");
+        assert_eq!(
+            open(b"0123456789abcdef", &d),
+            Ok((Kind::Swim, &b"hello"[..]))
+        );
         assert_eq!(open(b"another key 0123", &d), Err(Refused::BadKey));
         let mut flipped = d.clone();
         flipped[5] ^= 1;

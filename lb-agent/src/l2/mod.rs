@@ -72,9 +72,21 @@ impl L2Task {
         dp: Arc<Mutex<Dataplane>>,
         registry: &Registry,
     ) -> anyhow::Result<Self> {
-        let socket = UdpSocket::bind(cfg.bind)
+        let bind = match cfg.bind {
+            Some(b) => b,
+            None => {
+                let iface = &cfg.interfaces[0];
+                let ip = netif::interface_address(iface, true).ok_or_else(|| {
+                    anyhow::anyhow!(
+                        "l2: bind is not set and {iface} has no IPv4 address to bind to"
+                    )
+                })?;
+                SocketAddr::new(ip, crate::config::DEFAULT_L2_PORT)
+            }
+        };
+        let socket = UdpSocket::bind(bind)
             .await
-            .map_err(|e| anyhow::anyhow!("l2: binding the membership socket {}: {e}", cfg.bind))?;
+            .map_err(|e| anyhow::anyhow!("l2: binding the membership socket {bind}: {e}"))?;
         let sender = announce::Sender::new()
             .map_err(|e| anyhow::anyhow!("l2: opening a packet socket for announcements: {e}"))?;
         // Nothing is owned until the membership says so (a restarted agent
@@ -87,13 +99,13 @@ impl L2Task {
         }
         let me = Member {
             name: cfg.node_name.clone(),
-            addr: cfg.bind,
+            addr: bind,
             generation: std::time::SystemTime::now()
                 .duration_since(std::time::UNIX_EPOCH)
                 .map(|d| d.as_millis() as u64)
                 .unwrap_or(0),
         };
-        info!(node = %me.name, bind = %cfg.bind, peers = cfg.peers.len(), quorum = cfg.quorum, "L2 mode: joining the membership");
+        info!(node = %me.name, %bind, peers = cfg.peers.len(), quorum = cfg.quorum, "L2 mode: joining the membership");
         let foca = Foca::new(
             me,
             gossip::swim_config(&cfg),
@@ -101,6 +113,7 @@ impl L2Task {
             PostcardCodec,
         );
         let (tx, rx) = mpsc::unbounded_channel();
+        let holder_window = cfg.probe_interval + cfg.suspect_timeout;
         let runner = Runner {
             metrics: L2Metrics::new(registry),
             claim_hold: cfg.probe_interval * 4,
@@ -122,6 +135,8 @@ impl L2Task {
             warned: BTreeSet::new(),
             last_renew: None,
             last_heard: None,
+            holders: BTreeMap::new(),
+            holder_window,
         };
         tokio::spawn(runner.run(rx));
         Ok(Self { tx })
@@ -258,6 +273,12 @@ struct Runner {
     last_renew: Option<Instant>,
     /// When a signed datagram last came from another member.
     last_heard: Option<Instant>,
+    /// Each other node's last heartbeat: when, and the VIPs it answers for.
+    holders: BTreeMap<String, (Instant, BTreeSet<IpAddr>)>,
+    /// A heartbeat older than this no longer holds a VIP: by then its
+    /// sender, if cut off or frozen, has fallen silent (two probe intervals,
+    /// or the answer deadline), and the others declare it down.
+    holder_window: Duration,
     /// Without a word from any member for this long, this node is cut off
     /// and answers for nothing: shorter than the time the others take to
     /// declare it down (`probe_interval + suspect_timeout`), so that it
@@ -319,13 +340,24 @@ impl Runner {
 
     fn datagram(&mut self, data: &[u8], from: SocketAddr) {
         match gossip::open(&self.cfg.key, data) {
-            Ok(payload) => {
+            Ok((kind, payload)) => {
                 self.last_heard = Some(Instant::now());
-                if payload.is_empty() {
-                    return; // a heartbeat
-                }
-                if let Err(e) = self.foca.handle_data(payload, &mut self.runtime) {
-                    tracing::debug!(%from, "l2: membership datagram not applied: {e}");
+                match kind {
+                    gossip::Kind::Swim => {
+                        if let Err(e) = self.foca.handle_data(payload, &mut self.runtime) {
+                            tracing::debug!(%from, "l2: membership datagram not applied: {e}");
+                        }
+                    }
+                    gossip::Kind::Heartbeat => {
+                        match serde_json::from_slice::<gossip::Heartbeat>(payload) {
+                            Ok(beat) if beat.name != self.cfg.node_name => {
+                                let holds = beat.holds.into_iter().collect();
+                                self.holders.insert(beat.name, (Instant::now(), holds));
+                            }
+                            Ok(_) => {}
+                            Err(e) => tracing::debug!(%from, "l2: a heartbeat not understood: {e}"),
+                        }
+                    }
                 }
             }
             Err(why) => {
@@ -335,6 +367,14 @@ impl Runner {
                 }
             }
         }
+    }
+
+    /// Whether another member said, recently enough to be alive, that it
+    /// answers for `vip`.
+    fn held_elsewhere(&self, vip: IpAddr, now: Instant) -> bool {
+        self.holders
+            .values()
+            .any(|(at, holds)| now.duration_since(*at) < self.holder_window && holds.contains(&vip))
     }
 
     fn metrics_refused(&self, why: gossip::Refused) {
@@ -357,7 +397,7 @@ impl Runner {
     /// Sends what foca queued, schedules its timers, logs its news.
     async fn flush(&mut self) {
         while let Some((to, data)) = self.runtime.to_send() {
-            let sealed = gossip::seal(&self.cfg.key, &data);
+            let sealed = gossip::seal(&self.cfg.key, gossip::Kind::Swim, &data);
             if let Err(e) = self.socket.send_to(&sealed, to.addr).await {
                 tracing::debug!(to = %to.addr, "l2: sending membership traffic: {e}");
             }
@@ -379,12 +419,20 @@ impl Runner {
         }
     }
 
-    /// A signed empty datagram to every peer: SWIM's own traffic may leave
-    /// a member unheard for longer than `contact_window` (one probe per
-    /// interval, to a random member), and a node that hears nobody must
-    /// tell that it is cut off, not a peer's random pick.
+    /// A signed heartbeat to every peer, naming the VIPs this node answers
+    /// for. SWIM's own traffic may leave a member unheard for longer than
+    /// `contact_window` (one probe per interval, to a random member), and a
+    /// node that hears nobody must tell that it is cut off, not a peer's
+    /// random pick. The VIPs let a node that comes back (a healed
+    /// partition: it may see some members before others) wait until the
+    /// one still answering for a VIP lets it go.
     async fn heartbeat(&mut self) {
-        let beat = gossip::seal(&self.cfg.key, &[]);
+        let beat = gossip::Heartbeat {
+            name: self.cfg.node_name.clone(),
+            holds: self.owned.keys().copied().collect(),
+        };
+        let payload = serde_json::to_vec(&beat).expect("a heartbeat serializes");
+        let beat = gossip::seal(&self.cfg.key, gossip::Kind::Heartbeat, &payload);
         for peer in &self.cfg.peers {
             let _ = self.socket.send_to(&beat, peer).await;
         }
@@ -458,8 +506,10 @@ impl Runner {
             for vip in mine {
                 match self.place(vip) {
                     Some(ifindex) => {
-                        // Keep releasing at once, but claim only after the hold.
-                        if may_claim || self.owned.contains_key(&vip) {
+                        // Keep what it holds; claim only after the hold, and
+                        // only what no other node says it still answers for.
+                        let kept = self.owned.contains_key(&vip);
+                        if kept || (may_claim && !self.held_elsewhere(vip, now)) {
                             want.insert(vip, ifindex);
                         }
                     }
