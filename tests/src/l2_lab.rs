@@ -335,6 +335,11 @@ impl L2Lab {
         });
     }
 
+    /// Rewrites node `i`'s config; the agent reloads it within half a second.
+    pub fn rewrite_config(&self, i: usize, yaml: &str) {
+        write_atomic(&self.nodes[i - 1].config_path, yaml);
+    }
+
     pub fn start_all(&mut self) {
         for i in 1..=3 {
             let c = self.config(i, "");

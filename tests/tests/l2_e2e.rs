@@ -157,12 +157,19 @@ fn a_crashed_or_frozen_owner_is_replaced_without_two_owners() {
             .ok_or(())
     })
     .unwrap_or_else(|()| panic!("node {first} did not rejoin; logs:\n{}", lab.logs()));
-    let back = lab.wait_owner(vip(0), Duration::from_secs(5));
+    // Rendezvous ownership is stable: the VIP goes back to it.
+    poll_until(Duration::from_secs(10), Duration::from_millis(50), || {
+        (lab.wait_owner(vip(0), Duration::from_secs(5)) == first)
+            .then_some(())
+            .ok_or(())
+    })
+    .unwrap_or_else(|()| {
+        panic!(
+            "node {first} did not take its VIP back; logs:\n{}",
+            lab.logs()
+        )
+    });
     assert_single_answers(watch, &lab, "rejoin");
-    assert_eq!(
-        back, first,
-        "rendezvous ownership is not stable across a rejoin"
-    );
 
     // Freeze: a stopped agent renews nothing, so its node stops answering
     // before the others declare it down; thawed, it rejoins.
@@ -284,4 +291,59 @@ fn a_graceful_stop_hands_over_and_no_request_fails() {
     assert!(http_ok(&lab, addr));
     let seen = assert_single_answers(watch, &lab, "graceful stop");
     assert!(seen.iter().all(|n| *n == first || *n == next), "{seen:?}");
+}
+
+#[test]
+fn a_node_that_cannot_serve_a_vip_never_owns_it() {
+    let mut lab = L2Lab::start(&format!("l2e{}", std::process::id() % 10000));
+    lab.start_all();
+    let addr = SocketAddr::from((vip(0), 80));
+    let first = lab.wait_owner(vip(0), Duration::from_secs(10));
+    // The owner's backends for the VIP drained (weight 0): it can no
+    // longer serve it (as a node without ready local endpoints under
+    // externalTrafficPolicy: Local), says so in its heartbeats, and
+    // another node takes the VIP.
+    let drained: String = lab
+        .config(first, "")
+        .lines()
+        .map(|l| {
+            if l.contains(&format!("vip: {},", vip(0))) {
+                l.replace("}] }", ", weight: 0 }] }")
+            } else {
+                l.to_string()
+            }
+        })
+        .collect::<Vec<_>>()
+        .join("\n");
+    let watch = lab.watch_arp(vip(0), Duration::from_millis(10));
+    lab.rewrite_config(first, &format!("{drained}\n"));
+    let other = poll_until(Duration::from_secs(10), Duration::from_millis(50), || {
+        let o = lab.wait_owner(vip(0), Duration::from_secs(5));
+        (o != first).then_some(o).ok_or(())
+    })
+    .unwrap_or_else(|()| {
+        panic!(
+            "a node that cannot serve kept its VIP; logs:\n{}",
+            lab.logs()
+        )
+    });
+    lab.flush_client_neighbours();
+    assert_traffic_resumes(&lab, addr, "through the node that can serve");
+    // Its backends back, it takes the VIP back.
+    let c = lab.config(first, "");
+    lab.rewrite_config(first, &c);
+    poll_until(Duration::from_secs(10), Duration::from_millis(50), || {
+        (lab.wait_owner(vip(0), Duration::from_secs(5)) == first)
+            .then_some(())
+            .ok_or(())
+    })
+    .unwrap_or_else(|()| {
+        panic!(
+            "node {first} did not take its VIP back; logs:\n{}",
+            lab.logs()
+        )
+    });
+    assert_single_answers(watch, &lab, "serving moved");
+    assert_ne!(other, first);
+    assert_traffic_resumes(&lab, addr, "back through the first owner");
 }

@@ -82,12 +82,15 @@ pub enum Kind {
     Heartbeat = 1,
 }
 
-/// Sent to every peer each renewal: that the sender lives, and which VIPs
-/// it answers for now. A node takes a VIP only when no member it hears
-/// from holds it.
+/// Sent to every peer each renewal: that the sender lives, which VIPs it
+/// can serve (a usable backend: with `externalTrafficPolicy: Local`, a
+/// ready local endpoint), and which it answers for now. Owners are chosen
+/// among the nodes that can serve a VIP, and a node takes a VIP only when
+/// no member it hears from holds it.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Heartbeat {
     pub name: String,
+    pub serves: Vec<std::net::IpAddr>,
     pub holds: Vec<std::net::IpAddr>,
 }
 

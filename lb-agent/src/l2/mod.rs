@@ -135,7 +135,7 @@ impl L2Task {
             warned: BTreeSet::new(),
             last_renew: None,
             last_heard: None,
-            holders: BTreeMap::new(),
+            peers: BTreeMap::new(),
             holder_window,
         };
         tokio::spawn(runner.run(rx));
@@ -239,6 +239,13 @@ impl L2Metrics {
     }
 }
 
+/// What another node's last heartbeat said.
+struct Peer {
+    at: Instant,
+    serves: BTreeSet<IpAddr>,
+    holds: BTreeSet<IpAddr>,
+}
+
 /// An L2 interface as last looked up.
 struct Iface {
     index: u32,
@@ -273,8 +280,8 @@ struct Runner {
     last_renew: Option<Instant>,
     /// When a signed datagram last came from another member.
     last_heard: Option<Instant>,
-    /// Each other node's last heartbeat: when, and the VIPs it answers for.
-    holders: BTreeMap<String, (Instant, BTreeSet<IpAddr>)>,
+    /// Each other node's last heartbeat.
+    peers: BTreeMap<String, Peer>,
     /// A heartbeat older than this no longer holds a VIP: by then its
     /// sender, if cut off or frozen, has fallen silent (two probe intervals,
     /// or the answer deadline), and the others declare it down.
@@ -351,8 +358,12 @@ impl Runner {
                     gossip::Kind::Heartbeat => {
                         match serde_json::from_slice::<gossip::Heartbeat>(payload) {
                             Ok(beat) if beat.name != self.cfg.node_name => {
-                                let holds = beat.holds.into_iter().collect();
-                                self.holders.insert(beat.name, (Instant::now(), holds));
+                                let peer = Peer {
+                                    at: Instant::now(),
+                                    serves: beat.serves.into_iter().collect(),
+                                    holds: beat.holds.into_iter().collect(),
+                                };
+                                self.peers.insert(beat.name, peer);
                             }
                             Ok(_) => {}
                             Err(e) => tracing::debug!(%from, "l2: a heartbeat not understood: {e}"),
@@ -372,9 +383,30 @@ impl Runner {
     /// Whether another member said, recently enough to be alive, that it
     /// answers for `vip`.
     fn held_elsewhere(&self, vip: IpAddr, now: Instant) -> bool {
-        self.holders
-            .values()
-            .any(|(at, holds)| now.duration_since(*at) < self.holder_window && holds.contains(&vip))
+        self.fresh_peers(now).any(|(_, p)| p.holds.contains(&vip))
+    }
+
+    fn fresh_peers(&self, now: Instant) -> impl Iterator<Item = (&String, &Peer)> {
+        self.peers
+            .iter()
+            .filter(move |(_, p)| now.duration_since(p.at) < self.holder_window)
+    }
+
+    /// Each VIP this node can serve, with the nodes that can serve it:
+    /// this one and the peers whose fresh heartbeat says so.
+    fn eligible(&self, now: Instant) -> L2Vips {
+        self.vips
+            .keys()
+            .map(|vip| {
+                let mut nodes: BTreeSet<String> = self
+                    .fresh_peers(now)
+                    .filter(|(_, p)| p.serves.contains(vip))
+                    .map(|(n, _)| n.clone())
+                    .collect();
+                nodes.insert(self.cfg.node_name.clone());
+                (*vip, Some(nodes))
+            })
+            .collect()
     }
 
     fn metrics_refused(&self, why: gossip::Refused) {
@@ -429,6 +461,7 @@ impl Runner {
     async fn heartbeat(&mut self) {
         let beat = gossip::Heartbeat {
             name: self.cfg.node_name.clone(),
+            serves: self.vips.keys().copied().collect(),
             holds: self.owned.keys().copied().collect(),
         };
         let payload = serde_json::to_vec(&beat).expect("a heartbeat serializes");
@@ -502,7 +535,7 @@ impl Runner {
         let mut want = BTreeMap::new();
         let mut unplaced = 0;
         if in_quorum {
-            let mine = owned_by(&self.cfg.node_name, &members, &self.vips);
+            let mine = owned_by(&self.cfg.node_name, &members, &self.eligible(now));
             for vip in mine {
                 match self.place(vip) {
                     Some(ifindex) => {
