@@ -217,20 +217,7 @@ impl Agent {
                 .context("the Kubernetes watcher stopped")?;
             agent.k8s = Some(rx);
         }
-        if let Some(bgp) = &agent.config.bgp {
-            let announcer = crate::announce::from_config(bgp).map_err(anyhow::Error::msg)?;
-            info!(speaker = announcer.name(), "announcing VIPs through BGP");
-            agent.announce = Some(AnnounceTask::start(
-                announcer,
-                bgp.resync_interval,
-                agent.metrics.registry(),
-            ));
-        }
-        if let Some(l2) = agent.config.l2.clone() {
-            agent.l2 = Some(
-                crate::l2::L2Task::start(l2, agent.dp.clone(), agent.metrics.registry()).await?,
-            );
-        }
+        agent.start_announcing().await?;
         if let Err(e) = agent.apply_config() {
             // Without its interfaces the agent is useless: stop. A service the
             // data plane refuses (a full table) must not take the others down.
@@ -244,6 +231,25 @@ impl Agent {
         release_free_memory();
         info!("ready");
         Ok(agent)
+    }
+
+    /// Starts what tells the network about the VIPs: the BGP speaker's
+    /// driver and L2 mode, as configured.
+    async fn start_announcing(&mut self) -> anyhow::Result<()> {
+        if let Some(bgp) = &self.config.bgp {
+            let announcer = crate::announce::from_config(bgp).map_err(anyhow::Error::msg)?;
+            info!(speaker = announcer.name(), "announcing VIPs through BGP");
+            self.announce = Some(AnnounceTask::start(
+                announcer,
+                bgp.resync_interval,
+                self.metrics.registry(),
+            ));
+        }
+        if let Some(l2) = self.config.l2.clone() {
+            self.l2 =
+                Some(crate::l2::L2Task::start(l2, self.dp.clone(), self.metrics.registry()).await?);
+        }
+        Ok(())
     }
 
     /// Serves until SIGTERM/SIGINT. The program stays attached on exit.
