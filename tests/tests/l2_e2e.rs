@@ -279,18 +279,36 @@ fn a_graceful_stop_hands_over_and_no_request_fails() {
     lab.start_all();
     let addr = SocketAddr::from((vip(0), 80));
     let first = lab.wait_owner(vip(0), Duration::from_secs(10));
-    let watch = lab.watch_arp(vip(0), Duration::from_millis(10));
-    lab.node(first).stop_agent(Duration::from_secs(5));
-    assert!(lab.nodes[first - 1].log().contains("handed over"));
-    let next = lab.wait_owner(vip(0), Duration::from_secs(2));
-    assert_ne!(next, first);
-    for _ in 0..20 {
-        assert!(http_ok(&lab, addr), "a request failed after the handover");
+    // Twice: a stop, then a restart (a rolling upgrade) that takes the VIP back.
+    for round in 0..2 {
+        let watch = lab.watch_arp(vip(0), Duration::from_millis(10));
+        lab.node(first).stop_agent(Duration::from_secs(5));
+        assert!(lab.nodes[first - 1].log().contains("handed over"));
+        let next = poll_until(Duration::from_secs(2), Duration::from_millis(20), || {
+            let o = lab.wait_owner(vip(0), Duration::from_secs(2));
+            (o != first).then_some(o).ok_or(())
+        })
+        .unwrap_or_else(|()| panic!("round {round}: no handover; logs:\n{}", lab.logs()));
+        for _ in 0..20 {
+            assert!(http_ok(&lab, addr), "a request failed after the handover");
+        }
+        let c = lab.config(first, "");
+        lab.start_agent(first, &c);
+        poll_until(Duration::from_secs(10), Duration::from_millis(50), || {
+            (lab.wait_owner(vip(0), Duration::from_secs(5)) == first)
+                .then_some(())
+                .ok_or(())
+        })
+        .unwrap_or_else(|()| {
+            panic!(
+                "round {round}: node {first} did not take its VIP back after a restart; logs:\n{}",
+                lab.logs()
+            )
+        });
+        let seen = assert_single_answers(watch, &lab, "graceful stop and restart");
+        assert!(seen.iter().all(|n| *n == first || *n == next), "{seen:?}");
+        assert_traffic_resumes(&lab, addr, "after the restart");
     }
-    lab.flush_client_neighbours();
-    assert!(http_ok(&lab, addr));
-    let seen = assert_single_answers(watch, &lab, "graceful stop");
-    assert!(seen.iter().all(|n| *n == first || *n == next), "{seen:?}");
 }
 
 #[test]
