@@ -155,9 +155,9 @@ fn neighbor_solicit_inner(ctx: &XdpContext, h: &Headers) -> Option<Verdict> {
     store16(ip + 4, (NA_LEN as u16).to_be());
     store8(ip + 7, 255);
     // Destination := the asker; source := the VIP.
-    for i in 0..4 {
-        store32(ip + 24 + i * 4, h.src[i]);
-        store32(ip + 8 + i * 4, target[i]);
+    for (i, (asker, vip)) in h.src.iter().zip(&target).enumerate() {
+        store32(ip + 24 + i * 4, *asker);
+        store32(ip + 8 + i * 4, *vip);
     }
     let na = ip + 40;
     store8(na, ICMPV6_NEIGHBOR_ADVERT);

@@ -40,6 +40,23 @@ fn assert_single_answers(watch: ArpWatch, lab: &L2Lab, what: &str) -> Vec<usize>
     owners
 }
 
+/// Polls (at most 10 s) until node `node` answers for the first VIP;
+/// panics with the logs, saying `what`, if it does not.
+#[track_caller]
+fn wait_owner_is(lab: &L2Lab, node: usize, what: &str) {
+    poll_until(Duration::from_secs(10), Duration::from_millis(50), || {
+        (lab.wait_owner(vip(0), Duration::from_secs(5)) == node)
+            .then_some(())
+            .ok_or(())
+    })
+    .unwrap_or_else(|()| {
+        panic!(
+            "{what}: node {node} does not own the VIP; logs:\n{}",
+            lab.logs()
+        )
+    });
+}
+
 fn http_ok(lab: &L2Lab, addr: SocketAddr) -> bool {
     matches!(lab.get(addr, Duration::from_secs(2)), Ok((200, body)) if body.trim() == "b1")
 }
@@ -158,17 +175,7 @@ fn a_crashed_or_frozen_owner_is_replaced_without_two_owners() {
     })
     .unwrap_or_else(|()| panic!("node {first} did not rejoin; logs:\n{}", lab.logs()));
     // Rendezvous ownership is stable: the VIP goes back to it.
-    poll_until(Duration::from_secs(10), Duration::from_millis(50), || {
-        (lab.wait_owner(vip(0), Duration::from_secs(5)) == first)
-            .then_some(())
-            .ok_or(())
-    })
-    .unwrap_or_else(|()| {
-        panic!(
-            "node {first} did not take its VIP back; logs:\n{}",
-            lab.logs()
-        )
-    });
+    wait_owner_is(&lab, first, "the VIP back after a restart");
     assert_single_answers(watch, &lab, "rejoin");
 
     // Freeze: a stopped agent renews nothing, so its node stops answering
@@ -181,16 +188,7 @@ fn a_crashed_or_frozen_owner_is_replaced_without_two_owners() {
     })
     .unwrap_or_else(|()| panic!("no takeover from a frozen node; logs:\n{}", lab.logs()));
     lab.nodes[first - 1].signal(libc::SIGCONT);
-    poll_until(Duration::from_secs(10), Duration::from_millis(50), || {
-        let o = lab.wait_owner(vip(0), Duration::from_secs(5));
-        (o == first).then_some(()).ok_or(())
-    })
-    .unwrap_or_else(|()| {
-        panic!(
-            "the thawed node did not take its VIP back; logs:\n{}",
-            lab.logs()
-        )
-    });
+    wait_owner_is(&lab, first, "the VIP back after the thaw");
     assert_single_answers(watch, &lab, "freeze");
     assert_ne!(other, first);
     assert_traffic_resumes(&lab, addr, "after the thaw");
@@ -227,8 +225,8 @@ fn a_cut_off_owner_stops_answering_and_the_partition_heals_without_two_owners() 
     // for two probe intervals, the others need one and the suspicion.
     let stamp = |log: &str, needle: &str| -> Option<String> {
         log.lines()
-            .filter(|l| l.contains(needle))
-            .last()
+            .rev()
+            .find(|l| l.contains(needle))
             .map(|l| l.split_whitespace().next().unwrap_or("").to_string())
     };
     let silent = poll_until(Duration::from_secs(5), Duration::from_millis(50), || {
@@ -259,16 +257,7 @@ fn a_cut_off_owner_stops_answering_and_the_partition_heals_without_two_owners() 
     );
 
     lab.nodes[first - 1].heal(&lab.switch, &prefix);
-    poll_until(Duration::from_secs(10), Duration::from_millis(50), || {
-        let o = lab.wait_owner(vip(0), Duration::from_secs(5));
-        (o == first).then_some(()).ok_or(())
-    })
-    .unwrap_or_else(|()| {
-        panic!(
-            "the healed node did not take its VIP back; logs:\n{}",
-            lab.logs()
-        )
-    });
+    wait_owner_is(&lab, first, "the VIP back after the heal");
     assert_single_answers(watch, &lab, "cut and heal");
     assert!(http_ok(&lab, addr));
 }
@@ -294,17 +283,7 @@ fn a_graceful_stop_hands_over_and_no_request_fails() {
         }
         let c = lab.config(first, "");
         lab.start_agent(first, &c);
-        poll_until(Duration::from_secs(10), Duration::from_millis(50), || {
-            (lab.wait_owner(vip(0), Duration::from_secs(5)) == first)
-                .then_some(())
-                .ok_or(())
-        })
-        .unwrap_or_else(|()| {
-            panic!(
-                "round {round}: node {first} did not take its VIP back after a restart; logs:\n{}",
-                lab.logs()
-            )
-        });
+        wait_owner_is(&lab, first, "the VIP back after a graceful restart");
         let seen = assert_single_answers(watch, &lab, "graceful stop and restart");
         assert!(seen.iter().all(|n| *n == first || *n == next), "{seen:?}");
         assert_traffic_resumes(&lab, addr, "after the restart");
@@ -350,17 +329,7 @@ fn a_node_that_cannot_serve_a_vip_never_owns_it() {
     // Its backends back, it takes the VIP back.
     let c = lab.config(first, "");
     lab.rewrite_config(first, &c);
-    poll_until(Duration::from_secs(10), Duration::from_millis(50), || {
-        (lab.wait_owner(vip(0), Duration::from_secs(5)) == first)
-            .then_some(())
-            .ok_or(())
-    })
-    .unwrap_or_else(|()| {
-        panic!(
-            "node {first} did not take its VIP back; logs:\n{}",
-            lab.logs()
-        )
-    });
+    wait_owner_is(&lab, first, "the VIP back with its backends");
     assert_single_answers(watch, &lab, "serving moved");
     assert_ne!(other, first);
     assert_traffic_resumes(&lab, addr, "back through the first owner");

@@ -353,12 +353,16 @@ pub fn online_cpus() -> Option<Vec<usize>> {
 /// `CLOCK_MONOTONIC` now, in nanoseconds: the clock of `bpf_ktime_get_ns`,
 /// which L2 mode's deadlines (`L2Iface::valid_until_ns`) are compared with.
 pub fn monotonic_now_ns() -> u64 {
+    clock_ns(libc::CLOCK_MONOTONIC)
+}
+
+fn clock_ns(clock: libc::clockid_t) -> u64 {
     let mut ts = libc::timespec {
         tv_sec: 0,
         tv_nsec: 0,
     };
     // SAFETY: valid pointer to a timespec.
-    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
+    unsafe { libc::clock_gettime(clock, &mut ts) };
     ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
 }
 
@@ -376,11 +380,5 @@ pub fn l2_vips(map: &L2VipsMap) -> Result<Vec<(std::net::IpAddr, u32)>, MapError
 /// `CLOCK_MONOTONIC_COARSE` now, in nanoseconds: the clock of the data
 /// plane's `bpf_ktime_get_coarse_ns` timestamps.
 pub fn coarse_now_ns() -> u64 {
-    let mut ts = libc::timespec {
-        tv_sec: 0,
-        tv_nsec: 0,
-    };
-    // SAFETY: valid pointer to a timespec.
-    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC_COARSE, &mut ts) };
-    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
+    clock_ns(libc::CLOCK_MONOTONIC_COARSE)
 }
