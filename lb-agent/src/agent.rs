@@ -38,7 +38,7 @@ use crate::{
         BackendSample, BackendValue, DataplaneSnapshot, LoadSamples, Metrics, ServiceSample,
     },
     netif::interface_address,
-    service::{Balance, DesiredService, RemovedBackendFlows},
+    service::{Announce, Balance, DesiredService, RemovedBackendFlows},
 };
 
 pub struct AgentOptions {
@@ -73,6 +73,8 @@ pub struct Agent {
     allocator: Option<crate::k8s::allocator::Running>,
     /// VIPs both the file and Kubernetes define (the file wins), logged once.
     shadowed: BTreeSet<(IpAddr, u16, Protocol)>,
+    /// How each VIP is announced (its services' `announce`, together).
+    announce_by_vip: BTreeMap<IpAddr, Announce>,
 }
 
 #[derive(Default)]
@@ -179,6 +181,7 @@ impl Agent {
             k8s: None,
             allocator: None,
             shadowed: BTreeSet::new(),
+            announce_by_vip: BTreeMap::new(),
         };
         if let Some(kcfg) = agent.config.kubernetes.clone() {
             let client = crate::k8s::watch::client(&kcfg).await?;
@@ -411,6 +414,7 @@ impl Agent {
         let mut desired: BTreeMap<ServiceKey, (ServiceSpec, RemovedBackendFlows, String)> =
             BTreeMap::new();
         let services = self.all_services();
+        self.announce_by_vip = announce_by_vip(&services);
         let load = self.load_rx.borrow_and_update().clone();
         let mut load_targets = Vec::new();
         for svc in &services {
@@ -498,7 +502,7 @@ impl Agent {
         }
         if let Some(l2) = &self.l2 {
             l2.set_vips(
-                self.servable_vips()
+                self.servable_vips(Announce::by_l2)
                     .into_iter()
                     .map(|v| (v, None))
                     .collect(),
@@ -539,13 +543,15 @@ impl Agent {
         all
     }
 
-    /// The VIPs this node can serve now: the program is attached and a
-    /// service on the VIP has a backend with weight.
-    fn servable_vips(&self) -> BTreeSet<IpAddr> {
+    /// The VIPs this node can serve now (the program is attached and a
+    /// service on the VIP has a backend with weight) that are announced
+    /// the way `by` asks.
+    fn servable_vips(&self, by: fn(Announce) -> bool) -> BTreeSet<IpAddr> {
         let dp = self.dp.lock().expect("data plane lock");
         dp.services()
             .filter(|(_, spec)| spec.backends.iter().any(|b| b.weight > 0))
             .map(|(_, spec)| spec.vip)
+            .filter(|vip| by(self.announce_by_vip.get(vip).copied().unwrap_or_default()))
             .collect()
     }
 
@@ -569,7 +575,7 @@ impl Agent {
             .map(IpAddr::V6)
             .or_else(|| interface_address(first_iface, false));
         let mut routes = BTreeSet::new();
-        for vip in self.servable_vips() {
+        for vip in self.servable_vips(Announce::by_bgp) {
             let hop = if vip.is_ipv4() { hop4 } else { hop6 };
             match hop {
                 Some(next_hop) => {
@@ -587,6 +593,17 @@ impl Agent {
         }
         routes
     }
+}
+
+/// Each VIP's announcement: a way any of its services asks for.
+fn announce_by_vip(services: &[DesiredService]) -> BTreeMap<IpAddr, Announce> {
+    let mut out: BTreeMap<IpAddr, Announce> = BTreeMap::new();
+    for s in services {
+        out.entry(s.vip)
+            .and_modify(|a| *a = a.union(s.announce))
+            .or_insert(s.announce);
+    }
+    out
 }
 
 /// A load-aware service's weights: the controller's where it decided,

@@ -48,6 +48,48 @@ pub struct DesiredService {
     pub affinity: Option<ClientAffinity>,
     /// How new flows are shared among the backends.
     pub balance: Balance,
+    /// Which of this node's ways of telling the network announce the VIP.
+    pub announce: Announce,
+}
+
+/// `announce:` / the `xlb.dev/announce` annotation: whether the VIP is
+/// announced through BGP, answered for in L2 mode, or both. Each applies
+/// only where the node has it configured (`bgp:`, `l2:`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Announce {
+    /// Every way the node is configured for.
+    #[default]
+    Both,
+    Bgp,
+    L2,
+}
+
+impl Announce {
+    pub fn by_bgp(self) -> bool {
+        self != Announce::L2
+    }
+
+    pub fn by_l2(self) -> bool {
+        self != Announce::Bgp
+    }
+
+    /// What two services on one VIP ask for together: each way either asks.
+    pub fn union(self, other: Announce) -> Announce {
+        if self == other {
+            self
+        } else {
+            Announce::Both
+        }
+    }
+
+    pub fn parse(s: &str) -> Option<Announce> {
+        match s {
+            "both" => Some(Announce::Both),
+            "bgp" => Some(Announce::Bgp),
+            "l2" => Some(Announce::L2),
+            _ => None,
+        }
+    }
 }
 
 /// `balance:` / the `xlb.dev/balance` annotation.
@@ -155,4 +197,23 @@ pub enum CheckKind {
         path: String,
         expect_status: u16,
     },
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Announce;
+
+    #[test]
+    fn services_on_one_vip_announce_every_way_either_asks() {
+        use Announce::*;
+        assert_eq!(Bgp.union(Bgp), Bgp);
+        assert_eq!(L2.union(L2), L2);
+        assert_eq!(Bgp.union(L2), Both);
+        assert_eq!(L2.union(Both), Both);
+        assert!(Bgp.by_bgp() && !Bgp.by_l2());
+        assert!(!L2.by_bgp() && L2.by_l2());
+        assert!(Both.by_bgp() && Both.by_l2());
+        assert_eq!(Announce::parse("l2"), Some(L2));
+        assert_eq!(Announce::parse("arp"), None);
+    }
 }

@@ -28,6 +28,7 @@ use xlb_tests::{
 
 const OTHER_NODE: &str = "node-2";
 const EXCLUDE_LABEL: &str = "node.kubernetes.io/exclude-from-external-load-balancers";
+const ANNOUNCE_ANNOTATION: &str = "xlb.dev/announce";
 /// Service `shop/web`, `externalTrafficPolicy: Cluster`.
 const CLUSTER_SVC: &str = "web";
 const CLUSTER_VIP: Ipv4Addr = VIP;
@@ -295,4 +296,29 @@ fn vips_are_announced_only_while_this_node_can_serve_them() {
     stays_announced(t, "the node labelled as excluded", &[]);
     set_excluded(&k, false);
     wait_announced(t, "the exclusion label removed", &[CLUSTER_VIP, LOCAL_VIP]);
+
+    // 6. `xlb.dev/announce: l2` on a node without L2 mode: the VIP stays in
+    //    the data plane but BGP no longer announces it; `bgp` brings it
+    //    back, and a value xlb does not know keeps the last good one.
+    set_announce(&k, CLUSTER_SVC, "l2");
+    wait_announced(t, "the Cluster VIP announced only by L2", &[LOCAL_VIP]);
+    assert!(programmed(t, CLUSTER_VIP), "still served");
+    set_announce(&k, CLUSTER_SVC, "bgp");
+    wait_announced(
+        t,
+        "the Cluster VIP announced by BGP",
+        &[CLUSTER_VIP, LOCAL_VIP],
+    );
+    set_announce(&k, CLUSTER_SVC, "arp");
+    stays_announced(t, "an unknown announce value", &[CLUSTER_VIP, LOCAL_VIP]);
+}
+
+fn set_announce(k: &K8sTopology, service: &str, how: &str) {
+    k.cluster.patch(
+        "service",
+        Some(NS),
+        service,
+        &json!({"metadata": {"annotations": {ANNOUNCE_ANNOTATION: how}}}),
+        false,
+    );
 }

@@ -192,6 +192,32 @@ fn a_crashed_or_frozen_owner_is_replaced_without_two_owners() {
     assert_single_answers(watch, &lab, "freeze");
     assert_ne!(other, first);
     assert_traffic_resumes(&lab, addr, "after the thaw");
+
+    // IPv6 the same: the IPv6 VIP's owner crashes, another node answers
+    // its Neighbor Solicitations, alone, and traffic flows through it.
+    let v6_owner = ndp_owner(&lab, None);
+    lab.node(v6_owner).kill_agent();
+    let v6_next = ndp_owner(&lab, Some(v6_owner));
+    assert_ne!(v6_next, v6_owner);
+    lab.flush_client_neighbours();
+    assert_traffic_resumes(&lab, SocketAddr::from((VIP6, 80)), "IPv6 after a crash");
+}
+
+/// The one node answering NDP for the IPv6 VIP, once it is not `not`.
+fn ndp_owner(lab: &L2Lab, not: Option<usize>) -> usize {
+    poll_until(Duration::from_secs(5), Duration::from_millis(20), || {
+        let a = lab.ndp(VIP6, WAIT);
+        match a.iter().collect::<Vec<_>>()[..] {
+            [mac] => node_of(*mac).filter(|&n| Some(n) != not).ok_or(()),
+            _ => Err(()),
+        }
+    })
+    .unwrap_or_else(|()| {
+        panic!(
+            "no single new NDP answerer (not {not:?}); logs:\n{}",
+            lab.logs()
+        )
+    })
 }
 
 #[test]

@@ -16,7 +16,7 @@ use ipnet::IpNet;
 use crate::{
     dataplane::{BackendSpec, ServiceSpec},
     service::{
-        parse_source_range, ranges_for, AgentCheck, Balance, CheckKind, ClientAffinity,
+        parse_source_range, ranges_for, AgentCheck, Announce, Balance, CheckKind, ClientAffinity,
         DesiredBackend, DesiredService, HealthCheck, Mode, RemovedBackendFlows,
         DEFAULT_AFFINITY_TIMEOUT, MAX_AFFINITY_TIMEOUT,
     },

@@ -142,6 +142,15 @@ pub(super) struct RawService {
     pub(super) affinity_timeout: Option<String>,
     pub(super) balance: Option<RawBalance>,
     pub(super) agent_check: Option<RawAgentCheck>,
+    pub(super) announce: Option<RawAnnounce>,
+}
+
+#[derive(Deserialize)]
+#[serde(rename_all = "lowercase", expecting = "bgp, l2 or both")]
+pub(super) enum RawAnnounce {
+    Both,
+    Bgp,
+    L2,
 }
 
 #[derive(Deserialize)]

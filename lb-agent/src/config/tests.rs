@@ -145,6 +145,7 @@ fn full_example() {
                 source_ranges: None,
                 affinity: None,
                 balance: Balance::Static,
+                announce: Announce::Both,
             },
             DesiredService {
                 name: "dns6".into(),
@@ -173,6 +174,7 @@ fn full_example() {
                 source_ranges: None,
                 affinity: None,
                 balance: Balance::Static,
+                announce: Announce::Both,
             },
         ],
     };
@@ -1227,4 +1229,38 @@ l2:
     );
     let _ = std::fs::remove_file(key);
     let _ = std::fs::remove_file(short);
+}
+
+#[test]
+fn announce_per_service() {
+    let with = |extra: &str| edit(BASE, "  - name: web\n", &format!("  - name: web\n{extra}"));
+    let both = AgentConfig::parse(BASE).unwrap();
+    assert_eq!(
+        both.services[0].announce,
+        Announce::Both,
+        "both unless chosen"
+    );
+    let bgp = format!("{}bgp:\n  driver: bird\n", with("    announce: bgp\n"));
+    assert_eq!(
+        AgentConfig::parse(&bgp).unwrap().services[0].announce,
+        Announce::Bgp
+    );
+    rejects(
+        &with("    announce: l2\n"),
+        5,
+        "services[0].announce",
+        "announce: l2 needs the l2: section",
+    );
+    rejects(
+        &with("    announce: bgp\n"),
+        5,
+        "services[0].announce",
+        "announce: bgp needs the bgp: section",
+    );
+    rejects(
+        &with("    announce: arp\n"),
+        5,
+        "services[0].announce",
+        "one of `both`, `bgp`, `l2`",
+    );
 }

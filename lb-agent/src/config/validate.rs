@@ -137,6 +137,7 @@ impl Validator<'_> {
             Some(l) => Some(self.l2(l, &interfaces)?),
         };
         let services = self.services(raw.services, snat_ipv4, snat_ipv6)?;
+        self.announce(&services, bgp.is_some(), l2.is_some())?;
         Ok(AgentConfig {
             interfaces,
             snat_ipv4,
@@ -602,6 +603,11 @@ impl Validator<'_> {
         let source_ranges = self.source_ranges(rs.source_ranges, vip, path)?;
         let affinity = self.affinity(rs.affinity, rs.affinity_timeout, path)?;
         let balance = self.balance(rs.balance, rs.agent_check, path)?;
+        let announce = match rs.announce {
+            None | Some(RawAnnounce::Both) => Announce::Both,
+            Some(RawAnnounce::Bgp) => Announce::Bgp,
+            Some(RawAnnounce::L2) => Announce::L2,
+        };
         Ok(DesiredService {
             name,
             vip,
@@ -615,7 +621,28 @@ impl Validator<'_> {
             source_ranges,
             affinity,
             balance,
+            announce,
         })
+    }
+
+    /// A service announced only by a way this node does not have would
+    /// never be reachable through it.
+    fn announce(&self, services: &[DesiredService], bgp: bool, l2: bool) -> Checked<()> {
+        for (i, s) in services.iter().enumerate() {
+            let missing = match s.announce {
+                Announce::Bgp if !bgp => "bgp",
+                Announce::L2 if !l2 => "l2",
+                _ => continue,
+            };
+            return Err(self.err(
+                root().key("services").index(i).key("announce"),
+                format!(
+                    "announce: {missing} needs the {missing}: section (without it this node never announces {})",
+                    s.vip
+                ),
+            ));
+        }
+        Ok(())
     }
 
     /// `balance` and `agent_check`.

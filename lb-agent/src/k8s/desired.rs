@@ -34,14 +34,15 @@ use k8s_openapi::api::{
 };
 
 use super::{
-    serves, AGENT_CHECK_PORT_ANNOTATION, BALANCE_ANNOTATION, EXCLUDE_LABEL, MODE_ANNOTATION,
-    SERVICE_NAME_LABEL,
+    serves, AGENT_CHECK_PORT_ANNOTATION, ANNOUNCE_ANNOTATION, BALANCE_ANNOTATION, EXCLUDE_LABEL,
+    MODE_ANNOTATION, SERVICE_NAME_LABEL,
 };
 use crate::{
     dataplane::Protocol,
     service::{
-        parse_source_range, ranges_for, AgentCheck, Balance, ClientAffinity, DesiredBackend,
-        DesiredService, Mode, RemovedBackendFlows, DEFAULT_AFFINITY_TIMEOUT, MAX_AFFINITY_TIMEOUT,
+        parse_source_range, ranges_for, AgentCheck, Announce, Balance, ClientAffinity,
+        DesiredBackend, DesiredService, Mode, RemovedBackendFlows, DEFAULT_AFFINITY_TIMEOUT,
+        MAX_AFFINITY_TIMEOUT,
     },
 };
 
@@ -206,13 +207,7 @@ fn service_configs(
     let ns = svc.metadata.namespace.as_deref().unwrap_or("");
     let name = svc.metadata.name.as_deref().unwrap_or("");
     let spec = svc.spec.as_ref().ok_or("no spec")?;
-    let mode = match svc
-        .metadata
-        .annotations
-        .as_ref()
-        .and_then(|a| a.get(MODE_ANNOTATION))
-        .map(String::as_str)
-    {
+    let mode = match annotation(svc, MODE_ANNOTATION) {
         None => opts.mode,
         Some("nat") => Mode::Nat,
         Some("snat") => Mode::Snat,
@@ -232,6 +227,7 @@ fn service_configs(
     let source_ranges = source_ranges(svc)?;
     let affinity = affinity(svc)?;
     let balance = balance(svc)?;
+    let announce = announce(svc)?;
     let mut notes = Vec::new();
     let mut vips = Vec::new();
     for ing in super::ingress(svc) {
@@ -280,6 +276,7 @@ fn service_configs(
                 source_ranges: source_ranges.as_ref().map(|r| ranges_for(vip, r)),
                 affinity,
                 balance: balance.clone(),
+                announce,
             });
         }
     }
@@ -349,13 +346,7 @@ fn source_ranges(svc: &Service) -> Result<Option<Vec<IpNet>>, String> {
 /// does, for objects that reached us some other way).
 /// The `xlb.dev/balance` and `xlb.dev/agent-check-port` annotations.
 fn balance(svc: &Service) -> Result<Balance, String> {
-    let get = |k: &str| {
-        svc.metadata
-            .annotations
-            .as_ref()
-            .and_then(|a| a.get(k))
-            .map(|v| v.trim())
-    };
+    let get = |k: &str| annotation(svc, k);
     let agent_check = match get(AGENT_CHECK_PORT_ANNOTATION) {
         None => None,
         Some(p) => match p.parse::<u16>() {
@@ -377,6 +368,24 @@ fn balance(svc: &Service) -> Result<Balance, String> {
             "annotation {BALANCE_ANNOTATION}: {other:?} is neither static nor load-aware"
         )),
     }
+}
+
+/// The `xlb.dev/announce` annotation.
+fn announce(svc: &Service) -> Result<Announce, String> {
+    match annotation(svc, ANNOUNCE_ANNOTATION) {
+        None => Ok(Announce::Both),
+        Some(v) => Announce::parse(v).ok_or_else(|| {
+            format!("annotation {ANNOUNCE_ANNOTATION}: {v:?} is none of bgp, l2, both")
+        }),
+    }
+}
+
+fn annotation<'a>(svc: &'a Service, key: &str) -> Option<&'a str> {
+    svc.metadata
+        .annotations
+        .as_ref()
+        .and_then(|a| a.get(key))
+        .map(|v| v.trim())
 }
 
 fn affinity(svc: &Service) -> Result<Option<ClientAffinity>, String> {

@@ -32,6 +32,9 @@ pub const MODE_ANNOTATION: &str = "xlb.dev/mode";
 pub const BALANCE_ANNOTATION: &str = "xlb.dev/balance";
 /// Annotation naming the port of the endpoints' agent check (load-aware).
 pub const AGENT_CHECK_PORT_ANNOTATION: &str = "xlb.dev/agent-check-port";
+/// Which ways announce the Service's addresses: `bgp`, `l2` or `both` (the
+/// default: every way the node is configured for).
+pub const ANNOUNCE_ANNOTATION: &str = "xlb.dev/announce";
 /// The Service status condition the allocator maintains.
 pub const ALLOCATED_CONDITION: &str = "xlb.dev/AddressAllocated";
 /// Node label that keeps a node out of load balancing (Kubernetes' own).

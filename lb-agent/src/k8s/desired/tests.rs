@@ -495,3 +495,33 @@ fn balance_and_agent_check_annotations() {
         );
     }
 }
+
+#[test]
+fn announce_annotation() {
+    let mut o = load(WEB);
+    let d = compute(&o, &opts("worker-1"), &Desired::default());
+    assert!(d.services.iter().all(|s| s.announce == Announce::Both));
+    o.services[0]
+        .metadata
+        .annotations
+        .get_or_insert_with(Default::default)
+        .insert(ANNOUNCE_ANNOTATION.into(), " l2".into());
+    let good = compute(&o, &opts("worker-1"), &Desired::default());
+    assert!(!good.services.is_empty());
+    assert!(good.services.iter().all(|s| s.announce == Announce::L2));
+    o.services[0]
+        .metadata
+        .annotations
+        .as_mut()
+        .unwrap()
+        .insert(ANNOUNCE_ANNOTATION.into(), "arp".into());
+    let bad = compute(&o, &opts("worker-1"), &good);
+    assert_eq!(bad.services, good.services, "keeps the last good state");
+    assert!(
+        bad.problems
+            .iter()
+            .any(|p| p.contains("none of bgp, l2, both")),
+        "{:?}",
+        bad.problems
+    );
+}
