@@ -67,6 +67,8 @@ pub struct Agent {
     announce: Option<AnnounceTask>,
     /// Answering ARP/NDP for the VIPs (L2 mode), when configured.
     l2: Option<crate::l2::L2Task>,
+    /// L2 mode's membership Lease and the peers from the others'.
+    l2_members: Option<crate::k8s::l2_members::Members>,
     /// Services from Kubernetes, when configured.
     k8s: Option<DesiredRx>,
     /// This agent's candidacy for handing out LoadBalancer addresses.
@@ -178,13 +180,16 @@ impl Agent {
             attached: BTreeSet::new(),
             announce: None,
             l2: None,
+            l2_members: None,
             k8s: None,
             allocator: None,
             shadowed: BTreeSet::new(),
             announce_by_vip: BTreeMap::new(),
         };
+        let mut kube_client = None;
         if let Some(kcfg) = agent.config.kubernetes.clone() {
             let client = crate::k8s::watch::client(&kcfg).await?;
+            kube_client = Some(client.clone());
             crate::k8s::api_health::api_health()
                 .register(agent.metrics.registry())
                 .context("registering the Kubernetes API metrics")?;
@@ -220,7 +225,7 @@ impl Agent {
                 .context("the Kubernetes watcher stopped")?;
             agent.k8s = Some(rx);
         }
-        agent.start_announcing().await?;
+        agent.start_announcing(kube_client).await?;
         if let Err(e) = agent.apply_config() {
             // Without its interfaces the agent is useless: stop. A service the
             // data plane refuses (a full table) must not take the others down.
@@ -238,7 +243,7 @@ impl Agent {
 
     /// Starts what tells the network about the VIPs: the BGP speaker's
     /// driver and L2 mode, as configured.
-    async fn start_announcing(&mut self) -> anyhow::Result<()> {
+    async fn start_announcing(&mut self, kube: Option<kube::Client>) -> anyhow::Result<()> {
         if let Some(bgp) = &self.config.bgp {
             let announcer = crate::announce::from_config(bgp).map_err(anyhow::Error::msg)?;
             info!(speaker = announcer.name(), "announcing VIPs through BGP");
@@ -249,8 +254,22 @@ impl Agent {
             ));
         }
         if let Some(l2) = self.config.l2.clone() {
-            self.l2 =
-                Some(crate::l2::L2Task::start(l2, self.dp.clone(), self.metrics.registry()).await?);
+            let task =
+                crate::l2::L2Task::start(l2.clone(), self.dp.clone(), self.metrics.registry())
+                    .await?;
+            if let (true, Some(client), Some(kcfg)) =
+                (l2.discover_peers, kube, &self.config.kubernetes)
+            {
+                let to = task.clone();
+                self.l2_members = Some(crate::k8s::l2_members::Members::start(
+                    client,
+                    &kcfg.lease_namespace,
+                    &l2.node_name,
+                    task.bind(),
+                    move |peers| to.set_peers(peers),
+                ));
+            }
+            self.l2 = Some(task);
         }
         Ok(())
     }
@@ -312,9 +331,13 @@ impl Agent {
         };
         // L2: the others take this node's VIPs over as soon as it leaves;
         // its data plane keeps forwarding for clients that still send here.
+        let members = self.l2_members.take();
         let hand_over = async {
             if let Some(l2) = &self.l2 {
                 l2.leave().await;
+            }
+            if let Some(members) = members {
+                members.leave().await;
             }
         };
         tokio::join!(step_down, withdraw_and_drain, hand_over);

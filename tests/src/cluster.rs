@@ -717,10 +717,18 @@ impl Cluster {
     /// namespace, ServiceAccount, RBAC and the CRD (rendered by `helm
     /// template` from charts/xlb with default values, applied for real).
     pub fn install_chart_identity(&mut self) {
+        self.install_chart_identity_with(&[]);
+    }
+
+    /// The same, rendered with extra `helm template` arguments (values that
+    /// change the RBAC, e.g. `--set config.l2...`); the first call wins.
+    pub fn install_chart_identity_with(&mut self, values: &[&str]) {
         if self.chart_installed {
             return;
         }
-        let rendered = self.helm_template(&["--include-crds"]);
+        let mut args = vec!["--include-crds"];
+        args.extend_from_slice(values);
+        let rendered = self.helm_template(&args);
         self.create_namespace(AGENT_NAMESPACE);
         let keep = [
             "ServiceAccount",

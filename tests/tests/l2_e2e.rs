@@ -10,6 +10,7 @@ use std::{
 };
 
 use xlb_tests::{
+    cluster::{Cluster, AGENT_NAMESPACE, API_HOST},
     l2_lab::{node_of, node_v4, vip, ArpWatch, L2Lab, VIP6, VIPS},
     topology::in_netns,
     traffic::poll_until,
@@ -359,4 +360,85 @@ fn a_node_that_cannot_serve_a_vip_never_owns_it() {
     assert_single_answers(watch, &lab, "serving moved");
     assert_ne!(other, first);
     assert_traffic_resumes(&lab, addr, "back through the first owner");
+}
+
+/// With a `kubernetes:` section and no `peers`, each agent keeps a
+/// membership Lease and takes the others' as its peers, on the real
+/// control plane with the chart's RBAC: a node joins and leaves without
+/// a config change, and a graceful stop deletes its Lease.
+#[test]
+fn peers_come_from_the_agents_leases_on_the_real_control_plane() {
+    let prefix = format!("l2k{}", std::process::id() % 10000);
+    let mut lab = L2Lab::start(&prefix);
+    let mut cluster = Cluster::start(&prefix);
+    cluster.install_chart_identity_with(&[
+        "--set",
+        "config.l2.interfaces[0]=lan",
+        "--set",
+        "config.l2.key_file=/etc/xlb-l2/key",
+    ]);
+    let mut configs = Vec::new();
+    for i in 1..=3 {
+        cluster.reach_from(&lab.nodes[i - 1].ns);
+        let kubeconfig = lab.dir.join(format!("n{i}.kubeconfig"));
+        cluster.write_agent_kubeconfig(&kubeconfig, API_HOST);
+        let base = lab.config(i, "");
+        let peers = base
+            .lines()
+            .find(|l| l.trim_start().starts_with("peers:"))
+            .expect("a peers line")
+            .to_string();
+        configs.push(format!(
+            "{}kubernetes:\n  kubeconfig: {}\n  node_name: n{i}\n  allocate_addresses: false\n  lease_namespace: {AGENT_NAMESPACE}\n",
+            base.replace(&format!("{peers}\n"), ""),
+            kubeconfig.display()
+        ));
+    }
+    let members_are = |lab: &L2Lab, nodes: &[usize], n: f64, what: &str| {
+        for &i in nodes {
+            poll_until(Duration::from_secs(20), Duration::from_millis(50), || {
+                (lab.nodes[i - 1].metric("xlb_l2_members") == Some(n))
+                    .then_some(())
+                    .ok_or(())
+            })
+            .unwrap_or_else(|()| {
+                panic!(
+                    "{what}: node {i} does not see {n} members; logs:\n{}",
+                    lab.logs()
+                )
+            });
+        }
+    };
+    let lease = |i: usize| cluster.get("lease", Some(AGENT_NAMESPACE), &format!("xlb-l2-n{i}"));
+
+    // Two nodes find each other through their Leases and answer, once each.
+    lab.start_agent(1, &configs[0]);
+    lab.start_agent(2, &configs[1]);
+    members_are(&lab, &[1, 2], 2.0, "two agents");
+    let l = lease(1).expect("node 1's Lease");
+    assert_eq!(
+        l["metadata"]["annotations"]["xlb.dev/l2-address"],
+        format!("{}:7946", node_v4(1))
+    );
+    let first = lab.wait_owner(vip(0), Duration::from_secs(10));
+    assert!([1, 2].contains(&first));
+    assert!(http_ok(&lab, SocketAddr::from((vip(0), 80))));
+
+    // A third joins with no change to the others' config.
+    lab.start_agent(3, &configs[2]);
+    members_are(&lab, &[1, 2, 3], 3.0, "a third agent");
+    for k in 0..VIPS {
+        lab.wait_owner(vip(k), Duration::from_secs(10));
+    }
+
+    // A graceful stop deletes its Lease: the others drop it as a peer.
+    lab.node(3).stop_agent(Duration::from_secs(10));
+    poll_until(Duration::from_secs(10), Duration::from_millis(50), || {
+        lease(3).is_none().then_some(()).ok_or(())
+    })
+    .unwrap_or_else(|()| panic!("node 3's Lease outlived its agent; logs:\n{}", lab.logs()));
+    members_are(&lab, &[1, 2], 2.0, "after node 3 left");
+    assert!(lab.logs().contains("the membership peers changed"));
+    lab.wait_owner(vip(0), Duration::from_secs(10));
+    assert!(http_ok(&lab, SocketAddr::from((vip(0), 80))));
 }

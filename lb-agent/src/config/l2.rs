@@ -21,11 +21,17 @@ pub struct L2Config {
     pub bind: Option<SocketAddr>,
     /// The other nodes' membership addresses.
     pub peers: Vec<SocketAddr>,
+    /// No peers listed and a `kubernetes:` section: the peers are the
+    /// other agents' membership Leases (`crate::k8s::l2_members`).
+    pub discover_peers: bool,
     /// The shared secret every packet is signed with; strangers are refused.
     pub key: Vec<u8>,
     pub key_file: PathBuf,
     /// Members (this node included) a node must see to answer at all.
     pub quorum: usize,
+    /// `quorum` was not set: a majority of the peers and this node, again
+    /// whenever discovered peers change.
+    pub quorum_is_majority: bool,
     /// SWIM: how often a member is probed, how long a direct probe waits,
     /// and how long a suspect has to refute before it is declared down.
     pub probe_interval: Duration,
@@ -34,6 +40,12 @@ pub struct L2Config {
     /// How often owned VIPs are announced again (gratuitous ARP, unsolicited
     /// NA) so that switch tables never age them out.
     pub announce_interval: Duration,
+}
+
+/// A majority of `peers` and this node.
+pub fn majority(peers: usize) -> usize {
+    let members = peers + 1;
+    members / 2 + 1
 }
 
 /// Default membership port (the one memberlist uses too).
@@ -61,7 +73,12 @@ pub(super) struct RawL2 {
 }
 
 impl Validator<'_> {
-    pub(super) fn l2(&self, raw: RawL2, attached: &[String]) -> Checked<L2Config> {
+    pub(super) fn l2(
+        &self,
+        raw: RawL2,
+        attached: &[String],
+        kubernetes: bool,
+    ) -> Checked<L2Config> {
         let path = || root().key("l2");
         if raw.interfaces.is_empty() {
             return Err(self.err(
@@ -85,7 +102,8 @@ impl Validator<'_> {
                     format!("{n:?} is not a node name (1 to 253 characters)"),
                 ))
             }
-            None => hostname().ok_or_else(|| {
+            // As the Kubernetes node name: the chart sets $NODE_NAME.
+            None => node_name_from_env().or_else(hostname).ok_or_else(|| {
                 self.err(
                     path().key("node_name"),
                     "no node_name and the host name is unknown",
@@ -115,10 +133,11 @@ impl Validator<'_> {
                 format!("the key must have at least {MIN_KEY_BYTES} bytes (e.g. `head -c 32 /dev/urandom | base64`)"),
             ));
         }
+        let discover_peers = peers.is_empty() && kubernetes;
         let members = peers.len() + 1;
         let quorum = match raw.quorum {
-            None => members / 2 + 1,
-            Some(q) if q >= 1 && q as usize <= members => q as usize,
+            None => majority(peers.len()),
+            Some(q) if q >= 1 && (discover_peers || q as usize <= members) => q as usize,
             Some(q) => {
                 return Err(self.err(
                     path().key("quorum"),
@@ -161,9 +180,11 @@ impl Validator<'_> {
             node_name,
             bind,
             peers,
+            discover_peers,
             key,
             key_file,
             quorum,
+            quorum_is_majority: raw.quorum.is_none(),
             probe_interval,
             probe_timeout,
             suspect_timeout,
@@ -186,6 +207,12 @@ impl Validator<'_> {
             )),
         }
     }
+}
+
+fn node_name_from_env() -> Option<String> {
+    std::env::var("NODE_NAME")
+        .ok()
+        .filter(|n| !n.trim().is_empty())
 }
 
 fn hostname() -> Option<String> {

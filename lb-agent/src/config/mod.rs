@@ -322,7 +322,7 @@ mod locate;
 mod raw;
 mod validate;
 
-pub use self::l2::{L2Config, DEFAULT_L2_PORT};
+pub use self::l2::{majority, L2Config, DEFAULT_L2_PORT};
 use self::{locate::yaml_error, raw::RawConfig, validate::Validator};
 #[cfg(test)]
 mod tests;

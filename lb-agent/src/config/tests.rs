@@ -1174,6 +1174,15 @@ l2:
     assert_eq!(l2.quorum, 2, "majority of three");
     assert_eq!(l2.probe_interval, Duration::from_millis(100));
     assert_eq!(l2.announce_interval, Duration::from_secs(30));
+    assert!(!l2.discover_peers);
+
+    // No peers and a kubernetes section: discovered, any quorum allowed.
+    let no_peers = edit(&base, "  peers: [10.0.0.12, \"10.0.0.13:7000\"]\n", "");
+    let alone = AgentConfig::parse(&no_peers).unwrap().l2.unwrap();
+    assert!(!alone.discover_peers && alone.quorum == 1);
+    let k8s = format!("{no_peers}  quorum: 3\nkubernetes: {{ node_name: node-a }}\n");
+    let found = AgentConfig::parse(&k8s).unwrap().l2.unwrap();
+    assert!(found.discover_peers && found.quorum == 3 && !found.quorum_is_majority);
 
     rejects(
         &edit(&base, "interfaces: [eth0]", "interfaces: [eth2]"),

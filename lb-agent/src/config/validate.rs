@@ -134,7 +134,7 @@ impl Validator<'_> {
         };
         let l2 = match raw.l2 {
             None => None,
-            Some(l) => Some(self.l2(l, &interfaces)?),
+            Some(l) => Some(self.l2(l, &interfaces, kubernetes.is_some())?),
         };
         let services = self.services(raw.services, snat_ipv4, snat_ipv6)?;
         self.announce(&services, bgp.is_some(), l2.is_some())?;

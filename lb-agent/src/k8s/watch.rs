@@ -204,7 +204,7 @@ const LAST_APPLIED: &str = "kubectl.kubernetes.io/last-applied-configuration";
 /// Polls one reflector stream forever, waking the desired-state task on
 /// every event. Errors go to the shared API health (logged once per
 /// outage); the watcher retries within a second.
-fn drive<K, S>(what: &'static str, stream: S, changed: Arc<Notify>)
+pub(super) fn drive<K, S>(what: &'static str, stream: S, changed: Arc<Notify>)
 where
     K: Resource + Send + Sync + 'static,
     S: Stream<Item = Result<watcher::Event<K>, watcher::Error>> + Send + 'static,

@@ -55,13 +55,17 @@ const IFACE_REFRESH: Duration = Duration::from_secs(1);
 
 enum Command {
     SetVips(L2Vips),
+    /// The membership peers, discovered (`L2Config::discover_peers`).
+    SetPeers(Vec<SocketAddr>),
     /// Hand over: stop answering, tell the others, then answer.
     Leave(oneshot::Sender<()>),
 }
 
 /// Handle to the L2 task.
+#[derive(Clone)]
 pub struct L2Task {
     tx: mpsc::UnboundedSender<Command>,
+    bind: SocketAddr,
 }
 
 impl L2Task {
@@ -114,6 +118,7 @@ impl L2Task {
         );
         let (tx, rx) = mpsc::unbounded_channel();
         let holder_window = cfg.probe_interval + cfg.suspect_timeout;
+        let cfg_discovers = cfg.discover_peers;
         let runner = Runner {
             metrics: L2Metrics::new(registry),
             claim_hold: cfg.probe_interval * 4,
@@ -136,15 +141,26 @@ impl L2Task {
             last_renew: None,
             last_heard: None,
             peers: BTreeMap::new(),
+            peers_known: !cfg_discovers,
             holder_window,
         };
         tokio::spawn(runner.run(rx));
-        Ok(Self { tx })
+        Ok(Self { tx, bind })
+    }
+
+    /// Where this node's membership traffic is received.
+    pub fn bind(&self) -> SocketAddr {
+        self.bind
     }
 
     /// The VIPs this node can serve now, and who may own each.
     pub fn set_vips(&self, vips: L2Vips) {
         let _ = self.tx.send(Command::SetVips(vips));
+    }
+
+    /// The other agents' membership addresses, when discovered.
+    pub fn set_peers(&self, peers: Vec<SocketAddr>) {
+        let _ = self.tx.send(Command::SetPeers(peers));
     }
 
     /// Hands this node's VIPs over (graceful stop): it stops answering and
@@ -282,6 +298,9 @@ struct Runner {
     last_heard: Option<Instant>,
     /// Each other node's last heartbeat.
     peers: BTreeMap<String, Peer>,
+    /// The peer list is known (configured, or discovered once): until then
+    /// a quorum of one would let a starting node answer beside the owners.
+    peers_known: bool,
     /// A heartbeat older than this no longer holds a VIP: by then its
     /// sender, if cut off or frozen, has fallen silent (two probe intervals,
     /// or the answer deadline), and the others declare it down.
@@ -332,6 +351,7 @@ impl Runner {
                         self.vips = v;
                         self.join_groups();
                     }
+                    Some(Command::SetPeers(p)) => self.set_peers(p),
                     Some(Command::Leave(done)) => {
                         self.leave().await;
                         let _ = done.send(());
@@ -471,6 +491,26 @@ impl Runner {
         }
     }
 
+    fn set_peers(&mut self, peers: Vec<SocketAddr>) {
+        if self.peers_known && peers == self.cfg.peers {
+            return;
+        }
+        let new: Vec<SocketAddr> = peers
+            .iter()
+            .filter(|p| !self.cfg.peers.contains(p))
+            .copied()
+            .collect();
+        self.cfg.peers = peers;
+        if self.cfg.quorum_is_majority {
+            self.cfg.quorum = crate::config::majority(self.cfg.peers.len());
+        }
+        self.peers_known = true;
+        info!(peers = ?self.cfg.peers, quorum = self.cfg.quorum, "l2: the membership peers changed");
+        for peer in new {
+            self.announce_to(peer);
+        }
+    }
+
     fn announce_to(&mut self, peer: SocketAddr) {
         let dst = Member {
             name: String::new(),
@@ -513,7 +553,7 @@ impl Runner {
             || self
                 .last_heard
                 .is_some_and(|t| now.duration_since(t) < self.contact_window);
-        let in_quorum = members.len() >= self.cfg.quorum && in_contact;
+        let in_quorum = self.peers_known && members.len() >= self.cfg.quorum && in_contact;
         self.metrics.members.set(members.len() as i64);
         self.metrics.quorum.set(in_quorum as i64);
         match (in_quorum, self.quorum_since) {
