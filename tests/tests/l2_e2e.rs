@@ -5,13 +5,14 @@
 
 use std::{
     collections::BTreeSet,
-    net::{SocketAddr, UdpSocket},
+    net::{Ipv4Addr, SocketAddr, UdpSocket},
     time::Duration,
 };
 
+use serde_json::json;
 use xlb_tests::{
-    cluster::{Cluster, AGENT_NAMESPACE, API_HOST},
-    l2_lab::{node_of, node_v4, vip, ArpWatch, L2Lab, VIP6, VIPS},
+    cluster::{Cluster, Pod, AGENT_NAMESPACE, API_HOST},
+    l2_lab::{node_of, node_v4, vip, ArpWatch, L2Lab, BACKEND_V4, VIP6, VIPS},
     topology::in_netns,
     traffic::poll_until,
 };
@@ -45,8 +46,13 @@ fn assert_single_answers(watch: ArpWatch, lab: &L2Lab, what: &str) -> Vec<usize>
 /// panics with the logs, saying `what`, if it does not.
 #[track_caller]
 fn wait_owner_is(lab: &L2Lab, node: usize, what: &str) {
+    wait_vip_owner_is(lab, vip(0), node, what);
+}
+
+#[track_caller]
+fn wait_vip_owner_is(lab: &L2Lab, ip: Ipv4Addr, node: usize, what: &str) {
     poll_until(Duration::from_secs(10), Duration::from_millis(50), || {
-        (lab.wait_owner(vip(0), Duration::from_secs(5)) == node)
+        (lab.wait_owner(ip, Duration::from_secs(5)) == node)
             .then_some(())
             .ok_or(())
     })
@@ -379,6 +385,8 @@ fn peers_come_from_the_agents_leases_on_the_real_control_plane() {
     ]);
     let mut configs = Vec::new();
     for i in 1..=3 {
+        // The EndpointSlice controller places endpoints on known Nodes only.
+        cluster.add_node(&format!("n{i}"), "zone-a");
         cluster.reach_from(&lab.nodes[i - 1].ns);
         let kubeconfig = lab.dir.join(format!("n{i}.kubeconfig"));
         cluster.write_agent_kubeconfig(&kubeconfig, API_HOST);
@@ -430,6 +438,54 @@ fn peers_come_from_the_agents_leases_on_the_real_control_plane() {
     for k in 0..VIPS {
         lab.wait_owner(vip(k), Duration::from_secs(10));
     }
+
+    // A real Service with externalTrafficPolicy: Local: its VIP is owned by
+    // the node with the ready endpoint, and moves with the endpoint.
+    let svc_vip = vip(VIPS);
+    cluster.create_namespace("shop");
+    cluster.create(&json!({
+        "apiVersion": "v1", "kind": "Service",
+        "metadata": {"name": "web", "namespace": "shop"},
+        "spec": {
+            "type": "LoadBalancer", "loadBalancerClass": "xlb.dev/xlb",
+            "externalTrafficPolicy": "Local", "selector": {"app": "web"},
+            "ports": [{"name": "http", "port": 80, "targetPort": "http", "protocol": "TCP"}],
+        },
+    }));
+    cluster.patch(
+        "service",
+        Some("shop"),
+        "web",
+        &json!({"status": {"loadBalancer": {"ingress": [{"ip": svc_vip.to_string()}]}}}),
+        true,
+    );
+    let pod_on = |node: usize| Pod {
+        namespace: "shop".into(),
+        name: format!("web-n{node}"),
+        labels: json!({"app": "web"}),
+        node: format!("n{node}"),
+        ip: BACKEND_V4.into(),
+        port: 8080,
+        ready: true,
+    };
+    cluster.run_pod(&pod_on(2));
+    wait_vip_owner_is(
+        &lab,
+        svc_vip,
+        2,
+        "the Local Service's VIP on its endpoint's node",
+    );
+    assert_traffic_resumes(&lab, SocketAddr::from((svc_vip, 80)), "the Local Service");
+    cluster.remove_pod(&pod_on(2));
+    cluster.run_pod(&pod_on(3));
+    wait_vip_owner_is(
+        &lab,
+        svc_vip,
+        3,
+        "the Local Service's VIP after its endpoint moved",
+    );
+    lab.flush_client_neighbours();
+    assert_traffic_resumes(&lab, SocketAddr::from((svc_vip, 80)), "the moved endpoint");
 
     // A graceful stop deletes its Lease: the others drop it as a peer.
     lab.node(3).stop_agent(Duration::from_secs(10));
