@@ -50,6 +50,16 @@ pub const CLIENT_MAC: [u8; 6] = [2, 0, 0, 0, 9, 0x64];
 pub const ECHO_PORT: u16 = 9000;
 const METRICS_PORT: u16 = 9469;
 
+/// Runs the calling thread under SCHED_FIFO, so that a timing stream
+/// (the failover benchmark's sender, receiver and echo) is not delayed by
+/// the agents and the kernel's other work on this small machine: its gaps
+/// then show the failover, not the scheduler. Best effort.
+pub fn realtime_priority() {
+    let param = libc::sched_param { sched_priority: 10 };
+    // SAFETY: a valid sched_param for the calling thread (pid 0).
+    unsafe { libc::sched_setscheduler(0, libc::SCHED_FIFO, &param) };
+}
+
 /// VIP `k` (0-based): 10.9.0.50 + k.
 pub fn vip(k: usize) -> Ipv4Addr {
     Ipv4Addr::new(10, 9, 0, 50 + k as u8)
@@ -162,6 +172,8 @@ pub struct L2Lab {
     pub nodes: Vec<L2Node>,
     nginx: Option<Child>,
     echo: Option<(Arc<AtomicBool>, JoinHandle<()>)>,
+    /// XDP_PASS on the switch's node ports ([`crate::xdp::attach_pass`]).
+    port_xdp: Option<aya::Ebpf>,
 }
 
 impl L2Lab {
@@ -245,7 +257,7 @@ impl L2Lab {
             Path::new("nginx"),
             &["-c", conf.to_str().unwrap()],
         );
-        let lab = Self {
+        let mut lab = Self {
             prefix: prefix.to_string(),
             dir,
             switch,
@@ -254,8 +266,13 @@ impl L2Lab {
             nodes,
             nginx: Some(nginx),
             echo: None,
+            port_xdp: None,
         };
         crate::topology::wait_for_port(&lab.backend, SocketAddr::from((BACKEND_V4, 8080)));
+        lab.port_xdp = Some(crate::xdp::attach_pass(
+            &lab.switch,
+            &(1..=3).map(|i| format!("{prefix}n{i}")).collect::<Vec<_>>(),
+        ));
         lab
     }
 
@@ -356,6 +373,7 @@ impl L2Lab {
         let s = stop.clone();
         let (bound, ready) = std::sync::mpsc::channel();
         let thread = in_netns(&self.backend, move || {
+            realtime_priority();
             let sock = std::net::UdpSocket::bind((BACKEND_V4, ECHO_PORT)).expect("bind echo");
             sock.set_read_timeout(Some(Duration::from_millis(100)))
                 .unwrap();

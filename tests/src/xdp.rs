@@ -101,6 +101,35 @@ pub fn load_bench_programs() -> Result<Ebpf, String> {
 
 pub const BENCH_PROGRAMS: [&str; 3] = ["xlb_trafficgen", "xlb_redirect_only", "xlb_sink"];
 
+/// Attaches `xlb_floor` (XDP_PASS only) to `ifaces` of `ns`, natively. A
+/// veth hands the frames its peer sends with XDP_TX or a redirect to its
+/// own XDP poll at once only when it runs a program; with GRO alone they
+/// wait for its next poll (up to tens of milliseconds). The program stays
+/// attached while the returned object lives.
+pub fn attach_pass(ns: &Netns, ifaces: &[String]) -> Ebpf {
+    let ifaces = ifaces.to_vec();
+    crate::topology::in_netns(ns, move || {
+        let mut loader = EbpfLoader::new();
+        for name in map_names::ALL {
+            loader.map_max_entries(name, 1);
+        }
+        let mut ebpf = loader.load(OBJECT).expect("loading the eBPF object");
+        let prog: &mut Xdp = ebpf
+            .program_mut("xlb_floor")
+            .expect("xlb_floor")
+            .try_into()
+            .expect("an XDP program");
+        prog.load().expect("loading xlb_floor");
+        for iface in &ifaces {
+            prog.attach(iface, aya::programs::XdpMode::Driver)
+                .unwrap_or_else(|e| panic!("attaching xlb_floor to {iface}: {e}"));
+        }
+        ebpf
+    })
+    .join()
+    .expect("attach thread")
+}
+
 /// Bytes of a frame the generator rewrites on every run.
 pub const TEMPLATE_LEN: usize = 54;
 

@@ -42,7 +42,7 @@ use std::{
 
 use xlb_bench::support::{install_sigint_flag, interrupted, workspace_root};
 use xlb_tests::{
-    l2_lab::{vip, L2Lab, ECHO_PORT},
+    l2_lab::{realtime_priority, vip, L2Lab, ECHO_PORT},
     topology::in_netns,
     traffic::poll_until,
 };
@@ -140,6 +140,7 @@ impl Stream {
         let (s1, s2) = (stop.clone(), stop.clone());
         let e = echoes.clone();
         let sender = std::thread::spawn(move || {
+            realtime_priority();
             let mut seq: u64 = 0;
             let start = Instant::now();
             while !s1.load(Ordering::Relaxed) {
@@ -153,6 +154,7 @@ impl Stream {
             }
         });
         let receiver = std::thread::spawn(move || {
+            realtime_priority();
             let mut buf = [0u8; 64];
             while !s2.load(Ordering::Relaxed) {
                 if sock.recv(&mut buf).is_ok() {
