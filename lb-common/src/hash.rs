@@ -69,6 +69,14 @@ pub fn maglev_hash(k: &FlowKey, service_flags: u32) -> u32 {
     }
 }
 
+/// The Maglev slot hash of a flow's second candidate
+/// (`SERVICE_F_LEAST_LOADED`), from its first: independent of it, so that
+/// the two candidates are two independent weighted draws.
+#[inline(always)]
+pub fn second_choice(first: u32) -> u32 {
+    finish(first ^ 0x2545_f491)
+}
+
 /// The SNAT port the program tries at `probe` (0-based) for a flow with
 /// hash `hash`, in host order, within `[min, max]`. Deterministic, so that a
 /// CPU that has not seen the flow can find its port again.

@@ -90,9 +90,10 @@ pub mod map_names {
     pub const FLOW_EVENTS: &str = "FLOW_EVENTS";
     pub const BACKEND_CLOSED: &str = "BACKEND_CLOSED";
     pub const BACKEND_LOAD: &str = "BACKEND_LOAD";
+    pub const BACKEND_ACTIVE: &str = "BACKEND_ACTIVE";
     pub const L2_VIPS: &str = "L2_VIPS";
     pub const L2_IFACES: &str = "L2_IFACES";
-    pub const ALL: [&str; 17] = [
+    pub const ALL: [&str; 18] = [
         SERVICES,
         BACKENDS,
         MAGLEV,
@@ -108,6 +109,7 @@ pub mod map_names {
         FLOW_EVENTS,
         BACKEND_CLOSED,
         BACKEND_LOAD,
+        BACKEND_ACTIVE,
         L2_VIPS,
         L2_IFACES,
     ];
@@ -134,6 +136,11 @@ pub const SERVICE_F_CLIENT_AFFINITY: u32 = 2;
 /// `ServiceInfo::flags`: only clients in the service's `SOURCE_RANGES`
 /// entries (scope [`ServiceInfo::range_scope`]) may reach it.
 pub const SERVICE_F_SOURCE_RANGES: u32 = 4;
+/// `ServiceInfo::flags`: a new flow goes to the one of its two Maglev
+/// candidates (the usual pick and [`hash::second_choice`]'s) with fewer
+/// open flows in `BACKEND_ACTIVE` (load-aware services): least connections
+/// by two choices, decided per connection.
+pub const SERVICE_F_LEAST_LOADED: u32 = 8;
 
 /// Value of `SERVICES`. Written by the agent as one whole value, so the data
 /// path sees either the old or the new table, never a mix.
@@ -236,6 +243,9 @@ pub struct Flow {
 /// `Flow::flags`: the client sent a FIN or RST; counted once in
 /// `BACKEND_CLOSED`, so that opened minus closed is the backend's open flows.
 pub const FLOW_F_CLOSED: u32 = 1;
+/// `Flow::flags`: the flow was counted in `BACKEND_ACTIVE` when it opened,
+/// and is taken off when it closes.
+pub const FLOW_F_COUNTED: u32 = 2;
 
 /// Value of `BACKEND_LOAD`, indexed by backend id: what the agent's
 /// load-aware controller decided and why, for `lbctl backends`. The data

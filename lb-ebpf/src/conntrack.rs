@@ -4,12 +4,13 @@
 
 use aya_ebpf::{bindings::BPF_NOEXIST, helpers::bpf_ktime_get_coarse_ns};
 use lb_common::{
-    hash::{flow_hash, maglev_hash, snat_port_candidate},
+    hash::{flow_hash, maglev_hash, second_choice, snat_port_candidate},
     Backend, Config, FibCache, Flow, FlowKey, Reason, ReplyNat, ServiceInfo, FLOW_EVENT_REPICKED,
-    FLOW_F_CLOSED, PROTO_TCP, REPLY_F_CLOSING, SERVICE_F_SNAT, SNAT_PROBES,
+    FLOW_F_CLOSED, FLOW_F_COUNTED, PROTO_TCP, REPLY_F_CLOSING, SERVICE_F_LEAST_LOADED,
+    SERVICE_F_SNAT, SNAT_PROBES,
 };
 
-use crate::maps::{BACKENDS, CONFIG, MAGLEV, REPLY_NAT, SHARED_FLOWS};
+use crate::maps::{BACKENDS, BACKEND_ACTIVE, CONFIG, MAGLEV, REPLY_NAT, SHARED_FLOWS};
 
 const NS: u64 = 1_000_000_000;
 /// Flow timestamps and reply-entry lifetimes are refreshed at most this often,
@@ -112,14 +113,64 @@ pub fn pick(key: &FlowKey, svc: &ServiceInfo) -> Result<(u32, Backend), Reason> 
     if svc.backend_count == 0 || svc.table_size == 0 {
         return Err(Reason::DropNoBackend);
     }
+    slot_backend(key, svc, maglev_hash(key, svc.flags))
+}
+
+#[inline(always)]
+fn slot_backend(key: &FlowKey, svc: &ServiceInfo, hash: u32) -> Result<(u32, Backend), Reason> {
     let m = svc.table_size;
-    let idx = svc.table_base + svc.active * m + maglev_hash(key, svc.flags) % m;
+    let idx = svc.table_base + svc.active * m + hash % m;
     let id = *MAGLEV.get(idx).ok_or(Reason::DropTableError)?;
     let backend = BACKENDS.get(id).ok_or(Reason::DropTableError)?.backend;
     if backend.family != key.family {
         return Err(Reason::DropTableError);
     }
     Ok((id, backend))
+}
+
+/// A new flow's backend: Maglev's, or for `SERVICE_F_LEAST_LOADED` the one
+/// of two Maglev candidates with fewer open flows (ties: the first).
+#[inline(always)]
+fn pick_new(key: &FlowKey, svc: &ServiceInfo) -> Result<(u32, Backend), Reason> {
+    let first = pick(key, svc)?;
+    if svc.flags & SERVICE_F_LEAST_LOADED == 0 {
+        return Ok(first);
+    }
+    let h = second_choice(maglev_hash(key, svc.flags));
+    let Ok(second) = slot_backend(key, svc, h) else {
+        return Ok(first);
+    };
+    let open = |id: u32| BACKEND_ACTIVE.get(id).copied().unwrap_or(0);
+    if second.0 != first.0 && open(second.0) < open(first.0) {
+        Ok(second)
+    } else {
+        Ok(first)
+    }
+}
+
+/// Adds `delta` to a backend's shared open-flow count.
+#[inline(always)]
+fn count_active(backend_id: u32, delta: i64) {
+    use core::intrinsics::{atomic_xadd, AtomicOrdering};
+    if let Some(c) = BACKEND_ACTIVE.get_ptr_mut(backend_id) {
+        // SAFETY: a valid, aligned map value; every CPU adds atomically (the
+        // BPF target has no `AtomicI64::fetch_add`; this is BPF_ATOMIC_ADD).
+        unsafe { atomic_xadd::<i64, i64, { AtomicOrdering::Relaxed }>(c, delta) };
+    }
+}
+
+/// Marks a flow closed (once): counted in `BACKEND_CLOSED`, and taken off
+/// `BACKEND_ACTIVE` if it was counted there.
+#[inline(always)]
+pub fn close_flow(flow: &mut Flow) {
+    if flow.flags & FLOW_F_CLOSED != 0 {
+        return;
+    }
+    flow.flags |= FLOW_F_CLOSED;
+    crate::stats::count_closed(flow.backend_id);
+    if flow.flags & FLOW_F_COUNTED != 0 {
+        count_active(flow.backend_id, -1);
+    }
 }
 
 /// Per-CPU scratch space for the new-flow path: these values would not
@@ -171,9 +222,8 @@ pub fn lookup_or_create(svc: &ServiceInfo, closing: bool, syn: bool, s: &mut Scr
             if flow.service_id == svc.id && !(snat && idle > lifetime_ns(&cfg, s.key.proto, false))
             {
                 set_target(s, flow, 0);
-                if closing && flow.flags & FLOW_F_CLOSED == 0 {
-                    flow.flags |= FLOW_F_CLOSED;
-                    crate::stats::count_closed(flow.backend_id);
+                if closing {
+                    close_flow(flow);
                 }
                 if idle > REFRESH_NS || closing {
                     flow.last_seen_ns = t;
@@ -213,7 +263,7 @@ pub fn lookup_or_create(svc: &ServiceInfo, closing: bool, syn: bool, s: &mut Scr
 #[inline(always)]
 fn create(svc: &ServiceInfo, closing: bool, s: &mut Scratch) -> u32 {
     let t = now();
-    let (backend_id, backend) = match pick(&s.key, svc) {
+    let (backend_id, backend) = match pick_new(&s.key, svc) {
         Ok(p) => p,
         Err(r) => return r as u32,
     };
@@ -247,6 +297,9 @@ fn create(svc: &ServiceInfo, closing: bool, s: &mut Scratch) -> u32 {
     if closing {
         s.flow.flags = FLOW_F_CLOSED;
         crate::stats::count_closed(backend_id);
+    } else if svc.flags & SERVICE_F_LEAST_LOADED != 0 {
+        s.flow.flags = FLOW_F_COUNTED;
+        count_active(backend_id, 1);
     }
     s.flow.created_ns = t;
     s.flow.last_seen_ns = t;
@@ -393,9 +446,8 @@ pub fn close_from_backend(r: &ReplyNat, key: &mut FlowKey, proto: u8, family: u8
     if let Some(f) = SHARED_FLOWS.get_ptr_mut(key) {
         // SAFETY: shared entry; a racing CPU sets the same bit.
         let f = unsafe { &mut *f };
-        if f.flags & FLOW_F_CLOSED == 0 && f.backend_id == r.backend_id {
-            f.flags |= FLOW_F_CLOSED;
-            crate::stats::count_closed(f.backend_id);
+        if f.backend_id == r.backend_id {
+            close_flow(f);
         }
     }
 }

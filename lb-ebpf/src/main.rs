@@ -3,6 +3,9 @@
 //! the backend, rewrite, forward. Every packet is counted under one reason.
 #![no_std]
 #![no_main]
+// `core::intrinsics::atomic_xadd`: shared counters (conntrack::count_active).
+#![feature(core_intrinsics)]
+#![allow(internal_features)]
 // Map keys and values are passed by reference on purpose: by value they are
 // copied to the stack (the verifier limits it to 512 bytes across calls).
 #![allow(clippy::needless_borrows_for_generic_args)]

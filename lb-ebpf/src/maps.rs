@@ -89,6 +89,13 @@ pub static BACKEND_CLOSED: PerCpuArray<u64, { MAX_BACKENDS as usize }> = PerCpuA
 #[btf_map]
 pub static BACKEND_LOAD: Array<BackendLoad, { MAX_BACKENDS as usize }> = Array::new();
 
+/// Per backend id: open flows of `SERVICE_F_LEAST_LOADED` services, shared
+/// by all CPUs (atomic adds): the count new flows are placed by. The agent
+/// sets it to its walk's count now and then, so flows that vanished
+/// without a FIN or RST do not weigh forever.
+#[btf_map]
+pub static BACKEND_ACTIVE: Array<i64, { MAX_BACKENDS as usize }> = Array::new();
+
 /// Packets per `lb_common::Reason`.
 #[btf_map]
 pub static REASON_STATS: PerCpuArray<u64, { REASON_COUNT as usize }> = PerCpuArray::new();

@@ -22,6 +22,7 @@ fn spec(port: u16, snat: Option<IpAddr>, backends: &[u8]) -> ServiceSpec {
         table_size: None,
         source_ranges: None,
         client_affinity: false,
+        least_loaded: false,
         backends: backends
             .iter()
             .map(|&n| BackendSpec {
@@ -169,6 +170,7 @@ fn quarantined_regions_do_not_make_the_pool_look_full() {
         table_size: Some(m),
         source_ranges: None,
         client_affinity: false,
+        least_loaded: false,
         ..spec(port, None, backends)
     };
     // Room for exactly two services (two tables of M each).

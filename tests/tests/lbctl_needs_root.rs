@@ -69,6 +69,7 @@ fn spec(vip: &str, port: u16, snat: Option<&str>, backends: &[&str]) -> ServiceS
         table_size: None,
         source_ranges: None,
         client_affinity: false,
+        least_loaded: false,
         backends: backends
             .iter()
             .map(|b| BackendSpec {

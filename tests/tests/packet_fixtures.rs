@@ -90,6 +90,7 @@ fn svc(
         table_size: None,
         source_ranges: None,
         client_affinity: false,
+        least_loaded: false,
         backends: backends(b),
     }
 }
@@ -1990,4 +1991,71 @@ fn open_flows_per_backend_are_counted_needs_root() {
     );
     let open = dp.open_flows_by_backend(Duration::from_secs(60)).unwrap();
     assert_eq!(open.get(&b2), Some(&1));
+}
+
+/// A least-loaded service (load-aware) sends a new flow to the one of its
+/// two Maglev candidates with fewer open flows in `BACKEND_ACTIVE`, counts
+/// it there, and takes it off when the client closes it.
+#[test]
+fn a_least_loaded_service_sends_new_flows_to_the_less_busy_candidate_needs_root() {
+    let mut bed = FixtureBed::with("xlb-fix-least", None, MapSizes::default());
+    pin_to_cpu(0);
+    let (dp, cl0) = (&mut bed.dp, bed.cl0);
+    let mut spec = svc(
+        VIP.into(),
+        80,
+        Protocol::Tcp,
+        None,
+        &[(B2.into(), 8080), (B3.into(), 8080)],
+    );
+    spec.least_loaded = true;
+    dp.set_service(&spec).unwrap();
+    let (b2, b3) = (
+        dp.backend_id(&spec.key(), sa(B2, 8080)).unwrap(),
+        dp.backend_id(&spec.key(), sa(B3, 8080)).unwrap(),
+    );
+    let backend_of = |out: &[u8]| xlb_tests::packet::parse(out).unwrap().dst;
+    let share = |dp: &mut Dataplane, ports: std::ops::Range<u16>| {
+        let n = ports.len();
+        let to_b3 = ports
+            .filter(|&p| {
+                let (v, out) = run(dp, cl0, &c4(syn(p, 80)));
+                assert_eq!(v, XDP_REDIRECT);
+                backend_of(&out) == IpAddr::from(B3)
+            })
+            .count();
+        to_b3 as f64 / n as f64
+    };
+
+    // B2 busy: flows whose candidates differ go to B3; about a quarter
+    // have B2 twice.
+    dp.set_backend_active(b2, 1000).unwrap();
+    dp.set_backend_active(b3, 0).unwrap();
+    let busy_b2 = share(dp, 20000..20200);
+    assert!(
+        busy_b2 > 0.65,
+        "{busy_b2} of new flows to B3 while B2 is busy"
+    );
+    // Each went into B3's count (B2's is above 1000 by its own).
+    let active = |dp: &Dataplane, id: u32| dp.backend_active(id).unwrap();
+    let on_b3 = (busy_b2 * 200.0).round() as i64;
+    assert_eq!(active(dp, b3), on_b3);
+    assert_eq!(active(dp, b2), 1000 + 200 - on_b3);
+
+    // The other way round.
+    dp.set_backend_active(b2, 0).unwrap();
+    dp.set_backend_active(b3, 1000).unwrap();
+    let busy_b3 = share(dp, 21000..21200);
+    assert!(
+        busy_b3 < 0.35,
+        "{busy_b3} of new flows to B3 while B3 is busy"
+    );
+
+    // A client's FIN takes its flow off the count, once.
+    let before = active(dp, b2) + active(dp, b3);
+    for _ in 0..2 {
+        let (v, _) = run(dp, cl0, &c4_flags(21000, tcp_flags::FIN | tcp_flags::ACK));
+        assert_eq!(v, XDP_REDIRECT);
+    }
+    assert_eq!(active(dp, b2) + active(dp, b3), before - 1);
 }

@@ -57,6 +57,7 @@ fn service(vip: IpAddr, port: u16, snat: Option<&str>, list: &[&str]) -> Service
         table_size: None,
         source_ranges: None,
         client_affinity: false,
+        least_loaded: false,
         backends: backends(list),
     }
 }

@@ -293,6 +293,8 @@ impl AgentConfig {
             table_size: s.table_size,
             source_ranges: s.source_ranges.as_ref().map(|r| ranges_for(s.vip, r)),
             client_affinity: s.affinity.is_some(),
+            // Affinity places a client's flows by its address alone.
+            least_loaded: s.balance.is_load_aware() && s.affinity.is_none(),
             backends: s
                 .backends
                 .iter()

@@ -34,7 +34,8 @@ use lb_common::{
     ServiceInfo, ServiceKey, TrafficStats, FAMILY_V4, FAMILY_V6, FLOW_EVENT_COUNT,
     FLOW_EVENT_REPICKED, FLOW_F_CLOSED, MAGLEV_POOL_ENTRIES, MAX_BACKENDS, MAX_SERVICES,
     PORT_F_BACKEND, PORT_F_SERVICE, PROTO_ICMP, PROTO_ICMPV6, REASON_COUNT,
-    SERVICE_F_CLIENT_AFFINITY, SERVICE_F_SNAT, SERVICE_F_SOURCE_RANGES, SHARED_FLOWS_ENTRIES,
+    SERVICE_F_CLIENT_AFFINITY, SERVICE_F_LEAST_LOADED, SERVICE_F_SNAT, SERVICE_F_SOURCE_RANGES,
+    SHARED_FLOWS_ENTRIES,
 };
 
 use self::{
@@ -142,6 +143,9 @@ pub struct ServiceSpec {
     pub source_ranges: Option<Vec<IpNet>>,
     /// Every connection of a client address goes to one backend.
     pub client_affinity: bool,
+    /// New flows go to the less loaded of two Maglev candidates
+    /// (`SERVICE_F_LEAST_LOADED`; load-aware services).
+    pub least_loaded: bool,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -258,6 +262,7 @@ struct Maps {
     flow_events: PerCpuArray<MapData, u64>,
     backend_closed: PerCpuArray<MapData, u64>,
     backend_load: Array<MapData, BackendLoad>,
+    backend_active: Array<MapData, i64>,
     ranges: SourceRanges,
     l2_vips: HashMap<MapData, L2VipKey, L2Vip>,
     l2_ifaces: HashMap<MapData, u32, L2Iface>,
@@ -366,6 +371,8 @@ impl Dataplane {
                 .map_err(map_err(names::BACKEND_CLOSED))?,
             backend_load: Array::try_from(take(&mut ebpf, names::BACKEND_LOAD)?)
                 .map_err(map_err(names::BACKEND_LOAD))?,
+            backend_active: Array::try_from(take(&mut ebpf, names::BACKEND_ACTIVE)?)
+                .map_err(map_err(names::BACKEND_ACTIVE))?,
             reason_stats: PerCpuArray::try_from(take(&mut ebpf, names::REASON_STATS)?)
                 .map_err(map_err(names::REASON_STATS))?,
             ranges: SourceRanges::open(
@@ -817,6 +824,7 @@ impl Dataplane {
                 source_ranges: (info.flags & SERVICE_F_SOURCE_RANGES != 0)
                     .then(|| self.maps.ranges.ranges(info.range_scope(), key.family)),
                 client_affinity: info.flags & SERVICE_F_CLIENT_AFFINITY != 0,
+                least_loaded: info.flags & SERVICE_F_LEAST_LOADED != 0,
                 backends: backend_ids
                     .iter()
                     .map(|(a, _)| BackendSpec {

@@ -41,6 +41,25 @@ impl Dataplane {
             .map_err(map_err(names::BACKEND_LOAD))
     }
 
+    /// A backend's shared open-flow count (`BACKEND_ACTIVE`).
+    pub fn backend_active(&self, id: u32) -> Result<i64> {
+        self.maps
+            .backend_active
+            .get(&id, 0)
+            .map_err(map_err(names::BACKEND_ACTIVE))
+    }
+
+    /// Sets a backend's shared open-flow count (`BACKEND_ACTIVE`), which
+    /// new flows of least-loaded services are placed by, to `open` (a
+    /// walk's count): flows that vanished without a FIN or RST stop
+    /// counting. Flows opened or closed during the walk are lost to it.
+    pub fn set_backend_active(&mut self, id: u32, open: u64) -> Result<()> {
+        self.maps
+            .backend_active
+            .set(id, open as i64, 0)
+            .map_err(map_err(names::BACKEND_ACTIVE))
+    }
+
     /// L2 mode: answer ARP/NDP on `ifindex` with `mac` until
     /// `valid_until_ns` (`maps::monotonic_now_ns`'s clock).
     pub fn set_l2_iface(&mut self, ifindex: u32, mac: [u8; 6], valid_until_ns: u64) -> Result<()> {

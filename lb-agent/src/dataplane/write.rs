@@ -6,7 +6,7 @@ use std::net::{IpAddr, SocketAddr};
 
 use lb_common::{
     maglev, map_names as names, Backend, BackendEntry, BackendLoad, ServiceInfo, ServiceKey,
-    SERVICE_F_CLIENT_AFFINITY, SERVICE_F_SNAT, SERVICE_F_SOURCE_RANGES,
+    SERVICE_F_CLIENT_AFFINITY, SERVICE_F_LEAST_LOADED, SERVICE_F_SNAT, SERVICE_F_SOURCE_RANGES,
 };
 
 use super::{
@@ -139,6 +139,9 @@ impl Maps {
             self.backend_load
                 .set(id, BackendLoad::default(), 0)
                 .map_err(map_err(names::BACKEND_LOAD))?;
+            self.backend_active
+                .set(id, 0, 0)
+                .map_err(map_err(names::BACKEND_ACTIVE))?;
         }
         if p.new_service {
             zero_stats(&mut self.service_stats, p.service_id)
@@ -203,6 +206,9 @@ fn service_flags(spec: &ServiceSpec) -> u32 {
     }
     if spec.source_ranges.is_some() {
         flags |= SERVICE_F_SOURCE_RANGES;
+    }
+    if spec.least_loaded {
+        flags |= SERVICE_F_LEAST_LOADED;
     }
     flags
 }

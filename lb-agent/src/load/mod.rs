@@ -291,7 +291,7 @@ impl Run {
         targets: &[LoadTarget],
         walk: bool,
     ) -> BTreeMap<(ServiceKey, SocketAddr), u64> {
-        let dp = self.dp.lock().expect("data plane lock");
+        let mut dp = self.dp.lock().expect("data plane lock");
         let walk = walk
             .then(|| dp.open_flows_by_backend(ACTIVE))
             .and_then(|r| r.inspect_err(|e| warn!("counting open flows: {e}")).ok());
@@ -321,6 +321,14 @@ impl Run {
                         closed,
                     },
                 };
+                if let Some(w) = &walk {
+                    // The data plane's own count, which new flows are
+                    // placed by, is set right by the walk too.
+                    let walked = w.get(&id).copied().unwrap_or(0);
+                    if let Err(e) = dp.set_backend_active(id, walked) {
+                        warn!("setting a backend's open flows: {e}");
+                    }
+                }
                 self.flows.insert((t.key, addr), count);
                 let open = (count.base + opened.saturating_sub(count.opened))
                     .saturating_sub(closed.saturating_sub(count.closed));

@@ -45,6 +45,7 @@ pub fn expected_layout(name: &str) -> Option<(usize, usize)> {
         names::SERVICE_STATS | names::BACKEND_STATS => (4, size_of::<TrafficStats>()),
         names::REASON_STATS | names::FLOW_EVENTS | names::BACKEND_CLOSED => (4, 8),
         names::BACKEND_LOAD => (4, size_of::<BackendLoad>()),
+        names::BACKEND_ACTIVE => (4, 8),
         names::SOURCE_RANGES => (4 + size_of::<RangeKey>(), 1),
         names::L2_VIPS => (size_of::<L2VipKey>(), size_of::<L2Vip>()),
         names::L2_IFACES => (4, size_of::<L2Iface>()),

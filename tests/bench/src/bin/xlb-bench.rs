@@ -73,6 +73,7 @@ fn main() {
             table_size: None,
             source_ranges: ranges,
             client_affinity: false,
+            least_loaded: false,
             backends: vec![BackendSpec {
                 addr: SocketAddr::new(B2.into(), bport),
                 weight: 1,
