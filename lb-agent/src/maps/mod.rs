@@ -219,6 +219,11 @@ impl PinnedMaps {
         self.optional(names::BACKEND_CLOSED)
     }
 
+    /// `BACKEND_ACTIVE`; `None` when pinned by a version without it.
+    pub fn backend_active(&self) -> Result<Option<Array<MapData, i64>>, OpenError> {
+        self.optional(names::BACKEND_ACTIVE)
+    }
+
     /// `BACKEND_LOAD`; `None` when pinned by a version without it.
     pub fn backend_load(&self) -> Result<Option<Array<MapData, BackendLoad>>, OpenError> {
         self.optional(names::BACKEND_LOAD)

@@ -15,7 +15,7 @@ use lb_common::{
     hash::{flow_hash, maglev_hash, snat_port_candidate},
     net::{ip_words, protocol_name, service_key, words_ip, words_socket, Family, Protocol},
     Config, FlowKey, ReplyNat, ServiceInfo, PORT_F_SERVICE, PROTO_TCP, SERVICE_F_CLIENT_AFFINITY,
-    SNAT_PROBES,
+    SERVICE_F_LEAST_LOADED, SNAT_PROBES,
 };
 use serde::Serialize;
 
@@ -130,6 +130,23 @@ pub struct MaglevPick {
     pub backend: Option<SocketAddr>,
     /// Set when the data plane would fail here (`drop_table_error`).
     pub error: Option<String>,
+    /// A load-aware service's second candidate (least connections by two
+    /// choices), and which of the two a new flow takes.
+    pub second: Option<SecondChoice>,
+}
+
+#[derive(Serialize)]
+pub struct SecondChoice {
+    pub hash: u32,
+    #[serde(flatten)]
+    pub index: TableIndex,
+    pub backend_id: u32,
+    pub backend: Option<SocketAddr>,
+    /// `BACKEND_ACTIVE` of the first and the second candidate.
+    pub open_first: i64,
+    pub open_second: i64,
+    /// The second has fewer open flows: a new flow goes there.
+    pub taken: bool,
 }
 
 /// The flow's `SHARED_FLOWS` entry (used for any packet but a TCP SYN).
@@ -286,7 +303,20 @@ fn maglev_pick(
                 )),
             ),
         };
+        let mut picked = backend.map(|b| (id, b));
+        let second = match picked {
+            Some(first) if info.flags & SERVICE_F_LEAST_LOADED != 0 => {
+                second_choice_pick(maps, key, info, backends, hash, first)?
+            }
+            _ => None,
+        };
+        if let Some((s, b)) = &second {
+            if s.taken {
+                picked = Some((s.backend_id, *b));
+            }
+        }
         let pick = MaglevPick {
+            second: second.map(|(s, _)| s),
             hash,
             hashed_on: if info.flags & SERVICE_F_CLIENT_AFFINITY != 0 {
                 "client"
@@ -299,8 +329,50 @@ fn maglev_pick(
             backend: backend.map(|b| words_socket(&b.addr, b.port, b.family)),
             error,
         };
-        Ok((Some(pick), backend.map(|b| (id, b))))
+        Ok((Some(pick), picked))
     }
+}
+
+/// The second Maglev candidate of a load-aware service's new flow and the
+/// open flows both candidates have: the program takes the second when it
+/// has fewer (`conntrack::pick_new`).
+fn second_choice_pick(
+    maps: &PinnedMaps,
+    key: &FlowKey,
+    info: &ServiceInfo,
+    backends: &aya::maps::Array<aya::maps::MapData, lb_common::BackendEntry>,
+    first_hash: u32,
+    (first_id, _): (u32, lb_common::Backend),
+) -> Result<Option<(SecondChoice, lb_common::Backend)>> {
+    let hash = lb_common::hash::second_choice(first_hash);
+    let Some(index) = table_index(info, hash) else {
+        return Ok(None);
+    };
+    let id = maps.maglev()?.get(index.pool_index)?;
+    let Ok(b) = backends.get(&id, 0).map(|e| e.backend) else {
+        return Ok(None);
+    };
+    if b.family != key.family {
+        return Ok(None);
+    }
+    let active = maps.backend_active()?;
+    let open = |id: u32| {
+        active
+            .as_ref()
+            .and_then(|a| a.get(&id, 0).ok())
+            .unwrap_or(0)
+    };
+    let (open_first, open_second) = (open(first_id), open(id));
+    let choice = SecondChoice {
+        hash,
+        index,
+        backend_id: id,
+        backend: Some(words_socket(&b.addr, b.port, b.family)),
+        open_first,
+        open_second,
+        taken: id != first_id && open_second < open_first,
+    };
+    Ok(Some((choice, b)))
 }
 
 /// What [`maglev_pick`] found, and the backend it names.
@@ -488,6 +560,18 @@ impl Render for TraceReport {
             ));
             if let Some(e) = &m.error {
                 s.push_str(&format!("ERROR: {e}\n"));
+            }
+            if let Some(c) = &m.second {
+                s.push_str(&format!(
+                    "          second candidate (load-aware) hash {:#010x}: entry {} -> {} (id {}); open flows {} vs {}: a new flow takes the {}\n",
+                    c.hash,
+                    c.index.entry,
+                    c.backend.map(|b| b.to_string()).unwrap_or_else(|| "?".into()),
+                    c.backend_id,
+                    c.open_first,
+                    c.open_second,
+                    if c.taken { "second" } else { "first" }
+                ));
             }
         }
         if let Some(sn) = &self.snat {
