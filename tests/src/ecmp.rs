@@ -78,7 +78,7 @@ use std::{
 
 use crate::{
     netns::{sh, Netns},
-    topology::{agent_bin, http_get, in_netns, lbctl_bin, strip_ansi, wait_for_port, write_atomic},
+    topology::{agent_bin, http_get, in_netns, strip_ansi, wait_for_port, write_atomic},
     traffic::poll_until,
 };
 
@@ -180,6 +180,25 @@ pub fn backend_ip(n: usize) -> Ipv4Addr {
 /// The node (1-based) whose uplink address is `hop`.
 pub fn node_of_hop(hop: Ipv4Addr) -> Option<usize> {
     (1..=NODES).find(|&i| node_ip(i) == hop)
+}
+
+/// Starts `lb-agent` in `ns` with `config` and `pin_dir`, output to `log`,
+/// at the log level `XLB_AGENT_LOG` names (default `info`).
+pub(crate) fn spawn_agent_in(ns: &Netns, log: &Path, config: &Path, pin_dir: &Path) -> Child {
+    let level = std::env::var("XLB_AGENT_LOG").unwrap_or_else(|_| "info".into());
+    spawn_in(
+        ns,
+        log,
+        &agent_bin(),
+        &[
+            "--config",
+            config.to_str().unwrap(),
+            "--pin-dir",
+            pin_dir.to_str().unwrap(),
+            "--log",
+            &level,
+        ],
+    )
 }
 
 /// Starts `program` in `ns` (its network namespace only), output to `log`.
@@ -571,20 +590,7 @@ protocol bgp upstream {{
         self.agent_starts += 1;
         let log = self.agent_log_path();
         let _ = fs::remove_file(&log);
-        let level = std::env::var("XLB_AGENT_LOG").unwrap_or_else(|_| "info".into());
-        let child = spawn_in(
-            &self.ns,
-            &log,
-            &agent_bin(),
-            &[
-                "--config",
-                self.config_path.to_str().unwrap(),
-                "--pin-dir",
-                self.pin_dir.to_str().unwrap(),
-                "--log",
-                &level,
-            ],
-        );
+        let child = spawn_agent_in(&self.ns, &log, &self.config_path, &self.pin_dir);
         self.agent = Some(child);
     }
 
@@ -684,22 +690,7 @@ protocol bgp upstream {{
 
     /// `lbctl --pin-dir <this node's> --json ARGS`, parsed.
     pub fn lbctl_json(&self, args: &[&str]) -> serde_json::Value {
-        let out = Command::new(lbctl_bin())
-            .arg("--pin-dir")
-            .arg(&self.pin_dir)
-            .arg("--json")
-            .args(args)
-            .output()
-            .expect("run lbctl");
-        serde_json::from_slice(&out.stdout).unwrap_or_else(|e| {
-            panic!(
-                "node {}: lbctl {args:?} ({}): not JSON ({e}): {}{}",
-                self.index,
-                out.status,
-                String::from_utf8_lossy(&out.stdout),
-                String::from_utf8_lossy(&out.stderr)
-            )
-        })
+        crate::topology::lbctl_json_at(&self.pin_dir, args)
     }
 
     /// `birdc` against this node's BIRD (BIRD driver).

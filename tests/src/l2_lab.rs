@@ -22,7 +22,7 @@ use std::{
     fs, io,
     net::{Ipv4Addr, Ipv6Addr, SocketAddr},
     path::{Path, PathBuf},
-    process::{Child, Command},
+    process::Child,
     sync::{
         atomic::{AtomicBool, Ordering},
         Arc,
@@ -32,9 +32,9 @@ use std::{
 };
 
 use crate::{
-    ecmp::{kill_child, spawn_in},
+    ecmp::{kill_child, spawn_agent_in, spawn_in},
     netns::Netns,
-    topology::{agent_bin, cleanup_pins, http_get, in_netns, lbctl_bin, strip_ansi, write_atomic},
+    topology::{cleanup_pins, http_get, in_netns, strip_ansi, write_atomic},
     traffic::poll_until,
 };
 
@@ -137,20 +137,7 @@ impl L2Node {
     }
 
     pub fn lbctl_json(&self, args: &[&str]) -> serde_json::Value {
-        let out = Command::new(lbctl_bin())
-            .arg("--pin-dir")
-            .arg(&self.pin_dir)
-            .arg("--json")
-            .args(args)
-            .output()
-            .expect("run lbctl");
-        serde_json::from_slice(&out.stdout).unwrap_or_else(|e| {
-            panic!(
-                "lbctl {args:?}: not JSON ({e}): {}{}",
-                String::from_utf8_lossy(&out.stdout),
-                String::from_utf8_lossy(&out.stderr)
-            )
-        })
+        crate::topology::lbctl_json_at(&self.pin_dir, args)
     }
 
     /// Cuts the node off the switch (its port goes down).
@@ -314,20 +301,7 @@ impl L2Lab {
         let n = &mut self.nodes[i - 1];
         assert!(n.agent.is_none(), "node {i}: agent running");
         write_atomic(&n.config_path, yaml);
-        let level = std::env::var("XLB_AGENT_LOG").unwrap_or_else(|_| "info".into());
-        let child = spawn_in(
-            &n.ns,
-            &n.log_path,
-            &agent_bin(),
-            &[
-                "--config",
-                n.config_path.to_str().unwrap(),
-                "--pin-dir",
-                n.pin_dir.to_str().unwrap(),
-                "--log",
-                &level,
-            ],
-        );
+        let child = spawn_agent_in(&n.ns, &n.log_path, &n.config_path, &n.pin_dir);
         n.agent = Some(child);
         let addr = SocketAddr::from((Ipv4Addr::LOCALHOST, METRICS_PORT));
         let ns = n.ns.name.clone();

@@ -376,6 +376,27 @@ pub fn agent_bin() -> PathBuf {
     bin_dir().join("lb-agent")
 }
 
+/// Runs `lbctl --pin-dir PIN_DIR --json ARGS` (in the host namespaces:
+/// pins are global) and parses its output; panics with what it printed.
+pub fn lbctl_json_at(pin_dir: &Path, args: &[&str]) -> serde_json::Value {
+    let out = Command::new(lbctl_bin())
+        .arg("--pin-dir")
+        .arg(pin_dir)
+        .arg("--json")
+        .args(args)
+        .output()
+        .expect("run lbctl");
+    serde_json::from_slice(&out.stdout).unwrap_or_else(|e| {
+        panic!(
+            "lbctl --pin-dir {} {args:?} ({}): not JSON ({e}): {}{}",
+            pin_dir.display(),
+            out.status,
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        )
+    })
+}
+
 /// The `lbctl` binary (built if needed).
 pub fn lbctl_bin() -> PathBuf {
     bin_dir().join("lbctl")
@@ -594,24 +615,9 @@ impl Topology {
         }
     }
 
-    /// Runs `lbctl --pin-dir <pin_dir> --json ARGS` (in the host namespaces:
-    /// pins are global) and parses its output.
+    /// Runs `lbctl --pin-dir <pin_dir> --json ARGS` and parses its output.
     pub fn lbctl_json(&self, args: &[&str]) -> serde_json::Value {
-        let out = Command::new(lbctl_bin())
-            .arg("--pin-dir")
-            .arg(&self.pin_dir)
-            .arg("--json")
-            .args(args)
-            .output()
-            .expect("run lbctl");
-        serde_json::from_slice(&out.stdout).unwrap_or_else(|e| {
-            panic!(
-                "lbctl {args:?} ({}): not JSON ({e}): {}{}",
-                out.status,
-                String::from_utf8_lossy(&out.stdout),
-                String::from_utf8_lossy(&out.stderr)
-            )
-        })
+        lbctl_json_at(&self.pin_dir, args)
     }
 
     /// Starts a UDP echo server on `port` of every backend (a thread in each
