@@ -279,9 +279,10 @@ impl Agent {
         let mut hup = signal(SignalKind::hangup())?;
         let mut term = signal(SignalKind::terminate())?;
         let mut int = signal(SignalKind::interrupt())?;
+        let mut usr2 = signal(SignalKind::user_defined2())?;
         let mut poll = tokio::time::interval(Duration::from_millis(500));
         poll.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        loop {
+        let leaving = loop {
             tokio::select! {
                 _ = hup.recv() => self.reload("SIGHUP"),
                 _ = poll.tick() => {
@@ -307,10 +308,11 @@ impl Agent {
                         self.load_changed();
                     }
                 }
-                _ = term.recv() => break,
-                _ = int.recv() => break,
+                _ = term.recv() => break self.sigterm_means_leaving(),
+                _ = int.recv() => break true,
+                _ = usr2.recv() => break false,
             }
-        }
+        };
         // Withdraw at once, so the router stops sending before we stop
         // managing the node, and give it the drain time to converge. The
         // Lease is freed (so another agent allocates at once) meanwhile: an
@@ -322,8 +324,11 @@ impl Agent {
                 allocator.stop().await;
             }
         };
+        if !leaving {
+            info!("restarting, not leaving: the routes stay announced and the data plane keeps forwarding until the next agent adopts it");
+        }
         let withdraw_and_drain = async {
-            if let (Some(task), Some(bgp)) = (&self.announce, &self.config.bgp) {
+            if let (true, Some(task), Some(bgp)) = (leaving, &self.announce, &self.config.bgp) {
                 task.withdraw_all().await;
                 info!(drain = ?bgp.drain_time, "VIPs withdrawn; draining");
                 tokio::time::sleep(bgp.drain_time).await;
@@ -343,6 +348,18 @@ impl Agent {
         tokio::join!(step_down, withdraw_and_drain, hand_over);
         info!("exiting; the XDP program stays attached and keeps forwarding (lb-agent --cleanup detaches it)");
         Ok(())
+    }
+
+    /// Whether a SIGTERM takes this node out (withdraw, drain) or is a
+    /// restart (routes and data plane stay for the next agent). From a
+    /// file: out, as `systemctl stop` means; SIGUSR2 restarts. In
+    /// Kubernetes, where a rollout sends SIGTERM too: out only if the node
+    /// is cordoned, being deleted or tainted to go (`k8s::desired::node_is_leaving`).
+    fn sigterm_means_leaving(&self) -> bool {
+        match &self.k8s {
+            None => true,
+            Some(rx) => rx.borrow().as_ref().is_none_or(|d| d.leaving),
+        }
     }
 
     /// A step of the load controllers: the metrics show its signals at

@@ -638,9 +638,14 @@ protocol bgp upstream {{
 
     /// Sends SIGTERM to the agent (does not wait).
     pub fn sigterm_agent(&self) {
+        self.signal_agent(libc::SIGTERM);
+    }
+
+    /// Sends `sig` to the agent (does not wait).
+    pub fn signal_agent(&self, sig: i32) {
         let pid = self.agent_pid().expect("agent running");
         // SAFETY: kill(2) on our own child's pid.
-        let rc = unsafe { libc::kill(pid, libc::SIGTERM) };
+        let rc = unsafe { libc::kill(pid, sig) };
         assert_eq!(rc, 0, "kill: {}", io::Error::last_os_error());
     }
 

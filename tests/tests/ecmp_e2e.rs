@@ -40,6 +40,10 @@
 use std::{
     collections::{BTreeMap, BTreeSet},
     ops::Range,
+    sync::{
+        atomic::{AtomicBool, Ordering},
+        Arc,
+    },
     time::{Duration, Instant},
 };
 
@@ -48,7 +52,7 @@ use xlb_tests::ecmp::{
     backend_ip, node_ip, node_of_hop, request_from, Driver, EcmpLab, Node, Topology, BACKENDS,
     BACKEND_PORT, CLIENT_IP, HOLD_TIME, NODES, ROUTER_IP, RR_IP, VIP,
 };
-use xlb_tests::topology::{agent_bin, lbctl_bin};
+use xlb_tests::topology::{agent_bin, in_netns, lbctl_bin, HttpConn};
 use xlb_tests::traffic::poll_until;
 
 const SVC: &str = "192.0.2.10:80/tcp";
@@ -745,4 +749,93 @@ fn ecmp_through_a_gobgp_route_reflector() {
     let total = t0.elapsed();
     eprintln!("route reflector test: {total:?}");
     assert!(total < Duration::from_secs(90), "took {total:?}");
+}
+
+/// A rolling restart of the three nodes' agents (SIGUSR2, then a new
+/// agent), one after another, while 30 keep-alive connections spread over
+/// the nodes carry requests and new connections keep coming: the routes
+/// stay, no established connection is reset and no new one fails (snat
+/// mode, which no other node could take over).
+#[test]
+fn a_rolling_restart_loses_no_connection_with_bird() {
+    rolling_restart(Driver::Bird);
+}
+
+#[test]
+fn a_rolling_restart_loses_no_connection_with_gobgp() {
+    rolling_restart(Driver::GoBgp);
+}
+
+fn rolling_restart(driver: Driver) {
+    let mut lab = EcmpLab::start_with(driver);
+    start_agents(&mut lab, &[1, 2, 3]);
+    wait_fib(&lab, &[1, 2, 3], Duration::from_secs(30), "start");
+    let vip = std::net::SocketAddr::from((VIP, 80));
+    let mut conns: Vec<HttpConn> = (0..30)
+        .map(|_| HttpConn::connect_in(&lab.client, vip).expect("keep-alive connection"))
+        .collect();
+    for c in &mut conns {
+        c.get().expect("first request");
+    }
+    let ports: BTreeSet<u16> = conns
+        .iter()
+        .map(|c| c.stream.local_addr().unwrap().port())
+        .collect();
+    let on: BTreeSet<usize> = flow_owners(&lab, &ports)
+        .values()
+        .flat_map(|o| o.iter().map(|(n, _)| *n))
+        .collect();
+    assert_eq!(on.len(), NODES, "30 connections on the nodes {on:?}");
+
+    // New connections all along, each from the next client port (below
+    // the ephemeral range the keep-alive connections took theirs from).
+    let stop = Arc::new(AtomicBool::new(false));
+    let s = stop.clone();
+    let fresh = in_netns(&lab.client, move || {
+        let (mut ok, mut failed) = (0u32, Vec::new());
+        let mut port = 10000u16;
+        while !s.load(Ordering::Relaxed) {
+            match request_from(port) {
+                Ok(_) => ok += 1,
+                Err(e) => failed.push(format!("port {port}: {e}")),
+            }
+            port = if port == 30000 { 10000 } else { port + 1 };
+        }
+        (ok, failed)
+    });
+
+    for i in 1..=NODES {
+        lab.node(i).signal_agent(libc::SIGUSR2);
+        lab.node(i).wait_agent_exit(Duration::from_secs(5));
+        assert_eq!(
+            lab.router_next_hops(),
+            EcmpLab::hops(&[1, 2, 3]),
+            "node {i} restarting: its route must stay\n{}",
+            fib_state(&lab)
+        );
+        for (k, c) in conns.iter_mut().enumerate() {
+            c.get()
+                .unwrap_or_else(|e| panic!("connection {k} while node {i} restarts: {e}"));
+        }
+        let config = lab.agent_config(i, 1);
+        lab.node(i).start_agent(&config);
+        for (k, c) in conns.iter_mut().enumerate() {
+            c.get()
+                .unwrap_or_else(|e| panic!("connection {k} after node {i} restarted: {e}"));
+        }
+        assert_eq!(lab.router_next_hops(), EcmpLab::hops(&[1, 2, 3]));
+    }
+    stop.store(true, Ordering::Relaxed);
+    let (ok, failed) = fresh.join().expect("new connections");
+    assert!(
+        failed.is_empty(),
+        "{} of {} new connections failed during the rolling restart: {:?}",
+        failed.len(),
+        ok as usize + failed.len(),
+        &failed[..failed.len().min(5)]
+    );
+    assert!(
+        ok >= 30,
+        "only {ok} new connections during the rolling restart"
+    );
 }

@@ -66,6 +66,27 @@ pub struct Desired {
     pub problems: Vec<String>,
     /// This node carries the exclusion label.
     pub excluded: bool,
+    /// This node is being taken out ([`node_is_leaving`]): a SIGTERM then
+    /// withdraws and drains; otherwise it is a restart (a rollout).
+    pub leaving: bool,
+}
+
+/// Taints that say a node is going away: the cluster autoscaler's before a
+/// scale-down, and the one for a node that is out of service.
+pub const LEAVING_TAINTS: [&str; 2] = [
+    "ToBeDeletedByClusterAutoscaler",
+    "node.kubernetes.io/out-of-service",
+];
+
+/// Cordoned (`kubectl cordon`, `kubectl drain`), being deleted, or tainted
+/// with one of [`LEAVING_TAINTS`].
+pub fn node_is_leaving(node: &Node) -> bool {
+    let spec = node.spec.as_ref();
+    node.metadata.deletion_timestamp.is_some()
+        || spec.and_then(|s| s.unschedulable).unwrap_or(false)
+        || spec
+            .and_then(|s| s.taints.as_ref())
+            .is_some_and(|t| t.iter().any(|t| LEAVING_TAINTS.contains(&t.key.as_str())))
 }
 
 /// Everything the watcher's stores hold, by reference.
@@ -95,6 +116,7 @@ pub fn desired_services(
         .and_then(|l| l.get(ZONE_LABEL))
         .map(String::as_str);
     if let Some(node) = view.node {
+        out.leaving = node_is_leaving(node);
         let labels = node.metadata.labels.as_ref();
         if labels.is_some_and(|l| l.contains_key(EXCLUDE_LABEL)) {
             out.excluded = true;

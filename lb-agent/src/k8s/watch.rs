@@ -155,7 +155,10 @@ pub fn spawn(client: Client, opts: SourceOptions) -> DesiredRx {
                 warn!("{p}");
             }
             logged = now;
-            if tx.borrow().is_none() || desired.services != last.services {
+            if tx.borrow().is_none()
+                || desired.services != last.services
+                || desired.leaving != last.leaving
+            {
                 debug!(
                     services = desired.services.len(),
                     "desired state from Kubernetes"

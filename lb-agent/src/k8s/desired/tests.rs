@@ -7,7 +7,7 @@ use k8s_openapi::api::{
     core::v1::{Node, Service},
     discovery::v1::EndpointSlice,
 };
-use serde_json::Value;
+use serde_json::{json, Value};
 
 use super::*;
 
@@ -524,4 +524,32 @@ fn announce_annotation() {
         "{:?}",
         bad.problems
     );
+}
+
+#[test]
+fn a_cordoned_tainted_or_deleted_node_is_leaving() {
+    let node = |spec: Value, meta: Value| -> Node {
+        let mut m = json!({"name": "worker-1"});
+        m.as_object_mut()
+            .unwrap()
+            .extend(meta.as_object().unwrap().clone());
+        serde_json::from_value(json!({"metadata": m, "spec": spec})).unwrap()
+    };
+    assert!(!node_is_leaving(&node(json!({}), json!({}))));
+    assert!(node_is_leaving(&node(
+        json!({"unschedulable": true}),
+        json!({})
+    )));
+    assert!(node_is_leaving(&node(
+        json!({"taints": [{"key": "ToBeDeletedByClusterAutoscaler", "effect": "NoSchedule"}]}),
+        json!({})
+    )));
+    assert!(!node_is_leaving(&node(
+        json!({"taints": [{"key": "node.kubernetes.io/not-ready", "effect": "NoExecute"}]}),
+        json!({})
+    )));
+    assert!(node_is_leaving(&node(
+        json!({}),
+        json!({"deletionTimestamp": "2026-11-25T00:00:00Z"})
+    )));
 }
