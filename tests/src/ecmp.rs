@@ -758,7 +758,7 @@ fn sweep_stale() {
         let Some((id, _)) = rest.split_once('-') else {
             continue;
         };
-        // `<pid>`, `<pid><driver letter>` or `<pid>r<driver letter>`.
+        // `<pid>`, `<pid><driver letter>` or `<pid><tag><driver letter>`.
         let pid = id.trim_end_matches(|c: char| c.is_ascii_lowercase());
         if pid.is_empty() || !pid.bytes().all(|b| b.is_ascii_digit()) || id.len() > pid.len() + 2 {
             continue;
@@ -813,12 +813,25 @@ impl EcmpLab {
     /// nodes' speakers, and its session with the router is established
     /// before this returns.
     pub fn start_with_topology(driver: Driver, topology: Topology) -> Self {
-        sweep_stale();
-        let rr_tag = match topology {
-            Topology::Direct => "",
-            Topology::RouteReflector => "r",
+        let tag = match topology {
+            Topology::Direct => None,
+            Topology::RouteReflector => Some('r'),
         };
-        let prefix = format!("xe{}{rr_tag}{}", std::process::id(), driver.tag());
+        Self::start_lab(driver, topology, tag)
+    }
+
+    /// A lab with directly peered nodes whose names carry `tag` (a lowercase
+    /// letter other than `r`), so that it can run beside the plain lab of
+    /// the same driver in one test process.
+    pub fn start_tagged(driver: Driver, tag: char) -> Self {
+        assert!(tag.is_ascii_lowercase() && tag != 'r', "tag {tag:?}");
+        Self::start_lab(driver, Topology::Direct, Some(tag))
+    }
+
+    fn start_lab(driver: Driver, topology: Topology, tag: Option<char>) -> Self {
+        sweep_stale();
+        let tag = tag.map(String::from).unwrap_or_default();
+        let prefix = format!("xe{}{tag}{}", std::process::id(), driver.tag());
         let dir = std::env::temp_dir().join(format!("xlb-{prefix}"));
         let _ = fs::remove_dir_all(&dir);
         fs::create_dir_all(&dir).unwrap();

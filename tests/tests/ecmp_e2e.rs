@@ -767,7 +767,8 @@ fn a_rolling_restart_loses_no_connection_with_gobgp() {
 }
 
 fn rolling_restart(driver: Driver) {
-    let mut lab = EcmpLab::start_with(driver);
+    // Tagged: the three-node test of the same driver runs at the same time.
+    let mut lab = EcmpLab::start_tagged(driver, 'k');
     start_agents(&mut lab, &[1, 2, 3]);
     wait_fib(&lab, &[1, 2, 3], Duration::from_secs(30), "start");
     let vip = std::net::SocketAddr::from((VIP, 80));
