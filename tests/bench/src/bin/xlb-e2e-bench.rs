@@ -62,6 +62,9 @@ struct Opts {
     tcp: bool,
     udp: bool,
     memory: bool,
+    /// XDP_PASS on the client's and the backends' ends of the balancer's
+    /// veths (what a veth needs to take redirected frames at once).
+    peer_xdp: bool,
     cases: Vec<Mech>,
     svg: Option<PathBuf>,
     /// Another lb-agent binary to measure (e.g. a build with a change).
@@ -81,6 +84,7 @@ const USAGE: &str = "xlb-e2e-bench [options]
   --services N            services for the memory test (1000)
   --backends-per-service N  backends per service for the memory test (100)
   --no-tcp, --no-udp, --no-memory   skip a part
+  --peer-xdp              XDP_PASS on the client's and the backends' veth ends
   --svg PATH              where to write the chart (docs/benchmarks-e2e.svg); --no-svg: none
   --lb-agent PATH         the lb-agent binary to measure (default: the one next to this binary)
   --xdp-mode MODE         xdp_mode of the xlb case: native (default) or generic";
@@ -100,6 +104,7 @@ fn parse_args() -> Res<Opts> {
         tcp: true,
         udp: true,
         memory: true,
+        peer_xdp: false,
         cases: Mech::ALL.to_vec(),
         svg: Some(workspace_root().join("docs/benchmarks-e2e.svg")),
         lb_agent: None,
@@ -128,6 +133,7 @@ fn parse_args() -> Res<Opts> {
             "--no-tcp" => o.tcp = false,
             "--no-udp" => o.udp = false,
             "--no-memory" => o.memory = false,
+            "--peer-xdp" => o.peer_xdp = true,
             "--no-svg" => o.svg = None,
             "--svg" => o.svg = Some(PathBuf::from(value(&a)?)),
             "--lb-agent" => o.lb_agent = Some(PathBuf::from(value(&a)?)),
@@ -1049,6 +1055,15 @@ fn run(o: &Opts) -> Res<()> {
          (Linux {kernel}, {cpus} CPUs)"
     );
     let t = Topology::new(PREFIX, BACKENDS);
+    let _peer_xdp = o.peer_xdp.then(|| {
+        println!("XDP_PASS on the client's and the backends' eth0 (--peer-xdp)");
+        let eth0 = ["eth0".to_string()];
+        let mut held = vec![xlb_tests::xdp::attach_pass(&t.client, &eth0)];
+        for b in &t.backends {
+            held.push(xlb_tests::xdp::attach_pass(b, &eth0));
+        }
+        held
+    });
     let ctx = Ctx {
         t: &t,
         bins: &bins,
