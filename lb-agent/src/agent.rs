@@ -468,6 +468,7 @@ impl Agent {
                     name: svc.name.clone(),
                     backends: spec.backends.iter().map(|b| (b.addr, b.weight)).collect(),
                     agent_check: *agent_check,
+                    least_loaded: spec.least_loaded,
                 });
                 apply_load(&mut spec, &load);
             }
@@ -653,7 +654,7 @@ fn apply_load(spec: &mut ServiceSpec, load: &LoadWeights) {
     let Some(l) = load.get(&spec.key()) else {
         return;
     };
-    let ramp = crate::load::controller::Params::default().ramp_start;
+    let ramp = crate::load::controller::Params::for_service(spec.least_loaded).ramp_start;
     spec.backends
         .retain(|b| !l.backends.get(&b.addr).is_some_and(|d| d.decision.down));
     for b in &mut spec.backends {

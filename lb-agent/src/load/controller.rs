@@ -83,6 +83,27 @@ pub struct Params {
     pub recover: f64,
 }
 
+impl Params {
+    /// The defaults, but a service whose data plane places each new flow
+    /// on the less loaded of two candidates (`SERVICE_F_LEAST_LOADED`)
+    /// gives a joining backend its full weight at once: the per-connection
+    /// choice already keeps it from being flooded (it takes new flows only
+    /// while it has fewer open ones), and a ramp would only keep it a rare
+    /// candidate while the others overflow (measured in the scaling
+    /// benchmark).
+    pub fn for_service(least_loaded: bool) -> Self {
+        let p = Params::default();
+        if least_loaded {
+            Params {
+                ramp_start: 1.0,
+                ..p
+            }
+        } else {
+            p
+        }
+    }
+}
+
 impl Default for Params {
     fn default() -> Self {
         Params {

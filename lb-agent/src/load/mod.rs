@@ -50,6 +50,8 @@ pub struct LoadTarget {
     /// Backends in the service (health checks passed) and their configured weights.
     pub backends: Vec<(SocketAddr, u32)>,
     pub agent_check: Option<AgentCheck>,
+    /// The data plane picks the less loaded of two candidates per new flow.
+    pub least_loaded: bool,
 }
 
 /// What the controller decided for one backend, and the signals behind it.
@@ -235,7 +237,7 @@ impl Run {
             let c = self
                 .controllers
                 .entry(t.key)
-                .or_insert_with(|| Controller::new(Params::default()));
+                .or_insert_with(|| Controller::new(Params::for_service(t.least_loaded)));
             let was_draining = c.all_draining;
             let decisions = c.step(&signals);
             if c.all_draining && !was_draining {
