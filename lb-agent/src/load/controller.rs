@@ -439,6 +439,15 @@ mod tests {
         assert!(*seen.last().unwrap() >= 80, "{seen:?}");
     }
 
+    #[test]
+    fn with_the_per_connection_choice_a_new_backend_starts_at_full_weight() {
+        let mut c = Controller::new(Params::for_service(true));
+        c.step(&signals(&[40.0, 40.0]));
+        let d = c.step(&signals(&[40.0, 40.0, 0.0]));
+        assert!(d[&addr(3)].weight >= 95, "{:?}", d[&addr(3)]);
+        assert_eq!(Params::for_service(false), Params::default());
+    }
+
     /// Counts of 8 clients over 3 backends jump between 0 and 8 from one
     /// sample to the next; averaged over a step's ten samples (as
     /// the task does), that must not move the weights much.
