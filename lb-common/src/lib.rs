@@ -93,7 +93,8 @@ pub mod map_names {
     pub const BACKEND_ACTIVE: &str = "BACKEND_ACTIVE";
     pub const L2_VIPS: &str = "L2_VIPS";
     pub const L2_IFACES: &str = "L2_IFACES";
-    pub const ALL: [&str; 18] = [
+    pub const BACKEND_REVERSE: &str = "BACKEND_REVERSE";
+    pub const ALL: [&str; 19] = [
         SERVICES,
         BACKENDS,
         MAGLEV,
@@ -112,6 +113,7 @@ pub mod map_names {
         BACKEND_ACTIVE,
         L2_VIPS,
         L2_IFACES,
+        BACKEND_REVERSE,
     ];
 }
 
@@ -358,6 +360,33 @@ pub struct ReplyNat {
 /// `ReplyNat::flags`: a TCP FIN or RST was seen; the short lifetime applies.
 pub const REPLY_F_CLOSING: u32 = 1;
 
+/// Key of `BACKEND_REVERSE`: a backend address, port and protocol.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct ReverseKey {
+    pub addr: [u32; 4],
+    /// Network order.
+    pub port: u16,
+    pub proto: u8,
+    pub family: u8,
+}
+
+/// Value of `BACKEND_REVERSE`, written by the agent for a backend that
+/// belongs to exactly one NAT-mode service: its replies become
+/// `vip:vport -> client` without a per-flow entry, so a new NAT flow writes
+/// only its flow entry, and any node can translate the replies of a flow
+/// that another node forwarded (the reply entry is made by the first reply).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ReverseNat {
+    pub vip: [u32; 4],
+    /// Network order.
+    pub vport: u16,
+    pub _pad: u16,
+    pub service_id: u32,
+    pub backend_id: u32,
+}
+
 /// Value of `CONFIG` (array, index 0). Written by the agent.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -562,6 +591,8 @@ mod pod {
     unsafe impl aya::Pod for L2VipKey {}
     unsafe impl aya::Pod for L2Vip {}
     unsafe impl aya::Pod for L2Iface {}
+    unsafe impl aya::Pod for ReverseKey {}
+    unsafe impl aya::Pod for ReverseNat {}
 }
 
 // Layouts are part of the pinned-map ABI: a change here needs a new map name.

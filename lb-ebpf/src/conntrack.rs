@@ -5,12 +5,17 @@
 use aya_ebpf::{bindings::BPF_NOEXIST, helpers::bpf_ktime_get_coarse_ns};
 use lb_common::{
     hash::{flow_hash, maglev_hash, second_choice, snat_port_candidate},
-    Backend, Config, FibCache, Flow, FlowKey, Reason, ReplyNat, ServiceInfo, FLOW_EVENT_REPICKED,
-    FLOW_F_CLOSED, FLOW_F_COUNTED, PROTO_TCP, REPLY_F_CLOSING, SERVICE_F_LEAST_LOADED,
-    SERVICE_F_SNAT, SNAT_PROBES,
+    Backend, Config, FibCache, Flow, FlowKey, Reason, ReplyNat, ReverseKey, ServiceInfo,
+    FLOW_EVENT_REPICKED, FLOW_F_CLOSED, FLOW_F_COUNTED, PROTO_TCP, REPLY_F_CLOSING,
+    SERVICE_F_LEAST_LOADED, SERVICE_F_SNAT, SNAT_PROBES,
 };
 
-use crate::maps::{BACKENDS, BACKEND_ACTIVE, CONFIG, MAGLEV, REPLY_NAT, SHARED_FLOWS};
+use aya_ebpf::programs::XdpContext;
+
+use crate::{
+    maps::{BACKENDS, BACKEND_ACTIVE, BACKEND_REVERSE, CONFIG, MAGLEV, REPLY_NAT, SHARED_FLOWS},
+    parse::Headers,
+};
 
 const NS: u64 = 1_000_000_000;
 /// Flow timestamps and reply-entry lifetimes are refreshed at most this often,
@@ -185,6 +190,7 @@ pub struct Scratch {
     pub reply_key: FlowKey,
     pub reply: ReplyNat,
     pub flow: Flow,
+    pub reverse_key: ReverseKey,
 }
 
 /// Points `s.target` at a remembered flow's backend.
@@ -234,9 +240,13 @@ pub fn lookup_or_create(svc: &ServiceInfo, closing: bool, syn: bool, s: &mut Scr
                         &s.target.backend,
                         flow.snat_port,
                     );
-                    if !refresh_reply(&s.reply_key, &cfg, s.key.proto, closing, t) && !snat {
+                    if !refresh_reply(&s.reply_key, &cfg, s.key.proto, closing, t)
+                        && !snat
+                        && !reversible(svc, &flow.backend_addr, flow.backend_port, s)
+                    {
                         // NAT mode: the reply translation was evicted (the
-                        // key is this flow's own); put it back.
+                        // key is this flow's own) and no reverse translation
+                        // stands in; put it back.
                         set_reply_value(
                             &mut s.reply,
                             &s.key,
@@ -282,8 +292,10 @@ fn create(svc: &ServiceInfo, closing: bool, s: &mut Scratch) -> u32 {
         if snat_port == 0 {
             return Reason::DropSnatExhausted as u32;
         }
-    } else {
-        // NAT mode: the reply key holds the client tuple, so it is this flow's own.
+    } else if !reversible(svc, &backend.addr, backend.port, s) {
+        // NAT mode, a backend shared by services: the reply entry is made
+        // now (its key holds the client tuple, so it is this flow's own).
+        // Otherwise the first reply makes it from `BACKEND_REVERSE`.
         set_reply_key(&mut s.reply_key, &s.key, svc, &backend, 0);
         let _ = REPLY_NAT.insert(&s.reply_key, &s.reply, 0);
     }
@@ -312,6 +324,21 @@ fn create(svc: &ServiceInfo, closing: bool, s: &mut Scratch) -> u32 {
     s.target.snat_port = snat_port;
     s.target.new_flow = NEW_FLOW;
     FOUND
+}
+
+/// Whether `BACKEND_REVERSE` translates this NAT flow's replies (its
+/// backend belongs to this service only).
+#[inline(always)]
+fn reversible(svc: &ServiceInfo, addr: &[u32; 4], port: u16, s: &mut Scratch) -> bool {
+    s.reverse_key.addr = *addr;
+    s.reverse_key.port = port;
+    s.reverse_key.proto = s.key.proto;
+    s.reverse_key.family = s.key.family;
+    match BACKEND_REVERSE.get_ptr(&s.reverse_key) {
+        // SAFETY: read of a map value.
+        Some(r) => unsafe { (*r).service_id == svc.id && (*r).vport == s.key.dport },
+        None => false,
+    }
 }
 
 /// Pushes a reply entry's expiry forward; once closing, it stays closing.
@@ -429,6 +456,47 @@ pub fn reply_lookup(key: &FlowKey, closing: bool) -> Option<&mut ReplyNat> {
     let r = unsafe { &mut *r };
     refresh(r, &config(), key.proto, closing, now());
     Some(r)
+}
+
+/// A reply with no `REPLY_NAT` entry from a backend that belongs to one
+/// NAT-mode service: makes its entry from `BACKEND_REVERSE`, whether or
+/// not this node forwarded the flow (another node of an ECMP group may have,
+/// or this node before a restart). A reply to this node's own address (a
+/// health check) is not a service's. Reads `s.key`; not inlined: a flow's
+/// first reply only.
+#[inline(never)]
+// The reference is to the map's value, valid for this program run.
+#[allow(clippy::mut_from_ref)]
+pub fn reply_from_reverse(
+    ctx: &XdpContext,
+    h: &Headers,
+    s: &mut Scratch,
+    closing: bool,
+) -> Option<&'static mut ReplyNat> {
+    s.reverse_key.addr = s.key.src;
+    s.reverse_key.port = s.key.sport;
+    s.reverse_key.proto = s.key.proto;
+    s.reverse_key.family = s.key.family;
+    let rev = BACKEND_REVERSE.get_ptr(&s.reverse_key)?;
+    // SAFETY: read of a map value; the entry stays valid for this run.
+    let rev = unsafe { &*rev };
+    if crate::forward::is_local(ctx, h, &rev.vip, &s.key.dst) {
+        return None;
+    }
+    let cfg = config();
+    s.reply.vip = rev.vip;
+    s.reply.client = s.key.dst;
+    s.reply.vport = rev.vport;
+    s.reply.cport = s.key.dport;
+    s.reply.service_id = rev.service_id;
+    s.reply.backend_id = rev.backend_id;
+    s.reply.flags = if closing { REPLY_F_CLOSING } else { 0 };
+    s.reply.expires_ns = now() + lifetime_ns(&cfg, s.key.proto, closing);
+    s.reply.fib = FibCache::default();
+    REPLY_NAT.insert(&s.key, &s.reply, 0).ok()?;
+    let r = REPLY_NAT.get_ptr_mut(&s.key)?;
+    // SAFETY: shared entry, valid for this program run.
+    Some(unsafe { &mut *r })
 }
 
 /// A backend's RST ends its flow: the client may never send again (no FIN

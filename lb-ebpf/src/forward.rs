@@ -2,8 +2,8 @@
 
 use aya_ebpf::{
     bindings::{
-        bpf_fib_lookup as FibParams, xdp_action, BPF_FIB_LKUP_RET_NO_NEIGH,
-        BPF_FIB_LKUP_RET_SUCCESS,
+        bpf_fib_lookup as FibParams, xdp_action, BPF_FIB_LKUP_RET_NOT_FWDED,
+        BPF_FIB_LKUP_RET_NO_NEIGH, BPF_FIB_LKUP_RET_SUCCESS,
     },
     helpers::{bpf_fib_lookup, bpf_redirect},
     programs::XdpContext,
@@ -44,29 +44,9 @@ pub fn forward(
     let ingress = ctx.ingress_ifindex() as u32;
     let t = now();
     if cache.ifindex == 0 || t.saturating_sub(cache.checked_ns) > FIB_REFRESH_NS {
-        let len = (ctx.data_end() - ctx.data()).saturating_sub(h.l3) as u16;
         // SAFETY: plain-data bindgen struct; all-zero is a valid value.
         let mut p: FibParams = unsafe { core::mem::zeroed() };
-        p.family = h.family;
-        p.l4_protocol = h.proto;
-        p.ifindex = ingress;
-        p.__bindgen_anon_1.tot_len = len;
-        if h.v6() {
-            p.__bindgen_anon_3.ipv6_src = *src;
-            p.__bindgen_anon_4.ipv6_dst = *dst;
-        } else {
-            p.__bindgen_anon_3.ipv4_src = src[0];
-            p.__bindgen_anon_4.ipv4_dst = dst[0];
-        }
-        // SAFETY: `p` is a valid, fully initialised parameter block of the size given.
-        let rc = unsafe {
-            bpf_fib_lookup(
-                ctx.as_ptr(),
-                &mut p,
-                core::mem::size_of::<FibParams>() as i32,
-                0,
-            )
-        };
+        let rc = fib_lookup(ctx, h, src, dst, &mut p);
         if rc == BPF_FIB_LKUP_RET_NO_NEIGH as i64 {
             cache.ifindex = 0;
             return Verdict::new(xdp_action::XDP_PASS, Reason::PassNoNeigh);
@@ -104,6 +84,42 @@ pub fn forward(
     write_mac(eth + 6, &cache.smac);
     decrement_ttl(ctx, h);
     Verdict::new(action, reason)
+}
+
+/// `bpf_fib_lookup` of `src -> dst` from the ingress interface; the
+/// helper's return code, the answer in `p`.
+#[inline(always)]
+fn fib_lookup(
+    ctx: &XdpContext,
+    h: &Headers,
+    src: &[u32; 4],
+    dst: &[u32; 4],
+    p: &mut FibParams,
+) -> i64 {
+    let len = (ctx.data_end() - ctx.data()).saturating_sub(h.l3) as u16;
+    p.family = h.family;
+    p.l4_protocol = h.proto;
+    p.ifindex = ctx.ingress_ifindex() as u32;
+    p.__bindgen_anon_1.tot_len = len;
+    if h.v6() {
+        p.__bindgen_anon_3.ipv6_src = *src;
+        p.__bindgen_anon_4.ipv6_dst = *dst;
+    } else {
+        p.__bindgen_anon_3.ipv4_src = src[0];
+        p.__bindgen_anon_4.ipv4_dst = dst[0];
+    }
+    // SAFETY: `p` is a valid, fully initialised parameter block of the size given.
+    unsafe { bpf_fib_lookup(ctx.as_ptr(), p, core::mem::size_of::<FibParams>() as i32, 0) }
+}
+
+/// Whether `dst` is an address of this node (the kernel would deliver a
+/// packet to it rather than forward it). Not inlined: only a reply's first
+/// packet asks.
+#[inline(never)]
+pub fn is_local(ctx: &XdpContext, h: &Headers, src: &[u32; 4], dst: &[u32; 4]) -> bool {
+    // SAFETY: plain-data bindgen struct; all-zero is a valid value.
+    let mut p: FibParams = unsafe { core::mem::zeroed() };
+    fib_lookup(ctx, h, src, dst, &mut p) == BPF_FIB_LKUP_RET_NOT_FWDED as i64
 }
 
 #[inline(always)]

@@ -291,7 +291,11 @@ fn from_backend_inner(ctx: &XdpContext, h: &Headers) -> Option<Verdict> {
     s.key.dport = dport;
     s.key.proto = h.proto;
     s.key.family = h.family;
-    let r = conntrack::reply_lookup(&s.key, flags & (TCP_FIN | TCP_RST) != 0)?;
+    let closing = flags & (TCP_FIN | TCP_RST) != 0;
+    let r = match conntrack::reply_lookup(&s.key, closing) {
+        Some(r) => r,
+        None => conntrack::reply_from_reverse(ctx, h, s, closing)?,
+    };
     if flags & TCP_RST != 0 {
         conntrack::close_from_backend(r, &mut s.reply_key, h.proto, h.family);
     }

@@ -8,9 +8,9 @@ use aya_ebpf::{
 };
 use lb_common::{
     BackendEntry, BackendLoad, Config, Flow, FlowKey, L2Iface, L2Vip, L2VipKey, RangeKey, ReplyNat,
-    ServiceInfo, ServiceKey, TrafficStats, FLOW_EVENT_COUNT, MAGLEV_POOL_ENTRIES, MAX_BACKENDS,
-    MAX_L2_IFACES, MAX_L2_VIPS, MAX_SERVICES, MAX_SOURCE_RANGES, MAX_TX_PORTS, PORT_FLAGS_ENTRIES,
-    REASON_COUNT, REPLY_NAT_ENTRIES, SHARED_FLOWS_ENTRIES,
+    ReverseKey, ReverseNat, ServiceInfo, ServiceKey, TrafficStats, FLOW_EVENT_COUNT,
+    MAGLEV_POOL_ENTRIES, MAX_BACKENDS, MAX_L2_IFACES, MAX_L2_VIPS, MAX_SERVICES, MAX_SOURCE_RANGES,
+    MAX_TX_PORTS, PORT_FLAGS_ENTRIES, REASON_COUNT, REPLY_NAT_ENTRIES, SHARED_FLOWS_ENTRIES,
 };
 
 const NO_PREALLOC: usize = BPF_F_NO_PREALLOC as usize;
@@ -58,6 +58,17 @@ pub static FLOW_EVENTS: PerCpuArray<u64, { FLOW_EVENT_COUNT as usize }> = PerCpu
 #[btf_map]
 pub static REPLY_NAT: LruHashMap<FlowKey, ReplyNat, { REPLY_NAT_ENTRIES as usize }> =
     LruHashMap::new();
+
+/// Reverse translations of backends that belong to one NAT-mode service
+/// (written by the agent): replies without a `REPLY_NAT` entry are
+/// translated from here, and the first one makes the entry.
+#[btf_map]
+pub static BACKEND_REVERSE: HashMap<
+    ReverseKey,
+    ReverseNat,
+    { MAX_BACKENDS as usize },
+    NO_PREALLOC,
+> = HashMap::new();
 
 /// ifindex -> ifindex for interfaces XDP may redirect to. A miss makes
 /// `bpf_redirect_map` return XDP_PASS, so the kernel forwards instead.

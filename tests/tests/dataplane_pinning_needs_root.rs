@@ -38,7 +38,7 @@ fn a_new_driver_adopts_pinned_services_and_tables() {
     let dir = PinDir(format!("/sys/fs/bpf/xlb-test-adopt-{}", std::process::id()).into());
     let web = spec(80, None, &[1, 2, 3]);
     let api = spec(443, Some(Ipv4Addr::new(10, 9, 0, 254).into()), &[4, 5]);
-    let (web_table, web_info, api_table) = {
+    let (web_table, web_info, api_table, reverse) = {
         let mut dp = Dataplane::open(Some(&dir.0)).expect("open (root needed)");
         dp.set_service(&web).unwrap();
         dp.set_service(&api).unwrap();
@@ -46,8 +46,12 @@ fn a_new_driver_adopts_pinned_services_and_tables() {
             dp.live_table(&web.key()).unwrap(),
             dp.service_info(&web.key()).unwrap(),
             dp.live_table(&api.key()).unwrap(),
+            dp.reverse_entries().clone(),
         )
     };
+    // The NAT service's three backends have reverse translations; the SNAT
+    // service's have none.
+    assert_eq!(reverse.len(), 3, "{reverse:?}");
     for map in lb_common::map_names::ALL {
         assert!(dir.0.join(map).exists(), "{map} is pinned");
     }
@@ -69,6 +73,11 @@ fn a_new_driver_adopts_pinned_services_and_tables() {
     );
     assert_eq!(dp.live_table(&web.key()).unwrap(), web_table);
     assert_eq!(dp.live_table(&api.key()).unwrap(), api_table);
+    assert_eq!(
+        dp.reverse_entries(),
+        &reverse,
+        "reverse translations adopted"
+    );
 
     // Applying the same spec again: same service id, same table contents
     // (Maglev is deterministic), written to a table no packet reads: the

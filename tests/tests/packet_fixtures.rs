@@ -2059,3 +2059,94 @@ fn a_least_loaded_service_sends_new_flows_to_the_less_busy_candidate_needs_root(
     }
     assert_eq!(active(dp, b2) + active(dp, b3), before - 1);
 }
+
+/// In NAT mode a backend that belongs to one service needs no per-flow
+/// reply entry: a new flow writes only its flow entry, and the first reply
+/// makes the reply entry from the backend's reverse translation, whether or
+/// not this node forwarded the flow (another node of an ECMP group may
+/// have). A reply to the node's own address (a health check) is left alone,
+/// and a backend shared by two services keeps a reply entry per flow.
+#[test]
+fn nat_replies_are_translated_without_the_forward_flow_needs_root() {
+    let mut bed = FixtureBed::new("xlb-fix-reverse");
+    for s in base_services() {
+        bed.dp.set_service(&s).unwrap();
+    }
+    let (dp, cl0, be0) = (&mut bed.dp, bed.cl0, bed.be0);
+    dp.set_service(&svc(
+        VIP.into(),
+        8000,
+        Protocol::Tcp,
+        None,
+        &[(B4.into(), 9000)],
+    ))
+    .unwrap();
+    let replies_from = |dp: &Dataplane, port: u16| {
+        dp.reply_entries()
+            .unwrap()
+            .into_iter()
+            .filter(|(k, _)| u16::from_be(k.sport) == port)
+            .count()
+    };
+    // A new flow: one entry, in the flow table only.
+    let (v, _) = run(dp, cl0, &c4(syn(47000, 8000)));
+    assert_eq!(v, XDP_REDIRECT);
+    assert_eq!(replies_from(dp, 9000), 0, "no reply entry with the flow");
+    // Its first reply is translated and makes the entry.
+    let reply = |sport: u16, dst: Ipv4Addr| {
+        from_backend(B4_MAC)
+            .ipv4(ip4(B4, dst, 64))
+            .tcp(synack(9000, sport))
+            .build()
+    };
+    let (v, out) = run(dp, be0, &reply(47000, CLIENT));
+    assert_eq!(v, XDP_REDIRECT);
+    let want = to_client()
+        .ipv4(ip4(VIP, CLIENT, 63))
+        .tcp(synack(8000, 47000))
+        .build();
+    assert!(out == want, "first reply\n{}", hexdump_diff(&want, &out));
+    assert_eq!(replies_from(dp, 9000), 1, "the first reply made the entry");
+
+    // A node that never saw the flow (its state is gone here): the reply is
+    // translated all the same, and the client's next packet reaches the
+    // same backend (Maglev is the same on every node).
+    dp.reset_flows_to(SocketAddr::new(B4.into(), 9000)).unwrap();
+    assert_eq!(replies_from(dp, 9000), 0);
+    let (v, out) = run(dp, be0, &reply(47001, CLIENT));
+    assert_eq!(v, XDP_REDIRECT);
+    let want = to_client()
+        .ipv4(ip4(VIP, CLIENT, 63))
+        .tcp(synack(8000, 47001))
+        .build();
+    assert!(
+        out == want,
+        "reply without state\n{}",
+        hexdump_diff(&want, &out)
+    );
+    let (v, out) = run(dp, cl0, &c4(ack(47001, 8000)));
+    assert_eq!(v, XDP_REDIRECT);
+    assert_eq!(
+        xlb_tests::packet::parse(&out).unwrap().dst,
+        IpAddr::from(B4)
+    );
+
+    // A reply to this node's own address is not a service's.
+    let input = reply(47002, SNAT4);
+    let (v, out) = run(dp, be0, &input);
+    assert_eq!(v, XDP_PASS, "a health check's answer goes to the node");
+    assert!(out == input, "{}", hexdump_diff(&input, &out));
+
+    // B2:8080 serves VIP:80 and VIP_MULTI:80: its flows keep an entry each,
+    // and a reply from it that matches no flow is left alone.
+    let (v, _) = run(dp, cl0, &c4(syn(47003, 80)));
+    assert_eq!(v, XDP_REDIRECT);
+    assert_eq!(replies_from(dp, 8080), 1, "a shared backend's flow");
+    let input = from_backend(B2_MAC)
+        .ipv4(ip4(B2, CLIENT, 64))
+        .tcp(synack(8080, 47004))
+        .build();
+    let (v, out) = run(dp, be0, &input);
+    assert_eq!(v, XDP_PASS);
+    assert!(out == input, "{}", hexdump_diff(&input, &out));
+}

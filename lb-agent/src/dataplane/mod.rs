@@ -5,6 +5,7 @@
 
 mod alloc;
 mod pins;
+mod reverse;
 mod source_ranges;
 mod state;
 mod write;
@@ -31,9 +32,9 @@ use lb_common::{
     maglev, map_names as names,
     net::{ip_words, service_key, words_ip, Family},
     BackendEntry, BackendLoad, Config, Flow, FlowKey, L2Iface, L2Vip, L2VipKey, ReplyNat,
-    ServiceInfo, ServiceKey, TrafficStats, FAMILY_V4, FAMILY_V6, FLOW_EVENT_COUNT,
-    FLOW_EVENT_REPICKED, FLOW_F_CLOSED, MAGLEV_POOL_ENTRIES, MAX_BACKENDS, MAX_SERVICES,
-    PORT_F_BACKEND, PORT_F_SERVICE, PROTO_ICMP, PROTO_ICMPV6, REASON_COUNT,
+    ReverseKey, ReverseNat, ServiceInfo, ServiceKey, TrafficStats, FAMILY_V4, FAMILY_V6,
+    FLOW_EVENT_COUNT, FLOW_EVENT_REPICKED, FLOW_F_CLOSED, MAGLEV_POOL_ENTRIES, MAX_BACKENDS,
+    MAX_SERVICES, PORT_F_BACKEND, PORT_F_SERVICE, PROTO_ICMP, PROTO_ICMPV6, REASON_COUNT,
     SERVICE_F_CLIENT_AFFINITY, SERVICE_F_LEAST_LOADED, SERVICE_F_SNAT, SERVICE_F_SOURCE_RANGES,
     SHARED_FLOWS_ENTRIES,
 };
@@ -239,6 +240,8 @@ pub struct Dataplane {
     /// Regions freed recently, released to `ids.regions` after the quarantine.
     quarantined: Vec<(Instant, u32, u32)>,
     ports: Vec<u8>,
+    /// `BACKEND_REVERSE` as written.
+    reverse: BTreeMap<ReverseKey, ReverseNat>,
     pin_dir: Option<PathBuf>,
     logger: Option<aya_log::EbpfLogger<&'static dyn log::Log>>,
 }
@@ -266,6 +269,7 @@ struct Maps {
     ranges: SourceRanges,
     l2_vips: HashMap<MapData, L2VipKey, L2Vip>,
     l2_ifaces: HashMap<MapData, u32, L2Iface>,
+    backend_reverse: HashMap<MapData, ReverseKey, ReverseNat>,
 }
 
 impl Dataplane {
@@ -384,6 +388,8 @@ impl Dataplane {
                 .map_err(map_err(names::L2_VIPS))?,
             l2_ifaces: HashMap::try_from(take(&mut ebpf, names::L2_IFACES)?)
                 .map_err(map_err(names::L2_IFACES))?,
+            backend_reverse: HashMap::try_from(take(&mut ebpf, names::BACKEND_REVERSE)?)
+                .map_err(map_err(names::BACKEND_REVERSE))?,
         };
         let mut dp = Self {
             maps,
@@ -396,6 +402,7 @@ impl Dataplane {
             },
             quarantined: Vec::new(),
             ports: vec![0; 65536],
+            reverse: BTreeMap::new(),
             pin_dir,
             logger: None,
         };
@@ -618,7 +625,8 @@ impl Dataplane {
             },
         );
         self.sync_echo_markers(spec.vip)?;
-        self.sync_port_flags()
+        self.sync_port_flags()?;
+        self.sync_reverse()
     }
 
     /// Where a service's new table of size `m` goes: the inactive half of
@@ -663,7 +671,8 @@ impl Dataplane {
             .for_each(|(_, id)| self.ids.backends.free(*id));
         self.ids.services.free(p.info.id);
         self.sync_echo_markers(p.spec.vip)?;
-        self.sync_port_flags()
+        self.sync_port_flags()?;
+        self.sync_reverse()
     }
 
     /// A free region of `len` entries. When the pool is full but regions
@@ -865,7 +874,7 @@ impl Dataplane {
                 .get(&(port as u32), 0)
                 .map_err(map_err(names::PORT_FLAGS))?;
         }
-        Ok(())
+        self.adopt_reverse()
     }
 
     /// Deletes the flows (and their reply translations) that go to `backend`:

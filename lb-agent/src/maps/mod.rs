@@ -14,7 +14,8 @@ use aya::maps::{
 };
 use lb_common::{
     map_names as names, BackendEntry, BackendLoad, Config, Flow, FlowKey, L2Iface, L2Vip, L2VipKey,
-    RangeKey, ReplyNat, ServiceInfo, ServiceKey, TrafficStats, REASON_COUNT,
+    RangeKey, ReplyNat, ReverseKey, ReverseNat, ServiceInfo, ServiceKey, TrafficStats,
+    REASON_COUNT,
 };
 
 pub use self::maglev::MaglevPool;
@@ -49,6 +50,7 @@ pub fn expected_layout(name: &str) -> Option<(usize, usize)> {
         names::SOURCE_RANGES => (4 + size_of::<RangeKey>(), 1),
         names::L2_VIPS => (size_of::<L2VipKey>(), size_of::<L2Vip>()),
         names::L2_IFACES => (4, size_of::<L2Iface>()),
+        names::BACKEND_REVERSE => (size_of::<ReverseKey>(), size_of::<ReverseNat>()),
         _ => return None,
     })
 }
