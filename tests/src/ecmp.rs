@@ -13,7 +13,8 @@
 //!           │ veth lan ── nI
 //!  <p>-bl backend LAN  br0 (bridge; ports n1 n2 n3 b1 b2 b3)
 //!           │ veth bN ── eth0
-//!  <p>-bN backend N    eth0 10.102.0.2N/24, nginx on 8080 answering "bN"
+//!  <p>-bN backend N    eth0 10.102.0.2N/24, nginx on 8080 answering "bN";
+//!                      10.100.0.0/24 via the three nodes (nat-mode replies)
 //! ```
 //!
 //! Every node runs its speaker (router id = its uplink address) and
@@ -91,6 +92,8 @@ pub const BACKENDS: usize = 3;
 pub const ROUTER_ASN: u32 = 65000;
 pub const NODE_ASN: u32 = 65001;
 pub const CLIENT_IP: Ipv4Addr = Ipv4Addr::new(10, 100, 0, 2);
+/// The client's network; the backends route it over the three nodes.
+const CLIENT_NET: &str = "10.100.0.0/24";
 /// The router's address on the nodes' segment (their BGP neighbour).
 pub const ROUTER_IP: Ipv4Addr = Ipv4Addr::new(10, 101, 0, 1);
 /// The BGP hold time of the node-router sessions (both sides propose it).
@@ -898,6 +901,15 @@ impl EcmpLab {
                 "ip addr add {}/24 dev eth0 && ip link set eth0 up && ethtool -K eth0 gro on tx off >/dev/null",
                 backend_ip(n)
             ));
+            // Replies to the client (nat mode) go back through any node,
+            // hashed by L4 ports: rarely the node that forwarded the request.
+            b.run(&format!(
+                "sysctl -qw net.ipv4.fib_multipath_hash_policy=1 && ip route add {CLIENT_NET} \
+                 nexthop via {} nexthop via {} nexthop via {}",
+                node_backend_ip(1),
+                node_backend_ip(2),
+                node_backend_ip(3)
+            ));
             lab.backends.push(b);
         }
         // The nodes: uplink to the router's bridge, downlink to the LAN.
@@ -1127,6 +1139,13 @@ impl EcmpLab {
     /// Node `i`'s config: the snat web service on every backend with `weight`,
     /// announced through the node's speaker.
     pub fn agent_config(&self, i: usize, weight: u32) -> String {
+        self.agent_config_in(i, weight, "snat")
+    }
+
+    /// As [`agent_config`](Self::agent_config), the service in `mode`
+    /// (`nat` or `snat`). In nat mode the backends' replies reach the
+    /// client through any of the nodes (their route to it has all three).
+    pub fn agent_config_in(&self, i: usize, weight: u32, mode: &str) -> String {
         let mut s = format!(
             "interfaces: [uplink, lan]\n\
              snat_ipv4: {snat}\n\
@@ -1136,7 +1155,7 @@ impl EcmpLab {
              \x20   vip: {VIP}\n\
              \x20   port: 80\n\
              \x20   protocol: tcp\n\
-             \x20   mode: snat\n\
+             \x20   mode: {mode}\n\
              \x20   backends:\n",
             snat = node_backend_ip(i)
         );

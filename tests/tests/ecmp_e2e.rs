@@ -758,18 +758,38 @@ fn ecmp_through_a_gobgp_route_reflector() {
 /// mode, which no other node could take over).
 #[test]
 fn a_rolling_restart_loses_no_connection_with_bird() {
-    rolling_restart(Driver::Bird);
+    rolling_restart(Driver::Bird, "snat");
 }
 
 #[test]
 fn a_rolling_restart_loses_no_connection_with_gobgp() {
-    rolling_restart(Driver::GoBgp);
+    rolling_restart(Driver::GoBgp, "snat");
 }
 
-fn rolling_restart(driver: Driver) {
-    // Tagged: the three-node test of the same driver runs at the same time.
-    let mut lab = EcmpLab::start_tagged(driver, 'k');
-    start_agents(&mut lab, &[1, 2, 3]);
+/// In nat mode the replies come back through any node (the backends route
+/// the client over all three), so this also shows every node translating
+/// replies of flows it did not forward.
+#[test]
+fn a_rolling_restart_loses_no_connection_in_nat_mode_with_bird() {
+    rolling_restart(Driver::Bird, "nat");
+}
+
+#[test]
+fn a_rolling_restart_loses_no_connection_in_nat_mode_with_gobgp() {
+    rolling_restart(Driver::GoBgp, "nat");
+}
+
+/// Starts the agents of all three nodes with the service in `mode`, and
+/// opens 30 keep-alive connections that reach every node.
+fn lab_with_connections(driver: Driver, tag: char, mode: &str) -> (EcmpLab, Vec<HttpConn>) {
+    let mut lab = EcmpLab::start_tagged(driver, tag);
+    for i in 1..=NODES {
+        let c = lab.agent_config_in(i, 1, mode);
+        lab.node(i).spawn_agent(&c);
+    }
+    for i in 1..=NODES {
+        lab.node(i).wait_agent_ready();
+    }
     wait_fib(&lab, &[1, 2, 3], Duration::from_secs(30), "start");
     let vip = std::net::SocketAddr::from((VIP, 80));
     let mut conns: Vec<HttpConn> = (0..30)
@@ -778,24 +798,32 @@ fn rolling_restart(driver: Driver) {
     for c in &mut conns {
         c.get().expect("first request");
     }
-    let ports: BTreeSet<u16> = conns
-        .iter()
-        .map(|c| c.stream.local_addr().unwrap().port())
-        .collect();
-    let on: BTreeSet<usize> = flow_owners(&lab, &ports)
+    let on: BTreeSet<usize> = flow_owners(&lab, &conn_ports(&conns))
         .values()
         .flat_map(|o| o.iter().map(|(n, _)| *n))
         .collect();
     assert_eq!(on.len(), NODES, "30 connections on the nodes {on:?}");
+    (lab, conns)
+}
 
-    // New connections all along, each from the next client port (below
-    // the ephemeral range the keep-alive connections took theirs from).
-    let stop = Arc::new(AtomicBool::new(false));
-    let s = stop.clone();
-    let fresh = in_netns(&lab.client, move || {
+fn conn_ports(conns: &[HttpConn]) -> BTreeSet<u16> {
+    conns
+        .iter()
+        .map(|c| c.stream.local_addr().unwrap().port())
+        .collect()
+}
+
+/// New connections from the client until `stop`, each from the next port
+/// (below the ephemeral range the keep-alive connections took theirs
+/// from); joins to (succeeded, failures).
+fn new_connections(
+    lab: &EcmpLab,
+    stop: Arc<AtomicBool>,
+) -> std::thread::JoinHandle<(u32, Vec<String>)> {
+    in_netns(&lab.client, move || {
         let (mut ok, mut failed) = (0u32, Vec::new());
         let mut port = 10000u16;
-        while !s.load(Ordering::Relaxed) {
+        while !stop.load(Ordering::Relaxed) {
             match request_from(port) {
                 Ok(_) => ok += 1,
                 Err(e) => failed.push(format!("port {port}: {e}")),
@@ -803,7 +831,15 @@ fn rolling_restart(driver: Driver) {
             port = if port == 30000 { 10000 } else { port + 1 };
         }
         (ok, failed)
-    });
+    })
+}
+
+fn rolling_restart(driver: Driver, mode: &str) {
+    // Tagged: the three-node test of the same driver runs at the same time.
+    let tag = if mode == "nat" { 'n' } else { 'k' };
+    let (mut lab, mut conns) = lab_with_connections(driver, tag, mode);
+    let stop = Arc::new(AtomicBool::new(false));
+    let fresh = new_connections(&lab, stop.clone());
 
     for i in 1..=NODES {
         lab.node(i).signal_agent(libc::SIGUSR2);
@@ -818,7 +854,7 @@ fn rolling_restart(driver: Driver) {
             c.get()
                 .unwrap_or_else(|e| panic!("connection {k} while node {i} restarts: {e}"));
         }
-        let config = lab.agent_config(i, 1);
+        let config = lab.agent_config_in(i, 1, mode);
         lab.node(i).start_agent(&config);
         for (k, c) in conns.iter_mut().enumerate() {
             c.get()
@@ -838,5 +874,68 @@ fn rolling_restart(driver: Driver) {
     assert!(
         ok >= 30,
         "only {ok} new connections during the rolling restart"
+    );
+}
+
+/// A node that leaves for good (SIGTERM to an agent run from a file), in
+/// nat mode: it withdraws, the router moves its connections to the other
+/// nodes, which pick the same backend (Maglev is the same everywhere) and
+/// translate the replies; no connection is reset and no new one fails. The
+/// agent exits when its drain time (1 s) is over.
+#[test]
+fn a_node_leaving_keeps_its_connections_in_nat_mode_with_bird() {
+    node_leaves(Driver::Bird);
+}
+
+#[test]
+fn a_node_leaving_keeps_its_connections_in_nat_mode_with_gobgp() {
+    node_leaves(Driver::GoBgp);
+}
+
+fn node_leaves(driver: Driver) {
+    let (mut lab, mut conns) = lab_with_connections(driver, 'd', "nat");
+    let on_node1: BTreeSet<u16> = flow_owners(&lab, &conn_ports(&conns))
+        .into_iter()
+        .filter(|(_, o)| o.iter().any(|(n, _)| *n == 1))
+        .map(|(p, _)| p)
+        .collect();
+    let stop = Arc::new(AtomicBool::new(false));
+    let fresh = new_connections(&lab, stop.clone());
+
+    let signalled = std::time::Instant::now();
+    lab.node(1).sigterm_agent();
+    wait_fib(&lab, &[2, 3], Duration::from_secs(10), "node 1 left");
+    for (k, c) in conns.iter_mut().enumerate() {
+        c.get()
+            .unwrap_or_else(|e| panic!("connection {k} after node 1 left: {e}"));
+    }
+    let status = lab.node(1).wait_agent_exit(Duration::from_secs(10));
+    let exited_after = signalled.elapsed();
+    assert!(status.success(), "node 1's agent: {status}");
+    // Its connections now live on the other nodes.
+    let moved = flow_owners(&lab, &on_node1);
+    for (port, owners) in &moved {
+        assert!(
+            owners.iter().any(|(n, _)| *n != 1),
+            "connection from port {port} is on no other node: {owners:?}"
+        );
+    }
+    for (k, c) in conns.iter_mut().enumerate() {
+        c.get()
+            .unwrap_or_else(|e| panic!("connection {k} after node 1 exited: {e}"));
+    }
+    stop.store(true, Ordering::Relaxed);
+    let (ok, failed) = fresh.join().expect("new connections");
+    assert!(
+        failed.is_empty(),
+        "{} of {} new connections failed while node 1 left: {:?}",
+        failed.len(),
+        ok as usize + failed.len(),
+        &failed[..failed.len().min(5)]
+    );
+    assert!(!on_node1.is_empty(), "no connection went through node 1");
+    assert!(
+        exited_after < Duration::from_millis(1900),
+        "the agent exited {exited_after:?} after SIGTERM with drain_time 1s"
     );
 }

@@ -26,6 +26,7 @@ const B2_MAC: [u8; 6] = [2, 0, 0, 0, 2, 2];
 const CLIENT: Ipv4Addr = Ipv4Addr::new(10, 0, 0, 2);
 const VIP: Ipv4Addr = Ipv4Addr::new(192, 0, 2, 10);
 const B2: Ipv4Addr = Ipv4Addr::new(10, 2, 0, 2);
+const B3: Ipv4Addr = Ipv4Addr::new(10, 2, 0, 3);
 
 fn run(prog: &Xdp, ingress: u32, input: &[u8]) -> (u32, u64) {
     let (verdict, _, duration) = test_run(prog, ingress, input);
@@ -60,10 +61,15 @@ fn main() {
         })
         .collect();
     ranges.push("10.0.0.0/30".parse().unwrap());
-    for (port, protocol, bport, ranges) in [
-        (80, Protocol::Tcp, 8080, None),
-        (53, Protocol::Udp, 5353, None),
-        (81, Protocol::Tcp, 8080, Some(ranges)),
+    // Ports 83 and 84 share a backend: a reply from it cannot tell the
+    // services apart, so their new flows also write a reply entry (what
+    // every NAT flow did before `BACKEND_REVERSE`).
+    for (port, protocol, backend, ranges) in [
+        (80, Protocol::Tcp, (B2, 8080), None),
+        (53, Protocol::Udp, (B2, 5353), None),
+        (81, Protocol::Tcp, (B2, 8081), Some(ranges)),
+        (83, Protocol::Tcp, (B3, 8080), None),
+        (84, Protocol::Tcp, (B3, 8080), None),
     ] {
         dp.set_service(&ServiceSpec {
             vip: VIP.into(),
@@ -75,7 +81,7 @@ fn main() {
             client_affinity: false,
             least_loaded: false,
             backends: vec![BackendSpec {
-                addr: SocketAddr::new(B2.into(), bport),
+                addr: SocketAddr::new(backend.0.into(), backend.1),
                 weight: 1,
             }],
         })
@@ -181,6 +187,25 @@ fn main() {
                     VIP,
                     1024 + (i % 50_000) as u16,
                     80,
+                    tcp_flags::SYN,
+                    client,
+                )
+            }),
+            floor: false,
+            samples: vec![],
+        },
+        Case {
+            name: "TCP SYN, new flow, backend of two services",
+            katran: None,
+            ingress: cl0,
+            verdict: XDP_REDIRECT,
+            packet: Box::new(move |i| {
+                let src = Ipv4Addr::from(0x0a02_0000 + (i as u32 / 50_000));
+                tcp(
+                    src,
+                    VIP,
+                    1024 + (i % 50_000) as u16,
+                    83,
                     tcp_flags::SYN,
                     client,
                 )
