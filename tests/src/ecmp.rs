@@ -92,6 +92,8 @@ pub const BACKENDS: usize = 3;
 pub const ROUTER_ASN: u32 = 65000;
 pub const NODE_ASN: u32 = 65001;
 pub const CLIENT_IP: Ipv4Addr = Ipv4Addr::new(10, 100, 0, 2);
+/// The restart time of [`EcmpLab::start_graceful`]'s speakers.
+pub const GRACEFUL_RESTART_TIME: Duration = Duration::from_secs(30);
 /// The client's network; the backends route it over the three nodes.
 const CLIENT_NET: &str = "10.100.0.0/24";
 /// The router's address on the nodes' segment (their BGP neighbour).
@@ -268,6 +270,9 @@ pub struct Node {
     speaker: Option<Child>,
     agent_starts: usize,
     speaker_starts: usize,
+    /// The speaker runs with BGP graceful restart (see
+    /// [`EcmpLab::start_graceful`]).
+    graceful_restart: bool,
 }
 
 impl Node {
@@ -314,10 +319,15 @@ impl Node {
             Driver::GoBgp => format!(
                 "  gobgp:\n\
                  \x20   peers:\n\
-                 \x20     - {{ address: {peer}, asn: {asn}, hold_time: {hold}s }}\n",
+                 \x20     - {{ address: {peer}, asn: {asn}, hold_time: {hold}s{gr} }}\n",
                 peer = self.peer_ip,
                 asn = self.peer_asn,
-                hold = HOLD_TIME.as_secs()
+                hold = HOLD_TIME.as_secs(),
+                gr = if self.graceful_restart {
+                    format!(", graceful_restart: {}s", GRACEFUL_RESTART_TIME.as_secs())
+                } else {
+                    String::new()
+                }
             ),
             Driver::Bird => format!(
                 "  bird:\n\
@@ -350,9 +360,13 @@ impl Node {
             )
             .unwrap(),
             Driver::Bird => {
+                // Empty at first; a restarted BIRD finds what the agent wrote.
                 let base = self.bird_routes_file().display().to_string();
                 for f in ["4", "6"] {
-                    fs::write(format!("{base}{f}"), "").unwrap();
+                    let path = format!("{base}{f}");
+                    if !Path::new(&path).exists() {
+                        fs::write(path, "").unwrap();
+                    }
                 }
                 fs::write(
                     self.dir.join("bird.conf"),
@@ -380,10 +394,19 @@ protocol bgp upstream {{
   connect delay time 1;
   connect retry time 1;
   error wait time 1, 2;
+  {gr}
   ipv4 {{ import none; export where proto = "xlb_vips4"; }};
 }}
 "#,
                         log = self.dir.join("bird.log").display(),
+                        gr = if self.graceful_restart {
+                            format!(
+                                "graceful restart on; graceful restart time {};",
+                                GRACEFUL_RESTART_TIME.as_secs()
+                            )
+                        } else {
+                            String::new()
+                        }
                     ),
                 )
                 .unwrap();
@@ -451,34 +474,38 @@ protocol bgp upstream {{
             self.driver.daemon()
         );
         self.prepare_speaker();
+        let restarted = self.speaker_starts > 0;
         self.speaker_starts += 1;
         let log = self.speaker_log_path();
         let d = |f: &str| self.dir.join(f).display().to_string();
         let child = match self.driver {
             Driver::GoBgp => {
                 let api = format!("127.0.0.1:{GOBGP_API_PORT}");
-                spawn_in(
-                    &self.ns,
-                    &log,
-                    Path::new("gobgpd"),
-                    &[
-                        "-f",
-                        &d("gobgpd.toml"),
-                        "--api-hosts",
-                        &api,
-                        "--pprof-disable",
-                        "-p",
-                        "-l",
-                        "info",
-                    ],
-                )
+                let mut args = vec![
+                    "-f".to_string(),
+                    d("gobgpd.toml"),
+                    "--api-hosts".into(),
+                    api,
+                    "--pprof-disable".into(),
+                    "-p".into(),
+                    "-l".into(),
+                    "info".into(),
+                ];
+                if self.graceful_restart {
+                    // As the chart runs it: a start cannot tell a restart.
+                    args.push("-r".into());
+                }
+                let args: Vec<&str> = args.iter().map(String::as_str).collect();
+                spawn_in(&self.ns, &log, Path::new("gobgpd"), &args)
             }
-            Driver::Bird => spawn_in(
-                &self.ns,
-                &log,
-                Path::new("bird"),
-                &["-f", "-c", &d("bird.conf"), "-s", &d("bird.ctl")],
-            ),
+            Driver::Bird => {
+                let (conf, ctl) = (d("bird.conf"), d("bird.ctl"));
+                let mut args = vec!["-f", "-c", &conf, "-s", &ctl];
+                if self.graceful_restart && restarted {
+                    args.push("-R");
+                }
+                spawn_in(&self.ns, &log, Path::new("bird"), &args)
+            }
             Driver::ExaBgp => spawn_in(
                 &self.ns,
                 &log,
@@ -820,7 +847,7 @@ impl EcmpLab {
             Topology::Direct => None,
             Topology::RouteReflector => Some('r'),
         };
-        Self::start_lab(driver, topology, tag)
+        Self::start_lab(driver, topology, tag, false)
     }
 
     /// A lab with directly peered nodes whose names carry `tag` (a lowercase
@@ -828,10 +855,27 @@ impl EcmpLab {
     /// the same driver in one test process.
     pub fn start_tagged(driver: Driver, tag: char) -> Self {
         assert!(tag.is_ascii_lowercase() && tag != 'r', "tag {tag:?}");
-        Self::start_lab(driver, Topology::Direct, Some(tag))
+        Self::start_lab(driver, Topology::Direct, Some(tag), false)
     }
 
-    fn start_lab(driver: Driver, topology: Topology, tag: Option<char>) -> Self {
+    /// [`start_tagged`](Self::start_tagged), the nodes' speakers with BGP
+    /// graceful restart ([`GRACEFUL_RESTART_TIME`]): GoBGP's peer gets
+    /// `graceful_restart` in the agent's config and `gobgpd` always runs with
+    /// `-r`; BIRD has `graceful restart on` and runs with `-R` when
+    /// restarted. The router's BIRD is a helper by its default (`graceful
+    /// restart aware`).
+    pub fn start_graceful(driver: Driver, tag: char) -> Self {
+        assert!(tag.is_ascii_lowercase() && tag != 'r', "tag {tag:?}");
+        assert!(driver != Driver::ExaBgp, "graceful restart: GoBGP or BIRD");
+        Self::start_lab(driver, Topology::Direct, Some(tag), true)
+    }
+
+    fn start_lab(
+        driver: Driver,
+        topology: Topology,
+        tag: Option<char>,
+        graceful_restart: bool,
+    ) -> Self {
         sweep_stale();
         let tag = tag.map(String::from).unwrap_or_default();
         let prefix = format!("xe{}{tag}{}", std::process::id(), driver.tag());
@@ -959,6 +1003,7 @@ impl EcmpLab {
                 speaker: None,
                 agent_starts: 0,
                 speaker_starts: 0,
+                graceful_restart,
             });
         }
 

@@ -782,7 +782,11 @@ fn a_rolling_restart_loses_no_connection_in_nat_mode_with_gobgp() {
 /// Starts the agents of all three nodes with the service in `mode`, and
 /// opens 30 keep-alive connections that reach every node.
 fn lab_with_connections(driver: Driver, tag: char, mode: &str) -> (EcmpLab, Vec<HttpConn>) {
-    let mut lab = EcmpLab::start_tagged(driver, tag);
+    with_connections(EcmpLab::start_tagged(driver, tag), mode)
+}
+
+/// [`lab_with_connections`] on a lab already started.
+fn with_connections(mut lab: EcmpLab, mode: &str) -> (EcmpLab, Vec<HttpConn>) {
     for i in 1..=NODES {
         let c = lab.agent_config_in(i, 1, mode);
         lab.node(i).spawn_agent(&c);
@@ -937,5 +941,88 @@ fn node_leaves(driver: Driver) {
     assert!(
         exited_after < Duration::from_millis(1900),
         "the agent exited {exited_after:?} after SIGTERM with drain_time 1s"
+    );
+}
+
+/// A node's agent and speaker restarting together, as the chart's Pod
+/// does in a rollout (the speaker killed: a NOTIFICATION would end graceful
+/// restart), one node after another, in snat mode: with BGP graceful
+/// restart the router keeps the node's route while its speaker is down
+/// (the node's data plane forwards on its own meanwhile) and takes the
+/// restarted speaker's route in its place; no connection is reset and no
+/// new one fails.
+#[test]
+fn a_speaker_restart_keeps_routes_and_connections_with_gobgp() {
+    speaker_restart(Driver::GoBgp);
+}
+
+#[test]
+fn a_speaker_restart_keeps_routes_and_connections_with_bird() {
+    speaker_restart(Driver::Bird);
+}
+
+fn speaker_restart(driver: Driver) {
+    let (mut lab, mut conns) = with_connections(EcmpLab::start_graceful(driver, 'g'), "snat");
+    let stop = Arc::new(AtomicBool::new(false));
+    let fresh = new_connections(&lab, stop.clone());
+    for i in 1..=NODES {
+        lab.node(i).signal_agent(libc::SIGUSR2);
+        lab.node(i).wait_agent_exit(Duration::from_secs(5));
+        lab.node(i).kill_speaker();
+        wait_until(
+            &format!("node {i}'s session down"),
+            Duration::from_secs(10),
+            || {
+                (!lab
+                    .birdc(&["show", "protocols", &format!("n{i}")])
+                    .contains("Established"))
+                .then_some(())
+            },
+            || fib_state(&lab),
+        );
+        assert_eq!(
+            lab.router_next_hops(),
+            EcmpLab::hops(&[1, 2, 3]),
+            "node {i}'s speaker is down: the router must keep its route\n{}",
+            fib_state(&lab)
+        );
+        for (k, c) in conns.iter_mut().enumerate() {
+            c.get()
+                .unwrap_or_else(|e| panic!("connection {k} while node {i}'s speaker is down: {e}"));
+        }
+        lab.node(i).start_speaker();
+        let config = lab.agent_config_in(i, 1, "snat");
+        lab.node(i).start_agent(&config);
+        // Graceful restart ends with the restarted speaker's End-of-RIB:
+        // the router then drops what it kept and was not announced again.
+        let protocol = format!("n{i}");
+        wait_until(
+            &format!("node {i}'s graceful restart over"),
+            Duration::from_secs(20),
+            || {
+                let p = lab.birdc(&["show", "protocols", "all", &protocol]);
+                (p.contains("Established") && !p.contains("Restart timer")).then_some(())
+            },
+            || fib_state(&lab),
+        );
+        assert_eq!(
+            lab.router_next_hops(),
+            EcmpLab::hops(&[1, 2, 3]),
+            "node {i} restarted: its route must be there\n{}",
+            fib_state(&lab)
+        );
+        for (k, c) in conns.iter_mut().enumerate() {
+            c.get()
+                .unwrap_or_else(|e| panic!("connection {k} after node {i} restarted: {e}"));
+        }
+    }
+    stop.store(true, Ordering::Relaxed);
+    let (ok, failed) = fresh.join().expect("new connections");
+    assert!(
+        failed.is_empty(),
+        "{} of {} new connections failed while the speakers restarted: {:?}",
+        failed.len(),
+        ok as usize + failed.len(),
+        &failed[..failed.len().min(5)]
     );
 }

@@ -177,6 +177,11 @@ pub struct PeerConfig {
     /// the neighbor address. List both to carry IPv6 VIPs over an IPv4
     /// session (or the reverse).
     pub families: Vec<AddressFamily>,
+    /// BGP graceful restart (RFC 4724) with this restart time: when
+    /// `gobgpd` dies without a NOTIFICATION (SIGKILL; not SIGTERM) the peer
+    /// keeps this node's routes for that long, and a `gobgpd` restarted
+    /// with `-r` takes them over. `None`: off.
+    pub graceful_restart: Option<Duration>,
 }
 
 impl PeerConfig {
@@ -191,6 +196,7 @@ impl PeerConfig {
             multihop_ttl: None,
             connect_retry: None,
             families: Vec::new(),
+            graceful_restart: None,
         }
     }
 }
@@ -470,7 +476,6 @@ impl Announcer for GoBgpAnnouncer {
         desired: &'a BTreeSet<Route>,
     ) -> BoxFuture<'a, AnnounceResult<(usize, usize)>> {
         Box::pin(async move {
-            self.ensure_peers().await?;
             let desired = desired_by_vip(desired, self.config.ownership);
             let current = self.list_owned().await?;
             let mut added = 0;
@@ -488,6 +493,10 @@ impl Announcer for GoBgpAnnouncer {
                     withdrawn += 1;
                 }
             }
+            // Peers last: a restarted gobgpd then opens its sessions with
+            // every path in place, and its first End-of-RIB ends the peers'
+            // graceful restart without a withdrawal.
+            self.ensure_peers().await?;
             Ok((added, withdrawn))
         })
     }
@@ -654,6 +663,11 @@ fn is_local(path: &apipb::Path) -> bool {
 
 fn peer_to_api(p: &PeerConfig) -> apipb::Peer {
     let secs = |d: Option<Duration>| d.map_or(0, |d| d.as_secs());
+    // Graceful restart needs the families listed (it is per family).
+    let families = match (&p.families[..], p.graceful_restart) {
+        ([], Some(_)) => vec![AddressFamily::of(&p.address)],
+        _ => p.families.clone(),
+    };
     let timers = (p.hold_time.is_some() || p.keepalive.is_some() || p.connect_retry.is_some())
         .then(|| apipb::Timers {
             config: Some(apipb::TimersConfig {
@@ -676,10 +690,25 @@ fn peer_to_api(p: &PeerConfig) -> apipb::Peer {
             multihop_ttl: u32::from(ttl),
         }),
         timers,
-        afi_safis: p
-            .families
+        graceful_restart: p.graceful_restart.map(|t| apipb::GracefulRestart {
+            enabled: true,
+            restart_time: t.as_secs() as u32,
+            helper_only: false,
+            // A neighbour is added to a gobgpd that has none: it started
+            // or restarted, and cannot tell which. Either way the node's
+            // data plane kept forwarding (it outlives the agent and the
+            // speaker), so the peer may keep what it learned from us until
+            // our End-of-RIB; after a first start it has nothing to keep.
+            local_restarting: true,
+            deferral_time: 1,
+        }),
+        afi_safis: families
             .iter()
             .map(|f| apipb::AfiSafi {
+                // Graceful restart is negotiated per family.
+                mp_graceful_restart: p.graceful_restart.map(|_| apipb::MpGracefulRestart {
+                    config: Some(apipb::MpGracefulRestartConfig { enabled: true }),
+                }),
                 config: Some(apipb::AfiSafiConfig {
                     family: Some(f.to_api()),
                     enabled: true,
@@ -745,6 +774,27 @@ mod tests {
             (t.connect_retry, t.hold_time, t.keepalive_interval),
             (5, 3, 0)
         );
+    }
+
+    #[test]
+    fn graceful_restart_reaches_gobgp_per_family() {
+        let mut p = PeerConfig::new("10.0.0.254".parse().unwrap(), 65000);
+        let api = peer_to_api(&p);
+        assert!(api.graceful_restart.is_none() && api.afi_safis.is_empty());
+        p.graceful_restart = Some(Duration::from_secs(30));
+        let api = peer_to_api(&p);
+        let gr = api.graceful_restart.unwrap();
+        assert!(gr.enabled && gr.local_restarting);
+        assert_eq!(gr.restart_time, 30);
+        // Negotiated per family: the neighbour's own when none is listed.
+        assert_eq!(api.afi_safis.len(), 1);
+        assert!(api.afi_safis[0]
+            .mp_graceful_restart
+            .as_ref()
+            .and_then(|m| m.config.as_ref())
+            .is_some_and(|c| c.enabled));
+        p.families = vec![AddressFamily::Ipv4Unicast, AddressFamily::Ipv6Unicast];
+        assert_eq!(peer_to_api(&p).afi_safis.len(), 2);
     }
 
     fn route(vip: &str, nh: &str, communities: Vec<(u16, u16)>, lp: Option<u32>) -> Route {

@@ -166,6 +166,7 @@ pub fn from_config(bgp: &crate::config::BgpConfig) -> Result<Box<dyn Announcer>,
                         gobgp::AddressFamily::Ipv4Unicast,
                         gobgp::AddressFamily::Ipv6Unicast,
                     ],
+                    graceful_restart: p.graceful_restart,
                 })
                 .collect();
             let config = gobgp::GoBgpConfig {

@@ -129,6 +129,8 @@ pub struct BgpPeer {
     pub keepalive: Duration,
     pub password: Option<String>,
     pub multihop_ttl: Option<u8>,
+    /// BGP graceful restart's restart time; `None`: off.
+    pub graceful_restart: Option<Duration>,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

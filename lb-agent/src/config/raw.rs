@@ -84,6 +84,7 @@ pub(super) struct RawPeer {
     pub(super) keepalive: Option<String>,
     pub(super) password: Option<String>,
     pub(super) multihop_ttl: Option<u8>,
+    pub(super) graceful_restart: Option<String>,
 }
 
 #[derive(Deserialize)]

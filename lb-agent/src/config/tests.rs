@@ -1113,7 +1113,7 @@ fn kubernetes_section_parses_and_checks() {
 #[test]
 fn bgp_section_parses_and_checks() {
     let text = format!(
-            "{BASE}bgp:\n  driver: gobgp\n  next_hop_ipv4: 10.0.0.1\n  communities: [\"65000:100\"]\n  local_pref: 200\n  drain_time: 2s\n  gobgp:\n    peers:\n      - {{ address: 10.0.0.254, asn: 65000, hold_time: 6s }}\n"
+            "{BASE}bgp:\n  driver: gobgp\n  next_hop_ipv4: 10.0.0.1\n  communities: [\"65000:100\"]\n  local_pref: 200\n  drain_time: 2s\n  gobgp:\n    peers:\n      - {{ address: 10.0.0.254, asn: 65000, hold_time: 6s, graceful_restart: 30s }}\n"
         );
     let c = AgentConfig::parse(&text).unwrap();
     let b = c.bgp.unwrap();
@@ -1127,9 +1127,17 @@ fn bgp_section_parses_and_checks() {
             assert_eq!(peers.len(), 1);
             assert_eq!(peers[0].hold_time, Duration::from_secs(6));
             assert_eq!(peers[0].keepalive, Duration::from_secs(2));
+            assert_eq!(peers[0].graceful_restart, Some(Duration::from_secs(30)));
         }
         other => panic!("{other:?}"),
     }
+    // The capability has 12 bits for the restart time.
+    let bad = text.replace("graceful_restart: 30s", "graceful_restart: 2h");
+    let e = AgentConfig::parse(&bad).unwrap_err().to_string();
+    assert!(
+        e.contains("bgp.gobgp.peers[0].graceful_restart") && e.contains("4095s"),
+        "{e}"
+    );
     let bad = format!("{BASE}bgp:\n  driver: gobgp\n  communities: [\"65000:x\"]\n");
     let e = AgentConfig::parse(&bad).unwrap_err().to_string();
     assert!(

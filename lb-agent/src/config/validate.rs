@@ -447,6 +447,20 @@ impl Validator<'_> {
                     "hold_time must be at least 3s and not below keepalive",
                 ));
             }
+            let graceful_restart = match &p.graceful_restart {
+                None => None,
+                Some(s) => {
+                    let t = self.duration(s, || pp().key("graceful_restart"))?;
+                    // The capability carries the restart time in 12 bits.
+                    if t < Duration::from_secs(1) || t > Duration::from_secs(4095) {
+                        return Err(self.err(
+                            pp().key("graceful_restart"),
+                            "graceful_restart (the restart time) must be 1s to 4095s",
+                        ));
+                    }
+                    Some(t)
+                }
+            };
             peers.push(BgpPeer {
                 address: self.ip(&p.address, || pp().key("address"))?,
                 asn: p.asn,
@@ -454,6 +468,7 @@ impl Validator<'_> {
                 keepalive,
                 password: p.password,
                 multihop_ttl: p.multihop_ttl,
+                graceful_restart,
             });
         }
         Ok(peers)
