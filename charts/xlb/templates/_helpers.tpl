@@ -85,6 +85,7 @@ The agent's configuration file: .Values.config plus what the release decides
 {{- with .holdTime }}{{ $_ := set $peer "hold_time" . }}{{ end -}}
 {{- with .keepalive }}{{ $_ := set $peer "keepalive" . }}{{ end -}}
 {{- with .multihopTtl }}{{ $_ := set $peer "multihop_ttl" . }}{{ end -}}
+{{- with $.Values.bgpSpeaker.gracefulRestart }}{{ $_ := set $peer "graceful_restart" . }}{{ end -}}
 {{- $peers = append $peers $peer -}}
 {{- end -}}
 {{- $_ := set $bgp "driver" "gobgp" -}}
