@@ -77,6 +77,8 @@ pub struct Agent {
     shadowed: BTreeSet<(IpAddr, u16, Protocol)>,
     /// How each VIP is announced (its services' `announce`, together).
     announce_by_vip: BTreeMap<IpAddr, Announce>,
+    /// Whether the Node is being taken out, as last logged (Kubernetes).
+    node_leaving: bool,
 }
 
 #[derive(Default)]
@@ -185,6 +187,7 @@ impl Agent {
             allocator: None,
             shadowed: BTreeSet::new(),
             announce_by_vip: BTreeMap::new(),
+            node_leaving: false,
         };
         let mut kube_client = None;
         if let Some(kcfg) = agent.config.kubernetes.clone() {
@@ -295,6 +298,7 @@ impl Agent {
                     if let Err(e) = self.reconcile() {
                         error!("applying a change from Kubernetes: {e:#}");
                     }
+                    self.log_node_leaving();
                 }
                 changed = self.health_rx.changed() => {
                     if changed.is_ok() {
@@ -348,6 +352,23 @@ impl Agent {
         tokio::join!(step_down, withdraw_and_drain, hand_over);
         info!("exiting; the XDP program stays attached and keeps forwarding (lb-agent --cleanup detaches it)");
         Ok(())
+    }
+
+    /// Says when the Node starts or stops being taken out: what a SIGTERM
+    /// will then do.
+    fn log_node_leaving(&mut self) {
+        let leaving = match &self.k8s {
+            Some(rx) => rx.borrow().as_ref().is_some_and(|d| d.leaving),
+            None => return,
+        };
+        if leaving != self.node_leaving {
+            self.node_leaving = leaving;
+            if leaving {
+                info!("this node is being taken out (cordoned, deleted or tainted to go): a SIGTERM withdraws its routes and drains");
+            } else {
+                info!("this node is in service: a SIGTERM is a restart and keeps its routes");
+            }
+        }
     }
 
     /// Whether a SIGTERM takes this node out (withdraw, drain) or is a

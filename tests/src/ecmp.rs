@@ -1149,6 +1149,22 @@ impl EcmpLab {
     /// Waits until the sessions of `nodes` are established: with the router
     /// (`birdc show protocols nI`), or with the route reflector (`gobgp
     /// neighbor`, where a dynamic neighbour appears once connected).
+    /// Waits until the router's session with node `i` is established and
+    /// its graceful restart is over (BIRD shows no restart timer: the
+    /// node's End-of-RIB came, and what it did not announce again is gone).
+    pub fn wait_graceful_restart_over(&self, i: usize, timeout: Duration) {
+        let protocol = format!("n{i}");
+        poll_until(timeout, Duration::from_millis(20), || {
+            let p = self.birdc(&["show", "protocols", "all", &protocol]);
+            if p.contains("Established") && !p.contains("Restart timer") {
+                Ok(())
+            } else {
+                Err(p)
+            }
+        })
+        .unwrap_or_else(|p| panic!("node {i}: graceful restart not over in {timeout:?}: {p}"));
+    }
+
     pub fn wait_sessions(&self, nodes: &[usize], timeout: Duration) {
         // One deadline for all nodes: each waits only for what is left.
         let deadline = Instant::now() + timeout;

@@ -995,16 +995,7 @@ fn speaker_restart(driver: Driver) {
         lab.node(i).start_agent(&config);
         // Graceful restart ends with the restarted speaker's End-of-RIB:
         // the router then drops what it kept and was not announced again.
-        let protocol = format!("n{i}");
-        wait_until(
-            &format!("node {i}'s graceful restart over"),
-            Duration::from_secs(20),
-            || {
-                let p = lab.birdc(&["show", "protocols", "all", &protocol]);
-                (p.contains("Established") && !p.contains("Restart timer")).then_some(())
-            },
-            || fib_state(&lab),
-        );
+        lab.wait_graceful_restart_over(i, Duration::from_secs(20));
         assert_eq!(
             lab.router_next_hops(),
             EcmpLab::hops(&[1, 2, 3]),

@@ -238,7 +238,7 @@ fn vips_are_announced_only_while_this_node_can_serve_them() {
          \x20   address: http://127.0.0.1:{GOBGP_PORT}\n",
         resync = RESYNC.as_millis(),
     ));
-    let _agent = k.t.start_agent(&config);
+    let mut agent = k.t.start_agent(&config);
     let t = &k.t;
 
     // 1. The Cluster Service is announced: the agent talks to gobgpd. The
@@ -311,6 +311,37 @@ fn vips_are_announced_only_while_this_node_can_serve_them() {
     );
     set_announce(&k, CLUSTER_SVC, "arp");
     stays_announced(t, "an unknown announce value", &[CLUSTER_VIP, LOCAL_VIP]);
+
+    // 7. A rollout SIGTERMs the agent of a node that stays in service: a
+    //    restart, which leaves the routes to the next agent. Once the node
+    //    is cordoned, a SIGTERM means leaving: the routes are withdrawn.
+    //    (The annotation first gets a good value again: an agent that
+    //    starts has no last good state to keep for a bad one.)
+    set_announce(&k, CLUSTER_SVC, "bgp");
+    let both = [CLUSTER_VIP, LOCAL_VIP];
+    let status = agent.sigterm_and_wait();
+    assert!(status.success(), "{status}\n{}", agent.log());
+    assert!(
+        agent.log().contains("restarting, not leaving"),
+        "{}",
+        agent.log()
+    );
+    stays_announced(t, "after a rollout's SIGTERM", &both);
+    drop(agent);
+    let mut agent = k.t.start_agent(&config);
+    let t = &k.t;
+    wait_announced(t, "the next agent", &both);
+    k.cluster.patch(
+        "node",
+        None,
+        NODE,
+        &json!({"spec": {"unschedulable": true}}),
+        false,
+    );
+    agent.wait_for_log("this node is being taken out", 1, CHANGE_TIMEOUT);
+    let status = agent.sigterm_and_wait();
+    assert!(status.success(), "{status}\n{}", agent.log());
+    wait_announced(t, "after SIGTERM on a cordoned node", &[]);
 }
 
 fn set_announce(k: &K8sTopology, service: &str, how: &str) {

@@ -12,11 +12,12 @@ use crate::{
 /// time), the forwarding rate (`xlb-forwarding-bench`), the Kubernetes,
 /// locality and BGP convergence benchmarks. Arguments go to both (`xlb-bench` takes none and ignores them);
 /// `--e2e-only` / `--per-packet-only` run just one of them;
-/// `load-aware [ARGS]` and `l2 [ARGS]` run only that benchmark.
+/// `load-aware [ARGS]`, `l2 [ARGS]` and `rollout [ARGS]` run only that benchmark.
 pub fn run(args: &[String]) -> Result<()> {
     let only = [
         ("load-aware", "xlb-load-aware-bench"),
         ("l2", "xlb-l2-bench"),
+        ("rollout", "xlb-rollout-bench"),
     ];
     if let Some((_, bin)) = only
         .iter()
@@ -55,7 +56,9 @@ pub fn run(args: &[String]) -> Result<()> {
     // L2 mode: how long traffic stops when a VIP's owner goes away.
     run_bench("xlb-l2-bench", &[])?;
     // BGP convergence in the ECMP lab (defaults only).
-    run_bench("xlb-convergence-bench", &[])
+    run_bench("xlb-convergence-bench", &[])?;
+    // Connections lost when a node restarts, leaves or joins.
+    run_bench("xlb-rollout-bench", &[])
 }
 
 /// `cargo run --release -p xlb-bench --bin BIN -- ARGS`.

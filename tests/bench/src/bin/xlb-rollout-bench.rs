@@ -1,0 +1,297 @@
+//! `cargo xtask bench` (and `cargo xtask bench rollout`): established
+//! connections lost when a node of the ECMP lab (`xlb_tests::ecmp`: a BIRD
+//! router spreading the VIP over three nodes, three nginx backends) is
+//! rolled, leaves, or joins. One fresh lab per speaker (GoBGP, BIRD) and
+//! mode (nat, snat), with BGP graceful restart on the nodes' speakers
+//! (`EcmpLab::start_graceful`).
+//!
+//! The client holds 30 keep-alive connections to the VIP, spread over the
+//! nodes, and opens new ones one after another all along. Each round takes
+//! every node in turn through three events:
+//!
+//! * restart: its agent restarts (SIGUSR2) and its speaker is killed, as a
+//!   rollout of the chart's Pod does; both start again, and the event ends
+//!   when the router's graceful restart with the node is over;
+//! * leave: its agent is told to leave (SIGTERM: withdraw, drain 1 s, exit);
+//!   ends when the router's FIB has the other two nodes only;
+//! * join: its agent starts again; ends when the FIB has all three.
+//!
+//! After each event every keep-alive connection makes one request; one that
+//! fails is counted lost (and replaced). New connections that failed during
+//! the event are counted too. Prints a table per lab and the line
+//! `rollout: LAB restart lost X/N, leave lost Y/N, join lost Z/N; new failed W/M`
+//! per lab (N: connections checked, M: new connections made).
+
+use std::{
+    collections::BTreeMap,
+    net::SocketAddr,
+    process::ExitCode,
+    sync::{
+        atomic::{AtomicBool, AtomicU64, Ordering},
+        Arc,
+    },
+    time::Duration,
+};
+
+use xlb_bench::support::{install_sigint_flag, interrupted};
+use xlb_tests::{
+    ecmp::{request_from, Driver, EcmpLab, NODES, VIP},
+    topology::{in_netns, HttpConn},
+    traffic::poll_until,
+};
+
+const USAGE: &str = "xlb-rollout-bench [options]
+  --labs LIST   comma-separated (default: gobgp-nat,gobgp-snat,bird-nat,bird-snat)
+  --rounds N    rounds over the three nodes (2)
+  --conns N     keep-alive connections (30)";
+
+const EVENTS: [&str; 3] = ["restart", "leave", "join"];
+
+struct Opts {
+    labs: Vec<(Driver, &'static str)>,
+    rounds: usize,
+    conns: usize,
+}
+
+fn parse_args() -> Result<Opts, String> {
+    let mut o = Opts {
+        labs: vec![
+            (Driver::GoBgp, "nat"),
+            (Driver::GoBgp, "snat"),
+            (Driver::Bird, "nat"),
+            (Driver::Bird, "snat"),
+        ],
+        rounds: 2,
+        conns: 30,
+    };
+    let mut args = std::env::args().skip(1);
+    while let Some(a) = args.next() {
+        let mut value = || args.next().ok_or(format!("{a} needs a value\n{USAGE}"));
+        match a.as_str() {
+            "--labs" => {
+                o.labs = value()?
+                    .split(',')
+                    .map(|l| match l {
+                        "gobgp-nat" => Ok((Driver::GoBgp, "nat")),
+                        "gobgp-snat" => Ok((Driver::GoBgp, "snat")),
+                        "bird-nat" => Ok((Driver::Bird, "nat")),
+                        "bird-snat" => Ok((Driver::Bird, "snat")),
+                        other => Err(format!("unknown lab {other:?}\n{USAGE}")),
+                    })
+                    .collect::<Result<_, _>>()?
+            }
+            "--rounds" => o.rounds = value()?.parse().map_err(|e| format!("--rounds: {e}"))?,
+            "--conns" => o.conns = value()?.parse().map_err(|e| format!("--conns: {e}"))?,
+            "-h" | "--help" => return Err(USAGE.into()),
+            other => return Err(format!("unknown argument {other:?}\n{USAGE}")),
+        }
+    }
+    Ok(o)
+}
+
+/// Per event kind: (events, connections checked, lost, new made, new failed).
+type Tally = BTreeMap<&'static str, [u64; 5]>;
+
+/// The client's stream of new connections, counted.
+struct NewConnections {
+    ok: Arc<AtomicU64>,
+    failed: Arc<AtomicU64>,
+    stop: Arc<AtomicBool>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl NewConnections {
+    fn start(lab: &EcmpLab) -> Self {
+        let (ok, failed, stop) = (
+            Arc::new(AtomicU64::new(0)),
+            Arc::new(AtomicU64::new(0)),
+            Arc::new(AtomicBool::new(false)),
+        );
+        let (o, f, s) = (ok.clone(), failed.clone(), stop.clone());
+        let thread = in_netns(&lab.client, move || {
+            // Below the ephemeral range the keep-alive connections use.
+            let mut port = 10000u16;
+            while !s.load(Ordering::Relaxed) {
+                match request_from(port) {
+                    Ok(_) => o.fetch_add(1, Ordering::Relaxed),
+                    Err(_) => f.fetch_add(1, Ordering::Relaxed),
+                };
+                port = if port == 30000 { 10000 } else { port + 1 };
+            }
+        });
+        Self {
+            ok,
+            failed,
+            stop,
+            thread: Some(thread),
+        }
+    }
+
+    fn counts(&self) -> (u64, u64) {
+        (
+            self.ok.load(Ordering::Relaxed),
+            self.failed.load(Ordering::Relaxed),
+        )
+    }
+}
+
+impl Drop for NewConnections {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+fn wait_hops(lab: &EcmpLab, nodes: &[usize]) -> Result<(), String> {
+    let want = EcmpLab::hops(nodes);
+    poll_until(Duration::from_secs(30), Duration::from_millis(20), || {
+        if lab.router_next_hops() == want {
+            Ok(())
+        } else {
+            Err(lab.router_route())
+        }
+    })
+    .map_err(|fib| format!("router FIB is {fib:?}, want next hops {want:?}"))
+}
+
+/// Makes one request on every connection; replaces the ones that fail.
+/// Returns how many failed.
+fn check(lab: &EcmpLab, conns: &mut [HttpConn]) -> Result<u64, String> {
+    let vip = SocketAddr::from((VIP, 80));
+    let mut lost = 0;
+    for c in conns.iter_mut() {
+        if c.get().is_err() {
+            lost += 1;
+            *c = HttpConn::connect_in(&lab.client, vip).map_err(|e| format!("reconnect: {e}"))?;
+            c.get().map_err(|e| format!("first request: {e}"))?;
+        }
+    }
+    Ok(lost)
+}
+
+/// Runs one event on node `i`.
+fn event(lab: &mut EcmpLab, kind: &str, i: usize, mode: &str) -> Result<(), String> {
+    let all: Vec<usize> = (1..=NODES).collect();
+    match kind {
+        "restart" => {
+            lab.node(i).signal_agent(libc::SIGUSR2);
+            lab.node(i).wait_agent_exit(Duration::from_secs(5));
+            lab.node(i).kill_speaker();
+            lab.node(i).start_speaker();
+            let c = lab.agent_config_in(i, 1, mode);
+            lab.node(i).start_agent(&c);
+            lab.wait_graceful_restart_over(i, Duration::from_secs(30));
+            wait_hops(lab, &all)
+        }
+        "leave" => {
+            lab.node(i).sigterm_agent();
+            let others: Vec<usize> = all.iter().copied().filter(|&n| n != i).collect();
+            wait_hops(lab, &others)?;
+            let st = lab.node(i).wait_agent_exit(Duration::from_secs(10));
+            st.success()
+                .then_some(())
+                .ok_or(format!("node {i}'s agent exited with {st}"))
+        }
+        _ => {
+            let c = lab.agent_config_in(i, 1, mode);
+            lab.node(i).start_agent(&c);
+            wait_hops(lab, &all)
+        }
+    }
+}
+
+fn run_lab(o: &Opts, driver: Driver, mode: &str) -> Result<Tally, String> {
+    let mut lab = EcmpLab::start_graceful(driver, if mode == "nat" { 'n' } else { 's' });
+    for i in 1..=NODES {
+        let c = lab.agent_config_in(i, 1, mode);
+        lab.node(i).spawn_agent(&c);
+    }
+    for i in 1..=NODES {
+        lab.node(i).wait_agent_ready();
+    }
+    wait_hops(&lab, &[1, 2, 3])?;
+    let vip = SocketAddr::from((VIP, 80));
+    let mut conns = (0..o.conns)
+        .map(|_| HttpConn::connect_in(&lab.client, vip))
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|e| format!("keep-alive connection: {e}"))?;
+    check(&lab, &mut conns)?;
+    let fresh = NewConnections::start(&lab);
+    let mut tally = Tally::new();
+    for round in 1..=o.rounds {
+        for i in 1..=NODES {
+            for kind in EVENTS {
+                if interrupted() {
+                    return Err("interrupted (Ctrl-C)".into());
+                }
+                let (ok0, failed0) = fresh.counts();
+                event(&mut lab, kind, i, mode)?;
+                let lost = check(&lab, &mut conns)?;
+                let (ok1, failed1) = fresh.counts();
+                let t = tally.entry(kind).or_default();
+                t[0] += 1;
+                t[1] += o.conns as u64;
+                t[2] += lost;
+                t[3] += (ok1 - ok0) + (failed1 - failed0);
+                t[4] += failed1 - failed0;
+                eprintln!(
+                    "{} {mode} round {round}: node {i} {kind}: {lost} of {} connections lost, {} new failed",
+                    driver.name(),
+                    o.conns,
+                    failed1 - failed0
+                );
+            }
+        }
+    }
+    Ok(tally)
+}
+
+fn main() -> ExitCode {
+    let o = match parse_args() {
+        Ok(o) => o,
+        Err(e) => {
+            eprintln!("{e}");
+            return ExitCode::from(2);
+        }
+    };
+    install_sigint_flag();
+    let mut lines = Vec::new();
+    println!(
+        "Connections lost per event, ECMP lab, graceful restart on, {} keep-alive connections, {} rounds over {NODES} nodes",
+        o.conns, o.rounds
+    );
+    for &(driver, mode) in &o.labs {
+        let lab = format!("{}-{mode}", driver.name());
+        let tally = match run_lab(&o, driver, mode) {
+            Ok(t) => t,
+            Err(e) => {
+                eprintln!("xlb-rollout-bench: {lab}: {e}");
+                return ExitCode::FAILURE;
+            }
+        };
+        println!();
+        println!("{lab}:");
+        println!();
+        println!("| event | events | connections checked | lost | new connections | new failed |");
+        println!("|---|---:|---:|---:|---:|---:|");
+        let mut summary = Vec::new();
+        for kind in EVENTS {
+            let [n, checked, lost, made, failed] = tally.get(kind).copied().unwrap_or_default();
+            println!("| {kind} | {n} | {checked} | {lost} | {made} | {failed} |");
+            summary.push(format!("{kind} lost {lost}/{checked}"));
+        }
+        let made: u64 = tally.values().map(|t| t[3]).sum();
+        let failed: u64 = tally.values().map(|t| t[4]).sum();
+        lines.push(format!(
+            "rollout: {lab} {}; new failed {failed}/{made}",
+            summary.join(", ")
+        ));
+    }
+    println!();
+    for l in lines {
+        println!("{l}");
+    }
+    ExitCode::SUCCESS
+}
