@@ -50,6 +50,8 @@ pub struct DesiredService {
     pub balance: Balance,
     /// Which of this node's ways of telling the network announce the VIP.
     pub announce: Announce,
+    /// New flows a second per source prefix; `None`: unlimited.
+    pub new_flow_limit: Option<crate::dataplane::NewFlowLimit>,
 }
 
 /// `announce:` / the `xlb.dev/announce` annotation: whether the VIP is

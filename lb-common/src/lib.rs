@@ -94,7 +94,9 @@ pub mod map_names {
     pub const L2_VIPS: &str = "L2_VIPS";
     pub const L2_IFACES: &str = "L2_IFACES";
     pub const BACKEND_REVERSE: &str = "BACKEND_REVERSE";
-    pub const ALL: [&str; 19] = [
+    pub const FLOW_LIMITS: &str = "FLOW_LIMITS";
+    pub const SOURCE_RATES: &str = "SOURCE_RATES";
+    pub const ALL: [&str; 21] = [
         SERVICES,
         BACKENDS,
         MAGLEV,
@@ -114,6 +116,8 @@ pub mod map_names {
         L2_VIPS,
         L2_IFACES,
         BACKEND_REVERSE,
+        FLOW_LIMITS,
+        SOURCE_RATES,
     ];
 }
 
@@ -143,6 +147,39 @@ pub const SERVICE_F_SOURCE_RANGES: u32 = 4;
 /// open flows in `BACKEND_ACTIVE` (load-aware services): least connections
 /// by two choices, decided per connection.
 pub const SERVICE_F_LEAST_LOADED: u32 = 8;
+/// `ServiceInfo::flags`: new flows are limited per source prefix by the
+/// service's `FLOW_LIMITS` entry.
+pub const SERVICE_F_FLOW_LIMIT: u32 = 16;
+
+/// Value of `FLOW_LIMITS`, indexed by service id: new flows from one
+/// source prefix may come every `period_ns` on average, and run up to
+/// `burst_ns` ahead of that schedule (GCRA: `(burst - 1) * period`).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct FlowLimit {
+    pub period_ns: u64,
+    pub burst_ns: u64,
+    /// What the agent was asked for (the two above come from them).
+    pub per_second: u32,
+    pub burst: u32,
+    /// Source prefix lengths the limit applies per.
+    pub prefix_v4: u8,
+    pub prefix_v6: u8,
+    pub _pad: [u8; 6],
+}
+
+/// Key of `SOURCE_RATES`: a service and a client prefix (address masked).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct SourceKey {
+    pub addr: [u32; 4],
+    pub service_id: u32,
+    pub family: u8,
+    pub _pad: [u8; 3],
+}
+
+/// `SOURCE_RATES`: prefixes whose new-flow schedule is remembered (LRU).
+pub const SOURCE_RATES_ENTRIES: u32 = 1 << 16;
 
 /// Value of `SERVICES`. Written by the agent as one whole value, so the data
 /// path sees either the old or the new table, never a mix.
@@ -493,9 +530,11 @@ pub enum Reason {
     ArpReply = 18,
     /// An IPv6 Neighbor Solicitation for a VIP this node owns, answered (XDP_TX).
     NdpAdvert = 19,
+    /// A new flow beyond its service's `new_flow_limit` for its source prefix.
+    DropFlowLimit = 20,
 }
 
-pub const REASON_COUNT: u32 = 20;
+pub const REASON_COUNT: u32 = 21;
 
 impl Reason {
     pub const ALL: [Reason; REASON_COUNT as usize] = [
@@ -519,6 +558,7 @@ impl Reason {
         Reason::DropSourceRange,
         Reason::ArpReply,
         Reason::NdpAdvert,
+        Reason::DropFlowLimit,
     ];
 
     /// Stable snake_case name, used in metrics and lbctl.
@@ -544,6 +584,7 @@ impl Reason {
             Reason::DropSourceRange => "drop_source_range",
             Reason::ArpReply => "arp_reply",
             Reason::NdpAdvert => "ndp_advert",
+            Reason::DropFlowLimit => "drop_flow_limit",
         }
     }
 }
@@ -593,6 +634,8 @@ mod pod {
     unsafe impl aya::Pod for L2Iface {}
     unsafe impl aya::Pod for ReverseKey {}
     unsafe impl aya::Pod for ReverseNat {}
+    unsafe impl aya::Pod for FlowLimit {}
+    unsafe impl aya::Pod for SourceKey {}
 }
 
 // Layouts are part of the pinned-map ABI: a change here needs a new map name.

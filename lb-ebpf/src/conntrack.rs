@@ -5,9 +5,9 @@
 use aya_ebpf::{bindings::BPF_NOEXIST, helpers::bpf_ktime_get_coarse_ns};
 use lb_common::{
     hash::{flow_hash, maglev_hash, second_choice, snat_port_candidate},
-    Backend, Config, FibCache, Flow, FlowKey, Reason, ReplyNat, ReverseKey, ServiceInfo,
+    Backend, Config, FibCache, Flow, FlowKey, Reason, ReplyNat, ReverseKey, ServiceInfo, SourceKey,
     FLOW_EVENT_REPICKED, FLOW_F_CLOSED, FLOW_F_COUNTED, PROTO_TCP, REPLY_F_CLOSING,
-    SERVICE_F_LEAST_LOADED, SERVICE_F_SNAT, SNAT_PROBES,
+    SERVICE_F_FLOW_LIMIT, SERVICE_F_LEAST_LOADED, SERVICE_F_SNAT, SNAT_PROBES,
 };
 
 use aya_ebpf::programs::XdpContext;
@@ -191,6 +191,7 @@ pub struct Scratch {
     pub reply: ReplyNat,
     pub flow: Flow,
     pub reverse_key: ReverseKey,
+    pub source_key: SourceKey,
 }
 
 /// Points `s.target` at a remembered flow's backend.
@@ -266,6 +267,9 @@ pub fn lookup_or_create(svc: &ServiceInfo, closing: bool, syn: bool, s: &mut Scr
             // this node's view of it. Maglev picks again.
             crate::stats::count_flow_event(FLOW_EVENT_REPICKED);
         }
+    }
+    if svc.flags & SERVICE_F_FLOW_LIMIT != 0 && !crate::limit::admit(svc, s) {
+        return Reason::DropFlowLimit as u32;
     }
     create(svc, closing, s)
 }

@@ -16,6 +16,7 @@ mod csum;
 mod forward;
 mod icmp;
 mod l2;
+mod limit;
 mod maps;
 mod nat;
 mod parse;

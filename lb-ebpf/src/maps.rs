@@ -7,10 +7,11 @@ use aya_ebpf::{
     macros::btf_map,
 };
 use lb_common::{
-    BackendEntry, BackendLoad, Config, Flow, FlowKey, L2Iface, L2Vip, L2VipKey, RangeKey, ReplyNat,
-    ReverseKey, ReverseNat, ServiceInfo, ServiceKey, TrafficStats, FLOW_EVENT_COUNT,
-    MAGLEV_POOL_ENTRIES, MAX_BACKENDS, MAX_L2_IFACES, MAX_L2_VIPS, MAX_SERVICES, MAX_SOURCE_RANGES,
-    MAX_TX_PORTS, PORT_FLAGS_ENTRIES, REASON_COUNT, REPLY_NAT_ENTRIES, SHARED_FLOWS_ENTRIES,
+    BackendEntry, BackendLoad, Config, Flow, FlowKey, FlowLimit, L2Iface, L2Vip, L2VipKey,
+    RangeKey, ReplyNat, ReverseKey, ReverseNat, ServiceInfo, ServiceKey, SourceKey, TrafficStats,
+    FLOW_EVENT_COUNT, MAGLEV_POOL_ENTRIES, MAX_BACKENDS, MAX_L2_IFACES, MAX_L2_VIPS, MAX_SERVICES,
+    MAX_SOURCE_RANGES, MAX_TX_PORTS, PORT_FLAGS_ENTRIES, REASON_COUNT, REPLY_NAT_ENTRIES,
+    SHARED_FLOWS_ENTRIES, SOURCE_RATES_ENTRIES,
 };
 
 const NO_PREALLOC: usize = BPF_F_NO_PREALLOC as usize;
@@ -69,6 +70,17 @@ pub static BACKEND_REVERSE: HashMap<
     { MAX_BACKENDS as usize },
     NO_PREALLOC,
 > = HashMap::new();
+
+/// Per service id: its new-flow limit (`SERVICE_F_FLOW_LIMIT`).
+#[btf_map]
+pub static FLOW_LIMITS: Array<FlowLimit, { MAX_SERVICES as usize }> = Array::new();
+
+/// Per service and source prefix: when its next new flow is due (GCRA's
+/// theoretical arrival time, `bpf_ktime_get_coarse_ns`). Shared by all
+/// CPUs without locks: CPUs racing on one prefix may let a few more in.
+#[btf_map]
+pub static SOURCE_RATES: LruHashMap<SourceKey, u64, { SOURCE_RATES_ENTRIES as usize }> =
+    LruHashMap::new();
 
 /// ifindex -> ifindex for interfaces XDP may redirect to. A miss makes
 /// `bpf_redirect_map` return XDP_PASS, so the kernel forwards instead.

@@ -23,6 +23,7 @@ fn spec(port: u16, snat: Option<IpAddr>, backends: &[u8]) -> ServiceSpec {
         source_ranges: None,
         client_affinity: false,
         least_loaded: false,
+        new_flow_limit: None,
         backends: backends
             .iter()
             .map(|&n| BackendSpec {
@@ -36,7 +37,13 @@ fn spec(port: u16, snat: Option<IpAddr>, backends: &[u8]) -> ServiceSpec {
 #[test]
 fn a_new_driver_adopts_pinned_services_and_tables() {
     let dir = PinDir(format!("/sys/fs/bpf/xlb-test-adopt-{}", std::process::id()).into());
-    let web = spec(80, None, &[1, 2, 3]);
+    let mut web = spec(80, None, &[1, 2, 3]);
+    web.new_flow_limit = Some(lb_agent::dataplane::NewFlowLimit {
+        per_second: 300,
+        burst: 50,
+        ipv4_prefix: 24,
+        ipv6_prefix: 56,
+    });
     let api = spec(443, Some(Ipv4Addr::new(10, 9, 0, 254).into()), &[4, 5]);
     let (web_table, web_info, api_table, reverse) = {
         let mut dp = Dataplane::open(Some(&dir.0)).expect("open (root needed)");
@@ -65,6 +72,10 @@ fn a_new_driver_adopts_pinned_services_and_tables() {
     assert_eq!(
         addrs,
         web.backends.iter().map(|b| b.addr).collect::<Vec<_>>()
+    );
+    assert_eq!(
+        adopted_web.new_flow_limit, web.new_flow_limit,
+        "limit adopted"
     );
     let adopted_api = &adopted.iter().find(|(k, _)| *k == api.key()).unwrap().1;
     assert_eq!(
@@ -180,6 +191,7 @@ fn quarantined_regions_do_not_make_the_pool_look_full() {
         source_ranges: None,
         client_affinity: false,
         least_loaded: false,
+        new_flow_limit: None,
         ..spec(port, None, backends)
     };
     // Room for exactly two services (two tables of M each).

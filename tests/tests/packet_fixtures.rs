@@ -91,6 +91,7 @@ fn svc(
         source_ranges: None,
         client_affinity: false,
         least_loaded: false,
+        new_flow_limit: None,
         backends: backends(b),
     }
 }
@@ -2149,4 +2150,66 @@ fn nat_replies_are_translated_without_the_forward_flow_needs_root() {
     let (v, out) = run(dp, be0, &input);
     assert_eq!(v, XDP_PASS);
     assert!(out == input, "{}", hexdump_diff(&input, &out));
+}
+
+/// `new_flow_limit`: new flows from one source prefix beyond the burst are
+/// dropped and counted (`drop_flow_limit`) before they take any state;
+/// another prefix, and the flows already admitted, go on.
+#[test]
+fn new_flows_beyond_the_limit_of_a_source_prefix_are_dropped_needs_root() {
+    let mut bed = FixtureBed::new("xlb-fix-limit");
+    for s in base_services() {
+        bed.dp.set_service(&s).unwrap();
+    }
+    let (dp, cl0) = (&mut bed.dp, bed.cl0);
+    let mut limited = svc(VIP.into(), 8001, Protocol::Tcp, None, &[(B4.into(), 9001)]);
+    // One new flow a second per /24 after a burst of three; the packets
+    // below come within milliseconds, so nothing refills meanwhile.
+    limited.new_flow_limit = Some(lb_agent::dataplane::NewFlowLimit {
+        per_second: 1,
+        burst: 3,
+        ipv4_prefix: 24,
+        ipv6_prefix: 64,
+    });
+    dp.set_service(&limited).unwrap();
+    let syn_from = |src: Ipv4Addr, sport: u16| {
+        from_client()
+            .ipv4(ip4(src, VIP, 64))
+            .tcp(syn(sport, 8001))
+            .build()
+    };
+    let limited_drops =
+        |dp: &Dataplane| dp.reason_counts().unwrap()[Reason::DropFlowLimit as usize];
+    let flows_before = dp.shared_flows().unwrap().len();
+    // CLIENT (10.0.0.2) and ROUTER (10.0.0.254) share a /24: three flows in all.
+    for (src, sport) in [(CLIENT, 48000), (ROUTER, 48001), (CLIENT, 48002)] {
+        assert_eq!(
+            run(dp, cl0, &syn_from(src, sport)).0,
+            XDP_REDIRECT,
+            "{src}:{sport}"
+        );
+    }
+    let input = syn_from(ROUTER, 48003);
+    let (v, out) = run(dp, cl0, &input);
+    assert_eq!(v, XDP_DROP, "the fourth new flow of 10.0.0.0/24");
+    assert!(out == input);
+    assert_eq!(limited_drops(dp), 1);
+    assert_eq!(
+        dp.shared_flows().unwrap().len(),
+        flows_before + 3,
+        "a dropped flow takes no state"
+    );
+    // Another /24 has its own budget; an admitted flow goes on.
+    assert_eq!(
+        run(dp, cl0, &syn_from(REMOTE_CLIENT, 48004)).0,
+        XDP_REDIRECT
+    );
+    let ack = from_client()
+        .ipv4(ip4(CLIENT, VIP, 64))
+        .tcp(ack(48000, 8001))
+        .build();
+    assert_eq!(run(dp, cl0, &ack).0, XDP_REDIRECT, "an admitted flow");
+    // Other services of the same clients are not limited.
+    assert_eq!(run(dp, cl0, &c4(syn(48005, 80))).0, XDP_REDIRECT);
+    assert_eq!(limited_drops(dp), 1);
 }

@@ -297,6 +297,7 @@ impl AgentConfig {
             client_affinity: s.affinity.is_some(),
             // Affinity places a client's flows by its address alone.
             least_loaded: s.balance.is_load_aware() && s.affinity.is_none(),
+            new_flow_limit: s.new_flow_limit,
             backends: s
                 .backends
                 .iter()

@@ -144,6 +144,19 @@ pub(super) struct RawService {
     pub(super) balance: Option<RawBalance>,
     pub(super) agent_check: Option<RawAgentCheck>,
     pub(super) announce: Option<RawAnnounce>,
+    pub(super) new_flow_limit: Option<RawNewFlowLimit>,
+}
+
+#[derive(Deserialize)]
+#[serde(
+    deny_unknown_fields,
+    expecting = "a new flow limit (per_second, burst, ipv4_prefix, ipv6_prefix)"
+)]
+pub(super) struct RawNewFlowLimit {
+    pub(super) per_second: i64,
+    pub(super) burst: Option<i64>,
+    pub(super) ipv4_prefix: Option<i64>,
+    pub(super) ipv6_prefix: Option<i64>,
 }
 
 #[derive(Deserialize)]

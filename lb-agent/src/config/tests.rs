@@ -146,6 +146,7 @@ fn full_example() {
                 affinity: None,
                 balance: Balance::Static,
                 announce: Announce::Both,
+                new_flow_limit: None,
             },
             DesiredService {
                 name: "dns6".into(),
@@ -175,6 +176,7 @@ fn full_example() {
                 affinity: None,
                 balance: Balance::Static,
                 announce: Announce::Both,
+                new_flow_limit: None,
             },
         ],
     };
@@ -1280,4 +1282,34 @@ fn announce_per_service() {
         "services[0].announce",
         "one of `both`, `bgp`, `l2`",
     );
+}
+
+#[test]
+fn new_flow_limit_parses_and_checks() {
+    let svc = "services:\n  - name: web\n    vip: 192.0.2.10\n    port: 80\n    backends: [{ ip: 10.0.0.2, port: 8080 }]\n";
+    let with = |limit: &str| format!("interfaces: [eth0]\n{svc}    new_flow_limit: {limit}\n");
+    let c = AgentConfig::parse(&with("{ per_second: 100, ipv4_prefix: 24 }")).unwrap();
+    assert_eq!(
+        c.services[0].new_flow_limit,
+        Some(crate::dataplane::NewFlowLimit {
+            per_second: 100,
+            burst: 100,
+            ipv4_prefix: 24,
+            ipv6_prefix: 64,
+        })
+    );
+    let l = c.service_specs()[0].new_flow_limit.unwrap().to_map();
+    assert_eq!((l.period_ns, l.burst_ns), (10_000_000, 990_000_000));
+    for (bad, field) in [
+        ("{ per_second: 0 }", "per_second"),
+        ("{ per_second: 10, ipv4_prefix: 33 }", "ipv4_prefix"),
+        ("{ per_second: 10, burst: 0 }", "burst"),
+        ("{ per_second: 10, per_prefix: 24 }", "per_prefix"),
+    ] {
+        let e = AgentConfig::parse(&with(bad)).unwrap_err().to_string();
+        assert!(
+            e.contains("services[0].new_flow_limit") && e.contains(field),
+            "{bad}: {e}"
+        );
+    }
 }

@@ -11,7 +11,7 @@ use std::{
 use lb_common::maglev;
 
 use super::{locate::*, raw::*, *};
-use crate::dataplane::Protocol;
+use crate::dataplane::{NewFlowLimit, Protocol};
 
 /// Bounds of `flow_table_entries`: a table smaller than a few thousand
 /// flows evicts live ones under any load; 2^26 flows take ~9 GiB.
@@ -623,6 +623,10 @@ impl Validator<'_> {
             Some(RawAnnounce::Bgp) => Announce::Bgp,
             Some(RawAnnounce::L2) => Announce::L2,
         };
+        let new_flow_limit = match rs.new_flow_limit {
+            None => None,
+            Some(l) => Some(self.new_flow_limit(l, &path.key("new_flow_limit"))?),
+        };
         Ok(DesiredService {
             name,
             vip,
@@ -637,6 +641,31 @@ impl Validator<'_> {
             affinity,
             balance,
             announce,
+            new_flow_limit,
+        })
+    }
+
+    /// `services[].new_flow_limit`.
+    fn new_flow_limit(&self, raw: RawNewFlowLimit, path: &FieldPath) -> Checked<NewFlowLimit> {
+        let int = |v: i64, key: &'static str, lo: i64, hi: i64| {
+            if (lo..=hi).contains(&v) {
+                Ok(v)
+            } else {
+                Err(self.err(
+                    path.key(key),
+                    format!("{key} must be {lo} to {hi}, not {v}"),
+                ))
+            }
+        };
+        let per_second = int(raw.per_second, "per_second", 1, 1_000_000_000)? as u32;
+        Ok(NewFlowLimit {
+            per_second,
+            burst: match raw.burst {
+                None => per_second,
+                Some(b) => int(b, "burst", 1, 1_000_000_000)? as u32,
+            },
+            ipv4_prefix: int(raw.ipv4_prefix.unwrap_or(32), "ipv4_prefix", 0, 32)? as u8,
+            ipv6_prefix: int(raw.ipv6_prefix.unwrap_or(64), "ipv6_prefix", 0, 128)? as u8,
         })
     }
 

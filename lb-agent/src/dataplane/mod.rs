@@ -31,12 +31,12 @@ pub use lb_common::net::Protocol;
 use lb_common::{
     maglev, map_names as names,
     net::{ip_words, service_key, words_ip, Family},
-    BackendEntry, BackendLoad, Config, Flow, FlowKey, L2Iface, L2Vip, L2VipKey, ReplyNat,
-    ReverseKey, ReverseNat, ServiceInfo, ServiceKey, TrafficStats, FAMILY_V4, FAMILY_V6,
+    BackendEntry, BackendLoad, Config, Flow, FlowKey, FlowLimit, L2Iface, L2Vip, L2VipKey,
+    ReplyNat, ReverseKey, ReverseNat, ServiceInfo, ServiceKey, TrafficStats, FAMILY_V4, FAMILY_V6,
     FLOW_EVENT_COUNT, FLOW_EVENT_REPICKED, FLOW_F_CLOSED, MAGLEV_POOL_ENTRIES, MAX_BACKENDS,
     MAX_SERVICES, PORT_F_BACKEND, PORT_F_SERVICE, PROTO_ICMP, PROTO_ICMPV6, REASON_COUNT,
-    SERVICE_F_CLIENT_AFFINITY, SERVICE_F_LEAST_LOADED, SERVICE_F_SNAT, SERVICE_F_SOURCE_RANGES,
-    SHARED_FLOWS_ENTRIES,
+    SERVICE_F_CLIENT_AFFINITY, SERVICE_F_FLOW_LIMIT, SERVICE_F_LEAST_LOADED, SERVICE_F_SNAT,
+    SERVICE_F_SOURCE_RANGES, SHARED_FLOWS_ENTRIES,
 };
 
 use self::{
@@ -147,6 +147,43 @@ pub struct ServiceSpec {
     /// New flows go to the less loaded of two Maglev candidates
     /// (`SERVICE_F_LEAST_LOADED`; load-aware services).
     pub least_loaded: bool,
+    /// New flows a second per source prefix (`SERVICE_F_FLOW_LIMIT`).
+    pub new_flow_limit: Option<NewFlowLimit>,
+}
+
+/// A limit on new flows from one source prefix: `per_second` on average,
+/// up to `burst` at once.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct NewFlowLimit {
+    pub per_second: u32,
+    pub burst: u32,
+    pub ipv4_prefix: u8,
+    pub ipv6_prefix: u8,
+}
+
+impl NewFlowLimit {
+    /// As the program reads it (GCRA's period and burst tolerance).
+    pub fn to_map(self) -> FlowLimit {
+        let period_ns = 1_000_000_000 / u64::from(self.per_second.max(1));
+        FlowLimit {
+            period_ns,
+            burst_ns: u64::from(self.burst.max(1) - 1) * period_ns,
+            per_second: self.per_second,
+            burst: self.burst,
+            prefix_v4: self.ipv4_prefix,
+            prefix_v6: self.ipv6_prefix,
+            _pad: [0; 6],
+        }
+    }
+
+    pub fn from_map(l: &FlowLimit) -> Self {
+        Self {
+            per_second: l.per_second,
+            burst: l.burst,
+            ipv4_prefix: l.prefix_v4,
+            ipv6_prefix: l.prefix_v6,
+        }
+    }
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -270,6 +307,7 @@ struct Maps {
     l2_vips: HashMap<MapData, L2VipKey, L2Vip>,
     l2_ifaces: HashMap<MapData, u32, L2Iface>,
     backend_reverse: HashMap<MapData, ReverseKey, ReverseNat>,
+    flow_limits: Array<MapData, FlowLimit>,
 }
 
 impl Dataplane {
@@ -390,6 +428,8 @@ impl Dataplane {
                 .map_err(map_err(names::L2_IFACES))?,
             backend_reverse: HashMap::try_from(take(&mut ebpf, names::BACKEND_REVERSE)?)
                 .map_err(map_err(names::BACKEND_REVERSE))?,
+            flow_limits: Array::try_from(take(&mut ebpf, names::FLOW_LIMITS)?)
+                .map_err(map_err(names::FLOW_LIMITS))?,
         };
         let mut dp = Self {
             maps,
@@ -834,6 +874,16 @@ impl Dataplane {
                     .then(|| self.maps.ranges.ranges(info.range_scope(), key.family)),
                 client_affinity: info.flags & SERVICE_F_CLIENT_AFFINITY != 0,
                 least_loaded: info.flags & SERVICE_F_LEAST_LOADED != 0,
+                new_flow_limit: if info.flags & SERVICE_F_FLOW_LIMIT != 0 {
+                    let l = self
+                        .maps
+                        .flow_limits
+                        .get(&info.id, 0)
+                        .map_err(map_err(names::FLOW_LIMITS))?;
+                    Some(NewFlowLimit::from_map(&l))
+                } else {
+                    None
+                },
                 backends: backend_ids
                     .iter()
                     .map(|(a, _)| BackendSpec {

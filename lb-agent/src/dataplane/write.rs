@@ -6,7 +6,8 @@ use std::net::{IpAddr, SocketAddr};
 
 use lb_common::{
     maglev, map_names as names, Backend, BackendEntry, BackendLoad, ServiceInfo, ServiceKey,
-    SERVICE_F_CLIENT_AFFINITY, SERVICE_F_LEAST_LOADED, SERVICE_F_SNAT, SERVICE_F_SOURCE_RANGES,
+    SERVICE_F_CLIENT_AFFINITY, SERVICE_F_FLOW_LIMIT, SERVICE_F_LEAST_LOADED, SERVICE_F_SNAT,
+    SERVICE_F_SOURCE_RANGES,
 };
 
 use super::{
@@ -147,6 +148,13 @@ impl Maps {
             zero_stats(&mut self.service_stats, p.service_id)
                 .map_err(map_err(names::SERVICE_STATS))?;
         }
+        // Before the flip, like the backends: the flag and the limit go
+        // live together.
+        if let Some(limit) = spec.new_flow_limit {
+            self.flow_limits
+                .set(p.service_id, limit.to_map(), 0)
+                .map_err(map_err(names::FLOW_LIMITS))?;
+        }
         let mb: Vec<_> = spec
             .backends
             .iter()
@@ -209,6 +217,9 @@ fn service_flags(spec: &ServiceSpec) -> u32 {
     }
     if spec.least_loaded {
         flags |= SERVICE_F_LEAST_LOADED;
+    }
+    if spec.new_flow_limit.is_some() {
+        flags |= SERVICE_F_FLOW_LIMIT;
     }
     flags
 }

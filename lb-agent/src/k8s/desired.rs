@@ -299,6 +299,8 @@ fn service_configs(
                 affinity,
                 balance: balance.clone(),
                 announce,
+                // A config-file setting only (no annotation yet).
+                new_flow_limit: None,
             });
         }
     }

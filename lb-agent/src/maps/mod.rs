@@ -13,9 +13,9 @@ use aya::maps::{
     lpm_trie::LpmTrie, Array, HashMap, Map, MapData, MapError, MapInfo, PerCpuArray, PerCpuValues,
 };
 use lb_common::{
-    map_names as names, BackendEntry, BackendLoad, Config, Flow, FlowKey, L2Iface, L2Vip, L2VipKey,
-    RangeKey, ReplyNat, ReverseKey, ReverseNat, ServiceInfo, ServiceKey, TrafficStats,
-    REASON_COUNT,
+    map_names as names, BackendEntry, BackendLoad, Config, Flow, FlowKey, FlowLimit, L2Iface,
+    L2Vip, L2VipKey, RangeKey, ReplyNat, ReverseKey, ReverseNat, ServiceInfo, ServiceKey,
+    SourceKey, TrafficStats, REASON_COUNT,
 };
 
 pub use self::maglev::MaglevPool;
@@ -51,6 +51,8 @@ pub fn expected_layout(name: &str) -> Option<(usize, usize)> {
         names::L2_VIPS => (size_of::<L2VipKey>(), size_of::<L2Vip>()),
         names::L2_IFACES => (4, size_of::<L2Iface>()),
         names::BACKEND_REVERSE => (size_of::<ReverseKey>(), size_of::<ReverseNat>()),
+        names::FLOW_LIMITS => (4, size_of::<FlowLimit>()),
+        names::SOURCE_RATES => (size_of::<SourceKey>(), 8),
         _ => return None,
     })
 }

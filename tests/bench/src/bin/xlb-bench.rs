@@ -80,6 +80,7 @@ fn main() {
             source_ranges: ranges,
             client_affinity: false,
             least_loaded: false,
+            new_flow_limit: None,
             backends: vec![BackendSpec {
                 addr: SocketAddr::new(backend.0.into(), backend.1),
                 weight: 1,
