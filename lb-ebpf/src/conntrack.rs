@@ -2,15 +2,13 @@
 //! (backend -> client), both shared by all CPUs, and Maglev picks for new
 //! flows.
 
-use aya_ebpf::{bindings::BPF_NOEXIST, helpers::bpf_ktime_get_coarse_ns};
+use aya_ebpf::{bindings::BPF_NOEXIST, helpers::bpf_ktime_get_coarse_ns, programs::XdpContext};
 use lb_common::{
     hash::{flow_hash, maglev_hash, second_choice, snat_port_candidate},
     Backend, Config, FibCache, Flow, FlowKey, Reason, ReplyNat, ReverseKey, ServiceInfo, SourceKey,
     FLOW_EVENT_REPICKED, FLOW_F_CLOSED, FLOW_F_COUNTED, PROTO_TCP, REPLY_F_CLOSING,
     SERVICE_F_FLOW_LIMIT, SERVICE_F_LEAST_LOADED, SERVICE_F_SNAT, SNAT_PROBES,
 };
-
-use aya_ebpf::programs::XdpContext;
 
 use crate::{
     maps::{BACKENDS, BACKEND_ACTIVE, BACKEND_REVERSE, CONFIG, MAGLEV, REPLY_NAT, SHARED_FLOWS},

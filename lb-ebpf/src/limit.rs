@@ -6,7 +6,10 @@
 
 use lb_common::{ServiceInfo, FAMILY_V4};
 
-use crate::{conntrack::now, conntrack::Scratch, maps::FLOW_LIMITS, maps::SOURCE_RATES};
+use crate::{
+    conntrack::{now, Scratch},
+    maps::{FLOW_LIMITS, SOURCE_RATES},
+};
 
 /// `bits` leading one bits of a 32-bit word, in network order.
 #[inline(always)]
