@@ -63,12 +63,21 @@ pub fn k8s_bin(name: &str) -> PathBuf {
     path
 }
 
-/// A port nobody listens on right now (the kernel's pick).
+/// A port nobody listens on right now, on any address.
 pub fn free_port() -> u16 {
-    TcpListener::bind((Ipv4Addr::LOCALHOST, 0))
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .expect("bind an ephemeral port")
+    // Below the kernel's ephemeral range (32768-60999): a free ephemeral
+    // port can be taken by some process's outgoing connection between this
+    // check and the server's bind ("address already in use", seen in CI).
+    // Each test process starts at its own place in 20000-29999.
+    static NEXT: AtomicU32 = AtomicU32::new(0);
+    let start = std::process::id() % 400 * 25;
+    loop {
+        let n = NEXT.fetch_add(1, Ordering::Relaxed);
+        let port = 20000 + ((start + n) % 10000) as u16;
+        if TcpListener::bind((Ipv4Addr::UNSPECIFIED, port)).is_ok() {
+            return port;
+        }
+    }
 }
 
 /// Certificates and keys, made once per test process with openssl.
