@@ -36,12 +36,17 @@ fn get_from(k: &K8sTopology, src: &str) -> Option<String> {
 
 /// Packets dropped under `drop_source_range`, from `lbctl stats`.
 fn refused(k: &K8sTopology) -> u64 {
+    dropped(k, "drop_source_range")
+}
+
+/// Packets counted under `reason`, from `lbctl stats`.
+fn dropped(k: &K8sTopology, reason: &str) -> u64 {
     let v = k.t.lbctl_json(&["stats"]);
     v["reasons"]
         .as_array()
         .unwrap()
         .iter()
-        .find(|r| r["reason"] == "drop_source_range")
+        .find(|r| r["reason"] == reason)
         .map_or(0, |r| r["total"].as_u64().unwrap())
 }
 
@@ -371,4 +376,64 @@ fn traffic_distribution_keeps_new_flows_on_this_node() {
         json!({"spec": {"trafficDistribution": "PreferSameZone"}}),
     );
     k.wait_answered_by("this zone's Pods", &["b1", "b3"], within);
+}
+
+/// `xlb.dev/new-flow-limit`: a client's new connections beyond the burst
+/// are dropped in the XDP program (`drop_flow_limit`), another client (its
+/// own /32) is not held back, and without the annotation nobody is.
+#[test]
+fn new_connections_beyond_the_annotations_limit_are_dropped() {
+    let mut k = K8sTopology::new("k8f", 2);
+    k.t.client
+        .run(&format!("ip addr add {OTHER_CLIENT}/24 dev eth0"));
+    k.create_service(SERVICE, json!({}));
+    k.cluster.run_pod(&k.pod(1, true));
+    let _agent = k.start_agent();
+    wait_until(
+        "the Service gets an address",
+        Duration::from_secs(20),
+        || k.ingress_ip(SERVICE),
+    );
+    k.wait_programmed(1);
+    wait_served(&k, "10.0.0.2", true);
+    assert_eq!(dropped(&k, "drop_flow_limit"), 0);
+
+    // A burst of 3, then one a second: four connections at once do not
+    // all get through once the agent has applied the annotation.
+    patch_service(
+        &k,
+        json!({"metadata": {"annotations": {
+            "xlb.dev/new-flow-limit": "per-second=1, burst=3, ipv4-prefix=32"}}}),
+    );
+    wait_until(
+        "a fourth connection at once is dropped",
+        Duration::from_secs(20),
+        || {
+            let answered = (0..4)
+                .filter(|_| get_from(&k, "10.0.0.2").is_some())
+                .count();
+            (answered < 4).then_some(())
+        },
+    );
+    assert!(dropped(&k, "drop_flow_limit") > 0, "the drops are counted");
+    assert!(
+        get_from(&k, OTHER_CLIENT).is_some(),
+        "another /32 has its own budget"
+    );
+
+    // Without the annotation: five at once all get through.
+    patch_service(
+        &k,
+        json!({"metadata": {"annotations": {"xlb.dev/new-flow-limit": null}}}),
+    );
+    wait_until(
+        "five connections at once all answered",
+        Duration::from_secs(20),
+        || {
+            let answered = (0..5)
+                .filter(|_| get_from(&k, "10.0.0.2").is_some())
+                .count();
+            (answered == 5).then_some(())
+        },
+    );
 }

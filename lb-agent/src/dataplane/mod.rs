@@ -4,6 +4,7 @@
 //! `SERVICES` update flips the service to it.
 
 mod alloc;
+mod flow_limit;
 mod pins;
 mod reverse;
 mod source_ranges;
@@ -39,6 +40,7 @@ use lb_common::{
     SERVICE_F_SOURCE_RANGES, SHARED_FLOWS_ENTRIES,
 };
 
+pub use self::flow_limit::NewFlowLimit;
 use self::{
     alloc::{IdPool, RegionPool},
     pins::{check_bpffs, check_pinned_layout},
@@ -149,41 +151,6 @@ pub struct ServiceSpec {
     pub least_loaded: bool,
     /// New flows a second per source prefix (`SERVICE_F_FLOW_LIMIT`).
     pub new_flow_limit: Option<NewFlowLimit>,
-}
-
-/// A limit on new flows from one source prefix: `per_second` on average,
-/// up to `burst` at once.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct NewFlowLimit {
-    pub per_second: u32,
-    pub burst: u32,
-    pub ipv4_prefix: u8,
-    pub ipv6_prefix: u8,
-}
-
-impl NewFlowLimit {
-    /// As the program reads it (GCRA's period and burst tolerance).
-    pub fn to_map(self) -> FlowLimit {
-        let period_ns = 1_000_000_000 / u64::from(self.per_second.max(1));
-        FlowLimit {
-            period_ns,
-            burst_ns: u64::from(self.burst.max(1) - 1) * period_ns,
-            per_second: self.per_second,
-            burst: self.burst,
-            prefix_v4: self.ipv4_prefix,
-            prefix_v6: self.ipv6_prefix,
-            _pad: [0; 6],
-        }
-    }
-
-    pub fn from_map(l: &FlowLimit) -> Self {
-        Self {
-            per_second: l.per_second,
-            burst: l.burst,
-            ipv4_prefix: l.prefix_v4,
-            ipv6_prefix: l.prefix_v6,
-        }
-    }
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -364,7 +331,7 @@ impl Dataplane {
             .program_mut(PROGRAM)
             .ok_or(DataplaneError::MissingMap("program xlb"))?
             .try_into()?;
-        xdp.load()?;
+        load_retrying(xdp)?;
         let mut dp = Self::from_ebpf(ebpf, pin_dir.map(Path::to_path_buf))?;
         dp.logger = logger;
         dp.adopt()?;
@@ -481,7 +448,7 @@ impl Dataplane {
             .ok_or(DataplaneError::MissingMap("program xlb_floor"))?
             .try_into()?;
         if p.fd().is_err() {
-            p.load()?;
+            load_retrying(p)?;
         }
         Ok(p)
     }
@@ -962,6 +929,23 @@ impl Ord for FlowKeyOrd {
     fn cmp(&self, other: &Self) -> std::cmp::Ordering {
         let k = |f: &FlowKey| (f.src, f.dst, f.sport, f.dport, f.proto, f.family);
         k(&self.0).cmp(&k(&other.0))
+    }
+}
+
+/// Loads a program, again when the kernel answers EAGAIN: the verifier
+/// gives up with it when a signal is pending for the loading thread (a
+/// child's SIGCHLD, a SIGHUP at start), as libbpf also retries.
+fn load_retrying(p: &mut Xdp) -> Result<(), ProgramError> {
+    let mut attempts = 1;
+    loop {
+        match p.load() {
+            Err(ProgramError::LoadError { io_error, .. })
+                if io_error.raw_os_error() == Some(libc::EAGAIN) && attempts < 5 =>
+            {
+                attempts += 1;
+            }
+            r => return r,
+        }
     }
 }
 

@@ -35,10 +35,10 @@ use k8s_openapi::api::{
 
 use super::{
     serves, AGENT_CHECK_PORT_ANNOTATION, ANNOUNCE_ANNOTATION, BALANCE_ANNOTATION, EXCLUDE_LABEL,
-    MODE_ANNOTATION, SERVICE_NAME_LABEL,
+    MODE_ANNOTATION, NEW_FLOW_LIMIT_ANNOTATION, SERVICE_NAME_LABEL,
 };
 use crate::{
-    dataplane::Protocol,
+    dataplane::{NewFlowLimit, Protocol},
     service::{
         parse_source_range, ranges_for, AgentCheck, Announce, Balance, ClientAffinity,
         DesiredBackend, DesiredService, Mode, RemovedBackendFlows, DEFAULT_AFFINITY_TIMEOUT,
@@ -250,6 +250,7 @@ fn service_configs(
     let affinity = affinity(svc)?;
     let balance = balance(svc)?;
     let announce = announce(svc)?;
+    let new_flow_limit = new_flow_limit(svc)?;
     let mut notes = Vec::new();
     let mut vips = Vec::new();
     for ing in super::ingress(svc) {
@@ -299,8 +300,7 @@ fn service_configs(
                 affinity,
                 balance: balance.clone(),
                 announce,
-                // A config-file setting only (no annotation yet).
-                new_flow_limit: None,
+                new_flow_limit,
             });
         }
     }
@@ -402,6 +402,49 @@ fn announce(svc: &Service) -> Result<Announce, String> {
             format!("annotation {ANNOUNCE_ANNOTATION}: {v:?} is none of bgp, l2, both")
         }),
     }
+}
+
+/// The `xlb.dev/new-flow-limit` annotation.
+fn new_flow_limit(svc: &Service) -> Result<Option<NewFlowLimit>, String> {
+    let Some(v) = annotation(svc, NEW_FLOW_LIMIT_ANNOTATION) else {
+        return Ok(None);
+    };
+    let bad = |why: String| format!("annotation {NEW_FLOW_LIMIT_ANNOTATION}: {v:?}: {why}");
+    let mut fields: BTreeMap<&str, u32> = BTreeMap::new();
+    for part in v.split(',').map(str::trim) {
+        let (key, value) = part
+            .split_once('=')
+            .ok_or_else(|| bad(format!("{part:?} is not key=value")))?;
+        let n = value
+            .trim()
+            .parse::<u32>()
+            .map_err(|_| bad(format!("{key}: {value:?} is not a number")))?;
+        fields.insert(key.trim(), n);
+    }
+    let get = |key: &str, default: Option<u32>, lo: u32, hi: u32| match fields
+        .get(key)
+        .copied()
+        .or(default)
+    {
+        None => Err(bad(format!("{key} is required"))),
+        Some(n) if (lo..=hi).contains(&n) => Ok(n),
+        Some(n) => Err(bad(format!("{key} must be {lo} to {hi}, not {n}"))),
+    };
+    if let Some(k) = fields
+        .keys()
+        .find(|k| !["per-second", "burst", "ipv4-prefix", "ipv6-prefix"].contains(k))
+    {
+        return Err(bad(format!(
+            "unknown key {k:?} (per-second, burst, ipv4-prefix, ipv6-prefix)"
+        )));
+    }
+    let per_second = get("per-second", None, 1, NewFlowLimit::MAX_PER_SECOND)?;
+    Ok(Some(NewFlowLimit {
+        per_second,
+        burst: get("burst", Some(per_second), 1, NewFlowLimit::MAX_PER_SECOND)?,
+        ipv4_prefix: get("ipv4-prefix", Some(32), 0, 32)? as u8,
+        ipv6_prefix: get("ipv6-prefix", Some(64), 0, 128)? as u8,
+    }))
 }
 
 fn annotation<'a>(svc: &'a Service, key: &str) -> Option<&'a str> {

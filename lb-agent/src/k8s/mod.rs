@@ -37,6 +37,9 @@ pub const AGENT_CHECK_PORT_ANNOTATION: &str = "xlb.dev/agent-check-port";
 /// Which ways announce the Service's addresses: `bgp`, `l2` or `both` (the
 /// default: every way the node is configured for).
 pub const ANNOUNCE_ANNOTATION: &str = "xlb.dev/announce";
+/// `per-second=N[,burst=N][,ipv4-prefix=N][,ipv6-prefix=N]`: the Service's
+/// `new_flow_limit` (docs/config.md).
+pub const NEW_FLOW_LIMIT_ANNOTATION: &str = "xlb.dev/new-flow-limit";
 /// The Service status condition the allocator maintains.
 pub const ALLOCATED_CONDITION: &str = "xlb.dev/AddressAllocated";
 /// Node label that keeps a node out of load balancing (Kubernetes' own).

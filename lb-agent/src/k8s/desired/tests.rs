@@ -553,3 +553,47 @@ fn a_cordoned_tainted_or_deleted_node_is_leaving() {
         json!({"deletionTimestamp": "2026-11-25T00:00:00Z"})
     )));
 }
+
+#[test]
+fn new_flow_limit_annotation() {
+    let mut o = load(WEB);
+    let set = |o: &mut Objects, v: &str| {
+        o.services[0]
+            .metadata
+            .annotations
+            .get_or_insert_with(Default::default)
+            .insert(NEW_FLOW_LIMIT_ANNOTATION.into(), v.into());
+    };
+    set(&mut o, "per-second=100, ipv4-prefix=24");
+    let good = compute(&o, &opts("worker-1"), &Desired::default());
+    assert!(!good.services.is_empty());
+    let want = Some(crate::dataplane::NewFlowLimit {
+        per_second: 100,
+        burst: 100,
+        ipv4_prefix: 24,
+        ipv6_prefix: 64,
+    });
+    assert!(good.services.iter().all(|s| s.new_flow_limit == want));
+    for (bad, why) in [
+        ("burst=5", "per-second is required"),
+        ("per-second=0", "per-second must be 1 to"),
+        (
+            "per-second=10,ipv4-prefix=40",
+            "ipv4-prefix must be 0 to 32",
+        ),
+        ("per-second=ten", "is not a number"),
+        ("per-second=10,prefix=24", "unknown key"),
+    ] {
+        set(&mut o, bad);
+        let d = compute(&o, &opts("worker-1"), &good);
+        assert_eq!(
+            d.services, good.services,
+            "{bad}: keeps the last good state"
+        );
+        assert!(
+            d.problems.iter().any(|p| p.contains(why)),
+            "{bad}: {:?}",
+            d.problems
+        );
+    }
+}
