@@ -477,18 +477,30 @@ fn lbctl_shows_source_ranges_and_affinity_needs_root() {
         "203.0.113.7/32".parse().unwrap(),
     ]);
     svc.client_affinity = true;
+    svc.new_flow_limit = Some(lb_agent::dataplane::NewFlowLimit {
+        per_second: 50,
+        burst: 80,
+        ipv4_prefix: 24,
+        ipv6_prefix: 64,
+    });
     dp.set_service(&svc).unwrap();
 
     let v = lbctl_json(&dir, &["services"], 0);
     let row = &v["services"][0];
     assert_eq!(row["affinity"], "client_ip", "{v}");
     assert_eq!(
+        row["new_flow_limit"],
+        serde_json::json!({"per_second": 50, "burst": 80, "ipv4_prefix": 24, "ipv6_prefix": 64})
+    );
+    assert_eq!(
         row["source_ranges"],
         serde_json::json!(["198.51.100.0/24", "203.0.113.7/32"])
     );
     let human = String::from_utf8_lossy(&lbctl(&dir, &["services"]).stdout).into_owned();
     assert!(
-        human.contains("client_ip") && human.contains("198.51.100.0/24,203.0.113.7/32"),
+        human.contains("client_ip")
+            && human.contains("198.51.100.0/24,203.0.113.7/32")
+            && human.contains("50/s burst 80 per /24"),
         "{human}"
     );
 

@@ -254,6 +254,11 @@ impl PinnedMaps {
         self.optional(names::L2_IFACES)
     }
 
+    /// `FLOW_LIMITS`; `None` when pinned by a version without it.
+    pub fn flow_limits(&self) -> Result<Option<Array<MapData, FlowLimit>>, OpenError> {
+        self.optional(names::FLOW_LIMITS)
+    }
+
     /// `FLOW_EVENTS`; `None` when pinned by a version without it.
     pub fn flow_events(&self) -> Result<Option<ReasonsMap>, OpenError> {
         self.optional(names::FLOW_EVENTS)

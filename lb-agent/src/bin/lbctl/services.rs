@@ -12,7 +12,8 @@ use lb_agent::maps::{self, PinnedMaps};
 use lb_common::{
     map_names as names,
     net::{protocol_name, service_key, words_ip, Protocol},
-    ServiceInfo, ServiceKey, SERVICE_F_CLIENT_AFFINITY, SERVICE_F_SNAT, SERVICE_F_SOURCE_RANGES,
+    ServiceInfo, ServiceKey, SERVICE_F_CLIENT_AFFINITY, SERVICE_F_FLOW_LIMIT, SERVICE_F_SNAT,
+    SERVICE_F_SOURCE_RANGES,
 };
 use serde::Serialize;
 
@@ -142,6 +143,8 @@ pub struct ServiceRow {
     pub affinity: Option<&'static str>,
     /// Client networks admitted; `None`: all (`[]`: none).
     pub source_ranges: Option<Vec<String>>,
+    /// New flows a second per client prefix; `None`: unlimited.
+    pub new_flow_limit: Option<NewFlowLimitRow>,
     pub service_id: u32,
     pub table_size: u32,
     /// Backends in the live Maglev table (0: new flows are dropped).
@@ -151,6 +154,33 @@ pub struct ServiceRow {
     pub new_flows: u64,
     pub reply_packets: u64,
     pub reply_bytes: u64,
+}
+
+#[derive(Serialize)]
+pub struct NewFlowLimitRow {
+    pub per_second: u32,
+    pub burst: u32,
+    pub ipv4_prefix: u8,
+    pub ipv6_prefix: u8,
+}
+
+/// The service's `new_flow_limit`, if it has one.
+fn new_flow_limit(maps: &PinnedMaps, info: &ServiceInfo) -> Result<Option<NewFlowLimitRow>> {
+    if info.flags & SERVICE_F_FLOW_LIMIT == 0 {
+        return Ok(None);
+    }
+    let Some(limits) = maps.flow_limits()? else {
+        return Ok(None);
+    };
+    let l = limits
+        .get(&info.id, 0)
+        .with_context(|| format!("reading {}[{}]", names::FLOW_LIMITS, info.id))?;
+    Ok(Some(NewFlowLimitRow {
+        per_second: l.per_second,
+        burst: l.burst,
+        ipv4_prefix: l.prefix_v4,
+        ipv6_prefix: l.prefix_v6,
+    }))
 }
 
 #[derive(Serialize)]
@@ -175,6 +205,7 @@ pub fn run(maps: &PinnedMaps) -> Result<ServicesReport> {
             snat_addr: is_snat(&info).then(|| words_ip(&info.snat_addr, key.family)),
             affinity: affinity(&info),
             source_ranges: source_ranges(maps, &key, &info)?,
+            new_flow_limit: new_flow_limit(maps, &info)?,
             service_id: info.id,
             table_size: info.table_size,
             backends: info.backend_count,
@@ -200,6 +231,7 @@ impl Render for ServicesReport {
             ("MODE", Align::Left),
             ("AFFINITY", Align::Left),
             ("SOURCES", Align::Left),
+            ("NEW FLOW LIMIT", Align::Left),
             ("TABLE", Align::Right),
             ("BACKENDS", Align::Right),
             ("ID", Align::Right),
@@ -224,6 +256,17 @@ impl Render for ServicesReport {
                     Some(r) if r.is_empty() => "none".into(),
                     Some(r) if r.len() <= 2 => r.join(","),
                     Some(r) => format!("{} ranges", r.len()),
+                },
+                match &s.new_flow_limit {
+                    None => "-".into(),
+                    Some(l) => {
+                        let prefix = if s.vip.is_ipv4() {
+                            l.ipv4_prefix
+                        } else {
+                            l.ipv6_prefix
+                        };
+                        format!("{}/s burst {} per /{prefix}", l.per_second, l.burst)
+                    }
                 },
                 s.table_size.to_string(),
                 s.backends.to_string(),
