@@ -838,6 +838,33 @@ fn new_connections(
     })
 }
 
+/// One request on every keep-alive connection; each must be answered.
+fn all_answer(conns: &mut [HttpConn], when: &str) {
+    for (k, c) in conns.iter_mut().enumerate() {
+        c.get()
+            .unwrap_or_else(|e| panic!("connection {k} {when}: {e}"));
+    }
+}
+
+/// Stops the stream of [`new_connections`]: none may have failed. Returns
+/// how many were answered.
+fn no_new_connection_failed(
+    stop: Arc<AtomicBool>,
+    fresh: std::thread::JoinHandle<(u32, Vec<String>)>,
+    during: &str,
+) -> u32 {
+    stop.store(true, Ordering::Relaxed);
+    let (ok, failed) = fresh.join().expect("new connections");
+    assert!(
+        failed.is_empty(),
+        "{} of {} new connections failed {during}: {:?}",
+        failed.len(),
+        ok as usize + failed.len(),
+        &failed[..failed.len().min(5)]
+    );
+    ok
+}
+
 fn rolling_restart(driver: Driver, mode: &str) {
     // Tagged: the three-node test of the same driver runs at the same time.
     let tag = if mode == "nat" { 'n' } else { 'k' };
@@ -854,27 +881,13 @@ fn rolling_restart(driver: Driver, mode: &str) {
             "node {i} restarting: its route must stay\n{}",
             fib_state(&lab)
         );
-        for (k, c) in conns.iter_mut().enumerate() {
-            c.get()
-                .unwrap_or_else(|e| panic!("connection {k} while node {i} restarts: {e}"));
-        }
+        all_answer(&mut conns, &format!("while node {i} restarts"));
         let config = lab.agent_config_in(i, 1, mode);
         lab.node(i).start_agent(&config);
-        for (k, c) in conns.iter_mut().enumerate() {
-            c.get()
-                .unwrap_or_else(|e| panic!("connection {k} after node {i} restarted: {e}"));
-        }
+        all_answer(&mut conns, &format!("after node {i} restarted"));
         assert_eq!(lab.router_next_hops(), EcmpLab::hops(&[1, 2, 3]));
     }
-    stop.store(true, Ordering::Relaxed);
-    let (ok, failed) = fresh.join().expect("new connections");
-    assert!(
-        failed.is_empty(),
-        "{} of {} new connections failed during the rolling restart: {:?}",
-        failed.len(),
-        ok as usize + failed.len(),
-        &failed[..failed.len().min(5)]
-    );
+    let ok = no_new_connection_failed(stop, fresh, "during the rolling restart");
     assert!(
         ok >= 30,
         "only {ok} new connections during the rolling restart"
@@ -909,10 +922,7 @@ fn node_leaves(driver: Driver) {
     let signalled = std::time::Instant::now();
     lab.node(1).sigterm_agent();
     wait_fib(&lab, &[2, 3], Duration::from_secs(10), "node 1 left");
-    for (k, c) in conns.iter_mut().enumerate() {
-        c.get()
-            .unwrap_or_else(|e| panic!("connection {k} after node 1 left: {e}"));
-    }
+    all_answer(&mut conns, "after node 1 left");
     let status = lab.node(1).wait_agent_exit(Duration::from_secs(10));
     let exited_after = signalled.elapsed();
     assert!(status.success(), "node 1's agent: {status}");
@@ -924,19 +934,8 @@ fn node_leaves(driver: Driver) {
             "connection from port {port} is on no other node: {owners:?}"
         );
     }
-    for (k, c) in conns.iter_mut().enumerate() {
-        c.get()
-            .unwrap_or_else(|e| panic!("connection {k} after node 1 exited: {e}"));
-    }
-    stop.store(true, Ordering::Relaxed);
-    let (ok, failed) = fresh.join().expect("new connections");
-    assert!(
-        failed.is_empty(),
-        "{} of {} new connections failed while node 1 left: {:?}",
-        failed.len(),
-        ok as usize + failed.len(),
-        &failed[..failed.len().min(5)]
-    );
+    all_answer(&mut conns, "after node 1 exited");
+    no_new_connection_failed(stop, fresh, "while node 1 left");
     assert!(!on_node1.is_empty(), "no connection went through node 1");
     assert!(
         exited_after < Duration::from_millis(1900),
@@ -986,10 +985,7 @@ fn speaker_restart(driver: Driver) {
             "node {i}'s speaker is down: the router must keep its route\n{}",
             fib_state(&lab)
         );
-        for (k, c) in conns.iter_mut().enumerate() {
-            c.get()
-                .unwrap_or_else(|e| panic!("connection {k} while node {i}'s speaker is down: {e}"));
-        }
+        all_answer(&mut conns, &format!("while node {i}'s speaker is down"));
         lab.node(i).start_speaker();
         let config = lab.agent_config_in(i, 1, "snat");
         lab.node(i).start_agent(&config);
@@ -1002,18 +998,7 @@ fn speaker_restart(driver: Driver) {
             "node {i} restarted: its route must be there\n{}",
             fib_state(&lab)
         );
-        for (k, c) in conns.iter_mut().enumerate() {
-            c.get()
-                .unwrap_or_else(|e| panic!("connection {k} after node {i} restarted: {e}"));
-        }
+        all_answer(&mut conns, &format!("after node {i} restarted"));
     }
-    stop.store(true, Ordering::Relaxed);
-    let (ok, failed) = fresh.join().expect("new connections");
-    assert!(
-        failed.is_empty(),
-        "{} of {} new connections failed while the speakers restarted: {:?}",
-        failed.len(),
-        ok as usize + failed.len(),
-        &failed[..failed.len().min(5)]
-    );
+    no_new_connection_failed(stop, fresh, "while the speakers restarted");
 }

@@ -10,7 +10,7 @@ use std::{net::SocketAddr, time::Duration};
 use serde_json::{json, Value};
 use xlb_tests::{
     k8s_topology::{K8sTopology, NS, SERVICE},
-    topology::VIP,
+    topology::{AgentHandle, VIP},
     traffic::{keepalive_to, wait_until},
 };
 
@@ -68,17 +68,16 @@ fn wait_served(k: &K8sTopology, src: &str, served: bool) {
     );
 }
 
-#[test]
-fn source_ranges_refuse_outside_clients_and_follow_changes() {
-    let mut k = K8sTopology::new("k8r", 2);
+/// A topology whose client also has `OTHER_CLIENT`, the Service with
+/// `spec` over `pods` ready Pods, and its agent, once 10.0.0.2 is served.
+fn serving_two_clients(name: &str, spec: Value, pods: usize) -> (K8sTopology, AgentHandle) {
+    let mut k = K8sTopology::new(name, 2);
     k.t.client
         .run(&format!("ip addr add {OTHER_CLIENT}/24 dev eth0"));
-    k.create_service(
-        SERVICE,
-        json!({"loadBalancerSourceRanges": ["10.0.0.2/32"]}),
-    );
-    k.cluster.run_pod(&k.pod(1, true));
-    k.cluster.run_pod(&k.pod(2, true));
+    k.create_service(SERVICE, spec);
+    for n in 1..=pods {
+        k.cluster.run_pod(&k.pod(n, true));
+    }
     let agent = k.start_agent();
     wait_until(
         "the Service gets an address",
@@ -87,6 +86,16 @@ fn source_ranges_refuse_outside_clients_and_follow_changes() {
     );
     k.wait_programmed(1);
     wait_served(&k, "10.0.0.2", true);
+    (k, agent)
+}
+
+#[test]
+fn source_ranges_refuse_outside_clients_and_follow_changes() {
+    let (k, agent) = serving_two_clients(
+        "k8r",
+        json!({"loadBalancerSourceRanges": ["10.0.0.2/32"]}),
+        2,
+    );
     assert_eq!(service_row(&k)["source_ranges"], json!(["10.0.0.2/32"]));
 
     // A client outside the ranges gets nothing, and is counted.
@@ -383,19 +392,7 @@ fn traffic_distribution_keeps_new_flows_on_this_node() {
 /// own /32) is not held back, and without the annotation nobody is.
 #[test]
 fn new_connections_beyond_the_annotations_limit_are_dropped() {
-    let mut k = K8sTopology::new("k8f", 2);
-    k.t.client
-        .run(&format!("ip addr add {OTHER_CLIENT}/24 dev eth0"));
-    k.create_service(SERVICE, json!({}));
-    k.cluster.run_pod(&k.pod(1, true));
-    let _agent = k.start_agent();
-    wait_until(
-        "the Service gets an address",
-        Duration::from_secs(20),
-        || k.ingress_ip(SERVICE),
-    );
-    k.wait_programmed(1);
-    wait_served(&k, "10.0.0.2", true);
+    let (k, _agent) = serving_two_clients("k8f", json!({}), 1);
     assert_eq!(dropped(&k, "drop_flow_limit"), 0);
 
     // A burst of 3, then one a second: four connections at once do not
