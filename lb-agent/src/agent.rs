@@ -54,10 +54,11 @@ pub struct Agent {
     dp: Arc<Mutex<Dataplane>>,
     health: HealthChecker,
     health_rx: watch::Receiver<HealthSnapshot>,
-    /// Weights of the load-aware services, and the interval it runs at.
+    /// Weights of the load-aware services, and what the task runs with
+    /// (its interval and cgroup root).
     load: LoadTask,
     load_rx: watch::Receiver<LoadWeights>,
-    load_interval: Duration,
+    load_settings: (Duration, PathBuf),
     metrics: Arc<Metrics>,
     ready: Arc<AtomicBool>,
     /// Service names and health by key, read by the metrics snapshot.
@@ -164,8 +165,8 @@ impl Agent {
             tokio::spawn(crate::http::serve(listener, metrics.clone(), probe));
         }
         let (health, health_rx) = HealthChecker::new();
-        let load_interval = config.load_interval;
-        let (load, load_rx) = LoadTask::start(dp.clone(), health_rx.clone(), load_interval);
+        let load_settings = (config.load_interval, config.cgroup_root.clone());
+        let (load, load_rx) = start_load(&dp, &health_rx, &load_settings);
         let mut agent = Self {
             opts,
             config,
@@ -175,7 +176,7 @@ impl Agent {
             health_rx,
             load,
             load_rx,
-            load_interval,
+            load_settings,
             metrics,
             ready,
             labels,
@@ -456,10 +457,10 @@ impl Agent {
         targets.sort_by_key(|t| t.0);
         targets.dedup_by_key(|t| t.0);
         self.health.set_targets(targets);
-        if self.config.load_interval != self.load_interval {
-            self.load_interval = self.config.load_interval;
-            (self.load, self.load_rx) =
-                LoadTask::start(self.dp.clone(), self.health_rx.clone(), self.load_interval);
+        let load_settings = (self.config.load_interval, self.config.cgroup_root.clone());
+        if load_settings != self.load_settings {
+            (self.load, self.load_rx) = start_load(&self.dp, &self.health_rx, &load_settings);
+            self.load_settings = load_settings;
         }
         self.reconcile()
     }
@@ -489,6 +490,11 @@ impl Agent {
                     name: svc.name.clone(),
                     backends: spec.backends.iter().map(|b| (b.addr, b.weight)).collect(),
                     agent_check: *agent_check,
+                    cgroups: svc
+                        .backends
+                        .iter()
+                        .filter_map(|b| Some((b.addr(), b.cgroup.clone()?)))
+                        .collect(),
                     least_loaded: spec.least_loaded,
                 });
                 apply_load(&mut spec, &load);
@@ -658,6 +664,15 @@ impl Agent {
 }
 
 /// Each VIP's announcement: a way any of its services asks for.
+fn start_load(
+    dp: &Arc<Mutex<Dataplane>>,
+    health: &watch::Receiver<HealthSnapshot>,
+    (interval, cgroup_root): &(Duration, PathBuf),
+) -> (LoadTask, watch::Receiver<LoadWeights>) {
+    let cgroups = crate::load::cgroup::Hierarchies::at(cgroup_root);
+    LoadTask::start(dp.clone(), health.clone(), *interval, cgroups)
+}
+
 fn announce_by_vip(services: &[DesiredService]) -> BTreeMap<IpAddr, Announce> {
     let mut out: BTreeMap<IpAddr, Announce> = BTreeMap::new();
     for s in services {
@@ -808,6 +823,9 @@ fn load_samples(load: &LoadWeights) -> LoadSamples {
             out.pressure.push(v(l.decision.pressure));
             if let Some(lat) = sig.latency {
                 out.probe_latency.push(v(lat.as_secs_f64()));
+            }
+            if let Some(cpu) = sig.cpu {
+                out.cpu.push(v(cpu));
             }
             match sig.report {
                 Some(Report::Percent(p)) => out.reported_percent.push(v(p as f64)),

@@ -72,6 +72,8 @@ pub struct LoadSamples {
     pub probe_latency: Vec<BackendValue>,
     /// Only backends whose agent check answered a percentage (drain: 0).
     pub reported_percent: Vec<BackendValue>,
+    /// Only local backends whose cgroup was read.
+    pub cpu: Vec<BackendValue>,
     /// Per service (`backend` empty): 1 when every backend reports drain.
     pub all_draining: Vec<BackendValue>,
 }
@@ -272,6 +274,11 @@ const DP_FAMILIES: &[DpFamily] = &[
         "xlb_backend_reported_load_percent",
         "Load-aware: the weight percentage the backend's agent check reported (drain: 0).",
         Source::Load(|l| &l.reported_percent),
+    ),
+    gauge(
+        "xlb_backend_cpu_load",
+        "Load-aware, local backends: CPU used against the cgroup's limit (1: all of it), plus the share of time it was held back by throttling or CPU pressure (up to 2).",
+        Source::Load(|l| &l.cpu),
     ),
     gauge(
         "xlb_service_all_backends_draining",
@@ -672,6 +679,7 @@ mod tests {
                 pressure: vec![value("10.1.0.1:8080", 1.25)],
                 probe_latency: vec![value("10.1.0.1:8080", 0.003)],
                 reported_percent: vec![value("10.1.0.2:8080", 40.0)],
+                cpu: vec![value("10.1.0.1:8080", 1.5)],
                 all_draining: vec![value("", 0.0)],
             },
         }
@@ -817,6 +825,7 @@ mod tests {
             "xlb_backend_load_pressure",
             "xlb_backend_probe_latency_seconds",
             "xlb_backend_reported_load_percent",
+            "xlb_backend_cpu_load",
             "xlb_service_all_backends_draining",
             "xlb_datapath_packets_total",
             "xlb_conntrack_entries",

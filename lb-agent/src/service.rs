@@ -170,6 +170,18 @@ pub struct DesiredBackend {
     pub ip: IpAddr,
     pub port: u16,
     pub weight: u32,
+    /// Where its CPU use can be read on this node (load-aware balancing);
+    /// `None`: not local, or not said.
+    pub cgroup: Option<BackendCgroup>,
+}
+
+/// A local backend's cgroup.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum BackendCgroup {
+    /// A path below the cgroup hierarchies' root (config file).
+    Path(std::path::PathBuf),
+    /// A Pod on this node, by UID (Kubernetes): found where kubelet puts it.
+    Pod(String),
 }
 
 impl DesiredBackend {

@@ -306,6 +306,9 @@ pub struct BackendLoad {
     pub report_pct: u32,
     /// `LOAD_F_*`.
     pub flags: u32,
+    /// Its cgroup's CPU load, in thousandths (1000: all of its limit; up
+    /// to 2000: held back as well); `u32::MAX`: not read.
+    pub cpu_milli: u32,
 }
 
 /// `BackendLoad::flags`: written by a load-aware controller.

@@ -1,7 +1,9 @@
 //! A CPU limit on processes through the kernel's CPU controller: what makes
 //! a backend slow for real in the load-aware tests and benchmark. cgroup v1
 //! (`cpu.cfs_quota_us` under /sys/fs/cgroup/cpu, this machine) or v2
-//! (`cpu.max`), whichever the host has.
+//! (`cpu.max`), whichever the host has. On a v1 host the group is made in
+//! `cpuacct` (CPU time) and the v2 `unified` tree (pressure) as well, as
+//! systemd and kubelet do, so that the agent can read its load.
 
 use std::{fs, path::PathBuf};
 
@@ -11,9 +13,12 @@ const PERIOD_US: u64 = 100_000;
 /// A cgroup with a CPU quota; removed (its processes back in the root
 /// group) when dropped.
 pub struct CpuLimit {
+    name: String,
     dir: PathBuf,
     v2: bool,
     root: PathBuf,
+    /// The same group in the other hierarchies (v1 host): (root, group).
+    others: Vec<(PathBuf, PathBuf)>,
 }
 
 impl CpuLimit {
@@ -30,8 +35,24 @@ impl CpuLimit {
             let _ = fs::write(root.join("cgroup.subtree_control"), "+cpu");
         }
         let dir = root.join(name);
-        let _ = fs::create_dir(&dir);
-        let limit = CpuLimit { dir, v2, root };
+        let _ = fs::create_dir_all(&dir);
+        let others = ["cpuacct", "unified"]
+            .into_iter()
+            .map(|h| PathBuf::from("/sys/fs/cgroup").join(h))
+            .filter(|r| !v2 && r.join("cgroup.procs").exists() && *r != root)
+            .map(|r| {
+                let d = r.join(name);
+                let _ = fs::create_dir_all(&d);
+                (r, d)
+            })
+            .collect();
+        let limit = CpuLimit {
+            name: name.to_string(),
+            dir,
+            v2,
+            root,
+            others,
+        };
         limit.set(percent);
         limit
     }
@@ -56,18 +77,39 @@ impl CpuLimit {
 
     /// Moves process `pid` (all its threads) into the group.
     pub fn add(&self, pid: u32) {
-        fs::write(self.dir.join("cgroup.procs"), pid.to_string())
-            .unwrap_or_else(|e| panic!("moving {pid} into {}: {e}", self.dir.display()));
+        let dirs = std::iter::once(&self.dir).chain(self.others.iter().map(|(_, d)| d));
+        for dir in dirs {
+            fs::write(dir.join("cgroup.procs"), pid.to_string())
+                .unwrap_or_else(|e| panic!("moving {pid} into {}: {e}", dir.display()));
+        }
+    }
+
+    /// The group's path below the hierarchies' root (what the agent's
+    /// `cgroup:` names).
+    pub fn name(&self) -> &str {
+        &self.name
     }
 }
 
 impl Drop for CpuLimit {
     fn drop(&mut self) {
-        if let Ok(procs) = fs::read_to_string(self.dir.join("cgroup.procs")) {
-            for pid in procs.lines() {
-                let _ = fs::write(self.root.join("cgroup.procs"), pid);
+        let groups =
+            std::iter::once((&self.root, &self.dir)).chain(self.others.iter().map(|(r, d)| (r, d)));
+        for (root, dir) in groups {
+            if let Ok(procs) = fs::read_to_string(dir.join("cgroup.procs")) {
+                for pid in procs.lines() {
+                    let _ = fs::write(root.join("cgroup.procs"), pid);
+                }
+            }
+            // With its parents made for it, while empty (kubepods/…).
+            for d in dir
+                .ancestors()
+                .take_while(|d| d.starts_with(root) && *d != root)
+            {
+                if fs::remove_dir(d).is_err() {
+                    break;
+                }
             }
         }
-        let _ = fs::remove_dir(&self.dir);
     }
 }

@@ -180,6 +180,32 @@ fn pinned_maps_of_another_layout_are_refused() {
     );
 }
 
+/// The load-aware record is the agent's alone (the program never reads it):
+/// one laid out by an older version (smaller) is started afresh, and the
+/// rest is adopted.
+#[test]
+fn an_older_load_record_is_replaced_not_refused() {
+    let dir = PinDir(format!("/sys/fs/bpf/xlb-test-load-{}", std::process::id()).into());
+    std::fs::create_dir_all(&dir.0).unwrap();
+    let value = (std::mem::size_of::<lb_common::BackendLoad>() - 4).to_string();
+    let out = std::process::Command::new("bpftool")
+        .args(["map", "create"])
+        .arg(dir.0.join("BACKEND_LOAD"))
+        .args(["type", "array", "key", "4", "value", &value, "entries", "16"])
+        .args(["name", "BACKEND_LOAD"])
+        .output()
+        .expect("bpftool");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let dp = Dataplane::open(Some(&dir.0)).expect("an old load record is no reason to refuse");
+    drop(dp);
+    let maps = lb_agent::maps::PinnedMaps::open(&dir.0).unwrap();
+    assert!(maps.backend_load().unwrap().is_some(), "a new record is pinned");
+}
+
 /// Quick successive changes retire regions into the quarantine; a service
 /// added while they fill the pool waits for them instead of failing with
 /// "MAGLEV is full".

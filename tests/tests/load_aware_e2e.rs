@@ -2,8 +2,9 @@
 //! agent with XDP, a stream of client connections. A backend slowed for
 //! real (a CPU quota of 2 % of a core on its nginx) loses its share and gets
 //! it back when the quota is lifted; a backend's agent check (socat serving a file, as a
-//! sidecar would) scales, drains and restores it. Established connections
-//! never move. Needs root.
+//! sidecar would) scales, drains and restores it; a backend whose cgroup
+//! runs out of CPU loses share by that signal alone. Established
+//! connections never move. Needs root.
 
 use std::{
     collections::BTreeMap,
@@ -222,6 +223,118 @@ fn a_slowed_backend_loses_share_and_gets_it_back_needs_root() {
         total[1] + total[2] + total[3] > 1000,
         "too little traffic: {total:?}"
     );
+}
+
+/// A process that burns all the CPU its cgroup allows; killed when dropped.
+struct Burner(std::process::Child);
+
+impl Burner {
+    fn start_in(group: &CpuLimit) -> Burner {
+        let child = std::process::Command::new("sh")
+            .args(["-c", "while :; do :; done"])
+            .spawn()
+            .expect("sh");
+        group.add(child.id());
+        Burner(child)
+    }
+}
+
+impl Drop for Burner {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+#[test]
+fn a_backend_short_of_cpu_loses_share_by_its_cgroup_needs_root() {
+    let mut t = Topology::new("la-cpu", 3);
+    // Each nginx in a cgroup of its own, as a local Pod or a systemd unit
+    // is; backend 1's allows a fifth of a core.
+    let groups: Vec<CpuLimit> = (1..=3)
+        .map(|n| {
+            let g = CpuLimit::new(
+                &format!("xlb-la-cpu/b{n}"),
+                if n == 1 { 20.0 } else { 100.0 },
+            );
+            g.add(t.backend_pid(n));
+            g
+        })
+        .collect();
+    // No health check and a trickle of connections: neither probes nor
+    // open flows can tell the backends apart, only the CPU.
+    let mut config = config(None).replace(
+        "    health_check: { type: http, path: /, interval: 250ms, timeout: 200ms }\n",
+        "",
+    );
+    for (n, g) in (1..=3).zip(&groups) {
+        config = config.replace(
+            &format!("{}, port: {BACKEND_PORT} }}", backend_ip(n)),
+            &format!(
+                "{}, port: {BACKEND_PORT}, cgroup: {} }}",
+                backend_ip(n),
+                g.name()
+            ),
+        );
+    }
+    let agent = t.start_agent(&config);
+    let load = Load::start(&t, 1);
+    wait_until(
+        "every backend's CPU read, at full weight",
+        Duration::from_secs(10),
+        || {
+            let r = rows(&t);
+            let read = (1..=3).all(|n| r[&n]["load"]["cpu"].as_f64().is_some());
+            (read && weights(&t) == [100, 100, 100]).then_some(())
+        },
+    );
+    let mut held = keepalive_to(&t, vip(), "b1");
+
+    let burner = Burner::start_in(&groups[0]);
+    let w = wait_until("backend 1 to lose weight", Duration::from_secs(15), || {
+        let w = weights(&t);
+        (w[0] <= 25 && w[1] == 100 && w[2] == 100).then_some(w)
+    });
+    let row = &rows(&t)[&1];
+    assert!(
+        row["load"]["cpu"].as_f64().unwrap() > 1.0,
+        "lbctl shows backend 1 at its quota and held back: {row} (weights {w:?})"
+    );
+    let b1 = format!(
+        "xlb_backend_cpu_load{{service=\"web\",backend=\"{}:{BACKEND_PORT}\"}} ",
+        backend_ip(1)
+    );
+    let metrics = agent.metrics();
+    let cpu: f64 = metrics
+        .lines()
+        .find_map(|l| l.strip_prefix(&b1))
+        .unwrap_or_else(|| panic!("no {b1} in\n{metrics}"))
+        .parse()
+        .unwrap();
+    assert!(cpu > 1.0, "metric {b1}{cpu}");
+    assert_eq!(
+        held.get().unwrap(),
+        "b1",
+        "the established connection moved"
+    );
+
+    drop(burner);
+    wait_until(
+        "backend 1 to get its weight back",
+        Duration::from_secs(20),
+        || (weights(&t) == [100, 100, 100]).then_some(()),
+    );
+    assert_eq!(
+        held.get().unwrap(),
+        "b1",
+        "the established connection moved"
+    );
+
+    // Its cgroup gone (the Pod or unit removed): logged, the other signals decide.
+    drop(groups);
+    agent.wait_for_log("reading its CPU use", 1, Duration::from_secs(5));
+    assert_eq!(weights(&t), [100, 100, 100]);
+    load.finish();
 }
 
 /// Serves the contents of `file` to every connection on the agent port in

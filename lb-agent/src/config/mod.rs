@@ -16,8 +16,8 @@ use ipnet::IpNet;
 use crate::{
     dataplane::{BackendSpec, ServiceSpec},
     service::{
-        parse_source_range, ranges_for, AgentCheck, Announce, Balance, CheckKind, ClientAffinity,
-        DesiredBackend, DesiredService, HealthCheck, Mode, RemovedBackendFlows,
+        parse_source_range, ranges_for, AgentCheck, Announce, BackendCgroup, Balance, CheckKind,
+        ClientAffinity, DesiredBackend, DesiredService, HealthCheck, Mode, RemovedBackendFlows,
         DEFAULT_AFFINITY_TIMEOUT, MAX_AFFINITY_TIMEOUT,
     },
 };
@@ -52,10 +52,16 @@ pub struct AgentConfig {
     /// How often the load-aware services' weights are recomputed
     /// (`load_aware.interval`).
     pub load_interval: Duration,
+    /// Where the cgroup hierarchies are mounted, for local backends' CPU
+    /// (`load_aware.cgroup_root`).
+    pub cgroup_root: PathBuf,
     /// Answering ARP/NDP for the VIPs (L2 mode); `None`: not answered.
     pub l2: Option<L2Config>,
     pub services: Vec<DesiredService>,
 }
+
+/// `load_aware.cgroup_root` when not set.
+pub const DEFAULT_CGROUP_ROOT: &str = "/sys/fs/cgroup";
 
 /// `load_aware.interval` when not set: fast enough to follow a backend
 /// that slows within seconds, slow enough that the smoothing sees a few

@@ -186,9 +186,13 @@ pub(super) struct RawAgentCheck {
 }
 
 #[derive(Deserialize)]
-#[serde(deny_unknown_fields, expecting = "a mapping with interval")]
+#[serde(
+    deny_unknown_fields,
+    expecting = "a mapping with interval, cgroup_root"
+)]
 pub(super) struct RawLoadAware {
     pub(super) interval: Option<String>,
+    pub(super) cgroup_root: Option<String>,
 }
 
 #[derive(Deserialize)]
@@ -222,12 +226,13 @@ pub(super) enum RawRemoved {
 #[derive(Deserialize)]
 #[serde(
     deny_unknown_fields,
-    expecting = "a backend (a mapping with ip, port, weight)"
+    expecting = "a backend (a mapping with ip, port, weight, cgroup)"
 )]
 pub(super) struct RawBackend {
     pub(super) ip: String,
     pub(super) port: i64,
     pub(super) weight: Option<i64>,
+    pub(super) cgroup: Option<String>,
 }
 
 #[derive(Deserialize)]

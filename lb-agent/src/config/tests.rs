@@ -113,6 +113,7 @@ fn full_example() {
         bgp: None,
         kubernetes: None,
         load_interval: DEFAULT_LOAD_INTERVAL,
+        cgroup_root: PathBuf::from(DEFAULT_CGROUP_ROOT),
         l2: None,
         services: vec![
             DesiredService {
@@ -126,11 +127,13 @@ fn full_example() {
                         ip: v4("10.2.0.2"),
                         port: 8080,
                         weight: 1,
+                        cgroup: None,
                     },
                     DesiredBackend {
                         ip: v4("10.2.0.3"),
                         port: 8080,
                         weight: 0,
+                        cgroup: None,
                     },
                 ],
                 health_check: Some(HealthCheck {
@@ -158,6 +161,7 @@ fn full_example() {
                     ip: ip("fd00::2"),
                     port: 53,
                     weight: 1000,
+                    cgroup: None,
                 }],
                 health_check: Some(HealthCheck {
                     kind: CheckKind::Http {
@@ -787,6 +791,66 @@ fn balance_and_agent_check() {
         3,
         "load_aware.interval",
         "outside 100ms..=60s",
+    );
+}
+
+#[test]
+fn backend_cgroups_and_their_root() {
+    let with = |backend: &str, balance: &str| {
+        edit(
+            &edit(BASE, "      - { ip: 10.2.0.2, port: 8080 }\n", backend),
+            "  - name: web\n",
+            &format!("  - name: web\n{balance}"),
+        )
+    };
+    let load_aware = "    balance: load-aware\n";
+    let ok = AgentConfig::parse(&with(
+        "      - { ip: 10.2.0.2, port: 8080, cgroup: /system.slice/web.service }\n",
+        load_aware,
+    ))
+    .unwrap();
+    let b = &ok.services[0].backends;
+    assert_eq!(
+        (&b[0].cgroup, &b[1].cgroup),
+        (
+            &Some(BackendCgroup::Path("system.slice/web.service".into())),
+            &None
+        )
+    );
+    assert_eq!(ok.cgroup_root, PathBuf::from("/sys/fs/cgroup"));
+    let ok = AgentConfig::parse(&edit(
+        BASE,
+        "snat_ipv4: 10.0.0.1\n",
+        "snat_ipv4: 10.0.0.1\nload_aware: {cgroup_root: /host/cgroup}\n",
+    ))
+    .unwrap();
+    assert_eq!(ok.cgroup_root, PathBuf::from("/host/cgroup"));
+    rejects(
+        &with("      - { ip: 10.2.0.2, port: 8080, cgroup: web }\n", ""),
+        8,
+        "services[0].backends[0].cgroup",
+        "needs balance: load-aware",
+    );
+    for bad in ["../etc", "/", "a/./b"] {
+        rejects(
+            &with(
+                &format!("      - {{ ip: 10.2.0.2, port: 8080, cgroup: \"{bad}\" }}\n"),
+                load_aware,
+            ),
+            9,
+            "services[0].backends[0].cgroup",
+            "is not a cgroup path",
+        );
+    }
+    rejects(
+        &edit(
+            BASE,
+            "snat_ipv4: 10.0.0.1\n",
+            "snat_ipv4: 10.0.0.1\nload_aware: {cgroup_root: sys/fs/cgroup}\n",
+        ),
+        3,
+        "load_aware.cgroup_root",
+        "not an absolute path",
     );
 }
 

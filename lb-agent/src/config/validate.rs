@@ -121,7 +121,19 @@ impl Validator<'_> {
             None => None,
             Some(k) => Some(self.kubernetes(k)?),
         };
-        let load_interval = match raw.load_aware.and_then(|l| l.interval) {
+        let (load_interval, cgroup_root) = match raw.load_aware {
+            None => (None, None),
+            Some(l) => (l.interval, l.cgroup_root),
+        };
+        let cgroup_root = match cgroup_root {
+            None => PathBuf::from(DEFAULT_CGROUP_ROOT),
+            Some(r) if r.starts_with('/') => PathBuf::from(r),
+            Some(r) => {
+                let at = root().key("load_aware").key("cgroup_root");
+                return Err(self.err(at, format!("{r:?} is not an absolute path")));
+            }
+        };
+        let load_interval = match load_interval {
             None => DEFAULT_LOAD_INTERVAL,
             Some(t) => {
                 let at = || root().key("load_aware").key("interval");
@@ -153,6 +165,7 @@ impl Validator<'_> {
             bgp,
             kubernetes,
             load_interval,
+            cgroup_root,
             l2,
             services,
         })
@@ -604,10 +617,15 @@ impl Validator<'_> {
                 ));
             }
             seen.insert(addr, j);
+            let cgroup = match rb.cgroup {
+                None => None,
+                Some(c) => Some(self.cgroup(&c, || at("cgroup"))?),
+            };
             backends.push(DesiredBackend {
                 ip,
                 port: bport,
                 weight,
+                cgroup,
             });
         }
         let table_size = self.table_size(rs.table_size, backends.len(), path)?;
@@ -618,6 +636,14 @@ impl Validator<'_> {
         let source_ranges = self.source_ranges(rs.source_ranges, vip, path)?;
         let affinity = self.affinity(rs.affinity, rs.affinity_timeout, path)?;
         let balance = self.balance(rs.balance, rs.agent_check, path)?;
+        if let Some(j) = backends.iter().position(|b| b.cgroup.is_some()) {
+            if !balance.is_load_aware() {
+                return Err(self.err(
+                    path.key("backends").index(j).key("cgroup"),
+                    "cgroup needs balance: load-aware (static weights ignore it)",
+                ));
+            }
+        }
         let announce = match rs.announce {
             None | Some(RawAnnounce::Both) => Announce::Both,
             Some(RawAnnounce::Bgp) => Announce::Bgp,
@@ -643,6 +669,19 @@ impl Validator<'_> {
             announce,
             new_flow_limit,
         })
+    }
+
+    /// A backend's cgroup: a path below the hierarchies' root, as
+    /// /proc/PID/cgroup shows it (a leading `/` is allowed).
+    fn cgroup(&self, raw: &str, at: impl Fn() -> FieldPath) -> Checked<BackendCgroup> {
+        let rel = raw.trim_start_matches('/');
+        if !rel.split('/').all(|s| !matches!(s, "" | "." | "..")) {
+            return Err(self.err(
+                at(),
+                format!("{raw:?} is not a cgroup path (like system.slice/web.service)"),
+            ));
+        }
+        Ok(BackendCgroup::Path(rel.into()))
     }
 
     /// `services[].new_flow_limit`.

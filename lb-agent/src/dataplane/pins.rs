@@ -40,7 +40,14 @@ pub(super) fn check_bpffs(dir: &Path) -> Result<()> {
 /// it would make the program read garbage.
 pub(super) fn check_pinned_layout(name: &'static str, path: &Path) -> Result<()> {
     let info = aya::maps::MapInfo::from_pin(path).map_err(map_err(name))?;
-    if let Some(why) = crate::maps::layout_mismatch(name, &info) {
+    let mismatch = crate::maps::layout_mismatch(name, &info);
+    // The agent rewrites this record every load-aware step and the program
+    // never reads it: one laid out by another version is replaced.
+    if let (Some(why), names::BACKEND_LOAD) = (&mismatch, name) {
+        log::info!("{} has {why}: starting it afresh", path.display());
+        return std::fs::remove_file(path).map_err(|e| DataplaneError::Pin(path.to_path_buf(), e));
+    }
+    if let Some(why) = mismatch {
         return Err(DataplaneError::Adopt(format!(
             "{} has {why}",
             path.display()

@@ -40,9 +40,9 @@ use super::{
 use crate::{
     dataplane::{NewFlowLimit, Protocol},
     service::{
-        parse_source_range, ranges_for, AgentCheck, Announce, Balance, ClientAffinity,
-        DesiredBackend, DesiredService, Mode, RemovedBackendFlows, DEFAULT_AFFINITY_TIMEOUT,
-        MAX_AFFINITY_TIMEOUT,
+        parse_source_range, ranges_for, AgentCheck, Announce, BackendCgroup, Balance,
+        ClientAffinity, DesiredBackend, DesiredService, Mode, RemovedBackendFlows,
+        DEFAULT_AFFINITY_TIMEOUT, MAX_AFFINITY_TIMEOUT,
     },
 };
 
@@ -504,6 +504,8 @@ struct Candidate {
     ip: IpAddr,
     port: u16,
     weight: u32,
+    /// Its Pod's UID, when the Pod runs on this node (its cgroup is here).
+    local_pod: Option<String>,
     /// `hints.forNodes` names this node (`None`: no node hints).
     for_this_node: Option<bool>,
     /// `hints.forZones` names this node's zone (`None`: no zone hints).
@@ -570,24 +572,37 @@ fn backends_for(
                     here.zone
                         .is_some_and(|zone| z.iter().any(|z| z.name == zone))
                 });
+            let local_pod = ep
+                .target_ref
+                .as_ref()
+                .filter(|_| ep.node_name.as_deref() == Some(here.node))
+                .filter(|r| r.kind.as_deref() == Some("Pod"))
+                .and_then(|r| r.uid.clone());
             candidates.push(Candidate {
                 ip,
                 port,
                 weight,
+                local_pod,
                 for_this_node,
                 for_this_zone,
             });
         }
     }
     let keep = preferred(&candidates, here);
-    let mut chosen: BTreeMap<(IpAddr, u16), u32> = BTreeMap::new();
+    let mut chosen: BTreeMap<(IpAddr, u16), (u32, Option<&String>)> = BTreeMap::new();
     for c in candidates.iter().filter(|c| keep(c)) {
-        let w = chosen.entry((c.ip, c.port)).or_insert(c.weight);
+        let (w, pod) = chosen.entry((c.ip, c.port)).or_insert((c.weight, None));
         *w = (*w).max(c.weight);
+        *pod = pod.or(c.local_pod.as_ref());
     }
     chosen
         .into_iter()
-        .map(|((ip, port), weight)| DesiredBackend { ip, port, weight })
+        .map(|((ip, port), (weight, pod))| DesiredBackend {
+            ip,
+            port,
+            weight,
+            cgroup: pod.map(|uid| BackendCgroup::Pod(uid.clone())),
+        })
         .collect()
 }
 

@@ -12,7 +12,7 @@ use std::{collections::BTreeSet, sync::Arc, time::Instant};
 
 use futures::{Stream, StreamExt};
 use k8s_openapi::api::{
-    core::v1::{Node, Service},
+    core::v1::{Node, ObjectReference, Service},
     discovery::v1::EndpointSlice,
 };
 use kube::{
@@ -190,11 +190,20 @@ fn strip<K: Resource>(object: &mut K) {
 
 /// An EndpointSlice also carries, per endpoint, a reference to its Pod and
 /// other fields the desired state does not read; with 100 endpoints a slice
-/// they are most of it.
+/// they are most of it. Of the reference, a Pod's UID stays: it finds a
+/// local Pod's cgroup (load-aware balancing).
 fn strip_slice(slice: &mut EndpointSlice) {
     strip(slice);
     for e in &mut slice.endpoints {
-        e.target_ref = None;
+        e.target_ref = e
+            .target_ref
+            .take()
+            .filter(|r| r.kind.as_deref() == Some("Pod") && r.uid.is_some())
+            .map(|r| ObjectReference {
+                kind: r.kind,
+                uid: r.uid,
+                ..Default::default()
+            });
         e.hostname = None;
         e.deprecated_topology = None;
     }
@@ -259,13 +268,21 @@ mod tests {
             "endpoints": [{
                 "addresses": ["10.0.0.1"], "conditions": {"ready": true},
                 "nodeName": "n1", "zone": "z1", "hostname": "web-0",
-                "targetRef": {"kind": "Pod", "name": "web-0"},
+                "targetRef": {"kind": "Pod", "name": "web-0", "namespace": "shop", "uid": "u-1"},
+            }, {
+                "addresses": ["10.0.0.2"], "targetRef": {"kind": "Node", "name": "n2", "uid": "u-2"},
             }],
         }))
         .unwrap();
         strip_slice(&mut slice);
+        assert_eq!(
+            slice.endpoints[1].target_ref, None,
+            "only a Pod's UID is kept"
+        );
         let e = &slice.endpoints[0];
-        assert_eq!((e.target_ref.as_ref(), e.hostname.as_ref()), (None, None));
+        let pod = e.target_ref.as_ref().unwrap();
+        assert_eq!((pod.uid.as_deref(), pod.name.as_ref()), (Some("u-1"), None));
+        assert_eq!(e.hostname, None);
         assert_eq!(e.addresses, ["10.0.0.1"]);
         assert_eq!(e.node_name.as_deref(), Some("n1"));
         assert_eq!(e.zone.as_deref(), Some("z1"));

@@ -76,6 +76,10 @@ pub struct Params {
     /// Added to every latency before comparing: sub-millisecond jitter of
     /// idle backends is not load.
     pub latency_slack: Duration,
+    /// CPU load (1: all of a backend's limit) counts only when some
+    /// backend has at least this much: below it none is short of CPU, and
+    /// ratios of small loads are noise.
+    pub cpu_busy: f64,
     /// A backend that joins a service with others starts at this factor.
     pub ramp_start: f64,
     /// The least a factor grows per step while no signal calls the
@@ -115,6 +119,7 @@ impl Default for Params {
             min_flows: 2.0,
             pseudo_flows: 2.0,
             latency_slack: Duration::from_millis(2),
+            cpu_busy: 0.5,
             ramp_start: 0.5,
             recover: 1.1,
         }
@@ -263,7 +268,12 @@ impl Controller {
             ratios(&flows)
         };
         let latency = ratios(&active.iter().map(|a| st(a).latency).collect::<Vec<_>>());
-        let cpu = ratios(&active.iter().map(|a| signals[a].cpu).collect::<Vec<_>>());
+        let cpu: Vec<Option<f64>> = active.iter().map(|a| signals[a].cpu).collect();
+        let cpu = if cpu.iter().flatten().any(|&c| c >= self.params.cpu_busy) {
+            ratios(&cpu)
+        } else {
+            vec![None; active.len()]
+        };
         // Open flows (averaged over the step) and CPU are measured load;
         // one probe's latency is a single noisy sample, so it counts only
         // where neither is known. A failed probe is load whatever else says.
@@ -504,6 +514,35 @@ mod tests {
             let d = c.step(&signals(&[1.0, 0.0, 0.0]));
             assert_eq!(weights(&d), vec![100, 100, 100]);
         }
+    }
+
+    #[test]
+    fn a_backend_short_of_cpu_loses_share_and_light_cpu_is_noise() {
+        let mut c = Controller::new(Params::default());
+        // Few flows anywhere: only the CPU can tell.
+        let mut s = signals(&[1.0, 0.0, 1.0]);
+        for (b, cpu) in s.values_mut().zip([0.3, 0.05, 0.1]) {
+            b.cpu = Some(cpu);
+        }
+        for _ in 0..5 {
+            assert_eq!(weights(&c.step(&s)), vec![100, 100, 100]);
+        }
+        // Backend 1 at its quota and throttled half the time.
+        s.get_mut(&addr(1)).unwrap().cpu = Some(1.5);
+        let mut d = BTreeMap::new();
+        for _ in 0..5 {
+            d = c.step(&s);
+        }
+        assert!(
+            d[&addr(1)].weight < 50 && d[&addr(1)].pressure > 2.0,
+            "{d:?}"
+        );
+        assert_eq!((d[&addr(2)].weight, d[&addr(3)].weight), (100, 100));
+        s.get_mut(&addr(1)).unwrap().cpu = Some(0.2);
+        for _ in 0..40 {
+            d = c.step(&s);
+        }
+        assert_eq!(weights(&d), vec![100, 100, 100], "recovered");
     }
 
     #[test]

@@ -9,6 +9,8 @@
 //! 2. the health check's latency, when the service has a check;
 //! 3. the backend's own report through HAProxy's agent check
 //!    ([`agent_check`]), when configured;
+//! 4. for a backend on this node whose cgroup is known, its CPU load
+//!    ([`cgroup`]);
 //!
 //! and hands them to one [`controller::Controller`] per service, whose rule
 //! docs/load-aware.md describes. The weights it publishes are applied by the
@@ -16,6 +18,7 @@
 //! atomically and established flows keep their backend (the flow table).
 
 pub mod agent_check;
+pub mod cgroup;
 pub mod controller;
 
 use std::{
@@ -29,8 +32,13 @@ use lb_common::ServiceKey;
 use tokio::{sync::watch, task::JoinHandle, time::MissedTickBehavior};
 use tracing::{info, warn};
 
+use self::cgroup::{Hierarchies, Sample};
 use self::controller::{Controller, Decision, Params, Report, Signals};
-use crate::{dataplane::Dataplane, health::HealthSnapshot, service::AgentCheck};
+use crate::{
+    dataplane::Dataplane,
+    health::HealthSnapshot,
+    service::{AgentCheck, BackendCgroup},
+};
 
 /// The flow table is walked every this many steps (a syscall per flow).
 pub const WALK_EVERY: u64 = 10;
@@ -50,6 +58,8 @@ pub struct LoadTarget {
     /// Backends in the service (health checks passed) and their configured weights.
     pub backends: Vec<(SocketAddr, u32)>,
     pub agent_check: Option<AgentCheck>,
+    /// The backends whose cgroup is on this node.
+    pub cgroups: Vec<(SocketAddr, BackendCgroup)>,
     /// The data plane picks the less loaded of two candidates per new flow.
     pub least_loaded: bool,
 }
@@ -83,6 +93,7 @@ impl BackendLoad {
             report,
             report_pct,
             flags: lb_common::LOAD_F_SET,
+            cpu_milli: self.signals.cpu.map_or(u32::MAX, milli),
         }
     }
 }
@@ -116,6 +127,7 @@ impl LoadTask {
         dp: Arc<Mutex<Dataplane>>,
         health: watch::Receiver<HealthSnapshot>,
         interval: Duration,
+        cgroups: Hierarchies,
     ) -> (LoadTask, watch::Receiver<LoadWeights>) {
         let (targets, targets_rx) = watch::channel(Vec::new());
         let (tx, rx) = watch::channel(LoadWeights::default());
@@ -128,6 +140,8 @@ impl LoadTask {
             controllers: BTreeMap::new(),
             flows: BTreeMap::new(),
             agents: BTreeMap::new(),
+            cgroups,
+            cpu: BTreeMap::new(),
         };
         let handle = tokio::spawn(async move { run.run().await });
         (LoadTask { targets, handle }, rx)
@@ -163,6 +177,14 @@ struct AgentState {
     error: Option<String>,
 }
 
+/// One local backend's cgroup: where it was found and the last reading.
+struct CpuState {
+    group: BackendCgroup,
+    path: Option<std::path::PathBuf>,
+    last: Option<Sample>,
+    error: Option<String>,
+}
+
 struct Run {
     dp: Arc<Mutex<Dataplane>>,
     health: watch::Receiver<HealthSnapshot>,
@@ -172,6 +194,8 @@ struct Run {
     controllers: BTreeMap<ServiceKey, Controller>,
     flows: BTreeMap<(ServiceKey, SocketAddr), FlowCount>,
     agents: BTreeMap<SocketAddr, AgentState>,
+    cgroups: Hierarchies,
+    cpu: BTreeMap<SocketAddr, CpuState>,
 }
 
 impl Run {
@@ -216,6 +240,7 @@ impl Run {
                 .any(|t| t.key == *k && t.backends.iter().any(|b| b.0 == *a))
         });
         let reports = self.agent_reports(targets).await;
+        let cpu = self.cpu_loads(targets);
         let health = self.health.borrow().clone();
         let mut all = BTreeMap::new();
         for t in targets {
@@ -229,7 +254,7 @@ impl Run {
                         latency: health.get(&addr).and_then(|h| h.latency),
                         probe_failed: health.get(&addr).is_some_and(|h| h.last_error.is_some()),
                         report: reports.get(&(t.key, addr)).copied(),
-                        cpu: None,
+                        cpu: cpu.get(&addr).copied(),
                     };
                     (addr, s)
                 })
@@ -335,6 +360,50 @@ impl Run {
                 let open = (count.base + opened.saturating_sub(count.opened))
                     .saturating_sub(closed.saturating_sub(count.closed));
                 out.insert((t.key, addr), open);
+            }
+        }
+        out
+    }
+
+    /// Each local backend's CPU load since the last step, from its cgroup.
+    /// A group that cannot be read drops the signal (the others decide),
+    /// logged when the error changes; a group's first reading gives no
+    /// rate yet.
+    fn cpu_loads(&mut self, targets: &[LoadTarget]) -> BTreeMap<SocketAddr, f64> {
+        let wanted: BTreeMap<SocketAddr, &BackendCgroup> = targets
+            .iter()
+            .flat_map(|t| t.cgroups.iter().map(|(a, g)| (*a, g)))
+            .collect();
+        self.cpu.retain(|a, st| wanted.get(a) == Some(&&st.group));
+        let mut out = BTreeMap::new();
+        for (addr, group) in wanted {
+            let st = self.cpu.entry(addr).or_insert_with(|| CpuState {
+                group: group.clone(),
+                path: None,
+                last: None,
+                error: None,
+            });
+            let read = match st.path.clone() {
+                Some(p) => Ok(p),
+                None => self.cgroups.locate(group),
+            }
+            .and_then(|p| self.cgroups.sample(&p).map(|s| (p, s)));
+            match read {
+                Ok((path, sample)) => {
+                    if st.error.take().is_some() {
+                        info!(backend = %addr, "its cgroup can be read again");
+                    }
+                    if let Some(load) = st.last.and_then(|l| sample.load_since(&l)) {
+                        out.insert(addr, load);
+                    }
+                    (st.path, st.last) = (Some(path), Some(sample));
+                }
+                Err(e) => {
+                    if st.error.as_deref() != Some(&e) {
+                        warn!(backend = %addr, "reading its CPU use: {e}; the other signals decide until it can be read");
+                    }
+                    (st.error, st.path, st.last) = (Some(e), None, None);
+                }
             }
         }
         out

@@ -47,6 +47,9 @@ pub struct LoadRow {
     /// Open flows as the agent counts them (corrected by table walks).
     pub open_flows: u32,
     pub probe_latency_ms: Option<f64>,
+    /// Its cgroup's CPU load (1: all of its limit; up to 2: held back as
+    /// well); `None`: not a local backend with a known cgroup.
+    pub cpu: Option<f64>,
     /// The agent check's answer: `75%`, `drain`, `down`; `None`: none.
     pub reported: Option<String>,
 }
@@ -62,6 +65,7 @@ impl LoadRow {
             pressure: l.pressure_milli as f64 / 1000.0,
             open_flows: l.open_flows,
             probe_latency_ms: (l.latency_us != u32::MAX).then(|| l.latency_us as f64 / 1000.0),
+            cpu: (l.cpu_milli != u32::MAX).then(|| l.cpu_milli as f64 / 1000.0),
             reported: match l.report {
                 lb_common::LOAD_REPORT_PERCENT => Some(format!("{}%", l.report_pct)),
                 lb_common::LOAD_REPORT_DRAIN => Some("drain".into()),
@@ -186,6 +190,7 @@ impl Render for BackendsReport {
                     ("FACTOR", Align::Right),
                     ("PRESSURE", Align::Right),
                     ("PROBE", Align::Right),
+                    ("CPU", Align::Right),
                     ("REPORT", Align::Left),
                 ]);
             }
@@ -219,7 +224,7 @@ impl Render for BackendsReport {
 /// The load-aware columns of one backend.
 fn load_cells(l: Option<&LoadRow>) -> Vec<String> {
     let Some(l) = l else {
-        return vec!["-".into(); 5];
+        return vec!["-".into(); 6];
     };
     vec![
         l.weight.to_string(),
@@ -227,6 +232,7 @@ fn load_cells(l: Option<&LoadRow>) -> Vec<String> {
         format!("{:.2}", l.pressure),
         l.probe_latency_ms
             .map_or("-".into(), |ms| format!("{ms:.1}ms")),
+        l.cpu.map_or("-".into(), |c| format!("{c:.2}")),
         l.reported.clone().unwrap_or_else(|| "-".into()),
     ]
 }

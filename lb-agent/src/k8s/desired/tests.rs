@@ -597,3 +597,38 @@ fn new_flow_limit_annotation() {
         );
     }
 }
+
+#[test]
+fn a_pod_on_this_node_is_known_by_its_uid() {
+    let o = load(WEB);
+    let cgroups = |node: &str| -> Vec<(String, Option<BackendCgroup>)> {
+        let d = compute(&o, &opts(node), &Desired::default());
+        let s = d.services.iter().find(|s| s.port == 80).unwrap();
+        s.backends
+            .iter()
+            .map(|b| (b.addr().to_string(), b.cgroup.clone()))
+            .collect()
+    };
+    let pod = |n: u8| {
+        Some(BackendCgroup::Pod(format!(
+            "0b7f6c0c-8a1e-4b8b-9d55-3a0b0d7c1a0{n}"
+        )))
+    };
+    // 10.244.1.12 is also in a slice without its Pod's reference.
+    assert_eq!(
+        cgroups("worker-1"),
+        vec![
+            ("10.244.1.12:8080".into(), pod(1)),
+            ("10.244.2.7:8080".into(), None),
+            ("10.244.3.4:8080".into(), None),
+        ]
+    );
+    assert_eq!(
+        cgroups("worker-2"),
+        vec![
+            ("10.244.1.12:8080".into(), None),
+            ("10.244.2.7:8080".into(), pod(2)),
+            ("10.244.3.4:8080".into(), None),
+        ]
+    );
+}
