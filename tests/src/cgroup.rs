@@ -113,3 +113,24 @@ impl Drop for CpuLimit {
         }
     }
 }
+
+/// A process that burns all the CPU its cgroup allows; killed when dropped.
+pub struct Burner(std::process::Child);
+
+impl Burner {
+    pub fn start_in(group: &CpuLimit) -> Burner {
+        let child = std::process::Command::new("sh")
+            .args(["-c", "while :; do :; done"])
+            .spawn()
+            .expect("sh");
+        group.add(child.id());
+        Burner(child)
+    }
+}
+
+impl Drop for Burner {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}

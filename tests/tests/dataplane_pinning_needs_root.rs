@@ -191,7 +191,9 @@ fn an_older_load_record_is_replaced_not_refused() {
     let out = std::process::Command::new("bpftool")
         .args(["map", "create"])
         .arg(dir.0.join("BACKEND_LOAD"))
-        .args(["type", "array", "key", "4", "value", &value, "entries", "16"])
+        .args([
+            "type", "array", "key", "4", "value", &value, "entries", "16",
+        ])
         .args(["name", "BACKEND_LOAD"])
         .output()
         .expect("bpftool");
@@ -203,7 +205,10 @@ fn an_older_load_record_is_replaced_not_refused() {
     let dp = Dataplane::open(Some(&dir.0)).expect("an old load record is no reason to refuse");
     drop(dp);
     let maps = lb_agent::maps::PinnedMaps::open(&dir.0).unwrap();
-    assert!(maps.backend_load().unwrap().is_some(), "a new record is pinned");
+    assert!(
+        maps.backend_load().unwrap().is_some(),
+        "a new record is pinned"
+    );
 }
 
 /// Quick successive changes retire regions into the quarantine; a service

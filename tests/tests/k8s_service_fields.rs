@@ -2,13 +2,15 @@
 //! (`xlb_tests::cluster`): `loadBalancerSourceRanges` (and kube-proxy's
 //! annotation) refuse clients outside them in the XDP program, and
 //! `sessionAffinity: ClientIP` keeps every connection of a client on one
-//! backend. Traffic is real: HTTP from the client namespace, which holds two
-//! addresses (10.0.0.2, the default source, and 10.0.0.3).
+//! backend; a load-aware Service reads its local Pods' CPU from the cgroups
+//! kubelet would give them. Traffic is real: HTTP from the client namespace,
+//! which holds two addresses (10.0.0.2, the default source, and 10.0.0.3).
 
 use std::{net::SocketAddr, time::Duration};
 
 use serde_json::{json, Value};
 use xlb_tests::{
+    cgroup::{Burner, CpuLimit},
     k8s_topology::{K8sTopology, NS, SERVICE},
     topology::{AgentHandle, VIP},
     traffic::{keepalive_to, wait_until},
@@ -432,5 +434,52 @@ fn new_connections_beyond_the_annotations_limit_are_dropped() {
                 .count();
             (answered == 5).then_some(())
         },
+    );
+}
+
+/// A load-aware Service's Pods on this node are found in the cgroups
+/// kubelet makes for them (`kubepods/<class>/pod<UID>`, here by the test
+/// as kubelet would), from the UID in the EndpointSlice: their CPU shows in
+/// lbctl, and a Pod out of CPU loses weight.
+#[test]
+fn local_pods_cpu_is_read_from_their_cgroups() {
+    let (k, _agent) = serving_two_clients("k8cpu", json!({}), 2);
+    let groups: Vec<CpuLimit> = (1..=2)
+        .map(|n| {
+            let pod = k.cluster.get("pod", Some(NS), &format!("web-{n}")).unwrap();
+            let uid = pod["metadata"]["uid"].as_str().unwrap();
+            let quota = if n == 1 { 20.0 } else { 100.0 };
+            let g = CpuLimit::new(&format!("kubepods/burstable/pod{uid}"), quota);
+            g.add(k.t.backend_pid(n));
+            g
+        })
+        .collect();
+    patch_service(
+        &k,
+        json!({"metadata": {"annotations": {"xlb.dev/balance": "load-aware"}}}),
+    );
+    let rows = || -> Vec<Value> {
+        let v = k.t.lbctl_json(&["backends"]);
+        v["services"][0]["backends"]
+            .as_array()
+            .cloned()
+            .unwrap_or_default()
+    };
+    wait_until("both Pods' CPU read", Duration::from_secs(20), || {
+        let r = rows();
+        (r.len() == 2 && r.iter().all(|b| b["load"]["cpu"].is_f64())).then_some(())
+    });
+    let _burner = Burner::start_in(&groups[0]);
+    let weight = |n: usize| {
+        let ip = format!("{}:", xlb_tests::topology::backend_ip(n));
+        rows()
+            .iter()
+            .find(|b| b["address"].as_str().is_some_and(|a| a.starts_with(&ip)))
+            .and_then(|b| b["load"]["weight"].as_u64())
+    };
+    wait_until(
+        "the Pod out of CPU loses weight",
+        Duration::from_secs(20),
+        || (weight(1)? <= 25 && weight(2)? == 100).then_some(()),
     );
 }

@@ -19,7 +19,7 @@ use std::{
 
 use serde_json::Value;
 use xlb_tests::{
-    cgroup::CpuLimit,
+    cgroup::{Burner, CpuLimit},
     topology::{backend_ip, in_netns, Topology, BACKEND_PORT, LB_CLIENT_SIDE, VIP},
     traffic::{keepalive_to, one_request, poll_until, wait_until},
 };
@@ -223,27 +223,6 @@ fn a_slowed_backend_loses_share_and_gets_it_back_needs_root() {
         total[1] + total[2] + total[3] > 1000,
         "too little traffic: {total:?}"
     );
-}
-
-/// A process that burns all the CPU its cgroup allows; killed when dropped.
-struct Burner(std::process::Child);
-
-impl Burner {
-    fn start_in(group: &CpuLimit) -> Burner {
-        let child = std::process::Command::new("sh")
-            .args(["-c", "while :; do :; done"])
-            .spawn()
-            .expect("sh");
-        group.add(child.id());
-        Burner(child)
-    }
-}
-
-impl Drop for Burner {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
 }
 
 #[test]

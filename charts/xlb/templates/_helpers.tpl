@@ -77,6 +77,11 @@ The agent's configuration file: .Values.config plus what the release decides
 {{- $kubernetes := get $config "kubernetes" | default dict -}}
 {{- $_ := set $kubernetes "lease_namespace" .Release.Namespace -}}
 {{- $_ := set $config "kubernetes" $kubernetes -}}
+{{- $loadAware := get $config "load_aware" | default dict -}}
+{{- if not (hasKey $loadAware "cgroup_root") -}}
+{{- $_ := set $loadAware "cgroup_root" "/host/sys/fs/cgroup" -}}
+{{- end -}}
+{{- $_ := set $config "load_aware" $loadAware -}}
 {{- if .Values.bgpSpeaker.enabled -}}
 {{- $bgp := get $config "bgp" | default dict -}}
 {{- $peers := list -}}

@@ -121,29 +121,7 @@ impl Validator<'_> {
             None => None,
             Some(k) => Some(self.kubernetes(k)?),
         };
-        let (load_interval, cgroup_root) = match raw.load_aware {
-            None => (None, None),
-            Some(l) => (l.interval, l.cgroup_root),
-        };
-        let cgroup_root = match cgroup_root {
-            None => PathBuf::from(DEFAULT_CGROUP_ROOT),
-            Some(r) if r.starts_with('/') => PathBuf::from(r),
-            Some(r) => {
-                let at = root().key("load_aware").key("cgroup_root");
-                return Err(self.err(at, format!("{r:?} is not an absolute path")));
-            }
-        };
-        let load_interval = match load_interval {
-            None => DEFAULT_LOAD_INTERVAL,
-            Some(t) => {
-                let at = || root().key("load_aware").key("interval");
-                let d = self.duration(&t, at)?;
-                if !(Duration::from_millis(100)..=Duration::from_secs(60)).contains(&d) {
-                    return Err(self.err(at(), format!("{t:?} is outside 100ms..=60s")));
-                }
-                d
-            }
-        };
+        let (load_interval, cgroup_root) = self.load_aware(raw.load_aware)?;
         let l2 = match raw.l2 {
             None => None,
             Some(l) => Some(self.l2(l, &interfaces, kubernetes.is_some())?),
@@ -635,15 +613,7 @@ impl Validator<'_> {
         };
         let source_ranges = self.source_ranges(rs.source_ranges, vip, path)?;
         let affinity = self.affinity(rs.affinity, rs.affinity_timeout, path)?;
-        let balance = self.balance(rs.balance, rs.agent_check, path)?;
-        if let Some(j) = backends.iter().position(|b| b.cgroup.is_some()) {
-            if !balance.is_load_aware() {
-                return Err(self.err(
-                    path.key("backends").index(j).key("cgroup"),
-                    "cgroup needs balance: load-aware (static weights ignore it)",
-                ));
-            }
-        }
+        let balance = self.balance(rs.balance, rs.agent_check, &backends, path)?;
         let announce = match rs.announce {
             None | Some(RawAnnounce::Both) => Announce::Both,
             Some(RawAnnounce::Bgp) => Announce::Bgp,
@@ -671,11 +641,39 @@ impl Validator<'_> {
         })
     }
 
+    /// `load_aware`: the interval and the cgroup root.
+    fn load_aware(&self, raw: Option<RawLoadAware>) -> Checked<(Duration, PathBuf)> {
+        let (load_interval, cgroup_root) = match raw {
+            None => (None, None),
+            Some(l) => (l.interval, l.cgroup_root),
+        };
+        let cgroup_root = match cgroup_root {
+            None => PathBuf::from(DEFAULT_CGROUP_ROOT),
+            Some(r) if r.starts_with('/') => PathBuf::from(r),
+            Some(r) => {
+                let at = root().key("load_aware").key("cgroup_root");
+                return Err(self.err(at, format!("{r:?} is not an absolute path")));
+            }
+        };
+        let load_interval = match load_interval {
+            None => DEFAULT_LOAD_INTERVAL,
+            Some(t) => {
+                let at = || root().key("load_aware").key("interval");
+                let d = self.duration(&t, at)?;
+                if !(Duration::from_millis(100)..=Duration::from_secs(60)).contains(&d) {
+                    return Err(self.err(at(), format!("{t:?} is outside 100ms..=60s")));
+                }
+                d
+            }
+        };
+        Ok((load_interval, cgroup_root))
+    }
+
     /// A backend's cgroup: a path below the hierarchies' root, as
     /// /proc/PID/cgroup shows it (a leading `/` is allowed).
     fn cgroup(&self, raw: &str, at: impl Fn() -> FieldPath) -> Checked<BackendCgroup> {
         let rel = raw.trim_start_matches('/');
-        if !rel.split('/').all(|s| !matches!(s, "" | "." | "..")) {
+        if rel.split('/').any(|s| matches!(s, "" | "." | "..")) {
             return Err(self.err(
                 at(),
                 format!("{raw:?} is not a cgroup path (like system.slice/web.service)"),
@@ -728,11 +726,13 @@ impl Validator<'_> {
         Ok(())
     }
 
-    /// `balance` and `agent_check`.
+    /// `balance`, and `agent_check` and the backends' `cgroup`, which only
+    /// load-aware balancing reads.
     fn balance(
         &self,
         balance: Option<RawBalance>,
         agent_check: Option<RawAgentCheck>,
+        backends: &[DesiredBackend],
         path: &FieldPath,
     ) -> Checked<Balance> {
         let agent_check = match agent_check {
@@ -748,6 +748,12 @@ impl Validator<'_> {
                     return Err(self.err(
                         path.key("agent_check"),
                         "agent_check needs balance: load-aware (static weights ignore it)",
+                    ));
+                }
+                if let Some(j) = backends.iter().position(|b| b.cgroup.is_some()) {
+                    return Err(self.err(
+                        path.key("backends").index(j).key("cgroup"),
+                        "cgroup needs balance: load-aware (static weights ignore it)",
                     ));
                 }
                 Balance::Static

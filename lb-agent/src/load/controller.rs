@@ -76,10 +76,6 @@ pub struct Params {
     /// Added to every latency before comparing: sub-millisecond jitter of
     /// idle backends is not load.
     pub latency_slack: Duration,
-    /// CPU load (1: all of a backend's limit) counts only when some
-    /// backend has at least this much: below it none is short of CPU, and
-    /// ratios of small loads are noise.
-    pub cpu_busy: f64,
     /// A backend that joins a service with others starts at this factor.
     pub ramp_start: f64,
     /// The least a factor grows per step while no signal calls the
@@ -119,7 +115,6 @@ impl Default for Params {
             min_flows: 2.0,
             pseudo_flows: 2.0,
             latency_slack: Duration::from_millis(2),
-            cpu_busy: 0.5,
             ramp_start: 0.5,
             recover: 1.1,
         }
@@ -268,12 +263,15 @@ impl Controller {
             ratios(&flows)
         };
         let latency = ratios(&active.iter().map(|a| st(a).latency).collect::<Vec<_>>());
-        let cpu: Vec<Option<f64>> = active.iter().map(|a| signals[a].cpu).collect();
-        let cpu = if cpu.iter().flatten().any(|&c| c >= self.params.cpu_busy) {
-            ratios(&cpu)
-        } else {
-            vec![None; active.len()]
-        };
+        // CPU speaks only of a backend short of it (held back by its limit
+        // or waiting for a CPU: above 1), and then as it is, not against
+        // the others: a backend using part of its CPU is not loaded
+        // however little the others use, and one local backend among
+        // remote ones has nothing to be compared with.
+        let cpu: Vec<Option<f64>> = active
+            .iter()
+            .map(|a| signals[a].cpu.filter(|&c| c > 1.0))
+            .collect();
         // Open flows (averaged over the step) and CPU are measured load;
         // one probe's latency is a single noisy sample, so it counts only
         // where neither is known. A failed probe is load whatever else says.
@@ -517,11 +515,12 @@ mod tests {
     }
 
     #[test]
-    fn a_backend_short_of_cpu_loses_share_and_light_cpu_is_noise() {
+    fn a_backend_short_of_cpu_loses_share_and_cpu_it_has_is_no_load() {
         let mut c = Controller::new(Params::default());
-        // Few flows anywhere: only the CPU can tell.
+        // Few flows anywhere: only the CPU can tell. Using most of its
+        // limit, but not held back, is not short of it.
         let mut s = signals(&[1.0, 0.0, 1.0]);
-        for (b, cpu) in s.values_mut().zip([0.3, 0.05, 0.1]) {
+        for (b, cpu) in s.values_mut().zip([0.95, 0.05, 0.1]) {
             b.cpu = Some(cpu);
         }
         for _ in 0..5 {
@@ -534,7 +533,7 @@ mod tests {
             d = c.step(&s);
         }
         assert!(
-            d[&addr(1)].weight < 50 && d[&addr(1)].pressure > 2.0,
+            d[&addr(1)].weight < 50 && d[&addr(1)].pressure == 1.5,
             "{d:?}"
         );
         assert_eq!((d[&addr(2)].weight, d[&addr(3)].weight), (100, 100));

@@ -180,7 +180,10 @@ fn send(t: &Topology, vip: SocketAddr, plan: Vec<Planned>) -> Vec<Outcome> {
     .expect("client thread")
 }
 
-fn config(backends: usize) -> String {
+/// The two services on backends 1..=`backends`; the load-aware one also
+/// reads each backend's CPU from its cgroup (`groups[n - 1]`), as it would
+/// a local Pod's.
+fn config(backends: usize, groups: &[&str]) -> String {
     let mut s = format!(
         "interfaces: [lbc, lbb1, lbb2, lbb3]\nsnat_ipv4: {LB_CLIENT_SIDE}\n\
          services:\n"
@@ -196,7 +199,15 @@ fn config(backends: usize) -> String {
             mode.name()
         );
         for n in 1..=backends {
-            let _ = writeln!(s, "      - {{ ip: {}, port: {WORK_PORT} }}", backend_ip(n));
+            let cgroup = match mode {
+                Mode::LoadAware => format!(", cgroup: {}", groups[n - 1]),
+                Mode::Static => String::new(),
+            };
+            let _ = writeln!(
+                s,
+                "      - {{ ip: {}, port: {WORK_PORT}{cgroup} }}",
+                backend_ip(n)
+            );
         }
     }
     s
@@ -290,21 +301,23 @@ impl Lab {
 
     fn run(&mut self, p: &Pattern, mode: Mode, seed: u64) -> Run {
         // Quotas: one group each, or backends 1 and 2 in one.
+        let mut names = Vec::new();
         for (i, pid) in self.servers.iter().enumerate() {
             let g = if p.shared_quota && i == 1 { 0 } else { i };
             self.groups[g].add(*pid);
+            names.push(self.groups[g].name());
         }
         if let Some(mut a) = self.agent.take() {
             a.sigterm_and_wait();
         }
         let first = if p.joins.is_some() { 2 } else { 3 };
-        let agent = self.t.start_agent(&config(first));
+        let agent = self.t.start_agent(&config(first, &names));
         // Let the health checks and the controller see the backends idle.
         std::thread::sleep(Duration::from_secs(2));
         let plan = schedule(p, seed);
         let stop = Arc::new(AtomicBool::new(false));
         let sampler = {
-            let (stop_sampler, joins) = (stop.clone(), p.joins);
+            let (stop_sampler, joins, names) = (stop.clone(), p.joins, &names);
             let t = &self.t;
             let agent = &agent;
             std::thread::scope(|scope| {
@@ -315,7 +328,7 @@ impl Lab {
                     while !stop_sampler.load(Ordering::Relaxed) {
                         let at = start.elapsed().as_secs_f64();
                         if joins.is_some_and(|j| !joined && at >= j) {
-                            agent.write_config(&config(3));
+                            agent.write_config(&config(3, names));
                             joined = true;
                         }
                         seen.push((at, weights(t)));
