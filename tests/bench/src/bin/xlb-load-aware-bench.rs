@@ -126,6 +126,8 @@ fn schedule(p: &Pattern, seed: u64) -> Vec<Planned> {
 /// its scheduled time.
 #[derive(Clone, Copy)]
 struct Outcome {
+    /// Its scheduled second.
+    at: f64,
     status: u16,
     latency_ms: f64,
 }
@@ -164,6 +166,7 @@ fn send(t: &Topology, vip: SocketAddr, plan: Vec<Planned>) -> Vec<Outcome> {
                 tasks.push(tokio::spawn(async move {
                     let status = request(vip, p.cost_us).await;
                     Outcome {
+                        at: p.at,
                         status,
                         latency_ms: due.elapsed().as_secs_f64() * 1000.0,
                     }
@@ -490,6 +493,27 @@ fn print_table(runs: &[Run]) {
             r.pct(0.5),
             r.pct(0.99),
             r.pct(0.999)
+        );
+    }
+    println!("\nfailed requests by when they were sent (5 s windows):");
+    for r in runs {
+        let mut windows = vec![
+            0;
+            r.outcomes
+                .iter()
+                .map(|o| o.at as usize / 5 + 1)
+                .max()
+                .unwrap_or(0)
+        ];
+        for o in r.outcomes.iter().filter(|o| o.status != 200) {
+            windows[o.at as usize / 5] += 1;
+        }
+        let cells: Vec<String> = windows.iter().map(|n| n.to_string()).collect();
+        println!(
+            "  {:<15} {:<10} {}",
+            r.pattern,
+            r.mode.name(),
+            cells.join(" ")
         );
     }
     println!("\nload-aware weights over time (backend 1/2/3, every ~2 s):");
