@@ -542,8 +542,9 @@ impl Agent {
                 Err(e) => errors.push(format!("{name}: {e}")),
             }
         }
+        let held = self.held_services();
         for key in current.keys() {
-            if !desired.contains_key(key) {
+            if !desired.contains_key(key) && !held.contains(key) {
                 if let Err(e) = dp.remove_service(key) {
                     errors.push(format!("removing a service: {e}"));
                 }
@@ -609,6 +610,20 @@ impl Agent {
         }
         self.shadowed = shadowed;
         all
+    }
+
+    /// Kubernetes Services broken since before this agent started: their
+    /// data-plane entries stay as they are (`Desired::held`).
+    fn held_services(&self) -> BTreeSet<ServiceKey> {
+        let Some(rx) = &self.k8s else {
+            return BTreeSet::new();
+        };
+        let desired = rx.borrow();
+        desired
+            .iter()
+            .flat_map(|d| &d.held)
+            .map(|&(vip, port, proto)| lb_common::net::service_key(vip, port, proto.number()))
+            .collect()
     }
 
     /// The VIPs this node can serve now (the program is attached and a

@@ -483,3 +483,56 @@ fn local_pods_cpu_is_read_from_their_cgroups() {
         || (weight(1)? <= 25 && weight(2)? == 100).then_some(()),
     );
 }
+
+/// A Service whose annotation went bad keeps its last good state; an agent
+/// restarted under it (a rollout) has no last good state, and leaves what
+/// the last agent programmed as it is instead of dropping it: the
+/// established connection and new ones are still served. Fixing the
+/// annotation takes effect as usual.
+#[test]
+fn an_agent_restarted_under_a_broken_service_keeps_serving_it() {
+    let (mut k, mut agent) = serving_two_clients("k8held", json!({}), 1);
+    let mut held = keepalive_to(&k.t, vip(), "b1");
+    patch_service(
+        &k,
+        json!({"metadata": {"annotations": {"xlb.dev/new-flow-limit": "fast"}}}),
+    );
+    agent.wait_for_log("keeping its previous state", 1, Duration::from_secs(20));
+
+    assert!(agent.sigterm_and_wait().success());
+    let config = k.agent_config("");
+    let restarted = k.t.start_agent(&config);
+    restarted.wait_for_log("is left as it is", 1, Duration::from_secs(20));
+    assert_eq!(
+        held.get().unwrap(),
+        "b1",
+        "the established connection survives the restart"
+    );
+    assert_eq!(
+        get_from(&k, "10.0.0.2").as_deref(),
+        Some("b1"),
+        "new connections"
+    );
+    let row = service_row(&k);
+    assert!(
+        row["backends"] == 1 && row["new_flow_limit"].is_null(),
+        "the service is as the last agent left it: {row}"
+    );
+
+    // Fixed: applied as any change (the limit now drops a burst).
+    patch_service(
+        &k,
+        json!({"metadata": {"annotations": {"xlb.dev/new-flow-limit": "per-second=1, burst=1"}}}),
+    );
+    wait_until(
+        "the fixed annotation applies",
+        Duration::from_secs(20),
+        || {
+            let answered = (0..3)
+                .filter(|_| get_from(&k, "10.0.0.2").is_some())
+                .count();
+            (answered < 3).then_some(())
+        },
+    );
+    drop(restarted);
+}

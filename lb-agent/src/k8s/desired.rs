@@ -64,6 +64,12 @@ pub struct Desired {
     pub by_service: BTreeMap<String, Vec<DesiredService>>,
     /// Human-readable, one per problem (logged by the watcher).
     pub problems: Vec<String>,
+    /// The addresses of Services that are unusable with no last good state
+    /// here (an agent started while they were broken): what the data plane
+    /// already has for them stays as it is, so that an agent restarted
+    /// under a broken Service does not drop the connections the last one
+    /// served.
+    pub held: BTreeSet<(IpAddr, u16, Protocol)>,
     /// This node carries the exclusion label.
     pub excluded: bool,
     /// This node is being taken out ([`node_is_leaving`]): a SIGTERM then
@@ -169,14 +175,18 @@ pub fn desired_services(
             }
             Err(problem) => {
                 let kept = previous.by_service.get(&k).cloned().unwrap_or_default();
-                out.problems.push(format!(
-                    "Service {k}: {problem}; {}",
-                    if kept.is_empty() {
-                        "not served".to_string()
-                    } else {
-                        "keeping its previous state".to_string()
+                let what = if kept.is_empty() {
+                    if let Ok((vips, ports)) = addresses(svc, &mut Vec::new()) {
+                        for vip in vips {
+                            out.held
+                                .extend(ports.iter().map(|&(_, port, proto)| (vip, port, proto)));
+                        }
                     }
-                ));
+                    "what the data plane already has for its addresses is left as it is, nothing new is served"
+                } else {
+                    "keeping its previous state"
+                };
+                out.problems.push(format!("Service {k}: {problem}; {what}"));
                 kept
             }
         };
@@ -252,29 +262,7 @@ fn service_configs(
     let announce = announce(svc)?;
     let new_flow_limit = new_flow_limit(svc)?;
     let mut notes = Vec::new();
-    let mut vips = Vec::new();
-    for ing in super::ingress(svc) {
-        match ing.ip.as_deref().map(str::parse::<IpAddr>) {
-            Some(Ok(ip)) => vips.push(ip),
-            Some(Err(_)) => notes.push(format!(
-                "Service {ns}/{name}: ingress ip {:?} is not an address; skipped",
-                ing.ip.as_deref().unwrap_or_default()
-            )),
-            // Hostname-only ingress: nothing to serve on this node.
-            None => {}
-        }
-    }
-    vips.sort();
-    vips.dedup();
-    let mut ports = Vec::new();
-    for p in spec.ports.iter().flatten() {
-        let protocol = parse_protocol(p.protocol.as_deref())?;
-        let port = u16::try_from(p.port)
-            .ok()
-            .filter(|&p| p > 0)
-            .ok_or_else(|| format!("port {} is out of range", p.port))?;
-        ports.push((p.name.clone().unwrap_or_default(), port, protocol));
-    }
+    let (vips, ports) = addresses(svc, &mut notes)?;
     let mut out = Vec::new();
     for &vip in &vips {
         for (port_name, port, protocol) in &ports {
@@ -497,6 +485,39 @@ struct Here<'a> {
     local: bool,
     /// `spec.trafficDistribution`: a preference, with a fallback to all.
     distribution: Option<&'a str>,
+}
+
+/// Where a Service is served: its ingress addresses (ones that are not
+/// addresses are noted and skipped), and its ports (name, port, protocol).
+type Addresses = (BTreeSet<IpAddr>, Vec<(String, u16, Protocol)>);
+
+fn addresses(svc: &Service, notes: &mut Vec<String>) -> Result<Addresses, String> {
+    let ns = svc.metadata.namespace.as_deref().unwrap_or("");
+    let name = svc.metadata.name.as_deref().unwrap_or("");
+    let mut vips = BTreeSet::new();
+    for ing in super::ingress(svc) {
+        match ing.ip.as_deref().map(str::parse::<IpAddr>) {
+            Some(Ok(ip)) => {
+                vips.insert(ip);
+            }
+            Some(Err(_)) => notes.push(format!(
+                "Service {ns}/{name}: ingress ip {:?} is not an address; skipped",
+                ing.ip.as_deref().unwrap_or_default()
+            )),
+            // Hostname-only ingress: nothing to serve on this node.
+            None => {}
+        }
+    }
+    let mut ports = Vec::new();
+    for p in svc.spec.iter().flat_map(|s| s.ports.iter().flatten()) {
+        let protocol = parse_protocol(p.protocol.as_deref())?;
+        let port = u16::try_from(p.port)
+            .ok()
+            .filter(|&p| p > 0)
+            .ok_or_else(|| format!("port {} is out of range", p.port))?;
+        ports.push((p.name.clone().unwrap_or_default(), port, protocol));
+    }
+    Ok((vips, ports))
 }
 
 /// An endpoint of one port, with what its hints say about this node.

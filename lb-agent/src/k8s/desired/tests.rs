@@ -237,9 +237,22 @@ fn a_bad_update_keeps_the_previous_state() {
         "{:?}",
         d.problems
     );
-    // With nothing to fall back on, the Service is not served.
+    assert!(d.held.is_empty(), "a last good state is used, not held");
+    // With nothing to fall back on (an agent started under the broken
+    // Service), nothing is served anew, and whatever the data plane has on
+    // its addresses is held as it is.
     let d = compute(&o, &opts("worker-1"), &Desired::default());
     assert!(d.services.is_empty());
+    let vip: IpAddr = "192.0.2.10".parse().unwrap();
+    assert_eq!(
+        d.held.iter().copied().collect::<Vec<_>>(),
+        vec![(vip, 80, Protocol::Tcp), (vip, 443, Protocol::Tcp)]
+    );
+    assert!(
+        d.problems.iter().any(|p| p.contains("is left as it is")),
+        "{:?}",
+        d.problems
+    );
 }
 
 #[test]
