@@ -2212,4 +2212,40 @@ fn new_flows_beyond_the_limit_of_a_source_prefix_are_dropped_needs_root() {
     // Other services of the same clients are not limited.
     assert_eq!(run(dp, cl0, &c4(syn(48005, 80))).0, XDP_REDIRECT);
     assert_eq!(limited_drops(dp), 1);
+
+    // IPv6: sources are counted by their /64 (`ipv6_prefix`).
+    let mut limited6 = svc(
+        vip6().into(),
+        8001,
+        Protocol::Tcp,
+        None,
+        &[(b6_2().into(), 9001)],
+    );
+    limited6.new_flow_limit = limited.new_flow_limit;
+    dp.set_service(&limited6).unwrap();
+    let syn6_from = |src: Ipv6Addr, sport: u16| {
+        from_client()
+            .ipv6(ip6(src, vip6(), 64))
+            .tcp(syn(sport, 8001))
+            .build()
+    };
+    let same64 = v6("fd00::99:1");
+    for (src, sport) in [(client6(), 49000), (same64, 49001), (client6(), 49002)] {
+        assert_eq!(
+            run(dp, cl0, &syn6_from(src, sport)).0,
+            XDP_REDIRECT,
+            "[{src}]:{sport}"
+        );
+    }
+    assert_eq!(
+        run(dp, cl0, &syn6_from(same64, 49003)).0,
+        XDP_DROP,
+        "the fourth new flow of fd00::/64"
+    );
+    assert_eq!(
+        run(dp, cl0, &syn6_from(v6("fd00:0:0:1::2"), 49004)).0,
+        XDP_REDIRECT,
+        "another /64 has its own budget"
+    );
+    assert_eq!(limited_drops(dp), 2);
 }

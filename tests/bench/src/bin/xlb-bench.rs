@@ -275,4 +275,13 @@ fn main() {
             m as f64 / floor.max(1) as f64
         );
     }
+    // How close the program is to the verifier's limits: what any new
+    // branch in the data path has to fit in.
+    let info = dp.program().info().expect("program info");
+    println!(
+        "\nprogram: {} instructions verified (the kernel's limit: 1,000,000), {} bytes translated",
+        info.verified_instruction_count()
+            .map_or("?".to_string(), |n| n.to_string()),
+        info.size_translated().map_or(0, |n| n)
+    );
 }
