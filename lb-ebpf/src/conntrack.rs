@@ -2,7 +2,13 @@
 //! (backend -> client), both shared by all CPUs, and Maglev picks for new
 //! flows.
 
-use aya_ebpf::{bindings::BPF_NOEXIST, helpers::bpf_ktime_get_coarse_ns, programs::XdpContext};
+use core::ffi::c_void;
+
+use aya_ebpf::{
+    bindings::BPF_NOEXIST,
+    helpers::{bpf_ktime_get_coarse_ns, bpf_loop},
+    programs::XdpContext,
+};
 use lb_common::{
     hash::{flow_hash, maglev_hash, second_choice, snat_port_candidate},
     Backend, Config, FibCache, Flow, FlowKey, Reason, ReplyNat, ReverseKey, ServiceInfo, SourceKey,
@@ -190,6 +196,8 @@ pub struct Scratch {
     pub flow: Flow,
     pub reverse_key: ReverseKey,
     pub source_key: SourceKey,
+    /// The SNAT port search under way (`claim_snat_port`, `find`).
+    pub probe: SnatProbe,
 }
 
 /// Points `s.target` at a remembered flow's backend.
@@ -375,34 +383,86 @@ fn refresh_reply(rk: &FlowKey, cfg: &Config, proto: u8, closing: bool, t: u64) -
 /// taking a free one, one left by this same client flow (seen by another
 /// CPU), or one whose previous flow has expired. Returns the port (network
 /// order), or 0 when every probe was taken. Expects `s.reply` filled.
+///
+/// The probes run under `bpf_loop`, so the verifier checks one probe once
+/// rather than all of them on every path to a new SNAT flow: unrolled, the
+/// probes were more than half of the instructions it walked (970 k of its
+/// 1 M limit with 16 probes, 435 k with one).
 #[inline(always)]
 fn claim_snat_port(svc: &ServiceInfo, backend: &Backend, cfg: &Config, s: &mut Scratch) -> u16 {
-    let t = now();
-    let h = flow_hash(&s.key);
-    for probe in 0..SNAT_PROBES {
-        let port = snat_port_candidate(h, probe, cfg.snat_port_min, cfg.snat_port_max).to_be();
-        set_reply_key(&mut s.reply_key, &s.key, svc, backend, port);
-        if REPLY_NAT
-            .insert(&s.reply_key, &s.reply, BPF_NOEXIST as u64)
-            .is_ok()
-        {
-            return port;
-        }
-        if let Some(r) = REPLY_NAT.get_ptr_mut(&s.reply_key) {
-            // SAFETY: shared entry; we only take it when it is ours or expired.
-            let r = unsafe { &mut *r };
-            if same_client(r, &s.key) || r.expires_ns < t {
-                let closing = s.reply.flags & REPLY_F_CLOSING != 0;
-                set_reply_value(
-                    r,
-                    &s.key,
-                    svc.id,
-                    s.reply.backend_id,
-                    closing,
-                    s.reply.expires_ns,
-                );
-                return port;
-            }
+    set_reply_key(&mut s.reply_key, &s.key, svc, backend, 0);
+    start_probe(svc, cfg, s);
+    // The scratch goes to the callback through the context, so that the
+    // compiler knows the call reads and writes it (through `&mut` alone it
+    // may assume the helper touches neither, and keep stale values).
+    let mut scratch: *mut Scratch = s;
+    // SAFETY: a helper call; `snat_probe` gets a pointer to `scratch`,
+    // which outlives the call.
+    unsafe {
+        bpf_loop(
+            SNAT_PROBES,
+            snat_probe as *mut c_void,
+            &mut scratch as *mut *mut Scratch as *mut c_void,
+            0,
+        )
+    };
+    s.probe.port
+}
+
+#[inline(always)]
+fn start_probe(svc: &ServiceInfo, cfg: &Config, s: &mut Scratch) {
+    s.probe.h = flow_hash(&s.key);
+    s.probe.service_id = svc.id;
+    s.probe.min = cfg.snat_port_min;
+    s.probe.max = cfg.snat_port_max;
+    s.probe.port = 0;
+}
+
+/// What one SNAT port probe needs besides the flow in the per-CPU scratch,
+/// where it lives too: a larger context on the caller's stack would cost
+/// stack that the verifier's 512-byte limit leaves none of.
+#[derive(Clone, Copy, Default)]
+#[repr(C)]
+pub struct SnatProbe {
+    h: u32,
+    service_id: u32,
+    min: u16,
+    max: u16,
+    /// The claimed port (network order); 0 until one is.
+    port: u16,
+}
+
+/// Probe number `probe`: 1 (stop) once the port is claimed.
+#[inline(never)]
+unsafe extern "C" fn snat_probe(probe: u64, ctx: *mut c_void) -> i64 {
+    // SAFETY: `claim_snat_port` passes a pointer to its pointer to this
+    // CPU's scratch value, which it filled.
+    let s = unsafe { &mut **(ctx as *mut *mut Scratch) };
+    let c = s.probe;
+    let port = snat_port_candidate(c.h, probe as u32, c.min, c.max).to_be();
+    s.reply_key.dport = port;
+    if REPLY_NAT
+        .insert(&s.reply_key, &s.reply, BPF_NOEXIST as u64)
+        .is_ok()
+    {
+        s.probe.port = port;
+        return 1;
+    }
+    if let Some(r) = REPLY_NAT.get_ptr_mut(&s.reply_key) {
+        // SAFETY: shared entry; we only take it when it is ours or expired.
+        let r = unsafe { &mut *r };
+        if same_client(r, &s.key) || r.expires_ns < now() {
+            let closing = s.reply.flags & REPLY_F_CLOSING != 0;
+            set_reply_value(
+                r,
+                &s.key,
+                c.service_id,
+                s.reply.backend_id,
+                closing,
+                s.reply.expires_ns,
+            );
+            s.probe.port = port;
+            return 1;
         }
     }
     0
@@ -433,6 +493,9 @@ pub fn find(svc: &ServiceInfo, s: &mut Scratch) -> Option<()> {
     }
     let cfg = config();
     let h = flow_hash(&s.key);
+    // Unrolled, unlike `claim_snat_port`'s probes: under `bpf_loop` the ICMP
+    // path's call chain needs more stack than the verifier allows (544 of
+    // 512 bytes).
     for probe in 0..SNAT_PROBES {
         let port = snat_port_candidate(h, probe, cfg.snat_port_min, cfg.snat_port_max).to_be();
         set_reply_key(&mut s.reply_key, &s.key, svc, &backend, port);

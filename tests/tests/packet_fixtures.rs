@@ -11,7 +11,7 @@ use std::{
 };
 
 use lb_agent::dataplane::{BackendSpec, Dataplane, MapSizes, Protocol, ServiceSpec};
-use lb_common::{Reason, REASON_COUNT};
+use lb_common::{Config, Reason, REASON_COUNT};
 use xlb_tests::{
     packet::{
         hexdump_diff, tcp_flags, verify_checksums, ExtHeader, Icmpv4, Icmpv6, Ipv4, Ipv6, Mac,
@@ -2248,4 +2248,47 @@ fn new_flows_beyond_the_limit_of_a_source_prefix_are_dropped_needs_root() {
         "another /64 has its own budget"
     );
     assert_eq!(limited_drops(dp), 2);
+}
+
+/// The SNAT source port search (`claim_snat_port`, its probes run by
+/// `bpf_loop`): with two ports, a second client flow takes the one the
+/// first left, a third finds none and is dropped as exhausted before it
+/// takes any state, and a client flow that starts again finds its own port.
+#[test]
+fn snat_ports_are_probed_until_a_free_one_and_exhaustion_drops_needs_root() {
+    let mut bed = FixtureBed::new("xlb-fix-snatports");
+    for s in base_services() {
+        bed.dp.set_service(&s).unwrap();
+    }
+    let (dp, cl0) = (&mut bed.dp, bed.cl0);
+    dp.set_config(Config {
+        snat_port_min: 40000,
+        snat_port_max: 40001,
+        ..Config::default()
+    })
+    .unwrap();
+    let snat_port = |dp: &mut Dataplane, sport: u16| {
+        let (v, out) = run(dp, cl0, &c4(syn(sport, 443)));
+        (v == XDP_REDIRECT).then(|| xlb_tests::packet::parse(&out).unwrap().sport.unwrap())
+    };
+    let first = snat_port(dp, 46000).expect("the first flow gets a port");
+    let second = snat_port(dp, 46001).expect("the second flow gets the other");
+    let mut both = [first, second];
+    both.sort();
+    assert_eq!(both, [40000, 40001]);
+    let exhausted =
+        |dp: &Dataplane| dp.reason_counts().unwrap()[Reason::DropSnatExhausted as usize];
+    let flows = dp.shared_flows().unwrap().len();
+    assert_eq!(snat_port(dp, 46002), None, "no port is left");
+    assert_eq!(exhausted(dp), 1);
+    assert_eq!(
+        dp.shared_flows().unwrap().len(),
+        flows,
+        "the dropped flow takes no state"
+    );
+    assert_eq!(
+        snat_port(dp, 46000),
+        Some(first),
+        "a client flow starting again finds its own port"
+    );
 }
