@@ -69,6 +69,11 @@ pub fn maglev_hash(k: &FlowKey, service_flags: u32) -> u32 {
     }
 }
 
+/// How many times a least-loaded service's second candidate is drawn
+/// while it names the first's backend: with few backends one draw often
+/// does (a third of flows with three equal backends), leaving no choice.
+pub const SECOND_CHOICE_DRAWS: u32 = 3;
+
 /// The Maglev slot hash of a flow's second candidate
 /// (`SERVICE_F_LEAST_LOADED`), from its first: independent of it, so that
 /// the two candidates are two independent weighted draws.

@@ -10,7 +10,7 @@ use aya_ebpf::{
     programs::XdpContext,
 };
 use lb_common::{
-    hash::{flow_hash, maglev_hash, second_choice, snat_port_candidate},
+    hash::{flow_hash, maglev_hash, second_choice, snat_port_candidate, SECOND_CHOICE_DRAWS},
     Backend, Config, FibCache, Flow, FlowKey, Reason, ReplyNat, ReverseKey, ServiceInfo, SourceKey,
     FLOW_EVENT_REPICKED, FLOW_F_CLOSED, FLOW_F_COUNTED, PROTO_TCP, REPLY_F_CLOSING,
     SERVICE_F_FLOW_LIMIT, SERVICE_F_LEAST_LOADED, SERVICE_F_SNAT, SNAT_PROBES,
@@ -145,8 +145,16 @@ fn pick_new(key: &FlowKey, svc: &ServiceInfo) -> Result<(u32, Backend), Reason> 
     if svc.flags & SERVICE_F_LEAST_LOADED == 0 {
         return Ok(first);
     }
-    let h = second_choice(maglev_hash(key, svc.flags));
-    let Ok(second) = slot_backend(key, svc, h) else {
+    let mut h = maglev_hash(key, svc.flags);
+    let mut second = Err(Reason::DropTableError);
+    for _ in 0..SECOND_CHOICE_DRAWS {
+        h = second_choice(h);
+        second = slot_backend(key, svc, h);
+        if !matches!(second, Ok((id, _)) if id == first.0) {
+            break;
+        }
+    }
+    let Ok(second) = second else {
         return Ok(first);
     };
     let open = |id: u32| BACKEND_ACTIVE.get(id).copied().unwrap_or(0);

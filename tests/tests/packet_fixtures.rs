@@ -2028,13 +2028,14 @@ fn a_least_loaded_service_sends_new_flows_to_the_less_busy_candidate_needs_root(
         to_b3 as f64 / n as f64
     };
 
-    // B2 busy: flows whose candidates differ go to B3; about a quarter
-    // have B2 twice.
+    // B2 busy: flows whose candidates differ go to B3. The second
+    // candidate is drawn again while it is the first's backend (up to 3
+    // draws): 1 flow in 16 has B2 four times; one draw would leave 1 in 4.
     dp.set_backend_active(b2, 1000).unwrap();
     dp.set_backend_active(b3, 0).unwrap();
     let busy_b2 = share(dp, 20000..20200);
     assert!(
-        busy_b2 > 0.65,
+        busy_b2 > 0.85,
         "{busy_b2} of new flows to B3 while B2 is busy"
     );
     // Each went into B3's count (B2's is above 1000 by its own).
@@ -2048,7 +2049,7 @@ fn a_least_loaded_service_sends_new_flows_to_the_less_busy_candidate_needs_root(
     dp.set_backend_active(b3, 1000).unwrap();
     let busy_b3 = share(dp, 21000..21200);
     assert!(
-        busy_b3 < 0.35,
+        busy_b3 < 0.15,
         "{busy_b3} of new flows to B3 while B3 is busy"
     );
 

@@ -333,9 +333,10 @@ fn maglev_pick(
     }
 }
 
-/// The second Maglev candidate of a load-aware service's new flow and the
-/// open flows both candidates have: the program takes the second when it
-/// has fewer (`conntrack::pick_new`).
+/// The second Maglev candidate of a load-aware service's new flow (drawn
+/// again while it names the first's backend, up to `SECOND_CHOICE_DRAWS`
+/// times) and the open flows both candidates have: the program takes the
+/// second when it has fewer (`conntrack::pick_new`).
 fn second_choice_pick(
     maps: &PinnedMaps,
     key: &FlowKey,
@@ -344,17 +345,29 @@ fn second_choice_pick(
     first_hash: u32,
     (first_id, _): (u32, lb_common::Backend),
 ) -> Result<Option<(SecondChoice, lb_common::Backend)>> {
-    let hash = lb_common::hash::second_choice(first_hash);
-    let Some(index) = table_index(info, hash) else {
-        return Ok(None);
-    };
-    let id = maps.maglev()?.get(index.pool_index)?;
-    let Ok(b) = backends.get(&id, 0).map(|e| e.backend) else {
-        return Ok(None);
-    };
-    if b.family != key.family {
-        return Ok(None);
+    let maglev = maps.maglev()?;
+    let mut hash = first_hash;
+    let mut drawn = None;
+    for _ in 0..lb_common::hash::SECOND_CHOICE_DRAWS {
+        hash = lb_common::hash::second_choice(hash);
+        let Some(index) = table_index(info, hash) else {
+            return Ok(None);
+        };
+        let id = maglev.get(index.pool_index)?;
+        let Ok(b) = backends.get(&id, 0).map(|e| e.backend) else {
+            return Ok(None);
+        };
+        if b.family != key.family {
+            return Ok(None);
+        }
+        drawn = Some((hash, index, id, b));
+        if id != first_id {
+            break;
+        }
     }
+    let Some((hash, index, id, b)) = drawn else {
+        return Ok(None);
+    };
     let active = maps.backend_active()?;
     let open = |id: u32| {
         active
