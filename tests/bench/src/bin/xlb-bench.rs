@@ -9,6 +9,7 @@ use std::net::{Ipv4Addr, SocketAddr};
 
 use aya::programs::Xdp;
 use lb_agent::dataplane::{BackendSpec, Protocol, ServiceSpec};
+use lb_common::Config;
 use xlb_tests::{
     packet::{tcp_flags, Ipv4, PacketBuilder, Tcp, Udp},
     xdp::{test_run, FixtureBed},
@@ -27,6 +28,7 @@ const CLIENT: Ipv4Addr = Ipv4Addr::new(10, 0, 0, 2);
 const VIP: Ipv4Addr = Ipv4Addr::new(192, 0, 2, 10);
 const B2: Ipv4Addr = Ipv4Addr::new(10, 2, 0, 2);
 const B3: Ipv4Addr = Ipv4Addr::new(10, 2, 0, 3);
+const SNAT: Ipv4Addr = Ipv4Addr::new(10, 2, 0, 1);
 
 fn run(prog: &Xdp, ingress: u32, input: &[u8]) -> (u32, u64) {
     let (verdict, _, duration) = test_run(prog, ingress, input);
@@ -88,6 +90,33 @@ fn main() {
         })
         .unwrap();
     }
+    // Port 86: snat mode, 8 backend ports on B2 (each its own space of
+    // source ports) and the whole port range, so that 100 000 new flows
+    // fill a fifth of it and find a free port in one probe or two.
+    dp.set_service(&ServiceSpec {
+        vip: VIP.into(),
+        port: 86,
+        protocol: Protocol::Tcp,
+        snat: Some(SNAT.into()),
+        table_size: None,
+        source_ranges: None,
+        client_affinity: false,
+        least_loaded: false,
+        new_flow_limit: None,
+        backends: (9001..=9008)
+            .map(|port| BackendSpec {
+                addr: SocketAddr::new(B2.into(), port),
+                weight: 1,
+            })
+            .collect(),
+    })
+    .unwrap();
+    dp.set_config(Config {
+        snat_port_min: 1024,
+        snat_port_max: 65535,
+        ..Config::default()
+    })
+    .unwrap();
     let tcp = |src: Ipv4Addr,
                dst: Ipv4Addr,
                sport: u16,
@@ -188,6 +217,25 @@ fn main() {
                     VIP,
                     1024 + (i % 50_000) as u16,
                     80,
+                    tcp_flags::SYN,
+                    client,
+                )
+            }),
+            floor: false,
+            samples: vec![],
+        },
+        Case {
+            name: "TCP SYN, new flow, snat",
+            katran: None,
+            ingress: cl0,
+            verdict: XDP_REDIRECT,
+            packet: Box::new(move |i| {
+                let src = Ipv4Addr::from(0x0a03_0000 + (i as u32 / 50_000));
+                tcp(
+                    src,
+                    VIP,
+                    1024 + (i % 50_000) as u16,
+                    86,
                     tcp_flags::SYN,
                     client,
                 )
