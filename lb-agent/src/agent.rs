@@ -678,7 +678,7 @@ impl Agent {
     }
 }
 
-/// Each VIP's announcement: a way any of its services asks for.
+/// Starts the load task with `settings` (its interval and cgroup root).
 fn start_load(
     dp: &Arc<Mutex<Dataplane>>,
     health: &watch::Receiver<HealthSnapshot>,
@@ -688,6 +688,7 @@ fn start_load(
     LoadTask::start(dp.clone(), health.clone(), *interval, cgroups)
 }
 
+/// Each VIP's announcement: a way any of its services asks for.
 fn announce_by_vip(services: &[DesiredService]) -> BTreeMap<IpAddr, Announce> {
     let mut out: BTreeMap<IpAddr, Announce> = BTreeMap::new();
     for s in services {

@@ -75,8 +75,9 @@ pub fn maglev_hash(k: &FlowKey, service_flags: u32) -> u32 {
 pub const SECOND_CHOICE_DRAWS: u32 = 3;
 
 /// The Maglev slot hash of a flow's second candidate
-/// (`SERVICE_F_LEAST_LOADED`), from its first: independent of it, so that
-/// the two candidates are two independent weighted draws.
+/// (`SERVICE_F_LEAST_LOADED`), from the previous draw's (the first: the
+/// flow's Maglev hash): independent of it, so that the candidates are
+/// independent weighted draws.
 #[inline(always)]
 pub fn second_choice(first: u32) -> u32 {
     finish(first ^ 0x2545_f491)

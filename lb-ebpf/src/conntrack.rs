@@ -204,7 +204,7 @@ pub struct Scratch {
     pub flow: Flow,
     pub reverse_key: ReverseKey,
     pub source_key: SourceKey,
-    /// The SNAT port search under way (`claim_snat_port`, `find`).
+    /// The SNAT port search under way (`claim_snat_port`).
     pub probe: SnatProbe,
 }
 
@@ -399,7 +399,11 @@ fn refresh_reply(rk: &FlowKey, cfg: &Config, proto: u8, closing: bool, t: u64) -
 #[inline(always)]
 fn claim_snat_port(svc: &ServiceInfo, backend: &Backend, cfg: &Config, s: &mut Scratch) -> u16 {
     set_reply_key(&mut s.reply_key, &s.key, svc, backend, 0);
-    start_probe(svc, cfg, s);
+    s.probe.h = flow_hash(&s.key);
+    s.probe.service_id = svc.id;
+    s.probe.min = cfg.snat_port_min;
+    s.probe.max = cfg.snat_port_max;
+    s.probe.port = 0;
     // The scratch goes to the callback through the context, so that the
     // compiler knows the call reads and writes it (through `&mut` alone it
     // may assume the helper touches neither, and keep stale values).
@@ -415,15 +419,6 @@ fn claim_snat_port(svc: &ServiceInfo, backend: &Backend, cfg: &Config, s: &mut S
         )
     };
     s.probe.port
-}
-
-#[inline(always)]
-fn start_probe(svc: &ServiceInfo, cfg: &Config, s: &mut Scratch) {
-    s.probe.h = flow_hash(&s.key);
-    s.probe.service_id = svc.id;
-    s.probe.min = cfg.snat_port_min;
-    s.probe.max = cfg.snat_port_max;
-    s.probe.port = 0;
 }
 
 /// What one SNAT port probe needs besides the flow in the per-CPU scratch,

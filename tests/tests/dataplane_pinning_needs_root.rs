@@ -152,17 +152,15 @@ fn a_new_driver_adopts_pinned_services_and_tables() {
     assert!(!dir.0.exists());
 }
 
-#[test]
-fn pinned_maps_of_another_layout_are_refused() {
-    let dir = PinDir(format!("/sys/fs/bpf/xlb-test-layout-{}", std::process::id()).into());
-    std::fs::create_dir_all(&dir.0).unwrap();
-    // A SERVICES map with a layout no xlb version uses.
+/// Pins a map `name` of `kind` (4-byte keys, `value`-byte values) in
+/// `dir`, as another xlb version might have left it.
+fn pin_map(dir: &PinDir, name: &str, kind: &str, value: usize) {
+    let value = value.to_string();
     let out = std::process::Command::new("bpftool")
         .args(["map", "create"])
-        .arg(dir.0.join("SERVICES"))
-        .args([
-            "type", "hash", "key", "4", "value", "4", "entries", "16", "name", "SERVICES",
-        ])
+        .arg(dir.0.join(name))
+        .args(["type", kind, "key", "4", "value", &value, "entries", "16"])
+        .args(["name", name])
         .output()
         .expect("bpftool");
     assert!(
@@ -170,6 +168,14 @@ fn pinned_maps_of_another_layout_are_refused() {
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
+}
+
+#[test]
+fn pinned_maps_of_another_layout_are_refused() {
+    let dir = PinDir(format!("/sys/fs/bpf/xlb-test-layout-{}", std::process::id()).into());
+    std::fs::create_dir_all(&dir.0).unwrap();
+    // A SERVICES map with a layout no xlb version uses.
+    pin_map(&dir, "SERVICES", "hash", 4);
     let err = match Dataplane::open(Some(&dir.0)) {
         Ok(_) => panic!("a foreign SERVICES map must not be adopted"),
         Err(e) => e.to_string(),
@@ -187,20 +193,11 @@ fn pinned_maps_of_another_layout_are_refused() {
 fn an_older_load_record_is_replaced_not_refused() {
     let dir = PinDir(format!("/sys/fs/bpf/xlb-test-load-{}", std::process::id()).into());
     std::fs::create_dir_all(&dir.0).unwrap();
-    let value = (std::mem::size_of::<lb_common::BackendLoad>() - 4).to_string();
-    let out = std::process::Command::new("bpftool")
-        .args(["map", "create"])
-        .arg(dir.0.join("BACKEND_LOAD"))
-        .args([
-            "type", "array", "key", "4", "value", &value, "entries", "16",
-        ])
-        .args(["name", "BACKEND_LOAD"])
-        .output()
-        .expect("bpftool");
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
+    pin_map(
+        &dir,
+        "BACKEND_LOAD",
+        "array",
+        std::mem::size_of::<lb_common::BackendLoad>() - 4,
     );
     let dp = Dataplane::open(Some(&dir.0)).expect("an old load record is no reason to refuse");
     drop(dp);

@@ -61,6 +61,11 @@ fn patch_service(k: &K8sTopology, patch: Value) {
     k.cluster.patch("service", Some(NS), SERVICE, &patch, false);
 }
 
+/// How many of `n` connections in a row from 10.0.0.2 are answered.
+fn answered_at_once(k: &K8sTopology, n: usize) -> usize {
+    (0..n).filter(|_| get_from(k, "10.0.0.2").is_some()).count()
+}
+
 /// Waits until `src` is answered (`true`) or refused (`false`).
 fn wait_served(k: &K8sTopology, src: &str, served: bool) {
     wait_until(
@@ -407,12 +412,7 @@ fn new_connections_beyond_the_annotations_limit_are_dropped() {
     wait_until(
         "a fourth connection at once is dropped",
         Duration::from_secs(20),
-        || {
-            let answered = (0..4)
-                .filter(|_| get_from(&k, "10.0.0.2").is_some())
-                .count();
-            (answered < 4).then_some(())
-        },
+        || (answered_at_once(&k, 4) < 4).then_some(()),
     );
     assert!(dropped(&k, "drop_flow_limit") > 0, "the drops are counted");
     assert!(
@@ -428,12 +428,7 @@ fn new_connections_beyond_the_annotations_limit_are_dropped() {
     wait_until(
         "five connections at once all answered",
         Duration::from_secs(20),
-        || {
-            let answered = (0..5)
-                .filter(|_| get_from(&k, "10.0.0.2").is_some())
-                .count();
-            (answered == 5).then_some(())
-        },
+        || (answered_at_once(&k, 5) == 5).then_some(()),
     );
 }
 
@@ -527,12 +522,7 @@ fn an_agent_restarted_under_a_broken_service_keeps_serving_it() {
     wait_until(
         "the fixed annotation applies",
         Duration::from_secs(20),
-        || {
-            let answered = (0..3)
-                .filter(|_| get_from(&k, "10.0.0.2").is_some())
-                .count();
-            (answered < 3).then_some(())
-        },
+        || (answered_at_once(&k, 3) < 3).then_some(()),
     );
     drop(restarted);
 }

@@ -161,6 +161,15 @@ fn main() {
         client,
     );
     let udp_est = udp.clone();
+    // A new source address and port each call: a flow never seen before.
+    // `net`: the first source address (a /16 of its own per case).
+    let new_flows = |net: u32, dport: u16| -> Box<dyn Fn(usize) -> Vec<u8>> {
+        Box::new(move |i| {
+            let src = Ipv4Addr::from(net + (i as u32 / 50_000));
+            let sport = 1024 + (i % 50_000) as u16;
+            tcp(src, VIP, sport, dport, tcp_flags::SYN, client)
+        })
+    };
     let mut cases = [
         Case {
             name: "floor (XDP_PASS only)",
@@ -209,18 +218,7 @@ fn main() {
             katran: Some(195),
             ingress: cl0,
             verdict: XDP_REDIRECT,
-            // A new source address and port each call: a flow never seen before.
-            packet: Box::new(move |i| {
-                let src = Ipv4Addr::from(0x0a01_0000 + (i as u32 / 50_000));
-                tcp(
-                    src,
-                    VIP,
-                    1024 + (i % 50_000) as u16,
-                    80,
-                    tcp_flags::SYN,
-                    client,
-                )
-            }),
+            packet: new_flows(0x0a01_0000, 80),
             floor: false,
             samples: vec![],
         },
@@ -229,17 +227,7 @@ fn main() {
             katran: None,
             ingress: cl0,
             verdict: XDP_REDIRECT,
-            packet: Box::new(move |i| {
-                let src = Ipv4Addr::from(0x0a03_0000 + (i as u32 / 50_000));
-                tcp(
-                    src,
-                    VIP,
-                    1024 + (i % 50_000) as u16,
-                    86,
-                    tcp_flags::SYN,
-                    client,
-                )
-            }),
+            packet: new_flows(0x0a03_0000, 86),
             floor: false,
             samples: vec![],
         },
@@ -248,17 +236,7 @@ fn main() {
             katran: None,
             ingress: cl0,
             verdict: XDP_REDIRECT,
-            packet: Box::new(move |i| {
-                let src = Ipv4Addr::from(0x0a02_0000 + (i as u32 / 50_000));
-                tcp(
-                    src,
-                    VIP,
-                    1024 + (i % 50_000) as u16,
-                    83,
-                    tcp_flags::SYN,
-                    client,
-                )
-            }),
+            packet: new_flows(0x0a02_0000, 83),
             floor: false,
             samples: vec![],
         },
