@@ -27,7 +27,7 @@ use tracing::{error, info, warn};
 use crate::{
     announce::{task::AnnounceTask, Route},
     config::{AgentConfig, XdpAttachMode},
-    dataplane::{Dataplane, MapSizes, Protocol, ServiceSpec},
+    dataplane::{Dataplane, Handing, MapSizes, Protocol, ServiceSpec},
     health::{HealthChecker, HealthSnapshot},
     k8s::{desired::SourceOptions, watch::DesiredRx},
     load::{
@@ -80,6 +80,8 @@ pub struct Agent {
     announce_by_vip: BTreeMap<IpAddr, Announce>,
     /// Whether the Node is being taken out, as last logged (Kubernetes).
     node_leaving: bool,
+    /// The other agents SNAT flows are shared with (`flow_sync:`).
+    flow_peers: Option<crate::flow_sync::Peers>,
 }
 
 #[derive(Default)]
@@ -164,6 +166,23 @@ impl Agent {
                 Arc::new(move || (true, ready.load(Ordering::Relaxed)));
             tokio::spawn(crate::http::serve(listener, metrics.clone(), probe));
         }
+        let flow_peers = match &config.flow_sync {
+            Some(fs) => {
+                let listener = tokio::net::TcpListener::bind(fs.listen)
+                    .await
+                    .with_context(|| format!("binding the flow exchange {}", fs.listen))?;
+                let peers = crate::flow_sync::Peers::new(fs.key.clone(), fs.peers.clone());
+                let sync_now = crate::flow_sync::start_sync(peers.clone(), dp.clone(), fs.interval);
+                tokio::spawn(crate::flow_sync::serve(
+                    listener,
+                    Arc::new(fs.key.clone()),
+                    dp.clone(),
+                    sync_now,
+                ));
+                Some(peers)
+            }
+            None => None,
+        };
         let (health, health_rx) = HealthChecker::new();
         let load_settings = (config.load_interval, config.cgroup_root.clone());
         let (load, load_rx) = start_load(&dp, &health_rx, &load_settings);
@@ -189,6 +208,7 @@ impl Agent {
             shadowed: BTreeSet::new(),
             announce_by_vip: BTreeMap::new(),
             node_leaving: false,
+            flow_peers,
         };
         let mut kube_client = None;
         if let Some(kcfg) = agent.config.kubernetes.clone() {
@@ -229,20 +249,44 @@ impl Agent {
                 .context("the Kubernetes watcher stopped")?;
             agent.k8s = Some(rx);
         }
+        if let Some(peers) = agent.flow_peers.clone() {
+            // The services first, announced nowhere yet, so that the peers'
+            // flows find them; then the flows, before the router can send
+            // any of them here.
+            agent.apply_at_start()?;
+            crate::flow_sync::take_from_peers(&peers, &agent.dp).await;
+        }
         agent.start_announcing(kube_client).await?;
-        if let Err(e) = agent.apply_config() {
-            // Without its interfaces the agent is useless: stop. A service the
-            // data plane refuses (a full table) must not take the others down.
-            if agent.attached.len() < agent.config.interfaces.len() {
-                return Err(e);
-            }
-            error!("some services could not be programmed: {e:#}");
+        agent.apply_at_start()?;
+        if let Some(peers) = agent.flow_peers.clone() {
+            // Flows the peers opened between the pull and the routers'
+            // taking this node in: pulled again at once and once the routers
+            // have had a second.
+            let dp = agent.dp.clone();
+            tokio::spawn(async move {
+                crate::flow_sync::take_from_peers(&peers, &dp).await;
+                tokio::time::sleep(Duration::from_secs(1)).await;
+                crate::flow_sync::take_from_peers(&peers, &dp).await;
+            });
         }
         agent.ready.store(true, Ordering::Relaxed);
         agent.metrics.set_ready(true);
         release_free_memory();
         info!("ready");
         Ok(agent)
+    }
+
+    /// Applies the config at start. Without its interfaces the agent is
+    /// useless: an error. A service the data plane refuses (a full table)
+    /// must not take the others down: logged.
+    fn apply_at_start(&mut self) -> anyhow::Result<()> {
+        if let Err(e) = self.apply_config() {
+            if self.attached.len() < self.config.interfaces.len() {
+                return Err(e);
+            }
+            error!("some services could not be programmed: {e:#}");
+        }
+        Ok(())
     }
 
     /// Starts what tells the network about the VIPs: the BGP speaker's
@@ -332,11 +376,31 @@ impl Agent {
         if !leaving {
             info!("restarting, not leaving: the routes stay announced and the data plane keeps forwarding until the next agent adopts it");
         }
+        // A node that leaves gives its SNAT flows to the others before the
+        // routers send them there, then those it opened meanwhile, and at
+        // the end of the drain those that still reached it.
+        let peers = self.flow_peers.clone().filter(|_| leaving);
+        let give = |which: Handing| {
+            let (peers, dp) = (peers.clone(), self.dp.clone());
+            async move {
+                if let Some(p) = peers {
+                    crate::flow_sync::give_to_peers(&p, &dp, which).await;
+                }
+            }
+        };
+        let before = crate::maps::coarse_now_ns();
+        give(Handing::All).await;
         let withdraw_and_drain = async {
             if let (true, Some(task), Some(bgp)) = (leaving, &self.announce, &self.config.bgp) {
                 task.withdraw_all().await;
+                let withdrawn = crate::maps::coarse_now_ns();
+                let end = tokio::time::Instant::now() + bgp.drain_time;
+                let _ = tokio::time::timeout_at(end, give(Handing::OpenedHereSince(before))).await;
                 info!(drain = ?bgp.drain_time, "VIPs withdrawn; draining");
-                tokio::time::sleep(bgp.drain_time).await;
+                tokio::time::sleep(bgp.drain_time * 3 / 4).await;
+                let _ =
+                    tokio::time::timeout_at(end, give(Handing::OpenedHereSince(withdrawn))).await;
+                tokio::time::sleep_until(end).await;
             }
         };
         // L2: the others take this node's VIPs over as soon as it leaves;

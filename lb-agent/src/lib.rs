@@ -4,6 +4,7 @@ pub mod agent;
 pub mod announce;
 pub mod config;
 pub mod dataplane;
+pub mod flow_sync;
 pub mod health;
 pub mod http;
 pub mod k8s;

@@ -36,9 +36,9 @@ pub const MAX_BACKENDS: u32 = 131072;
 /// 2^22 entries (32 MiB: the kernel spaces array elements 8 bytes apart)
 /// hold 128 services at the default table size.
 pub const MAGLEV_POOL_ENTRIES: u32 = 1 << 22;
-/// `SHARED_FLOWS`: the flow table, shared by all CPUs (LRU; each CPU's LRU
+/// `FLOWS`: the flow table, shared by all CPUs (LRU; each CPU's LRU
 /// list holds an equal share).
-pub const SHARED_FLOWS_ENTRIES: u32 = 1 << 18;
+pub const FLOWS_ENTRIES: u32 = 1 << 18;
 /// `REPLY_NAT`: reverse translations, shared by all CPUs (LRU).
 pub const REPLY_NAT_ENTRIES: u32 = 1 << 19;
 /// `SOURCE_RANGES`: allowed client prefixes of all services. Each service
@@ -78,7 +78,7 @@ pub mod map_names {
     pub const SERVICES: &str = "SERVICES";
     pub const BACKENDS: &str = "BACKENDS";
     pub const MAGLEV: &str = "MAGLEV";
-    pub const SHARED_FLOWS: &str = "SHARED_FLOWS";
+    pub const FLOWS: &str = "FLOWS";
     pub const REPLY_NAT: &str = "REPLY_NAT";
     pub const TX_PORTS: &str = "TX_PORTS";
     pub const PORT_FLAGS: &str = "PORT_FLAGS";
@@ -100,7 +100,7 @@ pub mod map_names {
         SERVICES,
         BACKENDS,
         MAGLEV,
-        SHARED_FLOWS,
+        FLOWS,
         REPLY_NAT,
         TX_PORTS,
         PORT_FLAGS,
@@ -243,7 +243,7 @@ pub struct Backend {
     pub _pad: u8,
 }
 
-/// A flow as seen in a packet: key of `SHARED_FLOWS` (client -> VIP direction)
+/// A flow as seen in a packet: key of `FLOWS` (client -> VIP direction)
 /// and of `REPLY_NAT` (backend -> client or SNAT address direction).
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
@@ -259,12 +259,16 @@ pub struct FlowKey {
     pub _pad: [u8; 2],
 }
 
-/// Value of `SHARED_FLOWS`. Written by the data path on a new flow;
+/// Value of `FLOWS`. Written by the data path on a new flow;
 /// `last_seen_ns` by whichever CPU sees the flow, at most once a second.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Flow {
     pub backend_addr: [u32; 4],
+    /// The source address of an SNAT flow: the service's SNAT address on
+    /// the node that opened it (a flow shared by a leaving node keeps
+    /// that node's); zero in NAT mode.
+    pub snat_addr: [u32; 4],
     /// Network order.
     pub backend_port: u16,
     /// SNAT source port (network order), 0 in NAT mode.
@@ -285,6 +289,9 @@ pub const FLOW_F_CLOSED: u32 = 1;
 /// `Flow::flags`: the flow was counted in `BACKEND_ACTIVE` when it opened,
 /// and is taken off when it closes.
 pub const FLOW_F_COUNTED: u32 = 2;
+/// `Flow::flags`, set by the agent only: another node opened the flow and
+/// handed it over (`flow_sync`); this node does not hand it on as its own.
+pub const FLOW_F_HANDED: u32 = 4;
 
 /// Value of `BACKEND_LOAD`, indexed by backend id: what the agent's
 /// load-aware controller decided and why, for `lbctl backends`. The data
@@ -647,7 +654,7 @@ const _: () = {
     assert!(core::mem::size_of::<ServiceInfo>() == 40);
     assert!(core::mem::size_of::<Backend>() == 20);
     assert!(core::mem::size_of::<FlowKey>() == 40);
-    assert!(core::mem::size_of::<Flow>() == 48);
+    assert!(core::mem::size_of::<Flow>() == 64);
     assert!(core::mem::size_of::<ReplyNat>() == 80);
     assert!(core::mem::size_of::<Config>() == 16);
     assert!(core::mem::size_of::<FibCache>() == 24);

@@ -17,7 +17,7 @@ use lb_common::{
 };
 
 use crate::{
-    maps::{BACKENDS, BACKEND_ACTIVE, BACKEND_REVERSE, CONFIG, MAGLEV, REPLY_NAT, SHARED_FLOWS},
+    maps::{BACKENDS, BACKEND_ACTIVE, BACKEND_REVERSE, CONFIG, FLOWS, MAGLEV, REPLY_NAT},
     parse::Headers,
 };
 
@@ -32,7 +32,7 @@ const REFRESH_NS: u64 = NS;
 pub struct Target {
     pub backend: Backend,
     pub backend_id: u32,
-    /// Network order; 0 in NAT mode.
+    /// Network order; 0 in NAT mode. The address is `Scratch::flow`'s.
     pub snat_port: u16,
     /// [`NEW_FLOW`] when this packet created the flow, else 0. (Not a
     /// bool: a bool's niche would put `Result<Target, _>`'s tag mid-struct,
@@ -77,11 +77,12 @@ fn set_reply_key(
     key: &FlowKey,
     svc: &ServiceInfo,
     backend: &Backend,
-    snat_port: u16,
+    snat: (&[u32; 4], u16),
 ) {
+    let (snat_addr, snat_port) = snat;
     let snat = svc.flags & SERVICE_F_SNAT != 0;
     rk.src = backend.addr;
-    rk.dst = if snat { svc.snat_addr } else { key.src };
+    rk.dst = if snat { *snat_addr } else { key.src };
     rk.sport = backend.port;
     rk.dport = if snat { snat_port } else { key.sport };
     rk.proto = key.proto;
@@ -201,6 +202,7 @@ pub struct Scratch {
     pub target: Target,
     pub reply_key: FlowKey,
     pub reply: ReplyNat,
+    /// A new flow as it will be written; for any flow, its SNAT address.
     pub flow: Flow,
     pub reverse_key: ReverseKey,
     pub source_key: SourceKey,
@@ -215,6 +217,7 @@ fn set_target(s: &mut Scratch, flow: &Flow, new_flow: u16) {
     s.target.backend.port = flow.backend_port;
     s.target.backend.family = s.key.family;
     s.target.backend_id = flow.backend_id;
+    s.flow.snat_addr = flow.snat_addr;
     s.target.snat_port = flow.snat_port;
     s.target.new_flow = new_flow;
 }
@@ -230,7 +233,7 @@ fn set_target(s: &mut Scratch, flow: &Flow, new_flow: u16) {
 #[inline(never)]
 pub fn lookup_or_create(svc: &ServiceInfo, closing: bool, syn: bool, s: &mut Scratch) -> u32 {
     if !syn {
-        if let Some(flow) = SHARED_FLOWS.get_ptr_mut(&s.key) {
+        if let Some(flow) = FLOWS.get_ptr_mut(&s.key) {
             // SAFETY: shared entry; plain stores, a racing CPU writes similar values.
             let flow = unsafe { &mut *flow };
             let t = now();
@@ -253,7 +256,7 @@ pub fn lookup_or_create(svc: &ServiceInfo, closing: bool, syn: bool, s: &mut Scr
                         &s.key,
                         svc,
                         &s.target.backend,
-                        flow.snat_port,
+                        (&flow.snat_addr, flow.snat_port),
                     );
                     if !refresh_reply(&s.reply_key, &cfg, s.key.proto, closing, t)
                         && !snat
@@ -314,11 +317,13 @@ fn create(svc: &ServiceInfo, closing: bool, s: &mut Scratch) -> u32 {
         // NAT mode, a backend shared by services: the reply entry is made
         // now (its key holds the client tuple, so it is this flow's own).
         // Otherwise the first reply makes it from `BACKEND_REVERSE`.
-        set_reply_key(&mut s.reply_key, &s.key, svc, &backend, 0);
+        set_reply_key(&mut s.reply_key, &s.key, svc, &backend, (&svc.snat_addr, 0));
         let _ = REPLY_NAT.insert(&s.reply_key, &s.reply, 0);
     }
     s.flow.backend_addr = backend.addr;
     s.flow.backend_port = backend.port;
+    // Unused without an SNAT port (NAT mode).
+    s.flow.snat_addr = svc.snat_addr;
     s.flow.snat_port = snat_port;
     s.flow.backend_id = backend_id;
     s.flow.service_id = svc.id;
@@ -333,7 +338,7 @@ fn create(svc: &ServiceInfo, closing: bool, s: &mut Scratch) -> u32 {
     }
     s.flow.created_ns = t;
     s.flow.last_seen_ns = t;
-    // The caller inserts `s.flow` into SHARED_FLOWS once the packet has been
+    // The caller inserts `s.flow` into FLOWS once the packet has been
     // rewritten and routed.
     s.target.backend.addr = backend.addr;
     s.target.backend.port = backend.port;
@@ -387,6 +392,14 @@ fn refresh_reply(rk: &FlowKey, cfg: &Config, proto: u8, closing: bool, t: u64) -
     }
 }
 
+/// The flow's hash the SNAT port candidates derive from. Not inlined: its
+/// registers would spill into `lookup_or_create`'s frame, which the probe
+/// callback's frame is stacked on (the verifier's 512-byte limit).
+#[inline(never)]
+fn set_probe_hash(s: &mut Scratch) {
+    s.probe.h = flow_hash(&s.key);
+}
+
 /// Claims a source port for a new SNAT flow: probes deterministic candidates,
 /// taking a free one, one left by this same client flow (seen by another
 /// CPU), or one whose previous flow has expired. Returns the port (network
@@ -398,8 +411,8 @@ fn refresh_reply(rk: &FlowKey, cfg: &Config, proto: u8, closing: bool, t: u64) -
 /// 1 M limit with 16 probes, 435 k with one).
 #[inline(always)]
 fn claim_snat_port(svc: &ServiceInfo, backend: &Backend, cfg: &Config, s: &mut Scratch) -> u16 {
-    set_reply_key(&mut s.reply_key, &s.key, svc, backend, 0);
-    s.probe.h = flow_hash(&s.key);
+    set_reply_key(&mut s.reply_key, &s.key, svc, backend, (&svc.snat_addr, 0));
+    set_probe_hash(s);
     s.probe.service_id = svc.id;
     s.probe.min = cfg.snat_port_min;
     s.probe.max = cfg.snat_port_max;
@@ -476,7 +489,7 @@ unsafe extern "C" fn snat_probe(probe: u64, ctx: *mut c_void) -> i64 {
 /// flow and gives its port. Reads `s.key`, fills `s.target`.
 #[inline(always)]
 pub fn find(svc: &ServiceInfo, s: &mut Scratch) -> Option<()> {
-    if let Some(f) = SHARED_FLOWS.get_ptr(&s.key) {
+    if let Some(f) = FLOWS.get_ptr(&s.key) {
         // SAFETY: read of a shared entry.
         let f = unsafe { &*f };
         if f.service_id == svc.id {
@@ -489,19 +502,27 @@ pub fn find(svc: &ServiceInfo, s: &mut Scratch) -> Option<()> {
     s.target.backend.port = backend.port;
     s.target.backend.family = backend.family;
     s.target.backend_id = backend_id;
+    s.flow.snat_addr = svc.snat_addr;
     s.target.snat_port = 0;
     s.target.new_flow = 0;
     if svc.flags & SERVICE_F_SNAT == 0 {
         return Some(());
     }
     let cfg = config();
-    let h = flow_hash(&s.key);
+    set_probe_hash(s);
+    let h = s.probe.h;
     // Unrolled, unlike `claim_snat_port`'s probes: under `bpf_loop` the ICMP
     // path's call chain needs more stack than the verifier allows (544 of
     // 512 bytes).
     for probe in 0..SNAT_PROBES {
         let port = snat_port_candidate(h, probe, cfg.snat_port_min, cfg.snat_port_max).to_be();
-        set_reply_key(&mut s.reply_key, &s.key, svc, &backend, port);
+        set_reply_key(
+            &mut s.reply_key,
+            &s.key,
+            svc,
+            &backend,
+            (&svc.snat_addr, port),
+        );
         if let Some(r) = REPLY_NAT.get_ptr(&s.reply_key) {
             // SAFETY: read of a shared entry.
             if same_client(unsafe { &*r }, &s.key) {
@@ -579,7 +600,7 @@ pub fn close_from_backend(r: &ReplyNat, key: &mut FlowKey, proto: u8, family: u8
     key.proto = proto;
     key.family = family;
     key._pad = [0; 2];
-    if let Some(f) = SHARED_FLOWS.get_ptr_mut(key) {
+    if let Some(f) = FLOWS.get_ptr_mut(key) {
         // SAFETY: shared entry; a racing CPU sets the same bit.
         let f = unsafe { &mut *f };
         if f.backend_id == r.backend_id {

@@ -172,8 +172,8 @@ fn too_big_to_backend(ctx: &XdpContext, h: &Headers) -> Option<Verdict> {
     inner_d.replace16(isport, t.backend.port);
     wr16(ctx, il4, t.backend.port)?;
     if snat {
-        inner_d.replace_addr(idst, &svc.snat_addr, v6);
-        wr_addr(ctx, inner + dst_off, &svc.snat_addr, v6)?;
+        inner_d.replace_addr(idst, &s.flow.snat_addr, v6);
+        wr_addr(ctx, inner + dst_off, &s.flow.snat_addr, v6)?;
         inner_d.replace16(idport, t.snat_port);
         wr16(ctx, il4 + 2, t.snat_port)?;
     }
@@ -183,7 +183,7 @@ fn too_big_to_backend(ctx: &XdpContext, h: &Headers) -> Option<Verdict> {
         let mut hdr = Delta::default();
         hdr.replace_addr(isrc, &t.backend.addr, false);
         if snat {
-            hdr.replace_addr(idst, &svc.snat_addr, false);
+            hdr.replace_addr(idst, &s.flow.snat_addr, false);
         }
         let old = rd16(ctx, inner + 10)?;
         let new = hdr.apply(old);

@@ -31,7 +31,7 @@ use lb_common::{
 
 use crate::{
     forward::{forward, ttl},
-    maps::{BACKENDS, PORT_FLAGS, SCRATCH, SERVICES, SHARED_FLOWS},
+    maps::{BACKENDS, FLOWS, PORT_FLAGS, SCRATCH, SERVICES},
     nat::{l4_min_len, rewrite},
     parse::{load8, parse, ports, ptr_at, Headers, ParseError},
 };
@@ -231,7 +231,7 @@ fn to_backend(ctx: &XdpContext, h: &Headers, svc: &lb_common::ServiceInfo) -> Ve
     let t = &scratch.target;
     let snat = svc.flags & SERVICE_F_SNAT != 0;
     let src = if snat {
-        Some((&svc.snat_addr, t.snat_port))
+        Some((&scratch.flow.snat_addr, t.snat_port))
     } else {
         None
     };
@@ -262,13 +262,17 @@ fn to_backend(ctx: &XdpContext, h: &Headers, svc: &lb_common::ServiceInfo) -> Ve
     let v = forward(
         ctx,
         h,
-        if snat { &svc.snat_addr } else { &h.src },
+        if snat {
+            &scratch.flow.snat_addr
+        } else {
+            &h.src
+        },
         &scratch.target.backend.addr,
         cache,
     );
     if scratch.target.new_flow == conntrack::NEW_FLOW {
         // A full LRU evicts its oldest entry; failure only costs a re-pick later.
-        let _ = SHARED_FLOWS.insert(&scratch.key, &scratch.flow, 0);
+        let _ = FLOWS.insert(&scratch.key, &scratch.flow, 0);
     }
     v
 }

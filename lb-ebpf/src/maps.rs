@@ -9,9 +9,9 @@ use aya_ebpf::{
 use lb_common::{
     BackendEntry, BackendLoad, Config, Flow, FlowKey, FlowLimit, L2Iface, L2Vip, L2VipKey,
     RangeKey, ReplyNat, ReverseKey, ReverseNat, ServiceInfo, ServiceKey, SourceKey, TrafficStats,
-    FLOW_EVENT_COUNT, MAGLEV_POOL_ENTRIES, MAX_BACKENDS, MAX_L2_IFACES, MAX_L2_VIPS, MAX_SERVICES,
-    MAX_SOURCE_RANGES, MAX_TX_PORTS, PORT_FLAGS_ENTRIES, REASON_COUNT, REPLY_NAT_ENTRIES,
-    SHARED_FLOWS_ENTRIES, SOURCE_RATES_ENTRIES,
+    FLOWS_ENTRIES, FLOW_EVENT_COUNT, MAGLEV_POOL_ENTRIES, MAX_BACKENDS, MAX_L2_IFACES, MAX_L2_VIPS,
+    MAX_SERVICES, MAX_SOURCE_RANGES, MAX_TX_PORTS, PORT_FLAGS_ENTRIES, REASON_COUNT,
+    REPLY_NAT_ENTRIES, SOURCE_RATES_ENTRIES,
 };
 
 const NO_PREALLOC: usize = BPF_F_NO_PREALLOC as usize;
@@ -43,12 +43,8 @@ pub static MAGLEV: Array<u32, { MAGLEV_POOL_ENTRIES as usize }, MMAPABLE> = Arra
 /// per new flow; per-CPU LRU lists (`NO_COMMON_LRU`) keep inserts on
 /// different CPUs from contending for one lock.
 #[btf_map]
-pub static SHARED_FLOWS: LruHashMap<
-    FlowKey,
-    Flow,
-    { SHARED_FLOWS_ENTRIES as usize },
-    NO_COMMON_LRU,
-> = LruHashMap::new();
+pub static FLOWS: LruHashMap<FlowKey, Flow, { FLOWS_ENTRIES as usize }, NO_COMMON_LRU> =
+    LruHashMap::new();
 
 /// Per CPU: flow events by `FLOW_EVENT_*` index.
 #[btf_map]

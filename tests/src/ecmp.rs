@@ -104,6 +104,9 @@ pub const HOLD_TIME: Duration = Duration::from_secs(3);
 pub const GOBGP_API_PORT: u16 = 50051;
 /// The agents' metrics port, on 127.0.0.1 in each node namespace.
 pub const METRICS_PORT: u16 = 9469;
+/// Where each node's agent shares SNAT flows with the others (on its LAN
+/// address, `flow_sync:`).
+pub const FLOW_SYNC_PORT: u16 = 7947;
 /// The VIP's service port.
 pub const VIP_PORT: u16 = 80;
 
@@ -891,6 +894,8 @@ impl EcmpLab {
         let dir = std::env::temp_dir().join(format!("xlb-{prefix}"));
         let _ = fs::remove_dir_all(&dir);
         fs::create_dir_all(&dir).unwrap();
+        // The nodes' shared secret for the flow exchange.
+        fs::write(dir.join("cluster.key"), "xlb-ecmp-lab-flow-sync-key\n").unwrap();
 
         let client = Netns::new(&format!("{prefix}-c"));
         let router = Netns::new(&format!("{prefix}-r"));
@@ -1235,6 +1240,19 @@ impl EcmpLab {
                 backend_ip(n)
             ));
         }
+        let peers: Vec<String> = (1..=NODES)
+            .filter(|&n| n != i)
+            .map(|n| format!("{}:{FLOW_SYNC_PORT}", node_backend_ip(n)))
+            .collect();
+        s.push_str(&format!(
+            "flow_sync:\n\
+             \x20 listen: {}:{FLOW_SYNC_PORT}\n\
+             \x20 peers: [{}]\n\
+             \x20 key_file: {}\n",
+            node_backend_ip(i),
+            peers.join(", "),
+            self.dir.join("cluster.key").display()
+        ));
         let node = &self.nodes[i - 1];
         s.push_str(&format!(
             "bgp:\n\

@@ -853,10 +853,25 @@ fn no_new_connection_failed(
     fresh: std::thread::JoinHandle<(u32, Vec<String>)>,
     during: &str,
 ) -> u32 {
+    at_most_new_connections_failed(stop, fresh, during, 0)
+}
+
+/// [`no_new_connection_failed`], `allowed` failures accepted.
+fn at_most_new_connections_failed(
+    stop: Arc<AtomicBool>,
+    fresh: std::thread::JoinHandle<(u32, Vec<String>)>,
+    during: &str,
+    allowed: usize,
+) -> u32 {
     stop.store(true, Ordering::Relaxed);
     let (ok, failed) = fresh.join().expect("new connections");
+    eprintln!(
+        "{} of {} new connections failed {during}",
+        failed.len(),
+        ok as usize + failed.len()
+    );
     assert!(
-        failed.is_empty(),
+        failed.len() <= allowed,
         "{} of {} new connections failed {during}: {:?}",
         failed.len(),
         ok as usize + failed.len(),
@@ -894,23 +909,43 @@ fn rolling_restart(driver: Driver, mode: &str) {
     );
 }
 
-/// A node that leaves for good (SIGTERM to an agent run from a file), in
-/// nat mode: it withdraws, the router moves its connections to the other
-/// nodes, which pick the same backend (Maglev is the same everywhere) and
-/// translate the replies; no connection is reset and no new one fails. The
-/// agent exits when its drain time (1 s) is over.
+/// A node that leaves for good (SIGTERM to an agent run from a file) and
+/// comes back, in nat mode: it withdraws, the router moves its connections
+/// to the other nodes, which pick the same backend (Maglev is the same
+/// everywhere) and translate the replies. The agent exits when its drain
+/// time (1 s) is over. With node 1 out, 30 more connections open; then node
+/// 1 joins again and the router moves some of every connection's kind back
+/// to it. No connection is reset and no new one fails.
 #[test]
-fn a_node_leaving_keeps_its_connections_in_nat_mode_with_bird() {
-    node_leaves(Driver::Bird);
+fn a_node_leaving_and_joining_keeps_its_connections_in_nat_mode_with_bird() {
+    node_leaves_and_joins(Driver::Bird, "nat");
 }
 
 #[test]
-fn a_node_leaving_keeps_its_connections_in_nat_mode_with_gobgp() {
-    node_leaves(Driver::GoBgp);
+fn a_node_leaving_and_joining_keeps_its_connections_in_nat_mode_with_gobgp() {
+    node_leaves_and_joins(Driver::GoBgp, "nat");
 }
 
-fn node_leaves(driver: Driver) {
-    let (mut lab, mut conns) = lab_with_connections(driver, 'd', "nat");
+/// The same in snat mode, where the backends know each connection by the
+/// SNAT address and port of the node that opened it: before it withdraws,
+/// node 1 gives its flows to the others (`flow_sync:`), which translate them
+/// as node 1 did; the backends' replies still go to node 1, whose data
+/// plane keeps translating them after its agent is gone. A node that joins
+/// takes the others' flows before it announces, so the connections opened
+/// while it was out keep their SNAT source when the router moves them to it.
+#[test]
+fn a_node_leaving_and_joining_keeps_its_connections_in_snat_mode_with_bird() {
+    node_leaves_and_joins(Driver::Bird, "snat");
+}
+
+#[test]
+fn a_node_leaving_and_joining_keeps_its_connections_in_snat_mode_with_gobgp() {
+    node_leaves_and_joins(Driver::GoBgp, "snat");
+}
+
+fn node_leaves_and_joins(driver: Driver, mode: &str) {
+    let tag = if mode == "nat" { 'd' } else { 'h' };
+    let (mut lab, mut conns) = lab_with_connections(driver, tag, mode);
     let on_node1: BTreeSet<u16> = flow_owners(&lab, &conn_ports(&conns))
         .into_iter()
         .filter(|(_, o)| o.iter().any(|(n, _)| *n == 1))
@@ -935,12 +970,31 @@ fn node_leaves(driver: Driver) {
         );
     }
     all_answer(&mut conns, "after node 1 exited");
-    no_new_connection_failed(stop, fresh, "while node 1 left");
     assert!(!on_node1.is_empty(), "no connection went through node 1");
     assert!(
         exited_after < Duration::from_millis(1900),
         "the agent exited {exited_after:?} after SIGTERM with drain_time 1s"
     );
+
+    let vip = std::net::SocketAddr::from((VIP, 80));
+    let mut opened_while_out: Vec<HttpConn> = (0..30)
+        .map(|_| HttpConn::connect_in(&lab.client, vip).expect("keep-alive connection"))
+        .collect();
+    all_answer(&mut opened_while_out, "opened while node 1 was out");
+    let config = lab.agent_config_in(1, 1, mode);
+    lab.node(1).start_agent(&config);
+    wait_fib(&lab, &[1, 2, 3], Duration::from_secs(30), "node 1 joined");
+    all_answer(&mut conns, "after node 1 joined");
+    all_answer(
+        &mut opened_while_out,
+        "after node 1 joined (opened while it was out)",
+    );
+    // In snat mode a connection the routers move between nodes in the few
+    // milliseconds between its opening and the flow exchange's next push is
+    // reset (docs/bgp.md); the client here opens about a thousand a second,
+    // each living about a millisecond.
+    let allowed = if mode == "snat" { 4 } else { 0 };
+    at_most_new_connections_failed(stop, fresh, "while node 1 left and joined", allowed);
 }
 
 /// A node's agent and speaker restarting together, as the chart's Pod

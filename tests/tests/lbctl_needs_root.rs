@@ -324,6 +324,7 @@ fn lbctl_reads_pinned_maps_needs_root() {
         flags: 0,
         created_ns: now.saturating_sub(5_000_000_000),
         last_seen_ns: now.saturating_sub(1_000_000_000),
+        ..Flow::default()
     };
     insert_flow(&dir, key, flow);
     let v = lbctl_json(
@@ -558,7 +559,7 @@ fn lbctl_shows_source_ranges_and_affinity_needs_root() {
 
 /// Writes `flow` into the pinned flow table under `dir`, as the data plane would.
 fn insert_flow(dir: &Path, key: FlowKey, flow: Flow) {
-    let data = MapData::from_pin(dir.join(names::SHARED_FLOWS)).unwrap();
+    let data = MapData::from_pin(dir.join(names::FLOWS)).unwrap();
     let mut m: aya::maps::HashMap<MapData, FlowKey, Flow> =
         aya::maps::HashMap::try_from(Map::from_map_data(data).unwrap()).unwrap();
     m.insert(key, flow, 0).unwrap();

@@ -10,7 +10,9 @@ use std::{
     time::Duration,
 };
 
-use lb_agent::dataplane::{BackendSpec, Dataplane, MapSizes, Protocol, ServiceSpec};
+use lb_agent::dataplane::{
+    BackendSpec, Dataplane, HandedFlow, Handing, Imported, MapSizes, Protocol, ServiceSpec,
+};
 use lb_common::{Config, Reason, REASON_COUNT};
 use xlb_tests::{
     packet::{
@@ -1743,7 +1745,7 @@ fn a_moved_flow_keeps_its_backend_after_a_backend_change_needs_root() {
     let k = shared
         .iter()
         .find(|(k, _)| u16::from_be(k.sport) == 46000)
-        .expect("the flow is in SHARED_FLOWS");
+        .expect("the flow is in FLOWS");
     assert_eq!(k.1.backend_addr, lb_common::net::ip_words(B3.into()));
 }
 
@@ -2068,6 +2070,90 @@ fn a_least_loaded_service_sends_new_flows_to_the_less_busy_candidate_needs_root(
 /// not this node forwarded the flow (another node of an ECMP group may
 /// have). A reply to the node's own address (a health check) is left alone,
 /// and a backend shared by two services keeps a reply entry per flow.
+/// A node that takes an SNAT flow another node opened (`flow_sync`)
+/// translates it exactly as that node did: its SNAT address and port, its
+/// backend; its own new flows keep its own address. The bed plays both
+/// nodes: the flow is opened, exported, the state cleared, and the service's
+/// SNAT address changed to the second node's before the import.
+#[test]
+fn a_handed_snat_flow_is_translated_as_its_opening_node_did_needs_root() {
+    const OTHER_NODE: Ipv4Addr = Ipv4Addr::new(10, 2, 0, 9);
+    let mut bed = FixtureBed::new("xlb-fix-handed");
+    let (dp, cl0) = (&mut bed.dp, bed.cl0);
+    for s in base_services() {
+        dp.set_service(&s).unwrap();
+    }
+    let (v, _) = run(dp, cl0, &c4(syn(40300, 443)));
+    assert_eq!(v, XDP_REDIRECT);
+    let p = first_snat_port(CLIENT.into(), VIP.into(), 40300, 443, 6);
+    let handed = dp.snat_flows(Handing::All).unwrap();
+    assert_eq!(
+        handed,
+        vec![HandedFlow {
+            protocol: Protocol::Tcp,
+            client: sa(CLIENT, 40300),
+            vip: sa(VIP, 443),
+            backend: sa(B3, 8443),
+            snat: sa(SNAT4, p),
+            closed: false,
+            idle_ms: handed[0].idle_ms,
+        }]
+    );
+
+    // The second node: the same service with its own SNAT address.
+    dp.clear_dynamic_state().unwrap();
+    let mut snat = base_services()[2].clone();
+    snat.snat = Some(OTHER_NODE.into());
+    dp.set_service(&snat).unwrap();
+    let stranger = HandedFlow {
+        vip: sa(VIP, 444),
+        ..handed[0]
+    };
+    let gone_backend = HandedFlow {
+        backend: sa(B4, 8443),
+        client: sa(CLIENT, 40301),
+        ..handed[0]
+    };
+    let got = dp
+        .import_flows(&[handed[0], stranger, gone_backend])
+        .unwrap();
+    assert_eq!(
+        got,
+        Imported {
+            added: 1,
+            unknown_service: 1,
+            unknown_backend: 1,
+            ..Imported::default()
+        }
+    );
+    assert_eq!(
+        dp.import_flows(&handed).unwrap().present,
+        1,
+        "kept, not replaced"
+    );
+
+    // Mid-connection: translated with the first node's address and port.
+    let (v, out) = run(dp, cl0, &c4(ack(40300, 443)));
+    assert_eq!(v, XDP_REDIRECT);
+    assert_eq!(
+        out,
+        to_backend(B3_MAC)
+            .ipv4(ip4(SNAT4, B3, 63))
+            .tcp(ack(p, 8443))
+            .build()
+    );
+    // A flow this node opens itself has its own address.
+    let (_, out) = run(dp, cl0, &c4(syn(40302, 443)));
+    let own = xlb_tests::packet::parse(&out).unwrap();
+    assert_eq!(own.src, IpAddr::from(OTHER_NODE));
+    // Handed on: all of them to a node that starts or leaves, only its own
+    // in the periodic push.
+    assert_eq!(dp.snat_flows(Handing::All).unwrap().len(), 2);
+    let mine = dp.snat_flows(Handing::OpenedHereSince(0)).unwrap();
+    assert_eq!(mine.len(), 1);
+    assert_eq!(mine[0].client, sa(CLIENT, 40302));
+}
+
 #[test]
 fn nat_replies_are_translated_without_the_forward_flow_needs_root() {
     let mut bed = FixtureBed::new("xlb-fix-reverse");

@@ -112,27 +112,19 @@ impl Validator<'_> {
         };
         let bind = match &raw.bind {
             None => None,
-            Some(b) => Some(self.socket(b, || path().key("bind"))?),
+            Some(b) => Some(self.socket(b, DEFAULT_L2_PORT, || path().key("bind"))?),
         };
         let mut peers = Vec::new();
         for (i, p) in raw.peers.iter().enumerate() {
             let at = || path().key("peers").index(i);
-            let addr = self.socket(p, at)?;
+            let addr = self.socket(p, DEFAULT_L2_PORT, at)?;
             if Some(addr) == bind || peers.contains(&addr) {
                 return Err(self.err(at(), format!("{addr} is listed twice (or is bind)")));
             }
             peers.push(addr);
         }
         let key_file = PathBuf::from(&raw.key_file);
-        let key = std::fs::read(&key_file)
-            .map_err(|e| self.err(path().key("key_file"), format!("{}: {e}", raw.key_file)))?;
-        let key = key.trim_ascii().to_vec();
-        if key.len() < MIN_KEY_BYTES {
-            return Err(self.err(
-                path().key("key_file"),
-                format!("the key must have at least {MIN_KEY_BYTES} bytes (e.g. `head -c 32 /dev/urandom | base64`)"),
-            ));
-        }
+        let key = self.cluster_key(&raw.key_file, || path().key("key_file"))?;
         let discover_peers = peers.is_empty() && kubernetes;
         let members = peers.len() + 1;
         let quorum = match raw.quorum {
@@ -192,13 +184,32 @@ impl Validator<'_> {
         })
     }
 
-    fn socket(&self, s: &str, at: impl Fn() -> FieldPath) -> Checked<SocketAddr> {
+    /// A shared secret read from `file`, surrounding whitespace trimmed.
+    pub(super) fn cluster_key(&self, file: &str, at: impl Fn() -> FieldPath) -> Checked<Vec<u8>> {
+        let key = std::fs::read(file).map_err(|e| self.err(at(), format!("{file}: {e}")))?;
+        let key = key.trim_ascii().to_vec();
+        if key.len() < MIN_KEY_BYTES {
+            return Err(self.err(
+                at(),
+                format!("the key must have at least {MIN_KEY_BYTES} bytes (e.g. `head -c 32 /dev/urandom | base64`)"),
+            ));
+        }
+        Ok(key)
+    }
+
+    /// An address, with `port` unless it names its own.
+    pub(super) fn socket(
+        &self,
+        s: &str,
+        port: u16,
+        at: impl Fn() -> FieldPath,
+    ) -> Checked<SocketAddr> {
         let s = s.trim();
         if let Ok(a) = s.parse::<SocketAddr>() {
             return Ok(a);
         }
         match s.parse::<std::net::IpAddr>() {
-            Ok(ip) => Ok(SocketAddr::new(ip, DEFAULT_L2_PORT)),
+            Ok(ip) => Ok(SocketAddr::new(ip, port)),
             Err(_) => Err(self.err(
                 at(),
                 format!(

@@ -57,6 +57,8 @@ pub struct AgentConfig {
     pub cgroup_root: PathBuf,
     /// Answering ARP/NDP for the VIPs (L2 mode); `None`: not answered.
     pub l2: Option<L2Config>,
+    /// SNAT flows shared with the other nodes' agents.
+    pub flow_sync: Option<FlowSyncConfig>,
     pub services: Vec<DesiredService>,
 }
 
@@ -328,11 +330,13 @@ impl AgentConfig {
     }
 }
 
+mod flow_sync;
 mod l2;
 mod locate;
 mod raw;
 mod validate;
 
+pub use self::flow_sync::{FlowSyncConfig, DEFAULT_FLOW_SYNC_PORT};
 pub use self::l2::{majority, L2Config, DEFAULT_L2_PORT};
 use self::{locate::yaml_error, raw::RawConfig, validate::Validator};
 #[cfg(test)]

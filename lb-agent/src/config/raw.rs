@@ -19,6 +19,7 @@ pub(super) struct RawConfig {
     pub(super) kubernetes: Option<RawKubernetes>,
     pub(super) load_aware: Option<RawLoadAware>,
     pub(super) l2: Option<super::l2::RawL2>,
+    pub(super) flow_sync: Option<super::flow_sync::RawFlowSync>,
     #[serde(default)]
     pub(super) services: Vec<RawService>,
 }

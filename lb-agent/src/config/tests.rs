@@ -109,12 +109,13 @@ fn full_example() {
         tcp_closing_timeout: Duration::from_secs(10),
         udp_timeout: Duration::from_secs(60),
         maglev_pool_entries: lb_common::MAGLEV_POOL_ENTRIES,
-        flow_table_entries: lb_common::SHARED_FLOWS_ENTRIES,
+        flow_table_entries: lb_common::FLOWS_ENTRIES,
         bgp: None,
         kubernetes: None,
         load_interval: DEFAULT_LOAD_INTERVAL,
         cgroup_root: PathBuf::from(DEFAULT_CGROUP_ROOT),
         l2: None,
+        flow_sync: None,
         services: vec![
             DesiredService {
                 name: "web".into(),
@@ -1312,6 +1313,71 @@ l2:
     );
     let _ = std::fs::remove_file(key);
     let _ = std::fs::remove_file(short);
+}
+
+#[test]
+fn flow_sync_section_parses_and_checks() {
+    let key = std::env::temp_dir().join(format!("xlb-fs-key-{}", std::process::id()));
+    std::fs::write(&key, "  0123456789abcdef0123\n").unwrap();
+    let base = format!(
+        "interfaces: [eth0]
+flow_sync:
+  peers: [10.0.0.12, \"10.0.0.13:7000\"]
+  key_file: {}
+",
+        key.display()
+    );
+    let fs = AgentConfig::parse(&base).unwrap().flow_sync.unwrap();
+    assert_eq!(fs.listen, "0.0.0.0:7947".parse().unwrap());
+    assert_eq!(
+        fs.peers,
+        vec![
+            "10.0.0.12:7947".parse().unwrap(),
+            "10.0.0.13:7000".parse().unwrap()
+        ]
+    );
+    assert_eq!(fs.key, b"0123456789abcdef0123", "trimmed");
+    assert_eq!(fs.interval, Duration::from_millis(500));
+    let tuned = format!("{base}  listen: 10.0.0.11:9000\n  interval: 100ms\n");
+    let fs = AgentConfig::parse(&tuned).unwrap().flow_sync.unwrap();
+    assert_eq!(fs.listen, "10.0.0.11:9000".parse().unwrap());
+    assert_eq!(fs.interval, Duration::from_millis(100));
+
+    rejects(
+        &edit(
+            &base,
+            "  peers: [10.0.0.12, \"10.0.0.13:7000\"]\n",
+            "  peers: []\n",
+        ),
+        3,
+        "flow_sync.peers",
+        "at least one peer",
+    );
+    rejects(
+        &edit(&base, "10.0.0.12,", "10.0.0.12, 10.0.0.12,"),
+        3,
+        "flow_sync.peers[1]",
+        "listed twice",
+    );
+    rejects(
+        &edit(&base, "key_file: /", "key_file: /nonexistent/"),
+        4,
+        "flow_sync.key_file",
+        "No such file",
+    );
+    rejects(
+        &format!("{base}  interval: 1h\n"),
+        5,
+        "flow_sync.interval",
+        "outside 10ms..=60s",
+    );
+    rejects(
+        &format!("{base}  listen: eth0\n"),
+        5,
+        "flow_sync.listen",
+        "not an address",
+    );
+    let _ = std::fs::remove_file(key);
 }
 
 #[test]

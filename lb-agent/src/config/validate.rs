@@ -104,7 +104,7 @@ impl Validator<'_> {
             }
         };
         let flow_table_entries = match raw.flow_table_entries {
-            None => lb_common::SHARED_FLOWS_ENTRIES,
+            None => lb_common::FLOWS_ENTRIES,
             Some(n) if (MIN_FLOW_TABLE_ENTRIES..=MAX_FLOW_TABLE_ENTRIES).contains(&n) => n,
             Some(n) => {
                 return Err(self.err(
@@ -126,6 +126,7 @@ impl Validator<'_> {
             None => None,
             Some(l) => Some(self.l2(l, &interfaces, kubernetes.is_some())?),
         };
+        let flow_sync = raw.flow_sync.map(|f| self.flow_sync(f)).transpose()?;
         let services = self.services(raw.services, snat_ipv4, snat_ipv6)?;
         self.announce(&services, bgp.is_some(), l2.is_some())?;
         Ok(AgentConfig {
@@ -145,6 +146,7 @@ impl Validator<'_> {
             load_interval,
             cgroup_root,
             l2,
+            flow_sync,
             services,
         })
     }

@@ -5,6 +5,7 @@
 
 mod alloc;
 mod flow_limit;
+mod handoff;
 mod pins;
 mod reverse;
 mod source_ranges;
@@ -34,13 +35,14 @@ use lb_common::{
     net::{ip_words, service_key, words_ip, Family},
     BackendEntry, BackendLoad, Config, Flow, FlowKey, FlowLimit, L2Iface, L2Vip, L2VipKey,
     ReplyNat, ReverseKey, ReverseNat, ServiceInfo, ServiceKey, TrafficStats, FAMILY_V4, FAMILY_V6,
-    FLOW_EVENT_COUNT, FLOW_EVENT_REPICKED, FLOW_F_CLOSED, MAGLEV_POOL_ENTRIES, MAX_BACKENDS,
-    MAX_SERVICES, PORT_F_BACKEND, PORT_F_SERVICE, PROTO_ICMP, PROTO_ICMPV6, REASON_COUNT,
-    SERVICE_F_CLIENT_AFFINITY, SERVICE_F_FLOW_LIMIT, SERVICE_F_LEAST_LOADED, SERVICE_F_SNAT,
-    SERVICE_F_SOURCE_RANGES, SHARED_FLOWS_ENTRIES,
+    FLOWS_ENTRIES, FLOW_EVENT_COUNT, FLOW_EVENT_REPICKED, FLOW_F_CLOSED, MAGLEV_POOL_ENTRIES,
+    MAX_BACKENDS, MAX_SERVICES, PORT_F_BACKEND, PORT_F_SERVICE, PROTO_ICMP, PROTO_ICMPV6,
+    REASON_COUNT, SERVICE_F_CLIENT_AFFINITY, SERVICE_F_FLOW_LIMIT, SERVICE_F_LEAST_LOADED,
+    SERVICE_F_SNAT, SERVICE_F_SOURCE_RANGES,
 };
 
 pub use self::flow_limit::NewFlowLimit;
+pub use self::handoff::{HandedFlow, Handing, Imported};
 use self::{
     alloc::{IdPool, RegionPool},
     pins::{check_bpffs, check_pinned_layout},
@@ -63,15 +65,16 @@ impl Default for MapSizes {
     fn default() -> Self {
         Self {
             maglev_pool_entries: MAGLEV_POOL_ENTRIES,
-            flow_table_entries: SHARED_FLOWS_ENTRIES,
+            flow_table_entries: FLOWS_ENTRIES,
         }
     }
 }
 
 /// Pins of maps that earlier versions had and this one does not use: removed
 /// when the agent adopts a pin directory. `CONNTRACK` was a per-CPU copy of
-/// the flow table; `SHARED_FLOWS` alone holds the flows now (and is adopted).
-const RETIRED_PINS: [&str; 1] = ["CONNTRACK"];
+/// the flow table; `SHARED_FLOWS` held flows without their SNAT address
+/// (`FLOWS` has it).
+const RETIRED_PINS: [&str; 2] = ["CONNTRACK", "SHARED_FLOWS"];
 
 /// The XDP object, built from lb-ebpf by build.rs.
 pub static OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/lb-ebpf"));
@@ -296,7 +299,7 @@ impl Dataplane {
     pub fn open_with(pin_dir: Option<&Path>, sizes: MapSizes) -> Result<Self> {
         let mut loader = EbpfLoader::new();
         loader.map_max_entries(names::MAGLEV, sizes.maglev_pool_entries);
-        loader.map_max_entries(names::SHARED_FLOWS, sizes.flow_table_entries);
+        loader.map_max_entries(names::FLOWS, sizes.flow_table_entries);
         let paths: Vec<(&str, PathBuf)> = match pin_dir {
             Some(dir) => {
                 check_bpffs(dir)?;
@@ -342,10 +345,10 @@ impl Dataplane {
         fn take(ebpf: &mut Ebpf, name: &'static str) -> Result<Map> {
             ebpf.take_map(name).ok_or(DataplaneError::MissingMap(name))
         }
-        let flows = take(&mut ebpf, names::SHARED_FLOWS)?;
+        let flows = take(&mut ebpf, names::FLOWS)?;
         let flow_table_entries = match &flows {
             Map::LruHashMap(data) => data.info().map(|i| i.max_entries()).unwrap_or(0),
-            _ => return Err(DataplaneError::MissingMap(names::SHARED_FLOWS)),
+            _ => return Err(DataplaneError::MissingMap(names::FLOWS)),
         };
         let maglev_data = match take(&mut ebpf, names::MAGLEV)? {
             Map::Array(data) => data,
@@ -366,7 +369,7 @@ impl Dataplane {
                 .map_err(map_err(names::CONFIG))?,
             tx_ports: DevMapHash::try_from(take(&mut ebpf, names::TX_PORTS)?)
                 .map_err(map_err(names::TX_PORTS))?,
-            shared_flows: HashMap::try_from(flows).map_err(map_err(names::SHARED_FLOWS))?,
+            shared_flows: HashMap::try_from(flows).map_err(map_err(names::FLOWS))?,
             flow_table_entries,
             reply_nat: HashMap::try_from(take(&mut ebpf, names::REPLY_NAT)?)
                 .map_err(map_err(names::REPLY_NAT))?,

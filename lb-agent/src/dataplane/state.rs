@@ -122,7 +122,7 @@ impl Dataplane {
         let now = reads::coarse_now_ns();
         let mut out = BTreeMap::new();
         for item in self.maps.shared_flows.iter() {
-            let (_, f) = item.map_err(map_err(names::SHARED_FLOWS))?;
+            let (_, f) = item.map_err(map_err(names::FLOWS))?;
             let fresh = now.saturating_sub(f.last_seen_ns) <= active.as_nanos() as u64;
             if f.flags & FLOW_F_CLOSED == 0 && fresh {
                 *out.entry(f.backend_id).or_default() += 1;
@@ -146,7 +146,7 @@ impl Dataplane {
 
     /// Every entry of the flow table.
     pub fn shared_flows(&self) -> Result<Vec<(FlowKey, Flow)>> {
-        reads::entries(&self.maps.shared_flows).map_err(map_err(names::SHARED_FLOWS))
+        reads::entries(&self.maps.shared_flows).map_err(map_err(names::FLOWS))
     }
 
     pub fn reply_entries(&self) -> Result<Vec<(FlowKey, ReplyNat)>> {
@@ -160,7 +160,7 @@ impl Dataplane {
             .shared_flows
             .keys()
             .collect::<Result<_, _>>()
-            .map_err(map_err(names::SHARED_FLOWS))?;
+            .map_err(map_err(names::FLOWS))?;
         for k in keys {
             let _ = self.maps.shared_flows.remove(&k);
         }

@@ -39,7 +39,7 @@ pub fn expected_layout(name: &str) -> Option<(usize, usize)> {
         names::SERVICES => (size_of::<ServiceKey>(), size_of::<ServiceInfo>()),
         names::BACKENDS => (4, size_of::<BackendEntry>()),
         names::MAGLEV => (4, 4),
-        names::SHARED_FLOWS => (size_of::<FlowKey>(), size_of::<Flow>()),
+        names::FLOWS => (size_of::<FlowKey>(), size_of::<Flow>()),
         names::REPLY_NAT => (size_of::<FlowKey>(), size_of::<ReplyNat>()),
         names::PORT_FLAGS => (4, 1),
         names::CONFIG => (4, size_of::<Config>()),
@@ -191,7 +191,7 @@ impl PinnedMaps {
     }
 
     pub fn shared_flows(&self) -> Result<FlowsMap, OpenError> {
-        self.typed(names::SHARED_FLOWS)
+        self.typed(names::FLOWS)
     }
 
     pub fn reply_nat(&self) -> Result<ReplyMap, OpenError> {

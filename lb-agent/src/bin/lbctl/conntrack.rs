@@ -94,6 +94,9 @@ pub struct Entry {
     pub affinity: Option<&'static str>,
     /// SNAT source port (host order); absent in NAT mode.
     pub snat_port: Option<u16>,
+    /// SNAT source address and port: the service's SNAT address on the
+    /// node that opened the flow (another node's for a flow it handed over).
+    pub snat: Option<SocketAddr>,
     /// Since the flow was created / since its timestamp was last refreshed
     /// (the data plane refreshes it at most once a second).
     pub age_ns: u64,
@@ -110,6 +113,8 @@ pub fn entry(key: &FlowKey, flow: &Flow, now_ns: u64) -> Entry {
         service_id: flow.service_id,
         affinity: None,
         snat_port: (flow.snat_port != 0).then(|| u16::from_be(flow.snat_port)),
+        snat: (flow.snat_port != 0)
+            .then(|| words_socket(&flow.snat_addr, flow.snat_port, key.family)),
         age_ns: now_ns.saturating_sub(flow.created_ns),
         idle_ns: now_ns.saturating_sub(flow.last_seen_ns),
     }
@@ -138,7 +143,7 @@ pub fn run(maps: &PinnedMaps, args: &Args) -> Result<ConntrackReport> {
     let mut count = 0;
     let mut entries = Vec::new();
     for item in map.iter() {
-        let (key, flow) = item.context("reading SHARED_FLOWS")?;
+        let (key, flow) = item.context("reading FLOWS")?;
         if !filter.matches(&key, &flow) {
             continue;
         }
@@ -166,7 +171,7 @@ impl Render for ConntrackReport {
                 ("CLIENT", Align::Left),
                 ("VIP", Align::Left),
                 ("BACKEND", Align::Left),
-                ("SNAT PORT", Align::Right),
+                ("SNAT", Align::Left),
                 ("AFFINITY", Align::Left),
                 ("AGE", Align::Right),
                 ("IDLE", Align::Right),
@@ -177,9 +182,7 @@ impl Render for ConntrackReport {
                     e.client.to_string(),
                     e.vip.to_string(),
                     e.backend.to_string(),
-                    e.snat_port
-                        .map(|p| p.to_string())
-                        .unwrap_or_else(|| "-".into()),
+                    e.snat.map(|a| a.to_string()).unwrap_or_else(|| "-".into()),
                     e.affinity.unwrap_or("-").into(),
                     table::duration_ns(e.age_ns),
                     table::duration_ns(e.idle_ns),
@@ -276,6 +279,9 @@ mod tests {
         assert_eq!((e.age_ns, e.idle_ns), (0, 0));
         let mut f = flow();
         f.snat_port = 12345u16.to_be();
-        assert_eq!(entry(&flow_key(), &f, 0).snat_port, Some(12345));
+        f.snat_addr = addr_from_v4([10, 9, 0, 1]);
+        let e = entry(&flow_key(), &f, 0);
+        assert_eq!(e.snat_port, Some(12345));
+        assert_eq!(e.snat, Some("10.9.0.1:12345".parse().unwrap()));
     }
 }

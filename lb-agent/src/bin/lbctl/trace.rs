@@ -1,7 +1,7 @@
 //! `lbctl trace SRC DST SPORT DPORT PROTO`: where a client flow goes now,
 //! worked out from the live maps the way the XDP program does it
 //! (lb-ebpf/src/conntrack.rs: `lookup_or_create`, `pick`,
-//! `claim_snat_port`): the flow's SHARED_FLOWS entry if there is a usable
+//! `claim_snat_port`): the flow's FLOWS entry if there is a usable
 //! one, else
 //! `MAGLEV[table_base + active * M + maglev_hash(key, flags) % M]` (the
 //! hash is of the client address alone under session affinity). A client
@@ -149,12 +149,14 @@ pub struct SecondChoice {
     pub taken: bool,
 }
 
-/// The flow's `SHARED_FLOWS` entry (used for any packet but a TCP SYN).
+/// The flow's `FLOWS` entry (used for any packet but a TCP SYN).
 #[derive(Serialize)]
 pub struct FlowHit {
     pub backend: SocketAddr,
     pub backend_id: u32,
     pub snat_port: Option<u16>,
+    /// The SNAT source: another node's address for a flow it handed over.
+    pub snat: Option<SocketAddr>,
     pub age_ns: u64,
     pub idle_ns: u64,
     /// Why the data plane would not use it (then it picks again), if so.
@@ -205,7 +207,7 @@ pub struct TraceReport {
     pub note: Option<String>,
 }
 
-/// This flow's SHARED_FLOWS entry, and whether the data plane would use it.
+/// This flow's FLOWS entry, and whether the data plane would use it.
 fn flow_hit(
     maps: &PinnedMaps,
     key: &FlowKey,
@@ -213,7 +215,7 @@ fn flow_hit(
     cfg: &Config,
     now: u64,
 ) -> Result<Option<FlowHit>> {
-    let flow = maps::optional(maps.shared_flows()?.get(key, 0)).context("reading SHARED_FLOWS")?;
+    let flow = maps::optional(maps.shared_flows()?.get(key, 0)).context("reading FLOWS")?;
     Ok(flow.map(|f| {
         let e = crate::conntrack::entry(key, &f, now);
         let unusable = if f.service_id != info.id {
@@ -230,6 +232,7 @@ fn flow_hit(
             backend: e.backend,
             backend_id: f.backend_id,
             snat_port: e.snat_port,
+            snat: e.snat,
             age_ns: e.age_ns,
             idle_ns: e.idle_ns,
             unusable,
@@ -495,13 +498,13 @@ impl TraceReport {
     /// The flow table's line of the human output.
     fn flow_lines(&self, s: &mut String) {
         match &self.conntrack {
-            None => s.push_str("conntrack not in SHARED_FLOWS\n"),
+            None => s.push_str("conntrack not in FLOWS\n"),
             Some(h) => s.push_str(&format!(
                 "conntrack backend {} (id {}){}, age {}, idle {}{}\n",
                 h.backend,
                 h.backend_id,
-                h.snat_port
-                    .map(|p| format!(", snat port {p}"))
+                h.snat
+                    .map(|a| format!(", snat source {a}"))
                     .unwrap_or_default(),
                 table::duration_ns(h.age_ns),
                 table::duration_ns(h.idle_ns),

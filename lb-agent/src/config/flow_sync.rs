@@ -1,0 +1,85 @@
+//! The `flow_sync:` section: which agents share SNAT flows, so that a node
+//! leaving ECMP hands its connections over (docs/bgp.md).
+
+use std::{net::SocketAddr, time::Duration};
+
+use serde::Deserialize;
+
+use super::validate::{root, Checked, Validator};
+
+/// The flow exchange, validated.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct FlowSyncConfig {
+    /// Where this agent takes pushes and answers pulls (TCP).
+    pub listen: SocketAddr,
+    /// The other agents' `listen` addresses.
+    pub peers: Vec<SocketAddr>,
+    /// The shared secret every frame is signed with; strangers are refused.
+    pub key: Vec<u8>,
+    /// How often the flows this node opened are pushed to the peers: a
+    /// connection younger than this when the routers' ECMP set changes may
+    /// be reset.
+    pub interval: Duration,
+}
+
+const DEFAULT_INTERVAL: Duration = Duration::from_millis(500);
+
+/// Default port of the flow exchange.
+pub const DEFAULT_FLOW_SYNC_PORT: u16 = 7947;
+
+#[derive(Deserialize)]
+#[serde(
+    deny_unknown_fields,
+    expecting = "a flow_sync mapping (listen, peers, key_file, interval)"
+)]
+pub(super) struct RawFlowSync {
+    listen: Option<String>,
+    peers: Vec<String>,
+    key_file: String,
+    interval: Option<String>,
+}
+
+impl Validator<'_> {
+    pub(super) fn flow_sync(&self, raw: RawFlowSync) -> Checked<FlowSyncConfig> {
+        let path = || root().key("flow_sync");
+        let listen = match &raw.listen {
+            None => SocketAddr::from(([0, 0, 0, 0], DEFAULT_FLOW_SYNC_PORT)),
+            Some(l) => self.socket(l, DEFAULT_FLOW_SYNC_PORT, || path().key("listen"))?,
+        };
+        if raw.peers.is_empty() {
+            return Err(self.err(
+                path().key("peers"),
+                "at least one peer is required (the other nodes' flow_sync listen addresses)",
+            ));
+        }
+        let mut peers = Vec::new();
+        for (i, p) in raw.peers.iter().enumerate() {
+            let at = || path().key("peers").index(i);
+            let addr = self.socket(p, DEFAULT_FLOW_SYNC_PORT, at)?;
+            if peers.contains(&addr) {
+                return Err(self.err(at(), format!("{addr} is listed twice")));
+            }
+            peers.push(addr);
+        }
+        let key = self.cluster_key(&raw.key_file, || path().key("key_file"))?;
+        let interval = match &raw.interval {
+            None => DEFAULT_INTERVAL,
+            Some(s) => {
+                let d = self.duration(s, || path().key("interval"))?;
+                if d < Duration::from_millis(10) || d > Duration::from_secs(60) {
+                    return Err(self.err(
+                        path().key("interval"),
+                        format!("{s:?} is outside 10ms..=60s"),
+                    ));
+                }
+                d
+            }
+        };
+        Ok(FlowSyncConfig {
+            listen,
+            peers,
+            key,
+            interval,
+        })
+    }
+}

@@ -1,0 +1,346 @@
+//! SNAT flows shared between agents (`flow_sync:`, docs/bgp.md), so that
+//! whichever node the router sends a flow to translates it as the node that
+//! opened it. When the router's ECMP set changes, flows move between every
+//! pair of nodes, not only from or to the one that left or joined (hash-
+//! threshold multipath re-cuts every node's share): each node pushes the
+//! flows it opened to the others every interval. A node that leaves pushes
+//! all it has before it withdraws, and a node that starts pulls the others'
+//! before it announces; a node that takes such a push or answers such a
+//! pull first pushes its own newest flows to every peer, so that when the
+//! set changes every node has every flow.
+//! Over TCP, every frame signed with the cluster key (`wire`).
+
+pub mod wire;
+
+use std::{
+    net::SocketAddr,
+    sync::{Arc, Mutex},
+    time::Duration,
+};
+
+use rand::TryRngCore;
+use tokio::{
+    io::BufReader,
+    net::{TcpListener, TcpStream},
+    sync::{mpsc, oneshot, Semaphore},
+};
+use tracing::{info, warn};
+
+use self::wire::{Frame, Nonce, WireError, FLOWS_PER_FRAME};
+use crate::dataplane::{Dataplane, HandedFlow, Handing, Imported};
+
+/// Exchanges served at once; more wait in the listen backlog.
+const MAX_CONNECTIONS: usize = 8;
+/// Time an exchange may take on the serving side.
+const EXCHANGE_TIMEOUT: Duration = Duration::from_secs(5);
+/// Time a periodic push may take.
+const PUSH_TIMEOUT: Duration = Duration::from_secs(1);
+/// Time a leaving node's push may take (the peer pushes its own first): its
+/// withdrawal waits for it.
+const LEAVING_PUSH_TIMEOUT: Duration = Duration::from_secs(2);
+/// Time a pull may take: a starting node's first announcement waits for it.
+const PULL_TIMEOUT: Duration = Duration::from_secs(3);
+
+/// This agent's side of the exchange: its key and its peers.
+#[derive(Clone)]
+pub struct Peers {
+    key: Arc<Vec<u8>>,
+    peers: Vec<SocketAddr>,
+}
+
+impl Peers {
+    pub fn new(key: Vec<u8>, peers: Vec<SocketAddr>) -> Self {
+        Self {
+            key: Arc::new(key),
+            peers,
+        }
+    }
+
+    /// Sends `flows` to every peer at once; each peer's count taken, or why
+    /// not. `leaving`: this node is about to leave the ECMP set.
+    pub async fn push(
+        &self,
+        flows: &[HandedFlow],
+        leaving: bool,
+    ) -> Vec<(SocketAddr, Result<u32, String>)> {
+        let flows = Arc::new(flows.to_vec());
+        let all = self.peers.iter().map(|&p| {
+            let (key, flows) = (self.key.clone(), flows.clone());
+            let t = if leaving {
+                LEAVING_PUSH_TIMEOUT
+            } else {
+                PUSH_TIMEOUT
+            };
+            async move {
+                let r = tokio::time::timeout(t, push_to(p, &key, &flows, leaving)).await;
+                (p, flatten(r, t))
+            }
+        });
+        futures::future::join_all(all).await
+    }
+
+    /// Asks every peer for its SNAT flows at once.
+    pub async fn pull(&self) -> Vec<(SocketAddr, Result<Vec<HandedFlow>, String>)> {
+        let all = self.peers.iter().map(|&p| {
+            let key = self.key.clone();
+            let t = PULL_TIMEOUT;
+            async move {
+                let r = tokio::time::timeout(t, pull_from(p, &key)).await;
+                (p, flatten(r, t))
+            }
+        });
+        futures::future::join_all(all).await
+    }
+}
+
+fn flatten<T>(
+    r: Result<Result<T, WireError>, tokio::time::error::Elapsed>,
+    t: Duration,
+) -> Result<T, String> {
+    match r {
+        Ok(Ok(v)) => Ok(v),
+        Ok(Err(e)) => Err(e.to_string()),
+        Err(_) => Err(format!("no answer within {t:?}")),
+    }
+}
+
+fn nonce() -> Nonce {
+    let mut n = [0u8; 16];
+    rand::rngs::OsRng
+        .try_fill_bytes(&mut n)
+        .expect("the OS random source");
+    n
+}
+
+async fn push_to(
+    peer: SocketAddr,
+    key: &[u8],
+    flows: &[HandedFlow],
+    leaving: bool,
+) -> Result<u32, WireError> {
+    let n = nonce();
+    let mut s = TcpStream::connect(peer).await?;
+    let _ = s.set_nodelay(true);
+    if leaving {
+        wire::write(&mut s, key, &n, &Frame::Leaving).await?;
+    }
+    for chunk in flows.chunks(FLOWS_PER_FRAME) {
+        wire::write(&mut s, key, &n, &Frame::Flows(chunk.to_vec())).await?;
+    }
+    wire::write(&mut s, key, &n, &Frame::Done(flows.len() as u32)).await?;
+    match wire::read(&mut BufReader::new(s), key, Some(&n)).await? {
+        (_, Frame::Done(taken)) => Ok(taken),
+        _ => Err(WireError::Malformed),
+    }
+}
+
+async fn pull_from(peer: SocketAddr, key: &[u8]) -> Result<Vec<HandedFlow>, WireError> {
+    let n = nonce();
+    let mut s = TcpStream::connect(peer).await?;
+    let _ = s.set_nodelay(true);
+    wire::write(&mut s, key, &n, &Frame::Pull).await?;
+    let mut r = BufReader::new(s);
+    let mut out = Vec::new();
+    loop {
+        match wire::read(&mut r, key, Some(&n)).await? {
+            (_, Frame::Flows(f)) => out.extend(f),
+            (_, Frame::Done(sent)) if sent as usize == out.len() => return Ok(out),
+            _ => return Err(WireError::Malformed),
+        }
+    }
+}
+
+/// Asks the periodic sync to push this node's newest flows at once, and
+/// waits until it has.
+#[derive(Clone)]
+pub struct SyncNow(mpsc::Sender<oneshot::Sender<()>>);
+
+impl SyncNow {
+    async fn run(&self) {
+        let (tx, rx) = oneshot::channel();
+        if self.0.send(tx).await.is_ok() {
+            let _ = rx.await;
+        }
+    }
+}
+
+/// Serves pushes and pulls until the task is dropped or aborted.
+pub async fn serve(
+    listener: TcpListener,
+    key: Arc<Vec<u8>>,
+    dp: Arc<Mutex<Dataplane>>,
+    sync_now: SyncNow,
+) {
+    let permits = Arc::new(Semaphore::new(MAX_CONNECTIONS));
+    loop {
+        let Ok(permit) = permits.clone().acquire_owned().await else {
+            return;
+        };
+        let (stream, peer) = match listener.accept().await {
+            Ok(x) => x,
+            Err(e) => {
+                warn!(error = %e, "flow exchange: accept failed");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                continue;
+            }
+        };
+        let (key, dp, sync_now) = (key.clone(), dp.clone(), sync_now.clone());
+        tokio::spawn(async move {
+            let _permit = permit;
+            let exchange = answer(stream, &key, &dp, &sync_now);
+            match tokio::time::timeout(EXCHANGE_TIMEOUT, exchange).await {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => warn!(%peer, "flow exchange refused: {e}"),
+                Err(_) => {
+                    warn!(%peer, "flow exchange: no complete exchange within {EXCHANGE_TIMEOUT:?}")
+                }
+            }
+        });
+    }
+}
+
+/// One exchange: a pull answered with this node's SNAT flows, or a push
+/// imported. A pull (a node starting) or a leaving node's push means the
+/// ECMP set is about to change: this node's newest flows go to every peer
+/// before the answer.
+async fn answer(
+    stream: TcpStream,
+    key: &[u8],
+    dp: &Arc<Mutex<Dataplane>>,
+    sync_now: &SyncNow,
+) -> Result<(), WireError> {
+    let _ = stream.set_nodelay(true);
+    let (r, mut w) = stream.into_split();
+    let mut r = BufReader::new(r);
+    let (n, mut first) = wire::read(&mut r, key, None).await?;
+    let leaving = first == Frame::Leaving;
+    if leaving {
+        first = wire::read(&mut r, key, Some(&n)).await?.1;
+    }
+    if first == Frame::Pull && !leaving {
+        sync_now.run().await;
+        let d = dp.clone();
+        let flows = tokio::task::spawn_blocking(move || {
+            d.lock().expect("data plane lock").snat_flows(Handing::All)
+        })
+        .await
+        .expect("export task")
+        .map_err(|e| WireError::Io(std::io::Error::other(e.to_string())))?;
+        for chunk in flows.chunks(FLOWS_PER_FRAME) {
+            wire::write(&mut w, key, &n, &Frame::Flows(chunk.to_vec())).await?;
+        }
+        wire::write(&mut w, key, &n, &Frame::Done(flows.len() as u32)).await?;
+        info!(
+            flows = flows.len(),
+            "flow exchange: sent this node's snat flows to a starting node"
+        );
+        return Ok(());
+    }
+    let mut total = Imported::default();
+    let mut frame = first;
+    loop {
+        match frame {
+            Frame::Flows(flows) => {
+                let d = dp.clone();
+                let got = tokio::task::spawn_blocking(move || {
+                    d.lock().expect("data plane lock").import_flows(&flows)
+                })
+                .await
+                .expect("import task")
+                .map_err(|e| WireError::Io(std::io::Error::other(e.to_string())))?;
+                add(&mut total, got);
+            }
+            Frame::Done(_) => break,
+            Frame::Pull | Frame::Leaving => return Err(WireError::Malformed),
+        }
+        frame = wire::read(&mut r, key, Some(&n)).await?.1;
+    }
+    if leaving {
+        info!(?total, "flow exchange: took a leaving node's snat flows");
+        sync_now.run().await;
+    }
+    let taken = (total.added + total.present) as u32;
+    wire::write(&mut w, key, &n, &Frame::Done(taken)).await?;
+    Ok(())
+}
+
+/// Pulls every peer's flows and imports them; logs what each gave.
+pub async fn take_from_peers(peers: &Peers, dp: &Arc<Mutex<Dataplane>>) -> Imported {
+    let mut total = Imported::default();
+    for (peer, r) in peers.pull().await {
+        match r {
+            Ok(flows) => {
+                let got = dp.lock().expect("data plane lock").import_flows(&flows);
+                match got {
+                    Ok(got) => {
+                        info!(%peer, ?got, "flow exchange: took a peer's snat flows");
+                        add(&mut total, got);
+                    }
+                    Err(e) => warn!(%peer, "flow exchange: importing a peer's flows: {e}"),
+                }
+            }
+            Err(e) => warn!(%peer, "flow exchange: no flows from this peer: {e}"),
+        }
+    }
+    total
+}
+
+/// Pushes the SNAT flows `which` names to every peer; with `Handing::All`,
+/// as a node about to leave.
+pub async fn give_to_peers(peers: &Peers, dp: &Arc<Mutex<Dataplane>>, which: Handing) {
+    let flows = match dp.lock().expect("data plane lock").snat_flows(which) {
+        Ok(f) => f,
+        Err(e) => {
+            warn!("flow exchange: reading this node's flows: {e}");
+            return;
+        }
+    };
+    if flows.is_empty() && which != Handing::All {
+        return;
+    }
+    for (peer, r) in peers.push(&flows, which == Handing::All).await {
+        match r {
+            Ok(taken) if which == Handing::All => {
+                info!(%peer, sent = flows.len(), taken, "flow exchange: gave all snat flows")
+            }
+            Ok(_) => {}
+            Err(e) => {
+                warn!(%peer, sent = flows.len(), "flow exchange: this peer did not take our flows: {e}")
+            }
+        }
+    }
+}
+
+/// Starts pushing the flows this node opens to every peer, every
+/// `interval` and whenever asked through the returned handle; stops when
+/// the runtime does.
+pub fn start_sync(peers: Peers, dp: Arc<Mutex<Dataplane>>, interval: Duration) -> SyncNow {
+    let (tx, mut rx) = mpsc::channel::<oneshot::Sender<()>>(16);
+    tokio::spawn(async move {
+        let mut since = crate::maps::coarse_now_ns();
+        loop {
+            let done = tokio::select! {
+                _ = tokio::time::sleep(interval) => None,
+                asked = rx.recv() => match asked {
+                    Some(done) => Some(done),
+                    None => return,
+                },
+            };
+            // Taken before the walk: a flow opened during it goes next time.
+            let start = crate::maps::coarse_now_ns();
+            give_to_peers(&peers, &dp, Handing::OpenedHereSince(since)).await;
+            since = start;
+            if let Some(done) = done {
+                let _ = done.send(());
+            }
+        }
+    });
+    SyncNow(tx)
+}
+
+fn add(total: &mut Imported, got: Imported) {
+    total.added += got.added;
+    total.present += got.present;
+    total.unknown_service += got.unknown_service;
+    total.unknown_backend += got.unknown_backend;
+}

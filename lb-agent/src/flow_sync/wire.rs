@@ -1,0 +1,313 @@
+//! The flow exchange's frames, over TCP. Each frame is signed with the
+//! cluster key (HMAC-SHA256) over its header and payload; the header holds
+//! the exchange's nonce (a pull's answer must carry the pull's) and the
+//! sender's clock, so that a frame recorded once cannot be replayed long
+//! after.
+//!
+//! Frame: magic `XLF\x01`, kind (1 byte), 3 zero bytes, nonce (16), Unix
+//! time in ms (8, big-endian), payload length (4, big-endian), payload, tag
+//! (32). A `Flows` payload is records of [`RECORD_LEN`] bytes; a `Done`
+//! payload is a count (4, big-endian); `Pull` and `Leaving` have none.
+
+use std::{
+    net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr},
+    time::{Duration, SystemTime, UNIX_EPOCH},
+};
+
+use hmac::{Hmac, Mac};
+use lb_common::net::Protocol;
+use sha2::Sha256;
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+
+use crate::dataplane::HandedFlow;
+
+const MAGIC: &[u8; 4] = b"XLF\x01";
+const HEADER_LEN: usize = 4 + 4 + 16 + 8 + 4;
+const TAG_LEN: usize = 32;
+/// One flow: family, protocol, closed, a zero byte, idle ms (4), then
+/// client, VIP, backend and SNAT address (16 each, IPv4 in the first 4)
+/// and port (2 each).
+pub const RECORD_LEN: usize = 8 + 4 * 18;
+/// Flows per frame: a frame stays under 320 KiB.
+pub const FLOWS_PER_FRAME: usize = 4096;
+const MAX_PAYLOAD: usize = FLOWS_PER_FRAME * RECORD_LEN;
+/// How far a frame's clock may be from the receiver's.
+pub const MAX_SKEW: Duration = Duration::from_secs(60);
+
+pub type Nonce = [u8; 16];
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Kind {
+    /// Asks for the receiver's SNAT flows.
+    Pull = 1,
+    /// Flows, pushed or answering a pull.
+    Flows = 2,
+    /// Ends a push (the count sent) or answers one (the count taken), or
+    /// ends a pull's answer (the count sent).
+    Done = 3,
+    /// Begins a push from a node about to leave the routers' ECMP set.
+    Leaving = 4,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Frame {
+    Pull,
+    Flows(Vec<HandedFlow>),
+    Done(u32),
+    Leaving,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum WireError {
+    #[error("{0}")]
+    Io(#[from] std::io::Error),
+    #[error("not an xlb flow exchange frame (or another version's)")]
+    Malformed,
+    #[error("signed with another key")]
+    BadKey,
+    #[error("the sender's clock is {0:?} away from ours (more than {MAX_SKEW:?}): a replay, or clocks out of sync")]
+    Stale(Duration),
+    #[error("a frame of another exchange (its nonce is not ours)")]
+    WrongNonce,
+}
+
+fn unix_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
+}
+
+fn mac(key: &[u8]) -> Hmac<Sha256> {
+    <Hmac<Sha256> as Mac>::new_from_slice(key).expect("HMAC takes any key length")
+}
+
+/// A frame as bytes, signed.
+pub fn seal(key: &[u8], nonce: &Nonce, frame: &Frame) -> Vec<u8> {
+    seal_at(key, nonce, frame, unix_ms())
+}
+
+fn seal_at(key: &[u8], nonce: &Nonce, frame: &Frame, ms: u64) -> Vec<u8> {
+    let (kind, payload) = match frame {
+        Frame::Pull => (Kind::Pull, Vec::new()),
+        Frame::Flows(flows) => (Kind::Flows, flows.iter().flat_map(encode).collect()),
+        Frame::Done(n) => (Kind::Done, n.to_be_bytes().to_vec()),
+        Frame::Leaving => (Kind::Leaving, Vec::new()),
+    };
+    let mut out = Vec::with_capacity(HEADER_LEN + payload.len() + TAG_LEN);
+    out.extend_from_slice(MAGIC);
+    out.extend_from_slice(&[kind as u8, 0, 0, 0]);
+    out.extend_from_slice(nonce);
+    out.extend_from_slice(&ms.to_be_bytes());
+    out.extend_from_slice(&(payload.len() as u32).to_be_bytes());
+    out.extend_from_slice(&payload);
+    let mut m = mac(key);
+    m.update(&out);
+    out.extend_from_slice(&m.finalize().into_bytes());
+    out
+}
+
+/// Writes one frame.
+pub async fn write<W: AsyncWrite + Unpin>(
+    w: &mut W,
+    key: &[u8],
+    nonce: &Nonce,
+    frame: &Frame,
+) -> std::io::Result<()> {
+    w.write_all(&seal(key, nonce, frame)).await
+}
+
+/// Reads one frame signed with `key`; with `expect`, only of that exchange.
+/// Returns the frame's nonce too (a pull's, to answer with).
+pub async fn read<R: AsyncRead + Unpin>(
+    r: &mut R,
+    key: &[u8],
+    expect: Option<&Nonce>,
+) -> Result<(Nonce, Frame), WireError> {
+    let mut header = [0u8; HEADER_LEN];
+    r.read_exact(&mut header).await?;
+    if &header[..4] != MAGIC || header[5..8] != [0, 0, 0] {
+        return Err(WireError::Malformed);
+    }
+    let len = u32::from_be_bytes(header[32..36].try_into().expect("4 bytes")) as usize;
+    if len > MAX_PAYLOAD {
+        return Err(WireError::Malformed);
+    }
+    let mut rest = vec![0u8; len + TAG_LEN];
+    r.read_exact(&mut rest).await?;
+    let (payload, tag) = rest.split_at(len);
+    let mut m = mac(key);
+    m.update(&header);
+    m.update(payload);
+    m.verify_slice(tag).map_err(|_| WireError::BadKey)?;
+    let nonce: Nonce = header[8..24].try_into().expect("16 bytes");
+    if expect.is_some_and(|n| *n != nonce) {
+        return Err(WireError::WrongNonce);
+    }
+    let sent = u64::from_be_bytes(header[24..32].try_into().expect("8 bytes"));
+    let skew = Duration::from_millis(unix_ms().abs_diff(sent));
+    if skew > MAX_SKEW {
+        return Err(WireError::Stale(skew));
+    }
+    let frame = match header[4] {
+        1 if len == 0 => Frame::Pull,
+        2 if len.is_multiple_of(RECORD_LEN) => Frame::Flows(
+            payload
+                .chunks_exact(RECORD_LEN)
+                .map(decode)
+                .collect::<Option<_>>()
+                .ok_or(WireError::Malformed)?,
+        ),
+        3 if len == 4 => Frame::Done(u32::from_be_bytes(payload.try_into().expect("4 bytes"))),
+        4 if len == 0 => Frame::Leaving,
+        _ => return Err(WireError::Malformed),
+    };
+    Ok((nonce, frame))
+}
+
+fn encode(f: &HandedFlow) -> Vec<u8> {
+    let mut out = Vec::with_capacity(RECORD_LEN);
+    out.push(if f.client.is_ipv6() { 6 } else { 4 });
+    out.push(f.protocol.number());
+    out.push(f.closed as u8);
+    out.push(0);
+    out.extend_from_slice(&f.idle_ms.to_be_bytes());
+    for a in [f.client, f.vip, f.backend, f.snat] {
+        let mut ip = [0u8; 16];
+        match a.ip() {
+            IpAddr::V4(v4) => ip[..4].copy_from_slice(&v4.octets()),
+            IpAddr::V6(v6) => ip = v6.octets(),
+        }
+        out.extend_from_slice(&ip);
+        out.extend_from_slice(&a.port().to_be_bytes());
+    }
+    out
+}
+
+/// A record, or `None` if it is not one (unknown family or protocol, an
+/// address of another family than the flow's).
+fn decode(b: &[u8]) -> Option<HandedFlow> {
+    let v6 = match b[0] {
+        4 => false,
+        6 => true,
+        _ => return None,
+    };
+    let protocol = Protocol::from_number(b[1])?;
+    let closed = match b[2] {
+        0 => false,
+        1 => true,
+        _ => return None,
+    };
+    let idle_ms = u32::from_be_bytes(b[4..8].try_into().ok()?);
+    let at = |i: usize| {
+        let o = 8 + i * 18;
+        let ip: [u8; 16] = b[o..o + 16].try_into().ok()?;
+        let port = u16::from_be_bytes(b[o + 16..o + 18].try_into().ok()?);
+        let ip = if v6 {
+            IpAddr::V6(Ipv6Addr::from(ip))
+        } else if ip[4..].iter().all(|&x| x == 0) {
+            IpAddr::V4(Ipv4Addr::new(ip[0], ip[1], ip[2], ip[3]))
+        } else {
+            return None;
+        };
+        Some(SocketAddr::new(ip, port))
+    };
+    Some(HandedFlow {
+        protocol,
+        client: at(0)?,
+        vip: at(1)?,
+        backend: at(2)?,
+        snat: at(3)?,
+        closed,
+        idle_ms,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const KEY: &[u8] = b"0123456789abcdef0123";
+
+    fn flow(port: u16) -> HandedFlow {
+        HandedFlow {
+            protocol: Protocol::Tcp,
+            client: SocketAddr::from(([192, 0, 2, 7], port)),
+            vip: SocketAddr::from(([203, 0, 113, 10], 80)),
+            backend: SocketAddr::from(([10, 0, 0, 2], 8080)),
+            snat: SocketAddr::from(([10, 0, 0, 254], 20001)),
+            closed: port.is_multiple_of(2),
+            idle_ms: 1234,
+        }
+    }
+
+    async fn round_trip(bytes: &[u8], expect: Option<&Nonce>) -> Result<(Nonce, Frame), WireError> {
+        let mut r = bytes;
+        read(&mut r, KEY, expect).await
+    }
+
+    #[tokio::test]
+    async fn frames_round_trip_ipv4_and_ipv6() {
+        let mut v6 = flow(3);
+        v6.client = "[2001:db8::7]:40000".parse().unwrap();
+        v6.vip = "[2001:db8::10]:443".parse().unwrap();
+        v6.backend = "[fd00::2]:8443".parse().unwrap();
+        v6.snat = "[fd00::fe]:30000".parse().unwrap();
+        v6.protocol = Protocol::Udp;
+        let n = [7u8; 16];
+        for frame in [
+            Frame::Flows(vec![flow(1), flow(2), v6]),
+            Frame::Pull,
+            Frame::Done(42),
+            Frame::Leaving,
+        ] {
+            let got = round_trip(&seal(KEY, &n, &frame), Some(&n)).await.unwrap();
+            assert_eq!(got, (n, frame));
+        }
+    }
+
+    #[tokio::test]
+    async fn strangers_replays_and_garbage_are_refused() {
+        let n = [1u8; 16];
+        let good = seal(KEY, &n, &Frame::Flows(vec![flow(1)]));
+        let other_key = seal(b"another key, 20 bytes", &n, &Frame::Flows(vec![flow(1)]));
+        assert!(matches!(
+            round_trip(&other_key, None).await,
+            Err(WireError::BadKey)
+        ));
+        let mut flipped = good.clone();
+        flipped[HEADER_LEN + 20] ^= 1;
+        assert!(matches!(
+            round_trip(&flipped, None).await,
+            Err(WireError::BadKey)
+        ));
+        assert!(matches!(
+            round_trip(&good, Some(&[2u8; 16])).await,
+            Err(WireError::WrongNonce)
+        ));
+        let old = seal_at(KEY, &n, &Frame::Done(1), unix_ms() - 120_000);
+        assert!(matches!(
+            round_trip(&old, None).await,
+            Err(WireError::Stale(_))
+        ));
+        let mut huge = good.clone();
+        huge[32..36].copy_from_slice(&u32::MAX.to_be_bytes());
+        assert!(matches!(
+            round_trip(&huge, None).await,
+            Err(WireError::Malformed)
+        ));
+        assert!(matches!(
+            round_trip(b"GET / HTTP/1.1\r\n\r\n01234567890123456789", None).await,
+            Err(WireError::Malformed)
+        ));
+        // A signed record that is not a flow (family 5) is refused whole.
+        let mut bad = flow(1);
+        bad.idle_ms = 0;
+        let mut rec = encode(&bad);
+        rec[0] = 5;
+        assert_eq!(decode(&rec), None);
+        assert!(matches!(
+            round_trip(&good[..good.len() - 1], None).await,
+            Err(WireError::Io(_))
+        ));
+    }
+}
