@@ -69,7 +69,7 @@ pub struct Agent {
     /// Answering ARP/NDP for the VIPs (L2 mode), when configured.
     l2: Option<crate::l2::L2Task>,
     /// L2 mode's membership Lease and the peers from the others'.
-    l2_members: Option<crate::k8s::l2_members::Members>,
+    l2_members: Option<crate::k8s::members::Members>,
     /// Services from Kubernetes, when configured.
     k8s: Option<DesiredRx>,
     /// This agent's candidacy for handing out LoadBalancer addresses.
@@ -82,6 +82,8 @@ pub struct Agent {
     node_leaving: bool,
     /// The other agents SNAT flows are shared with (`flow_sync:`).
     flow_peers: Option<crate::flow_sync::Peers>,
+    /// This agent's flow exchange Lease, when its peers are discovered.
+    flow_members: Option<crate::k8s::members::Members>,
 }
 
 #[derive(Default)]
@@ -171,7 +173,8 @@ impl Agent {
                 let listener = tokio::net::TcpListener::bind(fs.listen)
                     .await
                     .with_context(|| format!("binding the flow exchange {}", fs.listen))?;
-                let peers = crate::flow_sync::Peers::new(fs.key.clone(), fs.peers.clone());
+                let listed = (!fs.discover_peers).then(|| fs.peers.clone());
+                let peers = crate::flow_sync::Peers::new(fs.key.clone(), listed);
                 let sync_now = crate::flow_sync::start_sync(peers.clone(), dp.clone(), fs.interval);
                 tokio::spawn(crate::flow_sync::serve(
                     listener,
@@ -209,6 +212,7 @@ impl Agent {
             announce_by_vip: BTreeMap::new(),
             node_leaving: false,
             flow_peers,
+            flow_members: None,
         };
         let mut kube_client = None;
         if let Some(kcfg) = agent.config.kubernetes.clone() {
@@ -218,6 +222,7 @@ impl Agent {
                 .register(agent.metrics.registry())
                 .context("registering the Kubernetes API metrics")?;
             let node_name = crate::k8s::watch::node_name(&kcfg);
+            agent.discover_flow_peers(&client, &kcfg, &node_name);
             info!(node = %node_name, class = %kcfg.load_balancer_class, "taking Services from Kubernetes");
             let mut rx = crate::k8s::watch::spawn(
                 client.clone(),
@@ -254,6 +259,9 @@ impl Agent {
             // flows find them; then the flows, before the router can send
             // any of them here.
             agent.apply_at_start()?;
+            if !peers.known(Duration::from_secs(5)).await {
+                warn!("flow exchange: no peer Leases read within 5s; announcing without the others' flows");
+            }
             crate::flow_sync::take_from_peers(&peers, &agent.dp).await;
         }
         agent.start_announcing(kube_client).await?;
@@ -274,6 +282,43 @@ impl Agent {
         release_free_memory();
         info!("ready");
         Ok(agent)
+    }
+
+    /// With `flow_sync` and no peers listed: keeps this agent's flow
+    /// exchange Lease, naming where it listens, and takes the others' as
+    /// the peers.
+    fn discover_flow_peers(
+        &mut self,
+        client: &kube::Client,
+        kcfg: &crate::config::KubernetesConfig,
+        node: &str,
+    ) {
+        let (Some(fs), Some(peers)) = (&self.config.flow_sync, &self.flow_peers) else {
+            return;
+        };
+        if !fs.discover_peers {
+            return;
+        }
+        let mut advertised = fs.listen;
+        if advertised.ip().is_unspecified() {
+            let first = self.config.interfaces.first();
+            match first.and_then(|i| interface_address(i, true)) {
+                Some(ip) => advertised.set_ip(ip),
+                None => {
+                    warn!("flow exchange: no IPv4 address on the first interface to tell the peers; set flow_sync.listen");
+                    return;
+                }
+            }
+        }
+        let peers = peers.clone();
+        self.flow_members = Some(crate::k8s::members::Members::start(
+            crate::k8s::members::FLOW_SYNC,
+            client.clone(),
+            &kcfg.lease_namespace,
+            node,
+            advertised,
+            move |found| peers.set(found),
+        ));
     }
 
     /// Applies the config at start. Without its interfaces the agent is
@@ -309,7 +354,8 @@ impl Agent {
                 (l2.discover_peers, kube, &self.config.kubernetes)
             {
                 let to = task.clone();
-                self.l2_members = Some(crate::k8s::l2_members::Members::start(
+                self.l2_members = Some(crate::k8s::members::Members::start(
+                    crate::k8s::members::L2,
                     client,
                     &kcfg.lease_namespace,
                     &l2.node_name,
@@ -406,6 +452,7 @@ impl Agent {
         // L2: the others take this node's VIPs over as soon as it leaves;
         // its data plane keeps forwarding for clients that still send here.
         let members = self.l2_members.take();
+        let flow_members = self.flow_members.take().filter(|_| leaving);
         let hand_over = async {
             if let Some(l2) = &self.l2 {
                 l2.leave().await;
@@ -415,6 +462,10 @@ impl Agent {
             }
         };
         tokio::join!(step_down, withdraw_and_drain, hand_over);
+        // Gone for good: the others stop pushing to this node at once.
+        if let Some(m) = flow_members {
+            m.leave().await;
+        }
         info!("exiting; the XDP program stays attached and keeps forwarding (lb-agent --cleanup detaches it)");
         Ok(())
     }

@@ -48,6 +48,7 @@ use std::{
 };
 
 use serde_json::Value;
+use xlb_tests::cluster::{Cluster, AGENT_NAMESPACE, API_HOST};
 use xlb_tests::ecmp::{
     backend_ip, node_ip, node_of_hop, request_from, Driver, EcmpLab, Node, Topology, BACKENDS,
     BACKEND_PORT, CLIENT_IP, HOLD_TIME, NODES, ROUTER_IP, RR_IP, VIP,
@@ -786,9 +787,17 @@ fn lab_with_connections(driver: Driver, tag: char, mode: &str) -> (EcmpLab, Vec<
 }
 
 /// [`lab_with_connections`] on a lab already started.
-fn with_connections(mut lab: EcmpLab, mode: &str) -> (EcmpLab, Vec<HttpConn>) {
+fn with_connections(lab: EcmpLab, mode: &str) -> (EcmpLab, Vec<HttpConn>) {
+    with_connections_configured(lab, |lab, i| lab.agent_config_in(i, 1, mode))
+}
+
+/// [`with_connections`], node `i`'s agent config from `config`.
+fn with_connections_configured(
+    mut lab: EcmpLab,
+    config: impl Fn(&EcmpLab, usize) -> String,
+) -> (EcmpLab, Vec<HttpConn>) {
     for i in 1..=NODES {
-        let c = lab.agent_config_in(i, 1, mode);
+        let c = config(&lab, i);
         lab.node(i).spawn_agent(&c);
     }
     for i in 1..=NODES {
@@ -995,6 +1004,75 @@ fn node_leaves_and_joins(driver: Driver, mode: &str) {
     // each living about a millisecond.
     let allowed = if mode == "snat" { 4 } else { 0 };
     at_most_new_connections_failed(stop, fresh, "while node 1 left and joined", allowed);
+}
+
+/// The flow exchange's peers from the agents' Leases, on the real control
+/// plane with the chart's RBAC: `flow_sync:` with neither `listen` nor
+/// `peers`, each agent keeps a Lease `xlb-flows-<node>` naming the first
+/// address of its first interface and takes the others' as its peers. A
+/// node taken out (cordoned, then SIGTERM) hands its snat connections over
+/// as with listed peers, and deletes its Lease.
+#[test]
+fn flow_sync_peers_come_from_the_agents_leases_on_the_real_control_plane() {
+    let lab = EcmpLab::start_tagged(Driver::Bird, 'f');
+    let mut cluster = Cluster::start(&format!("fsk{}", std::process::id() % 10000));
+    cluster.install_chart_identity_with(&["--set", "config.flow_sync.key_file=/etc/xlb-flows/key"]);
+    for i in 1..=NODES {
+        cluster.add_node(&format!("n{i}"), "zone-a");
+        cluster.reach_from(&lab.nodes[i - 1].ns);
+        cluster.write_agent_kubeconfig(&lab.dir.join(format!("n{i}.kubeconfig")), API_HOST);
+    }
+    let (mut lab, mut conns) = with_connections_configured(lab, |lab, i| {
+        let listed: String = lab
+            .agent_config_in(i, 1, "snat")
+            .lines()
+            .filter(|l| !l.starts_with("  listen:") && !l.starts_with("  peers:"))
+            .map(|l| format!("{l}\n"))
+            .collect();
+        format!(
+            "{listed}kubernetes:\n  kubeconfig: {}\n  node_name: n{i}\n  allocate_addresses: false\n  lease_namespace: {AGENT_NAMESPACE}\n",
+            lab.dir.join(format!("n{i}.kubeconfig")).display()
+        )
+    });
+    let lease = |i: usize| cluster.get("lease", Some(AGENT_NAMESPACE), &format!("xlb-flows-n{i}"));
+    for i in 1..=NODES {
+        let l = lease(i).unwrap_or_else(|| panic!("node {i}'s flow exchange Lease"));
+        assert_eq!(
+            l["metadata"]["annotations"]["xlb.dev/flow-sync-address"],
+            format!("{}:7947", node_ip(i)),
+            "node {i} tells its uplink address"
+        );
+    }
+    let stop = Arc::new(AtomicBool::new(false));
+    let fresh = new_connections(&lab, stop.clone());
+    cluster.patch(
+        "node",
+        None,
+        "n1",
+        &serde_json::json!({"spec": {"unschedulable": true}}),
+        false,
+    );
+    poll_until(Duration::from_secs(20), Duration::from_millis(50), || {
+        lab.node(1)
+            .agent_log()
+            .contains("this node is being taken out")
+            .then_some(())
+            .ok_or(())
+    })
+    .unwrap_or_else(|()| {
+        panic!(
+            "node 1 did not see its Node cordoned:\n{}",
+            lab.node(1).agent_log()
+        )
+    });
+    lab.node(1).sigterm_agent();
+    wait_fib(&lab, &[2, 3], Duration::from_secs(10), "node 1 left");
+    all_answer(&mut conns, "after node 1 left");
+    let status = lab.node(1).wait_agent_exit(Duration::from_secs(10));
+    assert!(status.success(), "node 1's agent: {status}");
+    assert!(lease(1).is_none(), "node 1's Lease outlived its leaving");
+    all_answer(&mut conns, "after node 1 exited");
+    at_most_new_connections_failed(stop, fresh, "while node 1 left", 2);
 }
 
 /// A node's agent and speaker restarting together, as the chart's Pod

@@ -10,10 +10,15 @@ use super::validate::{root, Checked, Validator};
 /// The flow exchange, validated.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct FlowSyncConfig {
-    /// Where this agent takes pushes and answers pulls (TCP).
+    /// Where this agent takes pushes and answers pulls (TCP). Unspecified
+    /// (`0.0.0.0`): every address, and the peers are told the first IPv4
+    /// address of the first interface.
     pub listen: SocketAddr,
     /// The other agents' `listen` addresses.
     pub peers: Vec<SocketAddr>,
+    /// No peers listed and a `kubernetes:` section: the peers are the other
+    /// agents' flow exchange Leases (`crate::k8s::members`).
+    pub discover_peers: bool,
     /// The shared secret every frame is signed with; strangers are refused.
     pub key: Vec<u8>,
     /// How often the flows this node opened are pushed to the peers: a
@@ -34,22 +39,23 @@ pub const DEFAULT_FLOW_SYNC_PORT: u16 = 7947;
 )]
 pub(super) struct RawFlowSync {
     listen: Option<String>,
+    #[serde(default)]
     peers: Vec<String>,
     key_file: String,
     interval: Option<String>,
 }
 
 impl Validator<'_> {
-    pub(super) fn flow_sync(&self, raw: RawFlowSync) -> Checked<FlowSyncConfig> {
+    pub(super) fn flow_sync(&self, raw: RawFlowSync, kubernetes: bool) -> Checked<FlowSyncConfig> {
         let path = || root().key("flow_sync");
         let listen = match &raw.listen {
             None => SocketAddr::from(([0, 0, 0, 0], DEFAULT_FLOW_SYNC_PORT)),
             Some(l) => self.socket(l, DEFAULT_FLOW_SYNC_PORT, || path().key("listen"))?,
         };
-        if raw.peers.is_empty() {
+        if raw.peers.is_empty() && !kubernetes {
             return Err(self.err(
                 path().key("peers"),
-                "at least one peer is required (the other nodes' flow_sync listen addresses)",
+                "at least one peer is required (the other nodes' flow_sync listen addresses), unless a kubernetes section lets the agents find each other",
             ));
         }
         let mut peers = Vec::new();
@@ -77,6 +83,7 @@ impl Validator<'_> {
         };
         Ok(FlowSyncConfig {
             listen,
+            discover_peers: peers.is_empty(),
             peers,
             key,
             interval,

@@ -22,7 +22,7 @@ pub struct L2Config {
     /// The other nodes' membership addresses.
     pub peers: Vec<SocketAddr>,
     /// No peers listed and a `kubernetes:` section: the peers are the
-    /// other agents' membership Leases (`crate::k8s::l2_members`).
+    /// other agents' membership Leases (`crate::k8s::members`).
     pub discover_peers: bool,
     /// The shared secret every packet is signed with; strangers are refused.
     pub key: Vec<u8>,

@@ -22,7 +22,7 @@ use rand::TryRngCore;
 use tokio::{
     io::BufReader,
     net::{TcpListener, TcpStream},
-    sync::{mpsc, oneshot, Semaphore},
+    sync::{mpsc, oneshot, watch, Semaphore},
 };
 use tracing::{info, warn};
 
@@ -45,15 +45,33 @@ const PULL_TIMEOUT: Duration = Duration::from_secs(3);
 #[derive(Clone)]
 pub struct Peers {
     key: Arc<Vec<u8>>,
-    peers: Vec<SocketAddr>,
+    /// `None` until discovered peers are first known.
+    list: Arc<watch::Sender<Option<Vec<SocketAddr>>>>,
 }
 
 impl Peers {
-    pub fn new(key: Vec<u8>, peers: Vec<SocketAddr>) -> Self {
+    /// `peers`: `None` when they are to be discovered ([`Peers::set`]).
+    pub fn new(key: Vec<u8>, peers: Option<Vec<SocketAddr>>) -> Self {
         Self {
             key: Arc::new(key),
-            peers,
+            list: Arc::new(watch::Sender::new(peers)),
         }
+    }
+
+    /// The peers, as discovered now.
+    pub fn set(&self, peers: Vec<SocketAddr>) {
+        self.list.send_replace(Some(peers));
+    }
+
+    /// Waits (at most `within`) until the peers are known; whether they are.
+    pub async fn known(&self, within: Duration) -> bool {
+        let mut rx = self.list.subscribe();
+        let known = tokio::time::timeout(within, rx.wait_for(Option::is_some)).await;
+        known.is_ok()
+    }
+
+    fn current(&self) -> Vec<SocketAddr> {
+        self.list.borrow().clone().unwrap_or_default()
     }
 
     /// Sends `flows` to every peer at once; each peer's count taken, or why
@@ -64,7 +82,7 @@ impl Peers {
         leaving: bool,
     ) -> Vec<(SocketAddr, Result<u32, String>)> {
         let flows = Arc::new(flows.to_vec());
-        let all = self.peers.iter().map(|&p| {
+        let all = self.current().into_iter().map(|p| {
             let (key, flows) = (self.key.clone(), flows.clone());
             let t = if leaving {
                 LEAVING_PUSH_TIMEOUT
@@ -81,7 +99,7 @@ impl Peers {
 
     /// Asks every peer for its SNAT flows at once.
     pub async fn pull(&self) -> Vec<(SocketAddr, Result<Vec<HandedFlow>, String>)> {
-        let all = self.peers.iter().map(|&p| {
+        let all = self.current().into_iter().map(|p| {
             let key = self.key.clone();
             let t = PULL_TIMEOUT;
             async move {

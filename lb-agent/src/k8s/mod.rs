@@ -8,7 +8,7 @@
 //! - [`ipam`]: pure address-pool arithmetic and allocation decisions.
 //! - [`sharing`]: when Services may share one address.
 //! - [`leader`]: Lease-based leader election.
-//! - [`l2_members`]: L2 mode's peers, from the agents' membership Leases.
+//! - [`members`]: peers from the agents' Leases (L2 mode's membership, the flow exchange).
 //! - [`allocator`]: the controller that writes `status.loadBalancer`.
 //! - [`api_health`]: one view of whether the API answers, logged once per outage.
 
@@ -17,8 +17,8 @@ pub mod api_health;
 pub mod crd;
 pub mod desired;
 pub mod ipam;
-pub mod l2_members;
 pub mod leader;
+pub mod members;
 pub mod sharing;
 pub mod watch;
 

@@ -1,10 +1,11 @@
-//! L2 mode's peers from Kubernetes: every agent in L2 mode keeps a Lease
-//! `xlb-l2-<node>` in the agent's namespace that names its membership
-//! address, and takes the other agents' fresh Leases as its peers. SWIM
-//! stays the failure detector (sub-second); the Leases only say whom to
-//! gossip with, so that nodes join and leave without a config change, and
-//! they are the slow fallback view: a node whose Lease is stale is no
-//! longer a peer and no longer counts towards the quorum.
+//! Peers from Kubernetes, for L2 mode's membership and for the flow
+//! exchange: every agent keeps a Lease `<prefix>-<node>` in the agent's
+//! namespace that names its address, and takes the other agents' fresh
+//! Leases as its peers, so that nodes join and leave without a config
+//! change. In L2 mode SWIM stays the failure detector (sub-second); the
+//! Leases only say whom to gossip with, and they are the slow fallback
+//! view: a node whose Lease is stale is no longer a peer and no longer
+//! counts towards the quorum.
 
 use std::{collections::BTreeMap, net::SocketAddr, sync::Arc, time::Duration};
 
@@ -22,21 +23,48 @@ use tracing::{debug, info, warn};
 
 use super::{api_health::QuickRetry, watch::drive};
 
-/// Marks the membership Leases (and selects them).
-pub const MEMBER_LABEL: &str = "xlb.dev/l2-member";
-/// The agent's membership address (`ip:port`).
-pub const ADDRESS_ANNOTATION: &str = "xlb.dev/l2-address";
-/// How long a Lease counts without renewal; renewed every third of it.
-pub const LEASE_SECONDS: i64 = 15;
-const FIELD_MANAGER: &str = "xlb-l2";
-
-pub fn lease_name(node: &str) -> String {
-    format!("xlb-l2-{node}")
+/// One set of Leases: what they are for.
+#[derive(Clone, Copy, Debug)]
+pub struct Roster {
+    /// For the logs.
+    pub what: &'static str,
+    /// Leases are `<prefix>-<node>`; also the field manager.
+    pub prefix: &'static str,
+    /// Marks the Leases (and selects them).
+    pub label: &'static str,
+    /// The agent's address (`ip:port`).
+    pub annotation: &'static str,
 }
 
-/// This agent's membership Lease, and the others'.
+/// L2 mode's membership (docs/l2.md).
+pub const L2: Roster = Roster {
+    what: "L2 membership",
+    prefix: "xlb-l2",
+    label: "xlb.dev/l2-member",
+    annotation: "xlb.dev/l2-address",
+};
+
+/// The flow exchange's peers (`flow_sync:`, docs/bgp.md).
+pub const FLOW_SYNC: Roster = Roster {
+    what: "flow exchange",
+    prefix: "xlb-flows",
+    label: "xlb.dev/flow-sync-member",
+    annotation: "xlb.dev/flow-sync-address",
+};
+
+/// How long a Lease counts without renewal; renewed every third of it.
+pub const LEASE_SECONDS: i64 = 15;
+
+impl Roster {
+    pub fn lease_name(&self, node: &str) -> String {
+        format!("{}-{node}", self.prefix)
+    }
+}
+
+/// This agent's Lease, and the others'.
 pub struct Members {
     api: Api<Lease>,
+    roster: Roster,
     name: String,
     tasks: Vec<tokio::task::JoinHandle<()>>,
 }
@@ -46,6 +74,7 @@ impl Members {
     /// peer list (sorted, this node left out) goes to `on_peers`, the first
     /// once the Leases have been listed.
     pub fn start(
+        roster: Roster,
         client: Client,
         namespace: &str,
         node: &str,
@@ -53,12 +82,24 @@ impl Members {
         on_peers: impl Fn(Vec<SocketAddr>) + Send + Sync + 'static,
     ) -> Self {
         let api: Api<Lease> = Api::namespaced(client, namespace);
-        let name = lease_name(node);
-        info!(lease = %name, %namespace, %addr, "L2 mode: peers from the agents' Leases");
-        let renew = tokio::spawn(renew(api.clone(), name.clone(), node.to_string(), addr));
-        let watch = tokio::spawn(watch_peers(api.clone(), name.clone(), Arc::new(on_peers)));
+        let name = roster.lease_name(node);
+        info!(lease = %name, %namespace, %addr, "{}: peers from the agents' Leases", roster.what);
+        let renew = tokio::spawn(renew(
+            roster,
+            api.clone(),
+            name.clone(),
+            node.to_string(),
+            addr,
+        ));
+        let watch = tokio::spawn(watch_peers(
+            roster,
+            api.clone(),
+            name.clone(),
+            Arc::new(on_peers),
+        ));
         Members {
             api,
+            roster,
             name,
             tasks: vec![renew, watch],
         }
@@ -71,8 +112,8 @@ impl Members {
             t.abort();
         }
         match self.api.delete(&self.name, &DeleteParams::default()).await {
-            Ok(_) => info!(lease = %self.name, "L2 membership Lease deleted"),
-            Err(e) => warn!(lease = %self.name, "deleting the L2 membership Lease: {e}"),
+            Ok(_) => info!(lease = %self.name, "{} Lease deleted", self.roster.what),
+            Err(e) => warn!(lease = %self.name, "deleting the {} Lease: {e}", self.roster.what),
         }
     }
 }
@@ -86,14 +127,20 @@ impl Drop for Members {
 }
 
 /// The Lease as this node writes it (server-side apply: created if missing).
-fn lease_object(name: &str, node: &str, addr: SocketAddr, now: Timestamp) -> serde_json::Value {
+fn lease_object(
+    roster: Roster,
+    name: &str,
+    node: &str,
+    addr: SocketAddr,
+    now: Timestamp,
+) -> serde_json::Value {
     json!({
         "apiVersion": "coordination.k8s.io/v1",
         "kind": "Lease",
         "metadata": {
             "name": name,
-            "labels": { MEMBER_LABEL: "true" },
-            "annotations": { ADDRESS_ANNOTATION: addr.to_string() },
+            "labels": { roster.label: "true" },
+            "annotations": { roster.annotation: addr.to_string() },
         },
         "spec": {
             "holderIdentity": node,
@@ -103,20 +150,20 @@ fn lease_object(name: &str, node: &str, addr: SocketAddr, now: Timestamp) -> ser
     })
 }
 
-async fn renew(api: Api<Lease>, name: String, node: String, addr: SocketAddr) {
+async fn renew(roster: Roster, api: Api<Lease>, name: String, node: String, addr: SocketAddr) {
     let every = Duration::from_secs(LEASE_SECONDS as u64 / 3);
-    let params = PatchParams::apply(FIELD_MANAGER).force();
+    let params = PatchParams::apply(roster.prefix).force();
     let mut failing = false;
     loop {
-        let lease = lease_object(&name, &node, addr, Timestamp::now());
+        let lease = lease_object(roster, &name, &node, addr, Timestamp::now());
         match api.patch(&name, &params, &Patch::Apply(&lease)).await {
             Ok(_) if failing => {
-                info!(lease = %name, "L2 membership Lease renewed again");
+                info!(lease = %name, "{} Lease renewed again", roster.what);
                 failing = false;
             }
-            Ok(_) => debug!(lease = %name, "L2 membership Lease renewed"),
+            Ok(_) => debug!(lease = %name, "{} Lease renewed", roster.what),
             Err(e) if !failing => {
-                warn!(lease = %name, "renewing the L2 membership Lease: {e}");
+                warn!(lease = %name, "renewing the {} Lease: {e}", roster.what);
                 failing = true;
             }
             Err(_) => {}
@@ -126,15 +173,16 @@ async fn renew(api: Api<Lease>, name: String, node: String, addr: SocketAddr) {
 }
 
 async fn watch_peers(
+    roster: Roster,
     api: Api<Lease>,
     own: String,
     on_peers: Arc<dyn Fn(Vec<SocketAddr>) + Send + Sync>,
 ) {
     let (store, writer) = reflector::store::<Lease>();
     let changed = Arc::new(Notify::new());
-    let config = watcher::Config::default().labels(&format!("{MEMBER_LABEL}=true"));
+    let config = watcher::Config::default().labels(&format!("{}=true", roster.label));
     drive(
-        "l2-leases",
+        roster.prefix,
         watcher(api, config)
             .backoff(QuickRetry::default())
             .reflect(writer),
@@ -146,7 +194,12 @@ async fn watch_peers(
     let mut last: Option<Vec<SocketAddr>> = None;
     loop {
         let leases: Vec<Arc<Lease>> = store.state();
-        let peers = fresh_peers(leases.iter().map(Arc::as_ref), &own, Timestamp::now());
+        let peers = fresh_peers(
+            roster,
+            leases.iter().map(Arc::as_ref),
+            &own,
+            Timestamp::now(),
+        );
         if last.as_ref() != Some(&peers) {
             on_peers(peers.clone());
             last = Some(peers);
@@ -159,6 +212,7 @@ async fn watch_peers(
 /// The membership addresses of the Leases other than `own` that are
 /// fresh at `now`, sorted. A Lease without a readable address is skipped.
 pub fn fresh_peers<'a>(
+    roster: Roster,
     leases: impl Iterator<Item = &'a Lease>,
     own: &str,
     now: Timestamp,
@@ -179,7 +233,7 @@ pub fn fresh_peers<'a>(
             .metadata
             .annotations
             .as_ref()
-            .and_then(|a| a.get(ADDRESS_ANNOTATION))
+            .and_then(|a| a.get(roster.annotation))
             .and_then(|a| a.parse::<SocketAddr>().ok());
         if let Some(addr) = addr {
             by_addr.insert(addr, ());
@@ -196,7 +250,7 @@ mod tests {
         serde_json::from_value(json!({
             "metadata": {
                 "name": name,
-                "annotations": { ADDRESS_ANNOTATION: addr },
+                "annotations": { L2.annotation: addr },
             },
             "spec": {
                 "holderIdentity": name,
@@ -223,7 +277,7 @@ mod tests {
             ),
         ];
         assert_eq!(
-            fresh_peers(leases.iter(), "xlb-l2-a", now),
+            fresh_peers(L2, leases.iter(), "xlb-l2-a", now),
             vec![
                 "10.0.0.10:7946".parse::<SocketAddr>().unwrap(),
                 "10.0.0.12:7946".parse().unwrap()
@@ -234,12 +288,14 @@ mod tests {
     #[test]
     fn the_lease_names_its_address_and_is_selected_by_its_label() {
         let now = Timestamp::now();
-        let v = lease_object("xlb-l2-a", "a", "10.0.0.11:7946".parse().unwrap(), now);
+        let v = lease_object(L2, "xlb-l2-a", "a", "10.0.0.11:7946".parse().unwrap(), now);
         let l: Lease = serde_json::from_value(v).unwrap();
-        assert_eq!(l.metadata.labels.as_ref().unwrap()[MEMBER_LABEL], "true");
+        assert_eq!(l.metadata.labels.as_ref().unwrap()[L2.label], "true");
         assert_eq!(
-            fresh_peers(std::iter::once(&l), "other", now),
+            fresh_peers(L2, std::iter::once(&l), "other", now),
             vec!["10.0.0.11:7946".parse::<SocketAddr>().unwrap()]
         );
+        // The other roster's Leases name their address elsewhere.
+        assert!(fresh_peers(FLOW_SYNC, std::iter::once(&l), "other", now).is_empty());
     }
 }
