@@ -80,8 +80,8 @@ pub struct Agent {
     announce_by_vip: BTreeMap<IpAddr, Announce>,
     /// Whether the Node is being taken out, as last logged (Kubernetes).
     node_leaving: bool,
-    /// The other agents SNAT flows are shared with (`flow_sync:`).
-    flow_peers: Option<crate::flow_sync::Peers>,
+    /// SNAT flows shared with the other agents (`flow_sync:`).
+    flow_sync: Option<crate::flow_sync::Exchange>,
     /// This agent's flow exchange Lease, when its peers are discovered.
     flow_members: Option<crate::k8s::members::Members>,
 }
@@ -168,22 +168,8 @@ impl Agent {
                 Arc::new(move || (true, ready.load(Ordering::Relaxed)));
             tokio::spawn(crate::http::serve(listener, metrics.clone(), probe));
         }
-        let flow_peers = match &config.flow_sync {
-            Some(fs) => {
-                let listener = tokio::net::TcpListener::bind(fs.listen)
-                    .await
-                    .with_context(|| format!("binding the flow exchange {}", fs.listen))?;
-                let listed = (!fs.discover_peers).then(|| fs.peers.clone());
-                let peers = crate::flow_sync::Peers::new(fs.key.clone(), listed);
-                let sync_now = crate::flow_sync::start_sync(peers.clone(), dp.clone(), fs.interval);
-                tokio::spawn(crate::flow_sync::serve(
-                    listener,
-                    Arc::new(fs.key.clone()),
-                    dp.clone(),
-                    sync_now,
-                ));
-                Some(peers)
-            }
+        let flow_sync = match &config.flow_sync {
+            Some(fs) => Some(crate::flow_sync::Exchange::start(fs, dp.clone()).await?),
             None => None,
         };
         let (health, health_rx) = HealthChecker::new();
@@ -211,7 +197,7 @@ impl Agent {
             shadowed: BTreeSet::new(),
             announce_by_vip: BTreeMap::new(),
             node_leaving: false,
-            flow_peers,
+            flow_sync,
             flow_members: None,
         };
         let mut kube_client = None;
@@ -254,27 +240,26 @@ impl Agent {
                 .context("the Kubernetes watcher stopped")?;
             agent.k8s = Some(rx);
         }
-        if let Some(peers) = agent.flow_peers.clone() {
+        if let Some(exchange) = agent.flow_sync.clone() {
             // The services first, announced nowhere yet, so that the peers'
             // flows find them; then the flows, before the router can send
             // any of them here.
             agent.apply_at_start()?;
-            if !peers.known(Duration::from_secs(5)).await {
+            if !exchange.peers.known(Duration::from_secs(5)).await {
                 warn!("flow exchange: no peer Leases read within 5s; announcing without the others' flows");
             }
-            crate::flow_sync::take_from_peers(&peers, &agent.dp).await;
+            exchange.take_from_peers().await;
         }
         agent.start_announcing(kube_client).await?;
         agent.apply_at_start()?;
-        if let Some(peers) = agent.flow_peers.clone() {
+        if let Some(exchange) = agent.flow_sync.clone() {
             // Flows the peers opened between the pull and the routers'
             // taking this node in: pulled again at once and once the routers
             // have had a second.
-            let dp = agent.dp.clone();
             tokio::spawn(async move {
-                crate::flow_sync::take_from_peers(&peers, &dp).await;
+                exchange.take_from_peers().await;
                 tokio::time::sleep(Duration::from_secs(1)).await;
-                crate::flow_sync::take_from_peers(&peers, &dp).await;
+                exchange.take_from_peers().await;
             });
         }
         agent.ready.store(true, Ordering::Relaxed);
@@ -293,7 +278,7 @@ impl Agent {
         kcfg: &crate::config::KubernetesConfig,
         node: &str,
     ) {
-        let (Some(fs), Some(peers)) = (&self.config.flow_sync, &self.flow_peers) else {
+        let (Some(fs), Some(exchange)) = (&self.config.flow_sync, &self.flow_sync) else {
             return;
         };
         if !fs.discover_peers {
@@ -310,7 +295,7 @@ impl Agent {
                 }
             }
         }
-        let peers = peers.clone();
+        let peers = exchange.peers.clone();
         self.flow_members = Some(crate::k8s::members::Members::start(
             crate::k8s::members::FLOW_SYNC,
             client.clone(),
@@ -425,12 +410,12 @@ impl Agent {
         // A node that leaves gives its SNAT flows to the others before the
         // routers send them there, then those it opened meanwhile, and at
         // the end of the drain those that still reached it.
-        let peers = self.flow_peers.clone().filter(|_| leaving);
+        let exchange = self.flow_sync.clone().filter(|_| leaving);
         let give = |which: Handing| {
-            let (peers, dp) = (peers.clone(), self.dp.clone());
+            let exchange = exchange.clone();
             async move {
-                if let Some(p) = peers {
-                    crate::flow_sync::give_to_peers(&p, &dp, which).await;
+                if let Some(x) = exchange {
+                    x.give_to_peers(which).await;
                 }
             }
         };

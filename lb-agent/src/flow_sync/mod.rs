@@ -27,7 +27,93 @@ use tokio::{
 use tracing::{info, warn};
 
 use self::wire::{Frame, Nonce, WireError, FLOWS_PER_FRAME};
-use crate::dataplane::{Dataplane, HandedFlow, Handing, Imported};
+use crate::dataplane::{Dataplane, FlowTable, HandedFlow, Handing, Imported};
+
+/// The exchange as the agent drives it: its peers and this node's side.
+#[derive(Clone)]
+pub struct Exchange {
+    pub peers: Peers,
+    local: Local,
+}
+
+impl Exchange {
+    /// Listens, and starts the periodic push.
+    pub async fn start(
+        cfg: &crate::config::FlowSyncConfig,
+        dp: Arc<Mutex<Dataplane>>,
+    ) -> anyhow::Result<Self> {
+        use anyhow::Context as _;
+        let listener = TcpListener::bind(cfg.listen)
+            .await
+            .with_context(|| format!("binding the flow exchange {}", cfg.listen))?;
+        let local = Local::new(dp).context("a handle on the flow table")?;
+        let listed = (!cfg.discover_peers).then(|| cfg.peers.clone());
+        let peers = Peers::new(cfg.key.clone(), listed);
+        let sync_now = start_sync(peers.clone(), local.clone(), cfg.interval);
+        tokio::spawn(serve(
+            listener,
+            Arc::new(cfg.key.clone()),
+            local.clone(),
+            sync_now,
+        ));
+        Ok(Self { peers, local })
+    }
+
+    /// Pulls every peer's flows and imports them.
+    pub async fn take_from_peers(&self) -> Imported {
+        take_from_peers(&self.peers, &self.local).await
+    }
+
+    /// Pushes the flows `which` names to every peer.
+    pub async fn give_to_peers(&self, which: Handing) {
+        give_to_peers(&self.peers, &self.local, which).await
+    }
+}
+
+/// This node's side: the data plane (for its ids, briefly) and a handle of
+/// the flow table's own, walked and written without the data plane's lock.
+#[derive(Clone)]
+struct Local {
+    dp: Arc<Mutex<Dataplane>>,
+    table: Arc<Mutex<FlowTable>>,
+}
+
+impl Local {
+    fn new(dp: Arc<Mutex<Dataplane>>) -> Result<Self, crate::dataplane::DataplaneError> {
+        let table = dp.lock().expect("data plane lock").flow_table()?;
+        Ok(Self {
+            dp,
+            table: Arc::new(Mutex::new(table)),
+        })
+    }
+
+    /// Blocks for a walk of the flow table.
+    fn export(&self, which: Handing) -> Result<Vec<HandedFlow>, String> {
+        let table = self.table.lock().expect("flow table lock");
+        table.snat_flows(which).map_err(|e| e.to_string())
+    }
+
+    /// Blocks for a system call per flow.
+    fn import(&self, flows: &[HandedFlow]) -> Result<Imported, String> {
+        let ids = self.dp.lock().expect("data plane lock").handoff_ids();
+        let mut table = self.table.lock().expect("flow table lock");
+        table.import_flows(&ids, flows).map_err(|e| e.to_string())
+    }
+
+    async fn export_async(&self, which: Handing) -> Result<Vec<HandedFlow>, String> {
+        let me = self.clone();
+        tokio::task::spawn_blocking(move || me.export(which))
+            .await
+            .map_err(|e| e.to_string())?
+    }
+
+    async fn import_async(&self, flows: Vec<HandedFlow>) -> Result<Imported, String> {
+        let me = self.clone();
+        tokio::task::spawn_blocking(move || me.import(&flows))
+            .await
+            .map_err(|e| e.to_string())?
+    }
+}
 
 /// Exchanges served at once; more wait in the listen backlog.
 const MAX_CONNECTIONS: usize = 8;
@@ -183,12 +269,7 @@ impl SyncNow {
 }
 
 /// Serves pushes and pulls until the task is dropped or aborted.
-pub async fn serve(
-    listener: TcpListener,
-    key: Arc<Vec<u8>>,
-    dp: Arc<Mutex<Dataplane>>,
-    sync_now: SyncNow,
-) {
+async fn serve(listener: TcpListener, key: Arc<Vec<u8>>, local: Local, sync_now: SyncNow) {
     let permits = Arc::new(Semaphore::new(MAX_CONNECTIONS));
     loop {
         let Ok(permit) = permits.clone().acquire_owned().await else {
@@ -202,10 +283,10 @@ pub async fn serve(
                 continue;
             }
         };
-        let (key, dp, sync_now) = (key.clone(), dp.clone(), sync_now.clone());
+        let (key, local, sync_now) = (key.clone(), local.clone(), sync_now.clone());
         tokio::spawn(async move {
             let _permit = permit;
-            let exchange = answer(stream, &key, &dp, &sync_now);
+            let exchange = answer(stream, &key, &local, &sync_now);
             match tokio::time::timeout(EXCHANGE_TIMEOUT, exchange).await {
                 Ok(Ok(())) => {}
                 Ok(Err(e)) => warn!(%peer, "flow exchange refused: {e}"),
@@ -224,7 +305,7 @@ pub async fn serve(
 async fn answer(
     stream: TcpStream,
     key: &[u8],
-    dp: &Arc<Mutex<Dataplane>>,
+    local: &Local,
     sync_now: &SyncNow,
 ) -> Result<(), WireError> {
     let _ = stream.set_nodelay(true);
@@ -237,13 +318,10 @@ async fn answer(
     }
     if first == Frame::Pull && !leaving {
         sync_now.run().await;
-        let d = dp.clone();
-        let flows = tokio::task::spawn_blocking(move || {
-            d.lock().expect("data plane lock").snat_flows(Handing::All)
-        })
-        .await
-        .expect("export task")
-        .map_err(|e| WireError::Io(std::io::Error::other(e.to_string())))?;
+        let flows = local
+            .export_async(Handing::All)
+            .await
+            .map_err(|e| WireError::Io(std::io::Error::other(e)))?;
         for chunk in flows.chunks(FLOWS_PER_FRAME) {
             wire::write(&mut w, key, &n, &Frame::Flows(chunk.to_vec())).await?;
         }
@@ -259,13 +337,10 @@ async fn answer(
     loop {
         match frame {
             Frame::Flows(flows) => {
-                let d = dp.clone();
-                let got = tokio::task::spawn_blocking(move || {
-                    d.lock().expect("data plane lock").import_flows(&flows)
-                })
-                .await
-                .expect("import task")
-                .map_err(|e| WireError::Io(std::io::Error::other(e.to_string())))?;
+                let got = local
+                    .import_async(flows)
+                    .await
+                    .map_err(|e| WireError::Io(std::io::Error::other(e)))?;
                 add(&mut total, got);
             }
             Frame::Done(_) => break,
@@ -283,20 +358,17 @@ async fn answer(
 }
 
 /// Pulls every peer's flows and imports them; logs what each gave.
-pub async fn take_from_peers(peers: &Peers, dp: &Arc<Mutex<Dataplane>>) -> Imported {
+async fn take_from_peers(peers: &Peers, local: &Local) -> Imported {
     let mut total = Imported::default();
     for (peer, r) in peers.pull().await {
         match r {
-            Ok(flows) => {
-                let got = dp.lock().expect("data plane lock").import_flows(&flows);
-                match got {
-                    Ok(got) => {
-                        info!(%peer, ?got, "flow exchange: took a peer's snat flows");
-                        add(&mut total, got);
-                    }
-                    Err(e) => warn!(%peer, "flow exchange: importing a peer's flows: {e}"),
+            Ok(flows) => match local.import_async(flows).await {
+                Ok(got) => {
+                    info!(%peer, ?got, "flow exchange: took a peer's snat flows");
+                    add(&mut total, got);
                 }
-            }
+                Err(e) => warn!(%peer, "flow exchange: importing a peer's flows: {e}"),
+            },
             Err(e) => warn!(%peer, "flow exchange: no flows from this peer: {e}"),
         }
     }
@@ -305,8 +377,8 @@ pub async fn take_from_peers(peers: &Peers, dp: &Arc<Mutex<Dataplane>>) -> Impor
 
 /// Pushes the SNAT flows `which` names to every peer; with `Handing::All`,
 /// as a node about to leave.
-pub async fn give_to_peers(peers: &Peers, dp: &Arc<Mutex<Dataplane>>, which: Handing) {
-    let flows = match dp.lock().expect("data plane lock").snat_flows(which) {
+async fn give_to_peers(peers: &Peers, local: &Local, which: Handing) {
+    let flows = match local.export_async(which).await {
         Ok(f) => f,
         Err(e) => {
             warn!("flow exchange: reading this node's flows: {e}");
@@ -332,7 +404,7 @@ pub async fn give_to_peers(peers: &Peers, dp: &Arc<Mutex<Dataplane>>, which: Han
 /// Starts pushing the flows this node opens to every peer, every
 /// `interval` and whenever asked through the returned handle; stops when
 /// the runtime does.
-pub fn start_sync(peers: Peers, dp: Arc<Mutex<Dataplane>>, interval: Duration) -> SyncNow {
+fn start_sync(peers: Peers, local: Local, interval: Duration) -> SyncNow {
     let (tx, mut rx) = mpsc::channel::<oneshot::Sender<()>>(16);
     tokio::spawn(async move {
         let mut since = crate::maps::coarse_now_ns();
@@ -346,7 +418,7 @@ pub fn start_sync(peers: Peers, dp: Arc<Mutex<Dataplane>>, interval: Duration) -
             };
             // Taken before the walk: a flow opened during it goes next time.
             let start = crate::maps::coarse_now_ns();
-            give_to_peers(&peers, &dp, Handing::OpenedHereSince(since)).await;
+            give_to_peers(&peers, &local, Handing::OpenedHereSince(since)).await;
             since = start;
             if let Some(done) = done {
                 let _ = done.send(());

@@ -7,7 +7,7 @@ use anyhow::{Context, Result};
 use lb_agent::maps::{self, PinnedMaps};
 use lb_common::{
     net::{ip_words, protocol_name, words_socket, Family},
-    Flow, FlowKey, ServiceKey,
+    Flow, FlowKey, ServiceKey, FLOW_F_HANDED,
 };
 use serde::Serialize;
 
@@ -97,6 +97,8 @@ pub struct Entry {
     /// SNAT source address and port: the service's SNAT address on the
     /// node that opened the flow (another node's for a flow it handed over).
     pub snat: Option<SocketAddr>,
+    /// Another node opened the flow and handed it over (`flow_sync`).
+    pub handed: bool,
     /// Since the flow was created / since its timestamp was last refreshed
     /// (the data plane refreshes it at most once a second).
     pub age_ns: u64,
@@ -115,6 +117,7 @@ pub fn entry(key: &FlowKey, flow: &Flow, now_ns: u64) -> Entry {
         snat_port: (flow.snat_port != 0).then(|| u16::from_be(flow.snat_port)),
         snat: (flow.snat_port != 0)
             .then(|| words_socket(&flow.snat_addr, flow.snat_port, key.family)),
+        handed: flow.flags & FLOW_F_HANDED != 0,
         age_ns: now_ns.saturating_sub(flow.created_ns),
         idle_ns: now_ns.saturating_sub(flow.last_seen_ns),
     }
@@ -283,5 +286,8 @@ mod tests {
         let e = entry(&flow_key(), &f, 0);
         assert_eq!(e.snat_port, Some(12345));
         assert_eq!(e.snat, Some("10.9.0.1:12345".parse().unwrap()));
+        assert!(!e.handed);
+        f.flags = lb_common::FLOW_F_HANDED;
+        assert!(entry(&flow_key(), &f, 0).handed);
     }
 }
