@@ -54,17 +54,20 @@ pub struct Imported {
 #[derive(Clone, Debug, Default)]
 pub struct HandoffIds(BTreeMap<ServiceKey, (u32, Vec<(SocketAddr, u32)>)>);
 
-/// The flow table through a handle of its own, so that the flow exchange
-/// walks and writes it without holding the data plane (a walk is a system
-/// call per entry: a third of a second for a full table).
-pub struct FlowTable(HashMap<MapData, FlowKey, Flow>);
+/// The flow table through handles of its own, so that the flow exchange
+/// walks and writes it without holding the data plane; walked in batches
+/// (`crate::maps::batch`).
+pub struct FlowTable {
+    data: MapData,
+    map: HashMap<MapData, FlowKey, Flow>,
+}
 
 impl Dataplane {
     /// A handle of its own on the flow table.
     pub fn flow_table(&self) -> Result<FlowTable> {
-        let data = MapData::from_id(self.maps.flows_id).map_err(map_err(names::FLOWS))?;
-        let map = HashMap::try_from(Map::LruHashMap(data)).map_err(map_err(names::FLOWS))?;
-        Ok(FlowTable(map))
+        let open = || MapData::from_id(self.maps.flows_id).map_err(map_err(names::FLOWS));
+        let map = HashMap::try_from(Map::LruHashMap(open()?)).map_err(map_err(names::FLOWS))?;
+        Ok(FlowTable { data: open()?, map })
     }
 
     /// The ids an import needs, as programmed now.
@@ -80,7 +83,7 @@ impl Dataplane {
 
     /// The SNAT flows in the flow table that `which` names.
     pub fn snat_flows(&self, which: Handing) -> Result<Vec<HandedFlow>> {
-        export(&self.maps.shared_flows, which)
+        self.flow_table()?.snat_flows(which)
     }
 
     /// Writes flows another node opened into the flow table, under this
@@ -95,20 +98,26 @@ impl Dataplane {
 impl FlowTable {
     /// [`Dataplane::snat_flows`].
     pub fn snat_flows(&self, which: Handing) -> Result<Vec<HandedFlow>> {
-        export(&self.0, which)
+        Ok(export(self.entries()?, which))
+    }
+
+    /// Every entry, read in batches.
+    pub fn entries(&self) -> Result<Vec<(FlowKey, Flow)>> {
+        use std::os::fd::AsFd;
+        crate::maps::batch::hash_entries(self.data.fd().as_fd())
+            .map_err(|e| map_err(names::FLOWS)(MapError::IoError(e)))
     }
 
     /// [`Dataplane::import_flows`], with ids taken from it beforehand.
     pub fn import_flows(&mut self, ids: &HandoffIds, flows: &[HandedFlow]) -> Result<Imported> {
-        import(&mut self.0, ids, flows)
+        import(&mut self.map, ids, flows)
     }
 }
 
-fn export(map: &HashMap<MapData, FlowKey, Flow>, which: Handing) -> Result<Vec<HandedFlow>> {
+fn export(entries: Vec<(FlowKey, Flow)>, which: Handing) -> Vec<HandedFlow> {
     let now = crate::maps::coarse_now_ns();
     let mut out = Vec::new();
-    for item in map.iter() {
-        let (k, f) = item.map_err(map_err(names::FLOWS))?;
+    for (k, f) in entries {
         let wanted = match which {
             Handing::All => true,
             Handing::OpenedHereSince(t) => f.flags & FLOW_F_HANDED == 0 && f.created_ns >= t,
@@ -132,7 +141,7 @@ fn export(map: &HashMap<MapData, FlowKey, Flow>, which: Handing) -> Result<Vec<H
             idle_ms: (now.saturating_sub(f.last_seen_ns) / 1_000_000).min(u32::MAX as u64) as u32,
         });
     }
-    Ok(out)
+    out
 }
 
 fn import(

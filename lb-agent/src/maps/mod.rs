@@ -4,6 +4,7 @@
 //! it alone; the agent's `Dataplane` builds its writes on the same types and
 //! readers. A change to a map's layout touches this module and lb-common.
 
+pub mod batch;
 mod maglev;
 pub mod ranges;
 
