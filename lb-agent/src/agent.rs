@@ -240,19 +240,32 @@ impl Agent {
                 .context("the Kubernetes watcher stopped")?;
             agent.k8s = Some(rx);
         }
-        if let Some(exchange) = agent.flow_sync.clone() {
-            // The services first, announced nowhere yet, so that the peers'
-            // flows find them; then the flows, before the router can send
-            // any of them here.
-            agent.apply_at_start()?;
+        agent.announce_with_peers_flows(kube_client).await?;
+        agent.ready.store(true, Ordering::Relaxed);
+        agent.metrics.set_ready(true);
+        release_free_memory();
+        info!("ready");
+        Ok(agent)
+    }
+
+    /// Programs the services and starts announcing them. With `flow_sync`,
+    /// the services first, announced nowhere yet, so that the peers' flows
+    /// find them; then the flows, before the routers can send any of them
+    /// here; then the announcement.
+    async fn announce_with_peers_flows(
+        &mut self,
+        kube: Option<kube::Client>,
+    ) -> anyhow::Result<()> {
+        if let Some(exchange) = self.flow_sync.clone() {
+            self.apply_at_start()?;
             if !exchange.peers.known(Duration::from_secs(5)).await {
                 warn!("flow exchange: no peer Leases read within 5s; announcing without the others' flows");
             }
             exchange.take_from_peers().await;
         }
-        agent.start_announcing(kube_client).await?;
-        agent.apply_at_start()?;
-        if let Some(exchange) = agent.flow_sync.clone() {
+        self.start_announcing(kube).await?;
+        self.apply_at_start()?;
+        if let Some(exchange) = self.flow_sync.clone() {
             // Flows the peers opened between the pull and the routers'
             // taking this node in: pulled again at once and once the routers
             // have had a second.
@@ -262,11 +275,7 @@ impl Agent {
                 exchange.take_from_peers().await;
             });
         }
-        agent.ready.store(true, Ordering::Relaxed);
-        agent.metrics.set_ready(true);
-        release_free_memory();
-        info!("ready");
-        Ok(agent)
+        Ok(())
     }
 
     /// With `flow_sync` and no peers listed: keeps this agent's flow
