@@ -96,7 +96,8 @@ pub mod map_names {
     pub const BACKEND_REVERSE: &str = "BACKEND_REVERSE";
     pub const FLOW_LIMITS: &str = "FLOW_LIMITS";
     pub const SOURCE_RATES: &str = "SOURCE_RATES";
-    pub const ALL: [&str; 21] = [
+    pub const HELD_FLOWS: &str = "HELD_FLOWS";
+    pub const ALL: [&str; 22] = [
         SERVICES,
         BACKENDS,
         MAGLEV,
@@ -118,6 +119,7 @@ pub mod map_names {
         BACKEND_REVERSE,
         FLOW_LIMITS,
         SOURCE_RATES,
+        HELD_FLOWS,
     ];
 }
 
@@ -150,6 +152,19 @@ pub const SERVICE_F_LEAST_LOADED: u32 = 8;
 /// `ServiceInfo::flags`: new flows are limited per source prefix by the
 /// service's `FLOW_LIMITS` entry.
 pub const SERVICE_F_FLOW_LIMIT: u32 = 16;
+/// `ServiceInfo::flags` (snat services with `flow_sync`): a TCP packet
+/// other than a SYN whose flow this node does not know is dropped for up
+/// to [`HOLD_UNKNOWN_NS`] after its first such packet, instead of being
+/// translated afresh (which its backend would answer with a reset): the
+/// flow exchange brings the flow meanwhile, and the client's
+/// retransmission finds it.
+pub const SERVICE_F_HOLD_UNKNOWN: u32 = 32;
+/// How long a flow unknown to this node is held (`SERVICE_F_HOLD_UNKNOWN`):
+/// covers the flow exchange's default push interval (500 ms) and the
+/// client's first retransmissions (200, 600, 1400 ms after).
+pub const HOLD_UNKNOWN_NS: u64 = 2_000_000_000;
+/// `HELD_FLOWS`: flows being held, with when their first packet came (LRU).
+pub const HELD_FLOWS_ENTRIES: u32 = 1 << 14;
 
 /// Value of `FLOW_LIMITS`, indexed by service id: new flows from one
 /// source prefix may come every `period_ns` on average, and run up to
@@ -542,9 +557,12 @@ pub enum Reason {
     NdpAdvert = 19,
     /// A new flow beyond its service's `new_flow_limit` for its source prefix.
     DropFlowLimit = 20,
+    /// A TCP packet of a flow this node does not know, held while the flow
+    /// exchange brings it (`SERVICE_F_HOLD_UNKNOWN`).
+    DropHeldUnknownFlow = 21,
 }
 
-pub const REASON_COUNT: u32 = 21;
+pub const REASON_COUNT: u32 = 22;
 
 impl Reason {
     pub const ALL: [Reason; REASON_COUNT as usize] = [
@@ -569,6 +587,7 @@ impl Reason {
         Reason::ArpReply,
         Reason::NdpAdvert,
         Reason::DropFlowLimit,
+        Reason::DropHeldUnknownFlow,
     ];
 
     /// Stable snake_case name, used in metrics and lbctl.
@@ -595,6 +614,7 @@ impl Reason {
             Reason::ArpReply => "arp_reply",
             Reason::NdpAdvert => "ndp_advert",
             Reason::DropFlowLimit => "drop_flow_limit",
+            Reason::DropHeldUnknownFlow => "drop_held_unknown_flow",
         }
     }
 }

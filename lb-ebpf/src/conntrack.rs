@@ -12,12 +12,15 @@ use aya_ebpf::{
 use lb_common::{
     hash::{flow_hash, maglev_hash, second_choice, snat_port_candidate, SECOND_CHOICE_DRAWS},
     Backend, Config, FibCache, Flow, FlowKey, Reason, ReplyNat, ReverseKey, ServiceInfo, SourceKey,
-    FLOW_EVENT_REPICKED, FLOW_F_CLOSED, FLOW_F_COUNTED, PROTO_TCP, REPLY_F_CLOSING,
-    SERVICE_F_FLOW_LIMIT, SERVICE_F_LEAST_LOADED, SERVICE_F_SNAT, SNAT_PROBES,
+    FLOW_EVENT_REPICKED, FLOW_F_CLOSED, FLOW_F_COUNTED, HOLD_UNKNOWN_NS, PROTO_TCP,
+    REPLY_F_CLOSING, SERVICE_F_FLOW_LIMIT, SERVICE_F_HOLD_UNKNOWN, SERVICE_F_LEAST_LOADED,
+    SERVICE_F_SNAT, SNAT_PROBES,
 };
 
 use crate::{
-    maps::{BACKENDS, BACKEND_ACTIVE, BACKEND_REVERSE, CONFIG, FLOWS, MAGLEV, REPLY_NAT},
+    maps::{
+        BACKENDS, BACKEND_ACTIVE, BACKEND_REVERSE, CONFIG, FLOWS, HELD_FLOWS, MAGLEV, REPLY_NAT,
+    },
     parse::Headers,
 };
 
@@ -177,6 +180,22 @@ fn count_active(backend_id: u32, delta: i64) {
     }
 }
 
+/// Whether to drop a mid-connection packet of a flow this node does not
+/// know: from its first such packet until `HOLD_UNKNOWN_NS` after it.
+#[inline(always)]
+fn hold_unknown(key: &FlowKey) -> bool {
+    let t = now();
+    match HELD_FLOWS.get_ptr(key) {
+        // SAFETY: read of a map value.
+        Some(first) => t.saturating_sub(unsafe { *first }) < HOLD_UNKNOWN_NS,
+        None => {
+            // A full table evicts its oldest: that flow is then held afresh.
+            let _ = HELD_FLOWS.insert(key, &t, 0);
+            true
+        }
+    }
+}
+
 /// Marks a flow closed (once): counted in `BACKEND_CLOSED`, and taken off
 /// `BACKEND_ACTIVE` if it was counted there.
 #[inline(always)]
@@ -280,8 +299,12 @@ pub fn lookup_or_create(svc: &ServiceInfo, closing: bool, syn: bool, s: &mut Scr
             }
         }
         if s.key.proto == PROTO_TCP {
-            // Mid-connection and not in the table: evicted, or older than
-            // this node's view of it. Maglev picks again.
+            // Mid-connection and not in the table: evicted, older than this
+            // node's view of it, or opened by another node whose flows
+            // have not come yet (held a while). Maglev picks again.
+            if svc.flags & SERVICE_F_HOLD_UNKNOWN != 0 && hold_unknown(&s.key) {
+                return Reason::DropHeldUnknownFlow as u32;
+            }
             crate::stats::count_flow_event(FLOW_EVENT_REPICKED);
         }
     }

@@ -9,9 +9,9 @@ use aya_ebpf::{
 use lb_common::{
     BackendEntry, BackendLoad, Config, Flow, FlowKey, FlowLimit, L2Iface, L2Vip, L2VipKey,
     RangeKey, ReplyNat, ReverseKey, ReverseNat, ServiceInfo, ServiceKey, SourceKey, TrafficStats,
-    FLOWS_ENTRIES, FLOW_EVENT_COUNT, MAGLEV_POOL_ENTRIES, MAX_BACKENDS, MAX_L2_IFACES, MAX_L2_VIPS,
-    MAX_SERVICES, MAX_SOURCE_RANGES, MAX_TX_PORTS, PORT_FLAGS_ENTRIES, REASON_COUNT,
-    REPLY_NAT_ENTRIES, SOURCE_RATES_ENTRIES,
+    FLOWS_ENTRIES, FLOW_EVENT_COUNT, HELD_FLOWS_ENTRIES, MAGLEV_POOL_ENTRIES, MAX_BACKENDS,
+    MAX_L2_IFACES, MAX_L2_VIPS, MAX_SERVICES, MAX_SOURCE_RANGES, MAX_TX_PORTS, PORT_FLAGS_ENTRIES,
+    REASON_COUNT, REPLY_NAT_ENTRIES, SOURCE_RATES_ENTRIES,
 };
 
 const NO_PREALLOC: usize = BPF_F_NO_PREALLOC as usize;
@@ -76,6 +76,13 @@ pub static FLOW_LIMITS: Array<FlowLimit, { MAX_SERVICES as usize }> = Array::new
 /// CPUs without locks: CPUs racing on one prefix may let a few more in.
 #[btf_map]
 pub static SOURCE_RATES: LruHashMap<SourceKey, u64, { SOURCE_RATES_ENTRIES as usize }> =
+    LruHashMap::new();
+
+/// Flows of `SERVICE_F_HOLD_UNKNOWN` services this node did not know when a
+/// mid-connection packet came, with that packet's time: held until
+/// `HOLD_UNKNOWN_NS` after it (docs/bgp.md).
+#[btf_map]
+pub static HELD_FLOWS: LruHashMap<FlowKey, u64, { HELD_FLOWS_ENTRIES as usize }> =
     LruHashMap::new();
 
 /// ifindex -> ifindex for interfaces XDP may redirect to. A miss makes

@@ -1572,11 +1572,51 @@ pub fn connect_from(
             len,
         ))?;
         let d = sockaddr(dst);
-        check(libc::connect(
+        let connect = check(libc::connect(
             fd.as_raw_fd(),
             (&d as *const libc::sockaddr_in).cast(),
             len,
-        ))?;
+        ));
+        match connect {
+            // A signal to the process (a child's exit) interrupts a connect
+            // with a timeout, and the handshake goes on in the kernel: wait
+            // for its outcome instead of calling it a failed connection.
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {
+                let mut p = libc::pollfd {
+                    fd: fd.as_raw_fd(),
+                    events: libc::POLLOUT,
+                    revents: 0,
+                };
+                let deadline = std::time::Instant::now() + timeout;
+                loop {
+                    let left = deadline.saturating_duration_since(std::time::Instant::now());
+                    let rc = libc::poll(&mut p, 1, left.as_millis() as libc::c_int);
+                    if rc > 0 {
+                        break;
+                    }
+                    if rc == 0 {
+                        return Err(io::Error::from(io::ErrorKind::TimedOut));
+                    }
+                    let e = io::Error::last_os_error();
+                    if e.kind() != io::ErrorKind::Interrupted {
+                        return Err(e);
+                    }
+                }
+                let mut err: libc::c_int = 0;
+                let mut err_len = std::mem::size_of_val(&err) as libc::socklen_t;
+                check(libc::getsockopt(
+                    fd.as_raw_fd(),
+                    libc::SOL_SOCKET,
+                    libc::SO_ERROR,
+                    (&mut err as *mut libc::c_int).cast(),
+                    &mut err_len,
+                ))?;
+                if err != 0 {
+                    return Err(io::Error::from_raw_os_error(err));
+                }
+            }
+            other => other?,
+        }
         Ok(TcpStream::from(fd))
     }
 }

@@ -23,6 +23,7 @@ fn spec(port: u16, snat: Option<IpAddr>, backends: &[u8]) -> ServiceSpec {
         source_ranges: None,
         client_affinity: false,
         least_loaded: false,
+        hold_unknown_flows: false,
         new_flow_limit: None,
         backends: backends
             .iter()
@@ -219,6 +220,7 @@ fn quarantined_regions_do_not_make_the_pool_look_full() {
         source_ranges: None,
         client_affinity: false,
         least_loaded: false,
+        hold_unknown_flows: false,
         new_flow_limit: None,
         ..spec(port, None, backends)
     };

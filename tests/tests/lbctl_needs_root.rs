@@ -70,6 +70,7 @@ fn spec(vip: &str, port: u16, snat: Option<&str>, backends: &[&str]) -> ServiceS
         source_ranges: None,
         client_affinity: false,
         least_loaded: false,
+        hold_unknown_flows: false,
         new_flow_limit: None,
         backends: backends
             .iter()

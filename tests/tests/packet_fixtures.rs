@@ -93,6 +93,7 @@ fn svc(
         source_ranges: None,
         client_affinity: false,
         least_loaded: false,
+        hold_unknown_flows: false,
         new_flow_limit: None,
         backends: backends(b),
     }
@@ -2152,6 +2153,69 @@ fn a_handed_snat_flow_is_translated_as_its_opening_node_did_needs_root() {
     let mine = dp.snat_flows(Handing::OpenedHereSince(0)).unwrap();
     assert_eq!(mine.len(), 1);
     assert_eq!(mine[0].client, sa(CLIENT, 40302));
+}
+
+/// With `flow_sync` (`SERVICE_F_HOLD_UNKNOWN`), a mid-connection TCP
+/// packet of a flow this node does not know is dropped, not translated
+/// afresh (its backend would answer a reset), until the flow exchange
+/// brings the flow or `HOLD_UNKNOWN_NS` has passed since its first packet;
+/// then Maglev picks again, as without the exchange. A SYN is never held.
+#[test]
+fn an_unknown_snat_flow_is_held_until_the_exchange_brings_it_needs_root() {
+    let mut bed = FixtureBed::new("xlb-fix-hold");
+    let (dp, cl0) = (&mut bed.dp, bed.cl0);
+    for s in base_services() {
+        dp.set_service(&s).unwrap();
+    }
+    let mut snat = base_services()[2].clone();
+    snat.hold_unknown_flows = true;
+    dp.set_service(&snat).unwrap();
+    let held = |dp: &Dataplane| dp.reason_counts().unwrap()[Reason::DropHeldUnknownFlow as usize];
+
+    // Held: dropped, twice.
+    for n in 1..=2 {
+        let (v, _) = run(dp, cl0, &c4(ack(40400, 443)));
+        assert_eq!(v, XDP_DROP, "packet {n} of an unknown flow");
+    }
+    assert_eq!(held(dp), 2);
+    // The exchange brings it: it goes as the node that opened it sent it.
+    let other = SocketAddr::from(([10, 2, 0, 9], 20001));
+    let got = dp
+        .import_flows(&[HandedFlow {
+            protocol: Protocol::Tcp,
+            client: sa(CLIENT, 40400),
+            vip: sa(VIP, 443),
+            backend: sa(B3, 8443),
+            snat: other,
+            closed: false,
+            idle_ms: 0,
+        }])
+        .unwrap();
+    assert_eq!(got.added, 1);
+    let (v, out) = run(dp, cl0, &c4(ack(40400, 443)));
+    assert_eq!(v, XDP_REDIRECT);
+    let p = xlb_tests::packet::parse(&out).unwrap();
+    assert_eq!((p.src, p.sport), (other.ip(), Some(other.port())));
+    // A SYN is a new connection, never held.
+    let (v, _) = run(dp, cl0, &c4(syn(40401, 443)));
+    assert_eq!(v, XDP_REDIRECT);
+    // Held no longer than HOLD_UNKNOWN_NS: then picked afresh.
+    let (v, _) = run(dp, cl0, &c4(ack(40402, 443)));
+    assert_eq!(v, XDP_DROP);
+    std::thread::sleep(
+        Duration::from_nanos(lb_common::HOLD_UNKNOWN_NS) + Duration::from_millis(100),
+    );
+    let (v, out) = run(dp, cl0, &c4(ack(40402, 443)));
+    assert_eq!(v, XDP_REDIRECT, "after the hold");
+    assert_eq!(
+        xlb_tests::packet::parse(&out).unwrap().src,
+        IpAddr::from(SNAT4)
+    );
+    assert_eq!(held(dp), 3);
+    // Without the exchange an unknown flow is picked afresh at once.
+    dp.set_service(&base_services()[2]).unwrap();
+    let (v, _) = run(dp, cl0, &c4(ack(40403, 443)));
+    assert_eq!(v, XDP_REDIRECT);
 }
 
 #[test]

@@ -58,6 +58,7 @@ fn service(vip: IpAddr, port: u16, snat: Option<&str>, list: &[&str]) -> Service
         source_ranges: None,
         client_affinity: false,
         least_loaded: false,
+        hold_unknown_flows: false,
         new_flow_limit: None,
         backends: backends(list),
     }

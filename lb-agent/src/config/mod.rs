@@ -305,6 +305,9 @@ impl AgentConfig {
             client_affinity: s.affinity.is_some(),
             // Affinity places a client's flows by its address alone.
             least_loaded: s.balance.is_load_aware() && s.affinity.is_none(),
+            // Another node's flow comes with the exchange: hold it, rather
+            // than translate it afresh into a reset.
+            hold_unknown_flows: snat.is_some() && self.flow_sync.is_some(),
             new_flow_limit: s.new_flow_limit,
             backends: s
                 .backends

@@ -37,8 +37,8 @@ use lb_common::{
     ReplyNat, ReverseKey, ReverseNat, ServiceInfo, ServiceKey, TrafficStats, FAMILY_V4, FAMILY_V6,
     FLOWS_ENTRIES, FLOW_EVENT_COUNT, FLOW_EVENT_REPICKED, FLOW_F_CLOSED, MAGLEV_POOL_ENTRIES,
     MAX_BACKENDS, MAX_SERVICES, PORT_F_BACKEND, PORT_F_SERVICE, PROTO_ICMP, PROTO_ICMPV6,
-    REASON_COUNT, SERVICE_F_CLIENT_AFFINITY, SERVICE_F_FLOW_LIMIT, SERVICE_F_LEAST_LOADED,
-    SERVICE_F_SNAT, SERVICE_F_SOURCE_RANGES,
+    REASON_COUNT, SERVICE_F_CLIENT_AFFINITY, SERVICE_F_FLOW_LIMIT, SERVICE_F_HOLD_UNKNOWN,
+    SERVICE_F_LEAST_LOADED, SERVICE_F_SNAT, SERVICE_F_SOURCE_RANGES,
 };
 
 pub use self::flow_limit::NewFlowLimit;
@@ -152,6 +152,9 @@ pub struct ServiceSpec {
     /// New flows go to the less loaded of two Maglev candidates
     /// (`SERVICE_F_LEAST_LOADED`; load-aware services).
     pub least_loaded: bool,
+    /// snat with `flow_sync`: hold a flow this node does not know
+    /// (`SERVICE_F_HOLD_UNKNOWN`).
+    pub hold_unknown_flows: bool,
     /// New flows a second per source prefix (`SERVICE_F_FLOW_LIMIT`).
     pub new_flow_limit: Option<NewFlowLimit>,
 }
@@ -850,6 +853,7 @@ impl Dataplane {
                     .then(|| self.maps.ranges.ranges(info.range_scope(), key.family)),
                 client_affinity: info.flags & SERVICE_F_CLIENT_AFFINITY != 0,
                 least_loaded: info.flags & SERVICE_F_LEAST_LOADED != 0,
+                hold_unknown_flows: info.flags & SERVICE_F_HOLD_UNKNOWN != 0,
                 new_flow_limit: if info.flags & SERVICE_F_FLOW_LIMIT != 0 {
                     let l = self
                         .maps

@@ -6,8 +6,8 @@ use std::net::{IpAddr, SocketAddr};
 
 use lb_common::{
     maglev, map_names as names, Backend, BackendEntry, BackendLoad, ServiceInfo, ServiceKey,
-    SERVICE_F_CLIENT_AFFINITY, SERVICE_F_FLOW_LIMIT, SERVICE_F_LEAST_LOADED, SERVICE_F_SNAT,
-    SERVICE_F_SOURCE_RANGES,
+    SERVICE_F_CLIENT_AFFINITY, SERVICE_F_FLOW_LIMIT, SERVICE_F_HOLD_UNKNOWN,
+    SERVICE_F_LEAST_LOADED, SERVICE_F_SNAT, SERVICE_F_SOURCE_RANGES,
 };
 
 use super::{
@@ -220,6 +220,9 @@ fn service_flags(spec: &ServiceSpec) -> u32 {
     }
     if spec.new_flow_limit.is_some() {
         flags |= SERVICE_F_FLOW_LIMIT;
+    }
+    if spec.hold_unknown_flows && spec.snat.is_some() {
+        flags |= SERVICE_F_HOLD_UNKNOWN;
     }
     flags
 }

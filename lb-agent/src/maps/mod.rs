@@ -54,6 +54,7 @@ pub fn expected_layout(name: &str) -> Option<(usize, usize)> {
         names::BACKEND_REVERSE => (size_of::<ReverseKey>(), size_of::<ReverseNat>()),
         names::FLOW_LIMITS => (4, size_of::<FlowLimit>()),
         names::SOURCE_RATES => (size_of::<SourceKey>(), 8),
+        names::HELD_FLOWS => (size_of::<FlowKey>(), 8),
         _ => return None,
     })
 }

@@ -82,6 +82,7 @@ fn main() {
             source_ranges: ranges,
             client_affinity: false,
             least_loaded: false,
+            hold_unknown_flows: false,
             new_flow_limit: None,
             backends: vec![BackendSpec {
                 addr: SocketAddr::new(backend.0.into(), backend.1),
@@ -102,6 +103,7 @@ fn main() {
         source_ranges: None,
         client_affinity: false,
         least_loaded: false,
+        hold_unknown_flows: false,
         new_flow_limit: None,
         backends: (9001..=9008)
             .map(|port| BackendSpec {

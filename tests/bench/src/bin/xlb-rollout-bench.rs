@@ -112,9 +112,18 @@ impl NewConnections {
             // Below the ephemeral range the keep-alive connections use.
             let mut port = 10000u16;
             while !s.load(Ordering::Relaxed) {
+                let sent = std::time::Instant::now();
                 match request_from(port) {
                     Ok(_) => o.fetch_add(1, Ordering::Relaxed),
-                    Err(_) => f.fetch_add(1, Ordering::Relaxed),
+                    Err(e) => {
+                        // When and how: a reset at once, or a timeout that
+                        // counts against a later event than its cause.
+                        eprintln!(
+                            "  new connection from port {port} failed after {:?}: {e}",
+                            sent.elapsed()
+                        );
+                        f.fetch_add(1, Ordering::Relaxed)
+                    }
                 };
                 port = if port == 30000 { 10000 } else { port + 1 };
             }
