@@ -765,7 +765,7 @@ fn ecmp_through_a_gobgp_route_reflector() {
 }
 
 /// A rolling restart of the three nodes' agents (SIGUSR2, then a new
-/// agent), one after another, while 30 keep-alive connections spread over
+/// agent), one after another, while 50 keep-alive connections spread over
 /// the nodes carry requests and new connections keep coming: the routes
 /// stay, no established connection is reset and no new one fails (snat
 /// mode, which no other node could take over).
@@ -792,8 +792,11 @@ fn a_rolling_restart_loses_no_connection_in_nat_mode_with_gobgp() {
     rolling_restart(Driver::GoBgp, "nat");
 }
 
+/// Keep-alive connections the rollout tests hold (the figure).
+const KEEP_ALIVE: usize = 50;
+
 /// Starts the agents of all three nodes with the service in `mode`, and
-/// opens 30 keep-alive connections that reach every node.
+/// opens [`KEEP_ALIVE`] keep-alive connections that reach every node.
 fn lab_with_connections(driver: Driver, tag: char, mode: &str) -> (EcmpLab, Vec<HttpConn>) {
     with_connections(EcmpLab::start_tagged(driver, tag), mode)
 }
@@ -817,7 +820,7 @@ fn with_connections_configured(
     }
     wait_fib(&lab, &[1, 2, 3], Duration::from_secs(30), "start");
     let vip = std::net::SocketAddr::from((VIP, 80));
-    let mut conns: Vec<HttpConn> = (0..30)
+    let mut conns: Vec<HttpConn> = (0..KEEP_ALIVE)
         .map(|_| HttpConn::connect_in(&lab.client, vip).expect("keep-alive connection"))
         .collect();
     for c in &mut conns {
@@ -827,7 +830,11 @@ fn with_connections_configured(
         .values()
         .flat_map(|o| o.iter().map(|(n, _)| *n))
         .collect();
-    assert_eq!(on.len(), NODES, "30 connections on the nodes {on:?}");
+    assert_eq!(
+        on.len(),
+        NODES,
+        "{KEEP_ALIVE} connections on the nodes {on:?}"
+    );
     (lab, conns)
 }
 
@@ -919,7 +926,7 @@ fn rolling_restart(driver: Driver, mode: &str) {
 /// comes back, in nat mode: it withdraws, the router moves its connections
 /// to the other nodes, which pick the same backend (Maglev is the same
 /// everywhere) and translate the replies. The agent exits when its drain
-/// time (1 s) is over. With node 1 out, 30 more connections open; then node
+/// time (1 s) is over. With node 1 out, 50 more connections open; then node
 /// 1 joins again and the router moves some of every connection's kind back
 /// to it. No connection is reset and no new one fails.
 #[test]
@@ -983,7 +990,7 @@ fn node_leaves_and_joins(driver: Driver, mode: &str) {
     );
 
     let vip = std::net::SocketAddr::from((VIP, 80));
-    let mut opened_while_out: Vec<HttpConn> = (0..30)
+    let mut opened_while_out: Vec<HttpConn> = (0..KEEP_ALIVE)
         .map(|_| HttpConn::connect_in(&lab.client, vip).expect("keep-alive connection"))
         .collect();
     all_answer(&mut opened_while_out, "opened while node 1 was out");
