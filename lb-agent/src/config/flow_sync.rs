@@ -68,19 +68,16 @@ impl Validator<'_> {
             peers.push(addr);
         }
         let key = self.cluster_key(&raw.key_file, || path().key("key_file"))?;
-        let interval = match &raw.interval {
-            None => DEFAULT_INTERVAL,
-            Some(s) => {
-                let d = self.duration(s, || path().key("interval"))?;
-                if d < Duration::from_millis(10) || d > Duration::from_secs(60) {
-                    return Err(self.err(
-                        path().key("interval"),
-                        format!("{s:?} is outside 10ms..=60s"),
-                    ));
-                }
-                d
-            }
-        };
+        let interval = self.duration_within(
+            raw.interval.as_deref(),
+            DEFAULT_INTERVAL,
+            (
+                Duration::from_millis(10),
+                Duration::from_secs(60),
+                "10ms..=60s",
+            ),
+            || path().key("interval"),
+        )?;
         Ok(FlowSyncConfig {
             listen,
             discover_peers: peers.is_empty(),

@@ -138,18 +138,16 @@ impl Validator<'_> {
             }
         };
         let dur = |v: Option<String>, key: &'static str, default_ms: u64| -> Checked<Duration> {
-            match v {
-                None => Ok(Duration::from_millis(default_ms)),
-                Some(s) => {
-                    let d = self.duration(&s, || path().key(key))?;
-                    if d < Duration::from_millis(10) || d > Duration::from_secs(3600) {
-                        return Err(
-                            self.err(path().key(key), format!("{s:?} is outside 10ms..=1h"))
-                        );
-                    }
-                    Ok(d)
-                }
-            }
+            self.duration_within(
+                v.as_deref(),
+                Duration::from_millis(default_ms),
+                (
+                    Duration::from_millis(10),
+                    Duration::from_secs(3600),
+                    "10ms..=1h",
+                ),
+                || path().key(key),
+            )
         };
         let probe_interval = dur(raw.probe_interval, "probe_interval", 100)?;
         let probe_timeout = dur(raw.probe_timeout, "probe_timeout", 40)?;
@@ -182,6 +180,25 @@ impl Validator<'_> {
             suspect_timeout,
             announce_interval,
         })
+    }
+
+    /// A duration within `min..=max` (`shown` says the range), or `default`
+    /// when left out.
+    pub(super) fn duration_within(
+        &self,
+        s: Option<&str>,
+        default: Duration,
+        (min, max, shown): (Duration, Duration, &str),
+        at: impl Fn() -> FieldPath,
+    ) -> Checked<Duration> {
+        let Some(s) = s else {
+            return Ok(default);
+        };
+        let d = self.duration(s, &at)?;
+        if d < min || d > max {
+            return Err(self.err(at(), format!("{s:?} is outside {shown}")));
+        }
+        Ok(d)
     }
 
     /// A shared secret read from `file`, surrounding whitespace trimmed.
