@@ -29,6 +29,15 @@ const NS: u64 = 1_000_000_000;
 /// so an established flow costs no write per packet.
 const REFRESH_NS: u64 = NS;
 
+/// Copies an address between two map values. A plain assignment there
+/// becomes a call to a byte-by-byte `memmove` (the BPF backend does not
+/// inline it: about 110 instructions); a `memcpy` it inlines.
+#[inline(always)]
+pub fn copy_addr(dst: &mut [u32; 4], src: &[u32; 4]) {
+    // SAFETY: two valid references, which Rust guarantees do not overlap.
+    unsafe { core::ptr::copy_nonoverlapping(src, dst, 1) }
+}
+
 /// Where a client flow goes.
 #[derive(Clone, Copy, Default)]
 #[repr(C)]
@@ -84,8 +93,8 @@ fn set_reply_key(
 ) {
     let (snat_addr, snat_port) = snat;
     let snat = svc.flags & SERVICE_F_SNAT != 0;
-    rk.src = backend.addr;
-    rk.dst = if snat { *snat_addr } else { key.src };
+    copy_addr(&mut rk.src, &backend.addr);
+    copy_addr(&mut rk.dst, if snat { snat_addr } else { &key.src });
     rk.sport = backend.port;
     rk.dport = if snat { snat_port } else { key.sport };
     rk.proto = key.proto;
@@ -104,15 +113,15 @@ fn set_reply_value(
     closing: bool,
     expires_ns: u64,
 ) {
-    r.vip = key.dst;
-    r.client = key.src;
+    copy_addr(&mut r.vip, &key.dst);
+    copy_addr(&mut r.client, &key.src);
     r.vport = key.dport;
     r.cport = key.sport;
     r.service_id = service_id;
     r.backend_id = backend_id;
     r.flags = if closing { REPLY_F_CLOSING } else { 0 };
     r.expires_ns = expires_ns;
-    r.fib = FibCache::default();
+    r.fib.ifindex = 0;
 }
 
 #[inline(always)]
@@ -122,7 +131,7 @@ fn same_client(r: &ReplyNat, key: &FlowKey) -> bool {
 
 /// The backend Maglev gives this flow now.
 #[inline(always)]
-pub fn pick(key: &FlowKey, svc: &ServiceInfo) -> Result<(u32, Backend), Reason> {
+pub fn pick(key: &FlowKey, svc: &ServiceInfo) -> Result<(u32, &'static Backend), Reason> {
     if svc.backend_count == 0 || svc.table_size == 0 {
         return Err(Reason::DropNoBackend);
     }
@@ -130,11 +139,17 @@ pub fn pick(key: &FlowKey, svc: &ServiceInfo) -> Result<(u32, Backend), Reason> 
 }
 
 #[inline(always)]
-fn slot_backend(key: &FlowKey, svc: &ServiceInfo, hash: u32) -> Result<(u32, Backend), Reason> {
+fn slot_backend(
+    key: &FlowKey,
+    svc: &ServiceInfo,
+    hash: u32,
+) -> Result<(u32, &'static Backend), Reason> {
     let m = svc.table_size;
     let idx = svc.table_base + svc.active * m + hash % m;
     let id = *MAGLEV.get(idx).ok_or(Reason::DropTableError)?;
-    let backend = BACKENDS.get(id).ok_or(Reason::DropTableError)?.backend;
+    // A reference, not a copy: a copy here is a byte-wise `memmove` call
+    // (see `copy_addr`).
+    let backend = &BACKENDS.get(id).ok_or(Reason::DropTableError)?.backend;
     if backend.family != key.family {
         return Err(Reason::DropTableError);
     }
@@ -144,7 +159,7 @@ fn slot_backend(key: &FlowKey, svc: &ServiceInfo, hash: u32) -> Result<(u32, Bac
 /// A new flow's backend: Maglev's, or for `SERVICE_F_LEAST_LOADED` the one
 /// of two Maglev candidates with fewer open flows (ties: the first).
 #[inline(always)]
-fn pick_new(key: &FlowKey, svc: &ServiceInfo) -> Result<(u32, Backend), Reason> {
+fn pick_new(key: &FlowKey, svc: &ServiceInfo) -> Result<(u32, &'static Backend), Reason> {
     let first = pick(key, svc)?;
     if svc.flags & SERVICE_F_LEAST_LOADED == 0 {
         return Ok(first);
@@ -183,8 +198,7 @@ fn count_active(backend_id: u32, delta: i64) {
 /// Whether to drop a mid-connection packet of a flow this node does not
 /// know: from its first such packet until `HOLD_UNKNOWN_NS` after it.
 #[inline(always)]
-fn hold_unknown(key: &FlowKey) -> bool {
-    let t = now();
+fn hold_unknown(key: &FlowKey, t: u64) -> bool {
     match HELD_FLOWS.get_ptr(key) {
         // SAFETY: read of a map value.
         Some(first) => t.saturating_sub(unsafe { *first }) < HOLD_UNKNOWN_NS,
@@ -232,11 +246,11 @@ pub struct Scratch {
 /// Points `s.target` at a remembered flow's backend.
 #[inline(always)]
 fn set_target(s: &mut Scratch, flow: &Flow, new_flow: u16) {
-    s.target.backend.addr = flow.backend_addr;
+    copy_addr(&mut s.target.backend.addr, &flow.backend_addr);
     s.target.backend.port = flow.backend_port;
     s.target.backend.family = s.key.family;
     s.target.backend_id = flow.backend_id;
-    s.flow.snat_addr = flow.snat_addr;
+    copy_addr(&mut s.flow.snat_addr, &flow.snat_addr);
     s.target.snat_port = flow.snat_port;
     s.target.new_flow = new_flow;
 }
@@ -250,25 +264,31 @@ fn set_target(s: &mut Scratch, flow: &Flow, new_flow: u16) {
 /// Not inlined (its own stack frame); fills `s.target` and returns
 /// [`FOUND`], or returns the `Reason` to drop the packet for.
 #[inline(never)]
-pub fn lookup_or_create(svc: &ServiceInfo, closing: bool, syn: bool, s: &mut Scratch) -> u32 {
+pub fn lookup_or_create(
+    svc: &ServiceInfo,
+    closing: bool,
+    syn: bool,
+    t: u64,
+    s: &mut Scratch,
+) -> u32 {
     if !syn {
         if let Some(flow) = FLOWS.get_ptr_mut(&s.key) {
             // SAFETY: shared entry; plain stores, a racing CPU writes similar values.
             let flow = unsafe { &mut *flow };
-            let t = now();
             let idle = t.saturating_sub(flow.last_seen_ns);
-            let cfg = config();
             // A flow of a service since replaced on the same VIP:port is not
             // this one's; an SNAT flow idle past its lifetime may have lost
             // its port to another flow.
             let snat = svc.flags & SERVICE_F_SNAT != 0;
-            if flow.service_id == svc.id && !(snat && idle > lifetime_ns(&cfg, s.key.proto, false))
+            if flow.service_id == svc.id
+                && !(snat && idle > lifetime_ns(&config(), s.key.proto, false))
             {
                 set_target(s, flow, 0);
                 if closing {
                     close_flow(flow);
                 }
                 if idle > REFRESH_NS || closing {
+                    let cfg = config();
                     flow.last_seen_ns = t;
                     set_reply_key(
                         &mut s.reply_key,
@@ -302,7 +322,7 @@ pub fn lookup_or_create(svc: &ServiceInfo, closing: bool, syn: bool, s: &mut Scr
             // Mid-connection and not in the table: evicted, older than this
             // node's view of it, or opened by another node whose flows
             // have not come yet (held a while). Maglev picks again.
-            if svc.flags & SERVICE_F_HOLD_UNKNOWN != 0 && hold_unknown(&s.key) {
+            if svc.flags & SERVICE_F_HOLD_UNKNOWN != 0 && hold_unknown(&s.key, t) {
                 return Reason::DropHeldUnknownFlow as u32;
             }
             crate::stats::count_flow_event(FLOW_EVENT_REPICKED);
@@ -311,12 +331,11 @@ pub fn lookup_or_create(svc: &ServiceInfo, closing: bool, syn: bool, s: &mut Scr
     if svc.flags & SERVICE_F_FLOW_LIMIT != 0 && !crate::limit::admit(svc, s) {
         return Reason::DropFlowLimit as u32;
     }
-    create(svc, closing, s)
+    create(svc, closing, t, s)
 }
 
 #[inline(always)]
-fn create(svc: &ServiceInfo, closing: bool, s: &mut Scratch) -> u32 {
-    let t = now();
+fn create(svc: &ServiceInfo, closing: bool, t: u64, s: &mut Scratch) -> u32 {
     let (backend_id, backend) = match pick_new(&s.key, svc) {
         Ok(p) => p,
         Err(r) => return r as u32,
@@ -332,7 +351,7 @@ fn create(svc: &ServiceInfo, closing: bool, s: &mut Scratch) -> u32 {
     );
     let mut snat_port = 0u16;
     if svc.flags & SERVICE_F_SNAT != 0 {
-        snat_port = claim_snat_port(svc, &backend, &cfg, s);
+        snat_port = claim_snat_port(svc, backend, &cfg, s);
         if snat_port == 0 {
             return Reason::DropSnatExhausted as u32;
         }
@@ -340,13 +359,13 @@ fn create(svc: &ServiceInfo, closing: bool, s: &mut Scratch) -> u32 {
         // NAT mode, a backend shared by services: the reply entry is made
         // now (its key holds the client tuple, so it is this flow's own).
         // Otherwise the first reply makes it from `BACKEND_REVERSE`.
-        set_reply_key(&mut s.reply_key, &s.key, svc, &backend, (&svc.snat_addr, 0));
+        set_reply_key(&mut s.reply_key, &s.key, svc, backend, (&svc.snat_addr, 0));
         let _ = REPLY_NAT.insert(&s.reply_key, &s.reply, 0);
     }
-    s.flow.backend_addr = backend.addr;
+    copy_addr(&mut s.flow.backend_addr, &backend.addr);
     s.flow.backend_port = backend.port;
     // Unused without an SNAT port (NAT mode).
-    s.flow.snat_addr = svc.snat_addr;
+    copy_addr(&mut s.flow.snat_addr, &svc.snat_addr);
     s.flow.snat_port = snat_port;
     s.flow.backend_id = backend_id;
     s.flow.service_id = svc.id;
@@ -363,7 +382,7 @@ fn create(svc: &ServiceInfo, closing: bool, s: &mut Scratch) -> u32 {
     s.flow.last_seen_ns = t;
     // The caller inserts `s.flow` into FLOWS once the packet has been
     // rewritten and routed.
-    s.target.backend.addr = backend.addr;
+    copy_addr(&mut s.target.backend.addr, &backend.addr);
     s.target.backend.port = backend.port;
     s.target.backend.family = backend.family;
     s.target.backend_id = backend_id;
@@ -376,7 +395,7 @@ fn create(svc: &ServiceInfo, closing: bool, s: &mut Scratch) -> u32 {
 /// backend belongs to this service only).
 #[inline(always)]
 fn reversible(svc: &ServiceInfo, addr: &[u32; 4], port: u16, s: &mut Scratch) -> bool {
-    s.reverse_key.addr = *addr;
+    copy_addr(&mut s.reverse_key.addr, addr);
     s.reverse_key.port = port;
     s.reverse_key.proto = s.key.proto;
     s.reverse_key.family = s.key.family;
@@ -521,11 +540,11 @@ pub fn find(svc: &ServiceInfo, s: &mut Scratch) -> Option<()> {
         }
     }
     let (backend_id, backend) = pick(&s.key, svc).ok()?;
-    s.target.backend.addr = backend.addr;
+    copy_addr(&mut s.target.backend.addr, &backend.addr);
     s.target.backend.port = backend.port;
     s.target.backend.family = backend.family;
     s.target.backend_id = backend_id;
-    s.flow.snat_addr = svc.snat_addr;
+    copy_addr(&mut s.flow.snat_addr, &svc.snat_addr);
     s.target.snat_port = 0;
     s.target.new_flow = 0;
     if svc.flags & SERVICE_F_SNAT == 0 {
@@ -543,7 +562,7 @@ pub fn find(svc: &ServiceInfo, s: &mut Scratch) -> Option<()> {
             &mut s.reply_key,
             &s.key,
             svc,
-            &backend,
+            backend,
             (&svc.snat_addr, port),
         );
         if let Some(r) = REPLY_NAT.get_ptr(&s.reply_key) {
@@ -562,11 +581,11 @@ pub fn find(svc: &ServiceInfo, s: &mut Scratch) -> Option<()> {
 #[inline(always)]
 // The reference is to the map's value, valid for this program run, not to `key`.
 #[allow(clippy::mut_from_ref)]
-pub fn reply_lookup(key: &FlowKey, closing: bool) -> Option<&mut ReplyNat> {
+pub fn reply_lookup(key: &FlowKey, closing: bool, t: u64) -> Option<&mut ReplyNat> {
     let r = REPLY_NAT.get_ptr_mut(key)?;
     // SAFETY: shared entry; plain stores, a racing CPU writes similar values.
     let r = unsafe { &mut *r };
-    refresh(r, &config(), key.proto, closing, now());
+    refresh(r, &config(), key.proto, closing, t);
     Some(r)
 }
 
@@ -585,7 +604,7 @@ pub fn reply_from_reverse(
     s: &mut Scratch,
     closing: bool,
 ) -> Option<&'static mut ReplyNat> {
-    s.reverse_key.addr = s.key.src;
+    copy_addr(&mut s.reverse_key.addr, &s.key.src);
     s.reverse_key.port = s.key.sport;
     s.reverse_key.proto = s.key.proto;
     s.reverse_key.family = s.key.family;
@@ -596,15 +615,15 @@ pub fn reply_from_reverse(
         return None;
     }
     let cfg = config();
-    s.reply.vip = rev.vip;
-    s.reply.client = s.key.dst;
+    copy_addr(&mut s.reply.vip, &rev.vip);
+    copy_addr(&mut s.reply.client, &s.key.dst);
     s.reply.vport = rev.vport;
     s.reply.cport = s.key.dport;
     s.reply.service_id = rev.service_id;
     s.reply.backend_id = rev.backend_id;
     s.reply.flags = if closing { REPLY_F_CLOSING } else { 0 };
-    s.reply.expires_ns = now() + lifetime_ns(&cfg, s.key.proto, closing);
-    s.reply.fib = FibCache::default();
+    s.reply.expires_ns = h.now() + lifetime_ns(&cfg, s.key.proto, closing);
+    s.reply.fib.ifindex = 0;
     REPLY_NAT.insert(&s.key, &s.reply, 0).ok()?;
     let r = REPLY_NAT.get_ptr_mut(&s.key)?;
     // SAFETY: shared entry, valid for this program run.
@@ -616,8 +635,8 @@ pub fn reply_from_reverse(
 /// scratch for the client-side key. Not inlined: only resets pay for it.
 #[inline(never)]
 pub fn close_from_backend(r: &ReplyNat, key: &mut FlowKey, proto: u8, family: u8) {
-    key.src = r.client;
-    key.dst = r.vip;
+    copy_addr(&mut key.src, &r.client);
+    copy_addr(&mut key.dst, &r.vip);
     key.sport = r.cport;
     key.dport = r.vport;
     key.proto = proto;

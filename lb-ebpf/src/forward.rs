@@ -9,6 +9,8 @@ use aya_ebpf::{
     programs::XdpContext,
     EbpfContext,
 };
+use core::mem::MaybeUninit;
+
 use lb_common::{FibCache, Reason};
 
 /// Age after which a cached FIB answer is looked up again: route and
@@ -16,7 +18,6 @@ use lb_common::{FibCache, Reason};
 const FIB_REFRESH_NS: u64 = 1_000_000_000;
 
 use crate::{
-    conntrack::now,
     csum::Delta,
     maps::TX_PORTS,
     parse::{load16, load8, ptr_at, store16, store32, store8, Headers},
@@ -42,11 +43,11 @@ pub fn forward(
     cache: &mut FibCache,
 ) -> Verdict {
     let ingress = ctx.ingress_ifindex() as u32;
-    let t = now();
+    let t = h.now();
     if cache.ifindex == 0 || t.saturating_sub(cache.checked_ns) > FIB_REFRESH_NS {
-        // SAFETY: plain-data bindgen struct; all-zero is a valid value.
-        let mut p: FibParams = unsafe { core::mem::zeroed() };
-        let rc = fib_lookup(ctx, h, src, dst, &mut p);
+        let mut p = MaybeUninit::<FibParams>::uninit();
+        let p = zeroed(&mut p);
+        let rc = fib_lookup(ctx, h, src, dst, p);
         if rc == BPF_FIB_LKUP_RET_NO_NEIGH as i64 {
             cache.ifindex = 0;
             return Verdict::new(xdp_action::XDP_PASS, Reason::PassNoNeigh);
@@ -117,9 +118,26 @@ fn fib_lookup(
 /// packet asks.
 #[inline(never)]
 pub fn is_local(ctx: &XdpContext, h: &Headers, src: &[u32; 4], dst: &[u32; 4]) -> bool {
-    // SAFETY: plain-data bindgen struct; all-zero is a valid value.
-    let mut p: FibParams = unsafe { core::mem::zeroed() };
-    fib_lookup(ctx, h, src, dst, &mut p) == BPF_FIB_LKUP_RET_NOT_FWDED as i64
+    let mut p = MaybeUninit::<FibParams>::uninit();
+    fib_lookup(ctx, h, src, dst, zeroed(&mut p)) == BPF_FIB_LKUP_RET_NOT_FWDED as i64
+}
+
+/// Zeroes the FIB lookup's parameter block four bytes at a time (its
+/// alignment). `mem::zeroed` becomes a call to a byte-by-byte `memset` (the
+/// BPF backend does not inline it: over 300 instructions); volatile stores
+/// cannot be merged back into one.
+#[inline(always)]
+fn zeroed(p: &mut MaybeUninit<FibParams>) -> &mut FibParams {
+    const WORDS: usize = core::mem::size_of::<FibParams>() / 4;
+    const _: () = assert!(core::mem::size_of::<FibParams>() % 4 == 0);
+    const _: () = assert!(core::mem::align_of::<FibParams>() >= 4);
+    let w = p.as_mut_ptr() as *mut u32;
+    for i in 0..WORDS {
+        // SAFETY: within the block, at its alignment (asserted above).
+        unsafe { w.add(i).write_volatile(0) };
+    }
+    // SAFETY: every byte is now zero, a valid value of this plain-data struct.
+    unsafe { p.assume_init_mut() }
 }
 
 #[inline(always)]

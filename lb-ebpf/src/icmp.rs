@@ -202,7 +202,7 @@ fn too_big_to_backend(ctx: &XdpContext, h: &Headers) -> Option<Verdict> {
     }
     wr16(ctx, h.l4 + 2, icmp_d.apply(rd16(ctx, h.l4 + 2)?))?;
     // ICMP errors are rare: no cache, a fresh FIB lookup each time.
-    s.fib = lb_common::FibCache::default();
+    s.fib.ifindex = 0;
     let v = forward(ctx, h, &h.src, &s.target.backend.addr, &mut s.fib);
     if v.action() == xdp_action::XDP_PASS {
         return Some(v);

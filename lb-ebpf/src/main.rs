@@ -25,8 +25,8 @@ mod stats;
 
 use aya_ebpf::{bindings::xdp_action, macros::xdp, programs::XdpContext};
 use lb_common::{
-    FibCache, Reason, ServiceKey, PORT_F_BACKEND, PORT_F_SERVICE, PROTO_ICMP, PROTO_ICMPV6,
-    PROTO_TCP, PROTO_UDP, SERVICE_F_SNAT,
+    Reason, ServiceKey, PORT_F_BACKEND, PORT_F_SERVICE, PROTO_ICMP, PROTO_ICMPV6, PROTO_TCP,
+    PROTO_UDP, SERVICE_F_SNAT,
 };
 
 use crate::{
@@ -218,13 +218,13 @@ fn to_backend(ctx: &XdpContext, h: &Headers, svc: &lb_common::ServiceInfo) -> Ve
     };
     // SAFETY: per-CPU scratch, only this program run uses it.
     let scratch = unsafe { &mut *scratch };
-    scratch.key.src = h.src;
-    scratch.key.dst = h.dst;
+    conntrack::copy_addr(&mut scratch.key.src, &h.src);
+    conntrack::copy_addr(&mut scratch.key.dst, &h.dst);
     scratch.key.sport = sport;
     scratch.key.dport = dport;
     scratch.key.proto = h.proto;
     scratch.key.family = h.family;
-    let found = conntrack::lookup_or_create(svc, closing, syn, scratch);
+    let found = conntrack::lookup_or_create(svc, closing, syn, h.now(), scratch);
     if found != conntrack::FOUND {
         return Verdict::new_raw(xdp_action::XDP_DROP, found);
     }
@@ -249,7 +249,6 @@ fn to_backend(ctx: &XdpContext, h: &Headers, svc: &lb_common::ServiceInfo) -> Ve
     // The route to a backend is cached in its BACKENDS entry, shared by
     // all its flows. A flow whose backend id has since been given to another
     // backend (it left the service, its flows stay) looks its route up itself.
-    scratch.fib = FibCache::default();
     let cache = match BACKENDS.get_ptr_mut(t.backend_id) {
         // SAFETY: array value; racing CPUs write the same answer.
         Some(e)
@@ -257,7 +256,11 @@ fn to_backend(ctx: &XdpContext, h: &Headers, svc: &lb_common::ServiceInfo) -> Ve
                 (*e).backend.addr == t.backend.addr && (*e).backend.port == t.backend.port
             } =>
         unsafe { &mut (*e).fib },
-        _ => &mut scratch.fib,
+        _ => {
+            // An interface index of 0 is "not cached": looked up afresh.
+            scratch.fib.ifindex = 0;
+            &mut scratch.fib
+        }
     };
     let v = forward(
         ctx,
@@ -290,14 +293,14 @@ fn from_backend_inner(ctx: &XdpContext, h: &Headers) -> Option<Verdict> {
     let flags = tcp_flags(ctx, h);
     // SAFETY: per-CPU scratch, only this program run uses it.
     let s = unsafe { &mut *SCRATCH.get_ptr_mut(0)? };
-    s.key.src = h.src;
-    s.key.dst = h.dst;
+    conntrack::copy_addr(&mut s.key.src, &h.src);
+    conntrack::copy_addr(&mut s.key.dst, &h.dst);
     s.key.sport = sport;
     s.key.dport = dport;
     s.key.proto = h.proto;
     s.key.family = h.family;
     let closing = flags & (TCP_FIN | TCP_RST) != 0;
-    let r = match conntrack::reply_lookup(&s.key, closing) {
+    let r = match conntrack::reply_lookup(&s.key, closing, h.now()) {
         Some(r) => r,
         None => conntrack::reply_from_reverse(ctx, h, s, closing)?,
     };

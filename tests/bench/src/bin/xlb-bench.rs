@@ -262,6 +262,29 @@ fn main() {
         },
     ];
     let mut call = 0usize;
+    // `--profile NAME SECONDS`: run one case alone for a while, for `perf
+    // record` to show where its time goes (docs/benchmarks.md).
+    let args: Vec<String> = std::env::args().collect();
+    if let [_, flag, name, seconds] = &args[..] {
+        assert_eq!(
+            flag, "--profile",
+            "usage: xlb-bench [--profile CASE SECONDS]"
+        );
+        let c = cases
+            .iter()
+            .find(|c| c.name == name)
+            .unwrap_or_else(|| panic!("no case named {name:?}"));
+        let until = std::time::Instant::now()
+            + std::time::Duration::from_secs(seconds.parse().expect("seconds"));
+        while std::time::Instant::now() < until {
+            for _ in 0..1000 {
+                let pkt = (c.packet)(call);
+                call += 1;
+                assert_eq!(run(dp.program(), c.ingress, &pkt).0, c.verdict);
+            }
+        }
+        return;
+    }
     for _ in 0..ROUNDS {
         for c in cases.iter_mut() {
             let prog: &Xdp = if c.floor {
