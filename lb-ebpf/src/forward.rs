@@ -129,7 +129,7 @@ pub fn is_local(ctx: &XdpContext, h: &Headers, src: &[u32; 4], dst: &[u32; 4]) -
 #[inline(always)]
 fn zeroed(p: &mut MaybeUninit<FibParams>) -> &mut FibParams {
     const WORDS: usize = core::mem::size_of::<FibParams>() / 4;
-    const _: () = assert!(core::mem::size_of::<FibParams>() % 4 == 0);
+    const _: () = assert!(core::mem::size_of::<FibParams>().is_multiple_of(4));
     const _: () = assert!(core::mem::align_of::<FibParams>() >= 4);
     let w = p.as_mut_ptr() as *mut u32;
     for i in 0..WORDS {
