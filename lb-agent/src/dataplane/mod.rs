@@ -4,6 +4,8 @@
 //! `SERVICES` update flips the service to it.
 
 mod alloc;
+#[cfg(test)]
+mod compiled;
 mod flow_limit;
 mod handoff;
 mod pins;
