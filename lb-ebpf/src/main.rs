@@ -22,6 +22,7 @@ mod nat;
 mod parse;
 mod policy;
 mod stats;
+mod steps;
 
 use aya_ebpf::{bindings::xdp_action, macros::xdp, programs::XdpContext};
 use lb_common::{

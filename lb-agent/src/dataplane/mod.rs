@@ -85,6 +85,14 @@ pub static OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), 
 pub const PROGRAM: &str = "xlb";
 /// An XDP program that only passes: the benchmarks' floor.
 pub const FLOOR_PROGRAM: &str = "xlb_floor";
+/// Programs that each run one step of the data path alone, for
+/// `xlb-bench`'s account of where a packet's time goes (lb-ebpf/src/steps.rs).
+pub const STEP_PROGRAMS: [&str; 4] = [
+    "xlb_step_clock",
+    "xlb_step_service_lookup",
+    "xlb_step_flow_lookup",
+    "xlb_step_flow_insert",
+];
 
 /// A table region freed less than this long ago is not written again:
 /// a packet that read the old `ServiceInfo` may still be reading its table.
@@ -104,6 +112,8 @@ pub enum DataplaneError {
     TxPorts(aya::maps::xdp::XdpMapError),
     #[error("map {0} is missing from the object")]
     MissingMap(&'static str),
+    #[error("program {0} is missing from the object")]
+    MissingProgram(String),
     #[error("XDP program: {0}")]
     Program(#[from] ProgramError),
     #[error("service {service}: {reason}")]
@@ -339,7 +349,7 @@ impl Dataplane {
         };
         let xdp: &mut Xdp = ebpf
             .program_mut(PROGRAM)
-            .ok_or(DataplaneError::MissingMap("program xlb"))?
+            .ok_or(DataplaneError::MissingProgram(PROGRAM.to_string()))?
             .try_into()?;
         load_retrying(xdp)?;
         let mut dp = Self::from_ebpf(ebpf, pin_dir.map(Path::to_path_buf))?;
@@ -454,12 +464,14 @@ impl Dataplane {
         }
     }
 
-    /// Loads and returns the benchmark floor program (`xlb_floor`).
-    pub fn floor_program(&mut self) -> Result<&Xdp> {
+    /// Loads and returns one of the object's benchmark programs, which
+    /// share this data plane's maps: the floor ([`FLOOR_PROGRAM`]) or one
+    /// of [`STEP_PROGRAMS`]. The agent never attaches them.
+    pub fn bench_program(&mut self, name: &str) -> Result<&Xdp> {
         let p: &mut Xdp = self
             .ebpf
-            .program_mut(FLOOR_PROGRAM)
-            .ok_or(DataplaneError::MissingMap("program xlb_floor"))?
+            .program_mut(name)
+            .ok_or(DataplaneError::MissingProgram(name.to_string()))?
             .try_into()?;
         if p.fd().is_err() {
             load_retrying(p)?;

@@ -8,7 +8,10 @@
 use std::net::{Ipv4Addr, SocketAddr};
 
 use aya::programs::Xdp;
-use lb_agent::dataplane::{BackendSpec, Dataplane, HandedFlow, Handing, Protocol, ServiceSpec};
+use lb_agent::dataplane::{
+    BackendSpec, Dataplane, HandedFlow, Handing, Protocol, ServiceSpec, FLOOR_PROGRAM, PROGRAM,
+    STEP_PROGRAMS,
+};
 use lb_common::{Config, FLOWS_ENTRIES};
 use xlb_tests::{
     packet::{tcp_flags, Ipv4, PacketBuilder, Tcp, Udp},
@@ -38,11 +41,14 @@ fn run(prog: &Xdp, ingress: u32, input: &[u8]) -> (u32, u64) {
 struct Case {
     name: &'static str,
     katran: Option<u64>,
+    /// The data-plane speed issue's goal, ns above the floor.
+    goal: Option<u64>,
+    /// The program run: the data path, the floor, or one step alone.
+    program: &'static str,
     ingress: u32,
     verdict: u32,
     /// Packet for call number i.
     packet: Box<dyn Fn(usize) -> Vec<u8>>,
-    floor: bool,
     samples: Vec<u64>,
 }
 
@@ -172,6 +178,7 @@ fn main() {
         client,
     );
     let udp_est = udp.clone();
+    let est_step = tcp(CLIENT, VIP, 40000, 80, tcp_flags::ACK, client);
     // A new source address and port each call: a flow never seen before.
     // `net`: the first source address (a /16 of its own per case).
     let new_flows = |net: u32, dport: u16| -> Box<dyn Fn(usize) -> Vec<u8>> {
@@ -185,90 +192,117 @@ fn main() {
         Case {
             name: "floor (XDP_PASS only)",
             katran: Some(7),
+            goal: None,
             ingress: cl0,
             verdict: XDP_PASS,
             packet: Box::new(move |_| est.clone()),
-            floor: true,
+            program: FLOOR_PROGRAM,
             samples: vec![],
         },
         Case {
             name: "TCP established flow",
             katran: Some(69),
+            goal: Some(60),
             ingress: cl0,
             verdict: XDP_REDIRECT,
             packet: Box::new({
                 let p = tcp(CLIENT, VIP, 40000, 80, tcp_flags::ACK, client);
                 move |_| p.clone()
             }),
-            floor: false,
+            program: PROGRAM,
             samples: vec![],
         },
         Case {
             name: "TCP established flow, 1,000 source ranges",
             katran: None,
+            goal: None,
             ingress: cl0,
             verdict: XDP_REDIRECT,
             packet: Box::new({
                 let p = tcp(CLIENT, VIP, 40002, 81, tcp_flags::ACK, client);
                 move |_| p.clone()
             }),
-            floor: false,
+            program: PROGRAM,
             samples: vec![],
         },
         Case {
             name: "UDP established flow",
             katran: Some(102),
+            goal: Some(60),
             ingress: cl0,
             verdict: XDP_REDIRECT,
             packet: Box::new(move |_| udp_est.clone()),
-            floor: false,
+            program: PROGRAM,
             samples: vec![],
         },
         Case {
             name: "TCP SYN, new flow",
             katran: Some(195),
+            goal: Some(200),
             ingress: cl0,
             verdict: XDP_REDIRECT,
             packet: new_flows(0x0a01_0000, 80),
-            floor: false,
+            program: PROGRAM,
             samples: vec![],
         },
         Case {
             name: "TCP SYN, new flow, snat",
             katran: None,
+            goal: None,
             ingress: cl0,
             verdict: XDP_REDIRECT,
             packet: new_flows(0x0a03_0000, 86),
-            floor: false,
+            program: PROGRAM,
             samples: vec![],
         },
         Case {
             name: "TCP SYN, new flow, backend of two services",
             katran: None,
+            goal: None,
             ingress: cl0,
             verdict: XDP_REDIRECT,
             packet: new_flows(0x0a02_0000, 83),
-            floor: false,
+            program: PROGRAM,
             samples: vec![],
         },
         Case {
             name: "reply translation",
             katran: None,
+            goal: Some(50),
             ingress: be0,
             verdict: XDP_REDIRECT,
             packet: Box::new(move |_| reply.clone()),
-            floor: false,
+            program: PROGRAM,
             samples: vec![],
         },
         Case {
             name: "non-VIP pass",
             katran: Some(32),
+            goal: Some(10),
             ingress: cl0,
             verdict: XDP_PASS,
             packet: Box::new(move |_| nonvip.clone()),
-            floor: false,
+            program: PROGRAM,
             samples: vec![],
         },
+        step(STEP_CLOCK, "clock read", cl0, {
+            let p = est_step.clone();
+            Box::new(move |_| p.clone())
+        }),
+        step(STEP_SERVICE, "service lookup (hit)", cl0, {
+            let p = est_step.clone();
+            Box::new(move |_| p.clone())
+        }),
+        step(STEP_FLOW_LOOKUP, "flow lookup (hit)", cl0, {
+            let p = est_step.clone();
+            Box::new(move |_| p.clone())
+        }),
+        step(
+            STEP_FLOW_INSERT,
+            "flow insert (table full: evicts one)",
+            cl0,
+            new_flows(0x0a04_0000, 80),
+        ),
     ];
     let mut call = 0usize;
     // `--profile NAME SECONDS`: run one case alone for a while, for `perf
@@ -290,7 +324,7 @@ fn main() {
             for _ in 0..1000 {
                 let pkt = (c.packet)(call);
                 call += 1;
-                let (verdict, ns) = run(dp.program(), c.ingress, &pkt);
+                let (verdict, ns) = run(program(&mut dp, c.program), c.ingress, &pkt);
                 assert_eq!(verdict, c.verdict);
                 samples.push(ns);
             }
@@ -306,11 +340,7 @@ fn main() {
     }
     for _ in 0..ROUNDS {
         for c in cases.iter_mut() {
-            let prog: &Xdp = if c.floor {
-                dp.floor_program().unwrap()
-            } else {
-                dp.program()
-            };
+            let prog = program(&mut dp, c.program);
             for _ in 0..CALLS_PER_ROUND {
                 let pkt = (c.packet)(call);
                 call += 1;
@@ -320,31 +350,7 @@ fn main() {
             }
         }
     }
-    let median = |s: &mut Vec<u64>| {
-        s.sort_unstable();
-        s[s.len() / 2]
-    };
-    let floor = median(&mut cases[0].samples);
-    println!("xlb per-packet cost, BPF_PROG_TEST_RUN, repeat=1, {} calls per case, {} interleaved rounds", ROUNDS * CALLS_PER_ROUND, ROUNDS);
-    println!();
-    println!(
-        "| case | median ns | p90 ns | median - floor | Katran (reference) | ratio to floor |"
-    );
-    println!("|---|---:|---:|---:|---:|---:|");
-    for c in cases.iter_mut() {
-        let m = median(&mut c.samples);
-        let p90 = c.samples[c.samples.len() * 9 / 10];
-        let k = c
-            .katran
-            .map(|k| format!("{k} ns"))
-            .unwrap_or_else(|| "-".into());
-        println!(
-            "| {} | {m} | {p90} | {} | {k} | {:.1}x |",
-            c.name,
-            m.saturating_sub(floor),
-            m as f64 / floor.max(1) as f64
-        );
-    }
+    print_tables(&mut cases);
     // How close the program is to the verifier's limits: what any new
     // branch in the data path has to fit in.
     let info = dp.program().info().expect("program info");
@@ -355,6 +361,126 @@ fn main() {
         info.size_translated().map_or(0, |n| n)
     );
     flow_exchange_cost(&mut dp);
+}
+
+const STEP_CLOCK: &str = STEP_PROGRAMS[0];
+const STEP_SERVICE: &str = STEP_PROGRAMS[1];
+const STEP_FLOW_LOOKUP: &str = STEP_PROGRAMS[2];
+const STEP_FLOW_INSERT: &str = STEP_PROGRAMS[3];
+
+/// A case that runs one step of the data path alone (lb-ebpf/src/steps.rs).
+fn step(
+    program: &'static str,
+    name: &'static str,
+    ingress: u32,
+    packet: Box<dyn Fn(usize) -> Vec<u8>>,
+) -> Case {
+    Case {
+        name,
+        katran: None,
+        goal: None,
+        program,
+        ingress,
+        verdict: XDP_PASS,
+        packet,
+        samples: vec![],
+    }
+}
+
+fn program<'a>(dp: &'a mut Dataplane, name: &str) -> &'a Xdp {
+    if name == PROGRAM {
+        dp.program()
+    } else {
+        dp.bench_program(name).expect("benchmark program")
+    }
+}
+
+fn median(s: &mut [u64]) -> u64 {
+    s.sort_unstable();
+    s[s.len() / 2]
+}
+
+/// The per-packet table with the goals, then where the time goes: each
+/// step alone above the floor, and what of a case it accounts for.
+fn print_tables(cases: &mut [Case]) {
+    let floor = median(&mut cases[0].samples);
+    let mut above = std::collections::HashMap::new();
+    for c in cases.iter_mut() {
+        let m = median(&mut c.samples);
+        above.insert(c.name, m.saturating_sub(floor));
+    }
+    println!("xlb per-packet cost, BPF_PROG_TEST_RUN, repeat=1, {} calls per case, {} interleaved rounds, the flow table full", ROUNDS * CALLS_PER_ROUND, ROUNDS);
+    println!();
+    println!("| case | median ns | p90 ns | median - floor | goal (above floor) | Katran (reference) | ratio to floor |");
+    println!("|---|---:|---:|---:|---|---:|---:|");
+    for c in cases.iter().filter(|c| !STEP_PROGRAMS.contains(&c.program)) {
+        let m = c.samples[c.samples.len() / 2];
+        let p90 = c.samples[c.samples.len() * 9 / 10];
+        let k = c.katran.map_or("-".into(), |k| format!("{k} ns"));
+        let over = above[c.name];
+        let goal = c.goal.map_or("-".into(), |g| {
+            format!("≤ {g} ns: {}", if over <= g { "met" } else { "not met" })
+        });
+        println!(
+            "| {} | {m} | {p90} | {over} | {goal} | {k} | {:.1}x |",
+            c.name,
+            m as f64 / floor.max(1) as f64
+        );
+    }
+    println!();
+    println!("Where the time goes: each step alone (lb-ebpf/src/steps.rs), on the same maps, in the same rounds");
+    println!();
+    println!("| step | median - floor |");
+    println!("|---|---:|");
+    for c in cases.iter().filter(|c| STEP_PROGRAMS.contains(&c.program)) {
+        println!("| {} | {} |", c.name, above[c.name]);
+    }
+    println!();
+    let step = |name: &str| above[name];
+    let (clock, service) = (step("clock read"), step("service lookup (hit)"));
+    let (lookup, insert) = (
+        step("flow lookup (hit)"),
+        step("flow insert (table full: evicts one)"),
+    );
+    let account = |case: &str, parts: &[(&str, u64)], rest: &str| {
+        let total = above[case];
+        let named: u64 = parts.iter().map(|p| p.1).sum();
+        let list: Vec<String> = parts.iter().map(|(n, v)| format!("{n} {v}")).collect();
+        if parts.is_empty() {
+            println!("{case}: {total} ns above the floor: {rest}");
+            return;
+        }
+        println!(
+            "{case}: {total} ns above the floor = {} ({named} ns) + {} ns for the rest: {rest}",
+            list.join(" + "),
+            total as i64 - named as i64
+        );
+    };
+    account(
+        "TCP established flow",
+        &[("service lookup", service), ("flow lookup", lookup), ("clock", clock)],
+        "parsing, the rewrite and its checksums, counters, the cached route and the redirect",
+    );
+    account(
+        "UDP established flow",
+        &[("service lookup", service), ("flow lookup", lookup), ("clock", clock)],
+        "as for TCP",
+    );
+    account(
+        "TCP SYN, new flow",
+        &[("service lookup", service), ("flow insert", insert), ("clock", clock)],
+        "an established packet's rest, the Maglev pick (hash, slot read) and the reverse-translation check",
+    );
+    account(
+        "reply translation",
+        &[("reply-table lookup, as a flow lookup", lookup), ("clock", clock)],
+        "parsing, the rewrite and its checksums, counters, the cached route and the redirect",
+    );
+    account(
+        "non-VIP pass",
+        &[],
+        "parsing and two port-flag reads (this clock reads in 10 ns steps)",
+    );
 }
 
 /// Flows handed over in the flow exchange's cost measurement.

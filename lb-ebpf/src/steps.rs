@@ -1,0 +1,89 @@
+//! One step of the data path each, for `xlb-bench`'s account of where a
+//! packet's time goes: the step alone, on the program's own maps, so that
+//! its cost above the floor (`xlb_floor`) is the step's. The agent never
+//! attaches them. Frames as the benchmark sends them: Ethernet, IPv4
+//! without options, then TCP or UDP.
+
+use aya_ebpf::{bindings::xdp_action, macros::xdp, programs::XdpContext};
+use lb_common::{ServiceKey, FAMILY_V4};
+
+use crate::{
+    conntrack::{now, Scratch},
+    maps::{FLOWS, SCRATCH, SERVICES},
+    parse::{load16, load32, load8, ptr_at},
+};
+
+const IP: usize = 14;
+const L4: usize = 14 + 20;
+
+/// The clock read (`bpf_ktime_get_coarse_ns`), once.
+#[xdp]
+pub fn xlb_step_clock(_ctx: XdpContext) -> u32 {
+    if now() == 0 {
+        xdp_action::XDP_ABORTED
+    } else {
+        xdp_action::XDP_PASS
+    }
+}
+
+/// The service lookup (`SERVICES`) of the frame's destination: XDP_PASS
+/// when found, XDP_DROP when not.
+#[xdp]
+pub fn xlb_step_service_lookup(ctx: XdpContext) -> u32 {
+    let Some(ip) = ptr_at(&ctx, IP, 24) else {
+        return xdp_action::XDP_ABORTED;
+    };
+    let key = ServiceKey {
+        addr: [load32(ip + 16), 0, 0, 0],
+        port: load16(ip + 22),
+        proto: load8(ip + 9),
+        family: FAMILY_V4,
+    };
+    match SERVICES.get_ptr(&key) {
+        Some(_) => xdp_action::XDP_PASS,
+        None => xdp_action::XDP_DROP,
+    }
+}
+
+/// The flow lookup (`FLOWS`) of the frame's flow: XDP_PASS when found,
+/// XDP_DROP when not.
+#[xdp]
+pub fn xlb_step_flow_lookup(ctx: XdpContext) -> u32 {
+    let Some(s) = flow_key(&ctx) else {
+        return xdp_action::XDP_ABORTED;
+    };
+    match FLOWS.get_ptr(&s.key) {
+        Some(_) => xdp_action::XDP_PASS,
+        None => xdp_action::XDP_DROP,
+    }
+}
+
+/// The flow insert (`FLOWS`) of the frame's flow, with the CPU's scratch
+/// flow as its value; on a full table it evicts, as a new flow does.
+#[xdp]
+pub fn xlb_step_flow_insert(ctx: XdpContext) -> u32 {
+    let Some(s) = flow_key(&ctx) else {
+        return xdp_action::XDP_ABORTED;
+    };
+    match FLOWS.insert(&s.key, &s.flow, 0) {
+        Ok(()) => xdp_action::XDP_PASS,
+        Err(_) => xdp_action::XDP_DROP,
+    }
+}
+
+/// The frame's flow key, written to the CPU's scratch as the data path does.
+#[inline(always)]
+fn flow_key(ctx: &XdpContext) -> Option<&'static mut Scratch> {
+    let ip = ptr_at(ctx, IP, 20)?;
+    let l4 = ptr_at(ctx, L4, 4)?;
+    // SAFETY: per-CPU scratch, only this program run uses it.
+    let s = unsafe { &mut *SCRATCH.get_ptr_mut(0)? };
+    s.key.src = [load32(ip + 12), 0, 0, 0];
+    s.key.dst = [load32(ip + 16), 0, 0, 0];
+    s.key.sport = load16(l4);
+    s.key.dport = load16(l4 + 2);
+    s.key.proto = load8(ip + 9);
+    s.key.family = FAMILY_V4;
+    s.key._pad = [0; 2];
+    Some(s)
+}
