@@ -6,7 +6,7 @@ use core::ffi::c_void;
 
 use aya_ebpf::{
     bindings::BPF_NOEXIST,
-    helpers::{bpf_ktime_get_coarse_ns, bpf_loop},
+    helpers::{bpf_jiffies64, bpf_ktime_get_coarse_ns, bpf_loop},
     programs::XdpContext,
 };
 use lb_common::{
@@ -20,6 +20,7 @@ use lb_common::{
 use crate::{
     maps::{
         BACKENDS, BACKEND_ACTIVE, BACKEND_REVERSE, CONFIG, FLOWS, HELD_FLOWS, MAGLEV, REPLY_NAT,
+        SCRATCH,
     },
     parse::Headers,
 };
@@ -58,10 +59,35 @@ pub const NEW_FLOW: u16 = 1;
 /// `lookup_or_create`'s "no error" return.
 pub const FOUND: u32 = u32::MAX;
 
+/// The coarse monotonic clock (ns), as `bpf_ktime_get_coarse_ns` gives it.
+/// That clock moves only at the timer tick, so it is read once per tick on
+/// each CPU and kept in the CPU's scratch, keyed by `bpf_jiffies64` (which
+/// the verifier turns into a plain load): the helper call cost 20 ns a
+/// packet on this project's machine (`xlb-bench`'s "clock read"). A tick's
+/// first reader may see the new jiffies before the clock's update and keep
+/// the previous tick's time for this one: a lag of one tick at most.
 #[inline(always)]
 pub fn now() -> u64 {
-    // SAFETY: helper without arguments.
-    unsafe { bpf_ktime_get_coarse_ns() }
+    // SAFETY: helpers without arguments.
+    let jiffies = unsafe { bpf_jiffies64() };
+    let Some(s) = SCRATCH.get_ptr_mut(0) else {
+        return unsafe { bpf_ktime_get_coarse_ns() };
+    };
+    // SAFETY: per-CPU scratch, only this program run uses it.
+    let s = unsafe { &mut *s };
+    if s.clock.jiffies != jiffies || s.clock.ns == 0 {
+        s.clock.jiffies = jiffies;
+        s.clock.ns = unsafe { bpf_ktime_get_coarse_ns() };
+    }
+    s.clock.ns
+}
+
+/// The CPU's last clock read and the tick it was made in (`now`).
+#[derive(Clone, Copy, Default)]
+#[repr(C)]
+pub struct Clock {
+    jiffies: u64,
+    ns: u64,
 }
 
 #[inline(always)]
@@ -241,6 +267,7 @@ pub struct Scratch {
     pub source_key: SourceKey,
     /// The SNAT port search under way (`claim_snat_port`).
     pub probe: SnatProbe,
+    pub clock: Clock,
 }
 
 /// Points `s.target` at a remembered flow's backend.

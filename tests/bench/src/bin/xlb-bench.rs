@@ -157,7 +157,14 @@ fn main() {
     let prog = dp.program();
     for i in 0..FLOWS_ENTRIES as usize {
         let src = Ipv4Addr::from(0x0a09_0000 + (i as u32 / 50_000));
-        let syn = tcp(src, VIP, 1024 + (i % 50_000) as u16, 80, tcp_flags::SYN, client);
+        let syn = tcp(
+            src,
+            VIP,
+            1024 + (i % 50_000) as u16,
+            80,
+            tcp_flags::SYN,
+            client,
+        );
         assert_eq!(run(prog, cl0, &syn).0, XDP_REDIRECT);
     }
     // Establish the flows the "established" and "reply" cases use.
@@ -458,12 +465,20 @@ fn print_tables(cases: &mut [Case]) {
     };
     account(
         "TCP established flow",
-        &[("service lookup", service), ("flow lookup", lookup), ("clock", clock)],
+        &[
+            ("service lookup", service),
+            ("flow lookup", lookup),
+            ("clock", clock),
+        ],
         "parsing, the rewrite and its checksums, counters, the cached route and the redirect",
     );
     account(
         "UDP established flow",
-        &[("service lookup", service), ("flow lookup", lookup), ("clock", clock)],
+        &[
+            ("service lookup", service),
+            ("flow lookup", lookup),
+            ("clock", clock),
+        ],
         "as for TCP",
     );
     account(
@@ -473,7 +488,10 @@ fn print_tables(cases: &mut [Case]) {
     );
     account(
         "reply translation",
-        &[("reply-table lookup, as a flow lookup", lookup), ("clock", clock)],
+        &[
+            ("reply-table lookup, as a flow lookup", lookup),
+            ("clock", clock),
+        ],
         "parsing, the rewrite and its checksums, counters, the cached route and the redirect",
     );
     account(
