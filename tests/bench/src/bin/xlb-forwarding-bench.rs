@@ -496,8 +496,40 @@ fn run(o: &Opts) -> Res<()> {
             )
         })
         .collect();
+    println!("{}", where_the_time_goes(&results));
     println!("forwarding: xlb {}", summary.join("; "));
     Ok(())
+}
+
+/// The goals (3x nftables, 70 % of the limit) against the figures, and
+/// what one frame's whole path costs on the generator's core in each case:
+/// what xlb adds to the limit is its program, which `xlb-bench` breaks down.
+fn where_the_time_goes(results: &Results) -> String {
+    let mut out = String::from(
+        "\nGoals and where the time goes (one frame's whole path on one core, medians):\n",
+    );
+    for traffic in Traffic::ALL {
+        let ns = |case| 1e9 / median_of(rates_of(results, traffic, case), |x| x.forwarded_pps);
+        let xlb = rates_of(results, traffic, Case::Xlb);
+        let vs_nft = ratio(xlb, rates_of(results, traffic, Case::Nftables));
+        let of_limit = ratio(xlb, rates_of(results, traffic, Case::Limit));
+        let verdict = |met: bool| if met { "met" } else { "not met" };
+        let (limit, with_xlb) = (ns(Case::Limit), ns(Case::Xlb));
+        let _ = writeln!(
+            out,
+            "- {}: {vs_nft:.2}x nftables (goal 3x: {}), {:.0}% of the limit (goal 70%: {}). \
+             A frame takes {limit:.0} ns at the limit, {with_xlb:.0} ns through xlb, {:.0} ns \
+             through nftables: xlb adds {:.0} ns; 70% of the limit allows {:.0}.",
+            traffic.label(),
+            verdict(vs_nft >= 3.0),
+            of_limit * 100.0,
+            verdict(of_limit >= 0.7),
+            ns(Case::Nftables),
+            with_xlb - limit,
+            limit / 0.7 - limit,
+        );
+    }
+    out
 }
 
 fn main() -> ExitCode {
