@@ -12,9 +12,9 @@ use aya_ebpf::{
 use lb_common::{
     hash::{flow_hash, maglev_hash, second_choice, snat_port_candidate, SECOND_CHOICE_DRAWS},
     Backend, Config, FibCache, Flow, FlowKey, Reason, ReplyNat, ReverseKey, ServiceInfo, SourceKey,
-    FLOW_EVENT_REPICKED, FLOW_F_CLOSED, FLOW_F_COUNTED, HOLD_UNKNOWN_NS, PROTO_TCP,
-    REPLY_F_CLOSING, SERVICE_F_FLOW_LIMIT, SERVICE_F_HOLD_UNKNOWN, SERVICE_F_LEAST_LOADED,
-    SERVICE_F_SNAT, SNAT_PROBES,
+    FLOW_EVENT_REPICKED, FLOW_F_CLOSED, FLOW_F_COUNTED, HOLD_EPISODE_NS, HOLD_UNKNOWN_NS,
+    PROTO_TCP, REPLY_F_CLOSING, SERVICE_F_FLOW_LIMIT, SERVICE_F_HOLD_UNKNOWN,
+    SERVICE_F_LEAST_LOADED, SERVICE_F_SNAT, SNAT_PROBES,
 };
 
 use crate::{
@@ -222,12 +222,20 @@ fn count_active(backend_id: u32, delta: i64) {
 }
 
 /// Whether to drop a mid-connection packet of a flow this node does not
-/// know: from its first such packet until `HOLD_UNKNOWN_NS` after it.
+/// know: from its first such packet until `HOLD_UNKNOWN_NS` after it. An
+/// entry older than `HOLD_EPISODE_NS` is an earlier episode's: held afresh.
 #[inline(always)]
 fn hold_unknown(key: &FlowKey, t: u64) -> bool {
-    match HELD_FLOWS.get_ptr(key) {
-        // SAFETY: read of a map value.
-        Some(first) => t.saturating_sub(unsafe { *first }) < HOLD_UNKNOWN_NS,
+    match HELD_FLOWS.get_ptr_mut(key) {
+        Some(first) => {
+            // SAFETY: a map value; racing CPUs write similar times.
+            let first = unsafe { &mut *first };
+            let age = t.saturating_sub(*first);
+            if age > HOLD_EPISODE_NS {
+                *first = t;
+            }
+            age < HOLD_UNKNOWN_NS || age > HOLD_EPISODE_NS
+        }
         None => {
             // A full table evicts its oldest: that flow is then held afresh.
             let _ = HELD_FLOWS.insert(key, &t, 0);

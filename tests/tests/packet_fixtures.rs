@@ -2212,6 +2212,17 @@ fn an_unknown_snat_flow_is_held_until_the_exchange_brings_it_needs_root() {
         IpAddr::from(SNAT4)
     );
     assert_eq!(held(dp), 3);
+    // The flow known, then lost again (evicted: here, every flow cleared):
+    // a later episode is held afresh, not picked at once on the strength
+    // of the first episode's expired entry.
+    dp.clear_dynamic_state().unwrap();
+    std::thread::sleep(
+        Duration::from_nanos(lb_common::HOLD_EPISODE_NS - lb_common::HOLD_UNKNOWN_NS)
+            + Duration::from_millis(100),
+    );
+    let (v, _) = run(dp, cl0, &c4(ack(40402, 443)));
+    assert_eq!(v, XDP_DROP, "a later episode of the same flow");
+    assert_eq!(held(dp), 1);
     // Without the exchange an unknown flow is picked afresh at once.
     dp.set_service(&base_services()[2]).unwrap();
     let (v, _) = run(dp, cl0, &c4(ack(40403, 443)));
