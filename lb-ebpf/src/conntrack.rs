@@ -234,7 +234,7 @@ fn hold_unknown(key: &FlowKey, t: u64) -> bool {
             if age > HOLD_EPISODE_NS {
                 *first = t;
             }
-            age < HOLD_UNKNOWN_NS || age > HOLD_EPISODE_NS
+            !(HOLD_UNKNOWN_NS..=HOLD_EPISODE_NS).contains(&age)
         }
         None => {
             // A full table evicts its oldest: that flow is then held afresh.
