@@ -19,8 +19,8 @@ use lb_common::{
 
 use crate::{
     maps::{
-        BACKENDS, BACKEND_ACTIVE, BACKEND_REVERSE, CONFIG, FLOWS, HELD_FLOWS, MAGLEV, REPLY_NAT,
-        SCRATCH,
+        BACKENDS, BACKEND_ACTIVE, BACKEND_REVERSE, CLOCK, CONFIG, FLOWS, HELD_FLOWS, MAGLEV,
+        REPLY_NAT,
     },
     parse::Headers,
 };
@@ -61,7 +61,7 @@ pub const FOUND: u32 = u32::MAX;
 
 /// The coarse monotonic clock (ns), as `bpf_ktime_get_coarse_ns` gives it.
 /// That clock moves only at the timer tick, so it is read once per tick on
-/// each CPU and kept in the CPU's scratch, keyed by `bpf_jiffies64` (which
+/// each CPU and kept in a per-CPU map (`CLOCK`), keyed by `bpf_jiffies64` (which
 /// the verifier turns into a plain load): the helper call cost 20 ns a
 /// packet on this project's machine (`xlb-bench`'s "clock read"). A tick's
 /// first reader may see the new jiffies before the clock's update and keep
@@ -70,19 +70,19 @@ pub const FOUND: u32 = u32::MAX;
 pub fn now() -> u64 {
     // SAFETY: helpers without arguments.
     let jiffies = unsafe { bpf_jiffies64() };
-    let Some(s) = SCRATCH.get_ptr_mut(0) else {
+    let Some(c) = CLOCK.get_ptr_mut(0) else {
         return unsafe { bpf_ktime_get_coarse_ns() };
     };
-    // SAFETY: per-CPU scratch, only this program run uses it.
-    let s = unsafe { &mut *s };
-    if s.clock.jiffies != jiffies || s.clock.ns == 0 {
-        s.clock.jiffies = jiffies;
-        s.clock.ns = unsafe { bpf_ktime_get_coarse_ns() };
+    // SAFETY: a per-CPU value, only this program run uses it.
+    let c = unsafe { &mut *c };
+    if c.jiffies != jiffies || c.ns == 0 {
+        c.jiffies = jiffies;
+        c.ns = unsafe { bpf_ktime_get_coarse_ns() };
     }
-    s.clock.ns
+    c.ns
 }
 
-/// The CPU's last clock read and the tick it was made in (`now`).
+/// A CPU's last clock read and the tick it was made in (`now`).
 #[derive(Clone, Copy, Default)]
 #[repr(C)]
 pub struct Clock {
@@ -275,7 +275,6 @@ pub struct Scratch {
     pub source_key: SourceKey,
     /// The SNAT port search under way (`claim_snat_port`).
     pub probe: SnatProbe,
-    pub clock: Clock,
 }
 
 /// Points `s.target` at a remembered flow's backend.

@@ -145,3 +145,9 @@ pub static L2_IFACES: HashMap<u32, L2Iface, { MAX_L2_IFACES as usize }> = HashMa
 /// Per-CPU scratch space for large temporaries (see `conntrack::Scratch`).
 #[btf_map]
 pub static SCRATCH: PerCpuArray<crate::conntrack::Scratch, 1> = PerCpuArray::new();
+
+/// Per CPU: the last clock read and its tick (`conntrack::now`). A map of
+/// its own, not a field of `SCRATCH`: the clock is read while a caller
+/// holds the scratch.
+#[btf_map]
+pub static CLOCK: PerCpuArray<crate::conntrack::Clock, 1> = PerCpuArray::new();

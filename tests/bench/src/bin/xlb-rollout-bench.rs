@@ -7,11 +7,14 @@
 //!
 //! The client holds 30 keep-alive connections to the VIP, spread over the
 //! nodes, and opens new ones one after another all along. Each round takes
-//! every node in turn through three events:
+//! every node in turn through four events:
 //!
 //! * restart: its agent restarts (SIGUSR2) and its speaker is killed, as a
 //!   rollout of the chart's Pod does; both start again, and the event ends
 //!   when the router's graceful restart with the node is over;
+//! * crash: its agent and its speaker are killed (SIGKILL: an OOM kill, a
+//!   node's container runtime restarting), and both start again; the
+//!   program stays attached meanwhile and keeps forwarding. Ends as restart;
 //! * leave: its agent is told to leave (SIGTERM: withdraw, drain 1 s, exit);
 //!   ends when the router's FIB has the other two nodes only;
 //! * join: its agent starts again; ends when the FIB has all three.
@@ -19,7 +22,7 @@
 //! After each event every keep-alive connection makes one request; one that
 //! fails is counted lost (and replaced). New connections that failed during
 //! the event are counted too. Prints a table per lab and the line
-//! `rollout: LAB restart lost X/N, leave lost Y/N, join lost Z/N; new failed W/M`
+//! `rollout: LAB restart lost X/N, crash lost C/N, leave lost Y/N, join lost Z/N; new failed W/M`
 //! per lab (N: connections checked, M: new connections made).
 
 use std::{
@@ -45,7 +48,7 @@ const USAGE: &str = "xlb-rollout-bench [options]
   --rounds N    rounds over the three nodes (2)
   --conns N     keep-alive connections (30)";
 
-const EVENTS: [&str; 3] = ["restart", "leave", "join"];
+const EVENTS: [&str; 4] = ["restart", "crash", "leave", "join"];
 
 struct Opts {
     labs: Vec<(Driver, &'static str)>,
@@ -187,6 +190,15 @@ fn event(lab: &mut EcmpLab, kind: &str, i: usize, mode: &str) -> Result<(), Stri
         "restart" => {
             lab.node(i).signal_agent(libc::SIGUSR2);
             lab.node(i).wait_agent_exit(Duration::from_secs(5));
+            lab.node(i).kill_speaker();
+            lab.node(i).start_speaker();
+            let c = lab.agent_config_in(i, 1, mode);
+            lab.node(i).start_agent(&c);
+            lab.wait_graceful_restart_over(i, Duration::from_secs(30));
+            wait_hops(lab, &all)
+        }
+        "crash" => {
+            lab.node(i).kill_agent();
             lab.node(i).kill_speaker();
             lab.node(i).start_speaker();
             let c = lab.agent_config_in(i, 1, mode);
