@@ -209,18 +209,13 @@ fn check(lab: &EcmpLab, conns: &mut [HttpConn]) -> Result<u64, String> {
 fn event(lab: &mut EcmpLab, kind: &str, i: usize, mode: &str) -> Result<(), String> {
     let all: Vec<usize> = (1..=NODES).collect();
     match kind {
-        "restart" => {
-            lab.node(i).signal_agent(libc::SIGUSR2);
-            lab.node(i).wait_agent_exit(Duration::from_secs(5));
-            lab.node(i).kill_speaker();
-            lab.node(i).start_speaker();
-            let c = lab.agent_config_in(i, 1, mode);
-            lab.node(i).start_agent(&c);
-            lab.wait_graceful_restart_over(i, Duration::from_secs(30));
-            wait_hops(lab, &all)
-        }
-        "crash" => {
-            lab.node(i).kill_agent();
+        "restart" | "crash" => {
+            if kind == "restart" {
+                lab.node(i).signal_agent(libc::SIGUSR2);
+                lab.node(i).wait_agent_exit(Duration::from_secs(5));
+            } else {
+                lab.node(i).kill_agent();
+            }
             lab.node(i).kill_speaker();
             lab.node(i).start_speaker();
             let c = lab.agent_config_in(i, 1, mode);
