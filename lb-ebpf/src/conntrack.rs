@@ -656,7 +656,7 @@ pub fn reply_from_reverse(
     s.reply.service_id = rev.service_id;
     s.reply.backend_id = rev.backend_id;
     s.reply.flags = if closing { REPLY_F_CLOSING } else { 0 };
-    s.reply.expires_ns = h.now() + lifetime_ns(&cfg, s.key.proto, closing);
+    s.reply.expires_ns = now() + lifetime_ns(&cfg, s.key.proto, closing);
     s.reply.fib.ifindex = 0;
     REPLY_NAT.insert(&s.key, &s.reply, 0).ok()?;
     let r = REPLY_NAT.get_ptr_mut(&s.key)?;

@@ -18,6 +18,7 @@ use lb_common::{FibCache, Reason};
 const FIB_REFRESH_NS: u64 = 1_000_000_000;
 
 use crate::{
+    conntrack::now,
     csum::Delta,
     maps::TX_PORTS,
     parse::{load16, load8, ptr_at, store16, store32, store8, Headers},
@@ -43,7 +44,7 @@ pub fn forward(
     cache: &mut FibCache,
 ) -> Verdict {
     let ingress = ctx.ingress_ifindex() as u32;
-    let t = h.now();
+    let t = now();
     if cache.ifindex == 0 || t.saturating_sub(cache.checked_ns) > FIB_REFRESH_NS {
         let mut p = MaybeUninit::<FibParams>::uninit();
         let p = zeroed(&mut p);

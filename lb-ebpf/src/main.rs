@@ -225,7 +225,7 @@ fn to_backend(ctx: &XdpContext, h: &Headers, svc: &lb_common::ServiceInfo) -> Ve
     scratch.key.dport = dport;
     scratch.key.proto = h.proto;
     scratch.key.family = h.family;
-    let found = conntrack::lookup_or_create(svc, closing, syn, h.now(), scratch);
+    let found = conntrack::lookup_or_create(svc, closing, syn, conntrack::now(), scratch);
     if found != conntrack::FOUND {
         return Verdict::new_raw(xdp_action::XDP_DROP, found);
     }
@@ -301,7 +301,7 @@ fn from_backend_inner(ctx: &XdpContext, h: &Headers) -> Option<Verdict> {
     s.key.proto = h.proto;
     s.key.family = h.family;
     let closing = flags & (TCP_FIN | TCP_RST) != 0;
-    let r = match conntrack::reply_lookup(&s.key, closing, h.now()) {
+    let r = match conntrack::reply_lookup(&s.key, closing, conntrack::now()) {
         Some(r) => r,
         None => conntrack::reply_from_reverse(ctx, h, s, closing)?,
     };

@@ -4,8 +4,6 @@
 //! IPv4 options and IPv6 extension headers are multiples of 4), so 16-bit
 //! loads and stores are always aligned; 32-bit fields are read as two halves.
 
-use core::cell::Cell;
-
 use aya_ebpf::programs::XdpContext;
 use lb_common::{FAMILY_V4, FAMILY_V6};
 
@@ -126,6 +124,7 @@ pub fn store8(p: usize, v: u8) {
 }
 
 /// What the program needs to know of a packet's L2-L4 headers.
+#[derive(Clone, Copy)]
 #[repr(C)]
 pub struct Headers {
     /// Offset of the IP header.
@@ -139,26 +138,12 @@ pub struct Headers {
     pub fragment: bool,
     pub src: [u32; 4],
     pub dst: [u32; 4],
-    /// The clock, read once per packet on first use (`now`); 0 until then.
-    clock_ns: Cell<u64>,
 }
 
 impl Headers {
     #[inline(always)]
     pub fn v6(&self) -> bool {
         self.family == FAMILY_V6
-    }
-
-    /// The coarse monotonic clock (ns) for this packet. The helper call is
-    /// paid once: the flow lookup and the route cache both want the time.
-    #[inline(always)]
-    pub fn now(&self) -> u64 {
-        let mut t = self.clock_ns.get();
-        if t == 0 {
-            t = crate::conntrack::now();
-            self.clock_ns.set(t);
-        }
-        t
     }
 }
 
@@ -206,7 +191,6 @@ fn parse_ipv4(ctx: &XdpContext, l3: usize, vlan: bool) -> Result<Headers, ParseE
         fragment: frag != 0,
         src: [load32(ip + 12), 0, 0, 0],
         dst: [load32(ip + 16), 0, 0, 0],
-        clock_ns: Cell::new(0),
     })
 }
 
@@ -253,7 +237,6 @@ fn parse_ipv6(ctx: &XdpContext, l3: usize, vlan: bool) -> Result<Headers, ParseE
             load32(ip + 32),
             load32(ip + 36),
         ],
-        clock_ns: Cell::new(0),
     })
 }
 
