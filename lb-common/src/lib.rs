@@ -144,10 +144,11 @@ pub const SERVICE_F_CLIENT_AFFINITY: u32 = 2;
 /// `ServiceInfo::flags`: only clients in the service's `SOURCE_RANGES`
 /// entries (scope [`ServiceInfo::range_scope`]) may reach it.
 pub const SERVICE_F_SOURCE_RANGES: u32 = 4;
-/// `ServiceInfo::flags`: a new flow goes to the one of its two Maglev
-/// candidates (the usual pick and [`hash::second_choice`]'s) with fewer
-/// open flows in `BACKEND_ACTIVE` (load-aware services): least connections
-/// by two choices, decided per connection.
+/// `ServiceInfo::flags`: a new flow goes to the one of its Maglev
+/// candidates (the usual pick and up to two more distinct backends drawn
+/// by [`hash::next_candidate`]) with the fewest open flows in
+/// `BACKEND_ACTIVE` (load-aware services): least connections over
+/// [`hash::LEAST_LOADED_CANDIDATES`] choices, decided per connection.
 pub const SERVICE_F_LEAST_LOADED: u32 = 8;
 /// `ServiceInfo::flags`: new flows are limited per source prefix by the
 /// service's `FLOW_LIMITS` entry.

@@ -10,7 +10,10 @@ use aya_ebpf::{
     programs::XdpContext,
 };
 use lb_common::{
-    hash::{flow_hash, maglev_hash, second_choice, snat_port_candidate, SECOND_CHOICE_DRAWS},
+    hash::{
+        flow_hash, maglev_hash, next_candidate, snat_port_candidate, CANDIDATE_DRAWS,
+        LEAST_LOADED_CANDIDATES,
+    },
     Backend, Config, FibCache, Flow, FlowKey, Reason, ReplyNat, ReverseKey, ServiceInfo, SourceKey,
     FLOW_EVENT_REPICKED, FLOW_F_CLOSED, FLOW_F_COUNTED, HOLD_EPISODE_NS, HOLD_UNKNOWN_NS,
     PROTO_TCP, REPLY_F_CLOSING, SERVICE_F_FLOW_LIMIT, SERVICE_F_HOLD_UNKNOWN,
@@ -183,31 +186,41 @@ fn slot_backend(
 }
 
 /// A new flow's backend: Maglev's, or for `SERVICE_F_LEAST_LOADED` the one
-/// of two Maglev candidates with fewer open flows (ties: the first).
+/// with the fewest open flows among `LEAST_LOADED_CANDIDATES` distinct
+/// Maglev candidates (ties: the one drawn first, Maglev's own pick first).
 #[inline(always)]
 fn pick_new(key: &FlowKey, svc: &ServiceInfo) -> Result<(u32, &'static Backend), Reason> {
     let first = pick(key, svc)?;
-    if svc.flags & SERVICE_F_LEAST_LOADED == 0 {
+    if svc.flags & SERVICE_F_LEAST_LOADED == 0 || svc.backend_count < 2 {
         return Ok(first);
     }
+    let open = |id: u32| BACKEND_ACTIVE.get(id).copied().unwrap_or(0);
+    let wanted = svc.backend_count.min(LEAST_LOADED_CANDIDATES);
+    let (mut best, mut best_open) = (first, open(first.0));
+    // The second candidate's id once drawn: the loop holds three.
+    const _: () = assert!(LEAST_LOADED_CANDIDATES <= 3);
+    let mut second = first.0;
+    let mut found = 1;
     let mut h = maglev_hash(key, svc.flags);
-    let mut second = Err(Reason::DropTableError);
-    for _ in 0..SECOND_CHOICE_DRAWS {
-        h = second_choice(h);
-        second = slot_backend(key, svc, h);
-        if !matches!(second, Ok((id, _)) if id == first.0) {
+    for _ in 0..CANDIDATE_DRAWS {
+        h = next_candidate(h);
+        let Ok(c) = slot_backend(key, svc, h) else {
+            break;
+        };
+        if c.0 == first.0 || c.0 == second {
+            continue;
+        }
+        second = c.0;
+        found += 1;
+        let o = open(c.0);
+        if o < best_open {
+            (best, best_open) = (c, o);
+        }
+        if found >= wanted {
             break;
         }
     }
-    let Ok(second) = second else {
-        return Ok(first);
-    };
-    let open = |id: u32| BACKEND_ACTIVE.get(id).copied().unwrap_or(0);
-    if second.0 != first.0 && open(second.0) < open(first.0) {
-        Ok(second)
-    } else {
-        Ok(first)
-    }
+    Ok(best)
 }
 
 /// Adds `delta` to a backend's shared open-flow count.

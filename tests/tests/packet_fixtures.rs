@@ -1998,10 +1998,11 @@ fn open_flows_per_backend_are_counted_needs_root() {
 }
 
 /// A least-loaded service (load-aware) sends a new flow to the one of its
-/// two Maglev candidates with fewer open flows in `BACKEND_ACTIVE`, counts
-/// it there, and takes it off when the client closes it.
+/// Maglev candidates (up to three distinct backends) with the fewest open
+/// flows in `BACKEND_ACTIVE`, counts it there, and takes it off when the
+/// client closes it.
 #[test]
-fn a_least_loaded_service_sends_new_flows_to_the_less_busy_candidate_needs_root() {
+fn a_least_loaded_service_sends_new_flows_to_the_least_busy_candidate_needs_root() {
     let mut bed = FixtureBed::with("xlb-fix-least", None, MapSizes::default());
     pin_to_cpu(0);
     let (dp, cl0) = (&mut bed.dp, bed.cl0);
@@ -2014,31 +2015,30 @@ fn a_least_loaded_service_sends_new_flows_to_the_less_busy_candidate_needs_root(
     );
     spec.least_loaded = true;
     dp.set_service(&spec).unwrap();
-    let (b2, b3) = (
-        dp.backend_id(&spec.key(), sa(B2, 8080)).unwrap(),
-        dp.backend_id(&spec.key(), sa(B3, 8080)).unwrap(),
-    );
+    let id = |dp: &Dataplane, spec: &ServiceSpec, b: Ipv4Addr| {
+        dp.backend_id(&spec.key(), sa(b, 8080)).unwrap()
+    };
+    let (b2, b3) = (id(dp, &spec, B2), id(dp, &spec, B3));
     let backend_of = |out: &[u8]| xlb_tests::packet::parse(out).unwrap().dst;
-    let share = |dp: &mut Dataplane, ports: std::ops::Range<u16>| {
+    let share = |dp: &mut Dataplane, ports: std::ops::Range<u16>, to: Ipv4Addr| {
         let n = ports.len();
-        let to_b3 = ports
+        let hits = ports
             .filter(|&p| {
                 let (v, out) = run(dp, cl0, &c4(syn(p, 80)));
                 assert_eq!(v, XDP_REDIRECT);
-                backend_of(&out) == IpAddr::from(B3)
+                backend_of(&out) == IpAddr::from(to)
             })
             .count();
-        to_b3 as f64 / n as f64
+        hits as f64 / n as f64
     };
 
-    // B2 busy: flows whose candidates differ go to B3. The second
-    // candidate is drawn again while it is the first's backend (up to 3
-    // draws): 1 flow in 16 has B2 four times; one draw would leave 1 in 4.
+    // Two backends, B2 busy: the other candidate is drawn until it is B3
+    // (up to 12 draws), so nearly every flow goes to B3.
     dp.set_backend_active(b2, 1000).unwrap();
     dp.set_backend_active(b3, 0).unwrap();
-    let busy_b2 = share(dp, 20000..20200);
+    let busy_b2 = share(dp, 20000..20200, B3);
     assert!(
-        busy_b2 > 0.85,
+        busy_b2 > 0.99,
         "{busy_b2} of new flows to B3 while B2 is busy"
     );
     // Each went into B3's count (B2's is above 1000 by its own).
@@ -2047,22 +2047,37 @@ fn a_least_loaded_service_sends_new_flows_to_the_less_busy_candidate_needs_root(
     assert_eq!(active(dp, b3), on_b3);
     assert_eq!(active(dp, b2), 1000 + 200 - on_b3);
 
-    // The other way round.
-    dp.set_backend_active(b2, 0).unwrap();
-    dp.set_backend_active(b3, 1000).unwrap();
-    let busy_b3 = share(dp, 21000..21200);
+    // Three backends, two of them busy: a new flow compares all three (two
+    // candidates would find the idle one for about two flows in three).
+    spec.backends = backends(&[(B2.into(), 8080), (B3.into(), 8080), (B4.into(), 8080)]);
+    dp.set_service(&spec).unwrap();
+    let b4 = id(dp, &spec, B4);
+    for (b, open) in [(b2, 1000), (b3, 1000), (b4, 0)] {
+        dp.set_backend_active(b, open).unwrap();
+    }
+    let idle_b4 = share(dp, 22000..22200, B4);
     assert!(
-        busy_b3 < 0.15,
-        "{busy_b3} of new flows to B3 while B3 is busy"
+        idle_b4 > 0.97,
+        "{idle_b4} of new flows to B4, the only idle backend"
+    );
+    assert_eq!(active(dp, b4), (idle_b4 * 200.0).round() as i64);
+    // The other way round: B4 is never the least busy of its candidates.
+    for (b, open) in [(b2, 0), (b3, 0), (b4, 1000)] {
+        dp.set_backend_active(b, open).unwrap();
+    }
+    let busy_b4 = share(dp, 21000..21200, B4);
+    assert!(
+        busy_b4 < 0.02,
+        "{busy_b4} of new flows to B4 while it is busy"
     );
 
     // A client's FIN takes its flow off the count, once.
-    let before = active(dp, b2) + active(dp, b3);
+    let before = active(dp, b2) + active(dp, b3) + active(dp, b4);
     for _ in 0..2 {
         let (v, _) = run(dp, cl0, &c4_flags(21000, tcp_flags::FIN | tcp_flags::ACK));
         assert_eq!(v, XDP_REDIRECT);
     }
-    assert_eq!(active(dp, b2) + active(dp, b3), before - 1);
+    assert_eq!(active(dp, b2) + active(dp, b3) + active(dp, b4), before - 1);
 }
 
 /// In NAT mode a backend that belongs to one service needs no per-flow

@@ -250,7 +250,7 @@ fn trace_names_the_backend_the_program_picks_needs_root() {
     let third: Vec<Flow> = (0..40).map(|_| random_flow(&mut rng)).collect();
     checked += check(&bed, &pins, &third, tcp_flags::SYN, Some("maglev"));
 
-    // Load-aware: the less loaded of two candidates, by the program's own
+    // Load-aware: the least loaded of three candidates, by the program's own
     // counts (a thousand apart, so the flows checked here do not tip them).
     for s in &mut changed {
         s.client_affinity = false;

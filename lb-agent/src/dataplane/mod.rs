@@ -161,7 +161,7 @@ pub struct ServiceSpec {
     pub source_ranges: Option<Vec<IpNet>>,
     /// Every connection of a client address goes to one backend.
     pub client_affinity: bool,
-    /// New flows go to the less loaded of two Maglev candidates
+    /// New flows go to the least loaded of three Maglev candidates
     /// (`SERVICE_F_LEAST_LOADED`; load-aware services).
     pub least_loaded: bool,
     /// snat with `flow_sync`: hold a flow this node does not know

@@ -85,7 +85,7 @@ pub struct Params {
 
 impl Params {
     /// The defaults, but a service whose data plane places each new flow
-    /// on the less loaded of two candidates (`SERVICE_F_LEAST_LOADED`)
+    /// on the least loaded of its candidates (`SERVICE_F_LEAST_LOADED`)
     /// gives a joining backend its full weight at once: the per-connection
     /// choice already keeps it from being flooded (it takes new flows only
     /// while it has fewer open ones), and a ramp would only keep it a rare

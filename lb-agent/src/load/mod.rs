@@ -60,7 +60,7 @@ pub struct LoadTarget {
     pub agent_check: Option<AgentCheck>,
     /// The backends whose cgroup is on this node.
     pub cgroups: Vec<(SocketAddr, BackendCgroup)>,
-    /// The data plane picks the less loaded of two candidates per new flow.
+    /// The data plane picks the least loaded of three candidates per new flow.
     pub least_loaded: bool,
 }
 

@@ -130,23 +130,29 @@ pub struct MaglevPick {
     pub backend: Option<SocketAddr>,
     /// Set when the data plane would fail here (`drop_table_error`).
     pub error: Option<String>,
-    /// A load-aware service's second candidate (least connections by two
-    /// choices), and which of the two a new flow takes.
-    pub second: Option<SecondChoice>,
+    /// A load-aware service's candidates (least connections over up to
+    /// three distinct Maglev draws), and which one a new flow takes.
+    pub least_loaded: Option<LeastLoaded>,
 }
 
 #[derive(Serialize)]
-pub struct SecondChoice {
+pub struct LeastLoaded {
+    /// The candidates in draw order; the first is Maglev's own pick.
+    pub candidates: Vec<Candidate>,
+    /// Index into `candidates` of the one a new flow goes to: the first
+    /// with the fewest open flows.
+    pub taken: usize,
+}
+
+#[derive(Serialize)]
+pub struct Candidate {
     pub hash: u32,
     #[serde(flatten)]
     pub index: TableIndex,
     pub backend_id: u32,
     pub backend: Option<SocketAddr>,
-    /// `BACKEND_ACTIVE` of the first and the second candidate.
-    pub open_first: i64,
-    pub open_second: i64,
-    /// The second has fewer open flows: a new flow goes there.
-    pub taken: bool,
+    /// Its `BACKEND_ACTIVE` count.
+    pub open_flows: i64,
 }
 
 /// The flow's `FLOWS` entry (used for any packet but a TCP SYN).
@@ -307,19 +313,17 @@ fn maglev_pick(
             ),
         };
         let mut picked = backend.map(|b| (id, b));
-        let second = match picked {
+        let least_loaded = match picked {
             Some(first) if info.flags & SERVICE_F_LEAST_LOADED != 0 => {
-                second_choice_pick(maps, key, info, backends, hash, first)?
+                least_loaded_pick(maps, key, info, backends, (hash, index), first)?
             }
             _ => None,
         };
-        if let Some((s, b)) = &second {
-            if s.taken {
-                picked = Some((s.backend_id, *b));
-            }
+        if let Some((_, taken)) = &least_loaded {
+            picked = Some(*taken);
         }
         let pick = MaglevPick {
-            second: second.map(|(s, _)| s),
+            least_loaded: least_loaded.map(|(l, _)| l),
             hash,
             hashed_on: if info.flags & SERVICE_F_CLIENT_AFFINITY != 0 {
                 "client"
@@ -336,41 +340,25 @@ fn maglev_pick(
     }
 }
 
-/// The second Maglev candidate of a load-aware service's new flow (drawn
-/// again while it names the first's backend, up to `SECOND_CHOICE_DRAWS`
-/// times) and the open flows both candidates have: the program takes the
-/// second when it has fewer (`conntrack::pick_new`).
-fn second_choice_pick(
+/// A load-aware service's new-flow candidates: Maglev's pick, then further
+/// draws, skipping backends already drawn, until
+/// `LEAST_LOADED_CANDIDATES` distinct ones (or the service's backend count)
+/// or `CANDIDATE_DRAWS` draws; the program takes the first with the fewest
+/// open flows (`conntrack::pick_new`). `None` where the program would fall
+/// back on the first (one backend, or a draw it cannot read).
+fn least_loaded_pick(
     maps: &PinnedMaps,
     key: &FlowKey,
     info: &ServiceInfo,
     backends: &aya::maps::Array<aya::maps::MapData, lb_common::BackendEntry>,
-    first_hash: u32,
-    (first_id, _): (u32, lb_common::Backend),
-) -> Result<Option<(SecondChoice, lb_common::Backend)>> {
-    let maglev = maps.maglev()?;
-    let mut hash = first_hash;
-    let mut drawn = None;
-    for _ in 0..lb_common::hash::SECOND_CHOICE_DRAWS {
-        hash = lb_common::hash::second_choice(hash);
-        let Some(index) = table_index(info, hash) else {
-            return Ok(None);
-        };
-        let id = maglev.get(index.pool_index)?;
-        let Ok(b) = backends.get(&id, 0).map(|e| e.backend) else {
-            return Ok(None);
-        };
-        if b.family != key.family {
-            return Ok(None);
-        }
-        drawn = Some((hash, index, id, b));
-        if id != first_id {
-            break;
-        }
-    }
-    let Some((hash, index, id, b)) = drawn else {
+    (first_hash, first_index): (u32, TableIndex),
+    first: (u32, lb_common::Backend),
+) -> Result<Option<(LeastLoaded, (u32, lb_common::Backend))>> {
+    use lb_common::hash::{next_candidate, CANDIDATE_DRAWS, LEAST_LOADED_CANDIDATES};
+    if info.backend_count < 2 {
         return Ok(None);
-    };
+    }
+    let maglev = maps.maglev()?;
     let active = maps.backend_active()?;
     let open = |id: u32| {
         active
@@ -378,17 +366,44 @@ fn second_choice_pick(
             .and_then(|a| a.get(&id, 0).ok())
             .unwrap_or(0)
     };
-    let (open_first, open_second) = (open(first_id), open(id));
-    let choice = SecondChoice {
+    let candidate = |hash, index, id, b: &lb_common::Backend| Candidate {
         hash,
         index,
         backend_id: id,
         backend: Some(words_socket(&b.addr, b.port, b.family)),
-        open_first,
-        open_second,
-        taken: id != first_id && open_second < open_first,
+        open_flows: open(id),
     };
-    Ok(Some((choice, b)))
+    let mut drawn = vec![first];
+    let mut candidates = vec![candidate(first_hash, first_index, first.0, &first.1)];
+    let wanted = info.backend_count.min(LEAST_LOADED_CANDIDATES) as usize;
+    let mut hash = first_hash;
+    for _ in 0..CANDIDATE_DRAWS {
+        if candidates.len() >= wanted {
+            break;
+        }
+        hash = next_candidate(hash);
+        let Some(index) = table_index(info, hash) else {
+            break;
+        };
+        let id = maglev.get(index.pool_index)?;
+        let Ok(b) = backends.get(&id, 0).map(|e| e.backend) else {
+            break;
+        };
+        if b.family != key.family {
+            break;
+        }
+        if drawn.iter().any(|(seen, _)| *seen == id) {
+            continue;
+        }
+        candidates.push(candidate(hash, index, id, &b));
+        drawn.push((id, b));
+    }
+    let fewest = candidates.iter().map(|c| c.open_flows).min().unwrap_or(0);
+    let taken = candidates
+        .iter()
+        .position(|c| c.open_flows == fewest)
+        .unwrap_or(0);
+    Ok(Some((LeastLoaded { candidates, taken }, drawn[taken])))
 }
 
 /// What [`maglev_pick`] found, and the backend it names.
@@ -577,16 +592,27 @@ impl Render for TraceReport {
             if let Some(e) = &m.error {
                 s.push_str(&format!("ERROR: {e}\n"));
             }
-            if let Some(c) = &m.second {
+            if let Some(l) = &m.least_loaded {
+                let list: Vec<String> = l
+                    .candidates
+                    .iter()
+                    .map(|c| {
+                        format!(
+                            "{} (id {}, entry {}) {} open",
+                            c.backend
+                                .map(|b| b.to_string())
+                                .unwrap_or_else(|| "?".into()),
+                            c.backend_id,
+                            c.index.entry,
+                            c.open_flows
+                        )
+                    })
+                    .collect();
                 s.push_str(&format!(
-                    "          second candidate (load-aware) hash {:#010x}: entry {} -> {} (id {}); open flows {} vs {}: a new flow takes the {}\n",
-                    c.hash,
-                    c.index.entry,
-                    c.backend.map(|b| b.to_string()).unwrap_or_else(|| "?".into()),
-                    c.backend_id,
-                    c.open_first,
-                    c.open_second,
-                    if c.taken { "second" } else { "first" }
+                    "          least loaded of {}: {}; a new flow takes candidate {}\n",
+                    list.len(),
+                    list.join(", "),
+                    l.taken + 1
                 ));
             }
         }
