@@ -949,6 +949,9 @@ fn load_samples(load: &LoadWeights) -> LoadSamples {
             if let Some(lat) = sig.latency {
                 out.probe_latency.push(v(lat.as_secs_f64()));
             }
+            if let Some(t) = sig.flow_time {
+                out.flow_time.push(v(t.as_secs_f64()));
+            }
             if let Some(cpu) = sig.cpu {
                 out.cpu.push(v(cpu));
             }

@@ -70,6 +70,8 @@ pub struct LoadSamples {
     pub pressure: Vec<BackendValue>,
     /// Only backends whose health check measured one.
     pub probe_latency: Vec<BackendValue>,
+    /// Only backends with enough new flows in the step to time them.
+    pub flow_time: Vec<BackendValue>,
     /// Only backends whose agent check answered a percentage (drain: 0).
     pub reported_percent: Vec<BackendValue>,
     /// Only local backends whose cgroup was read.
@@ -269,6 +271,11 @@ const DP_FAMILIES: &[DpFamily] = &[
         "xlb_backend_probe_latency_seconds",
         "Load-aware: how long the backend's latest successful health check took.",
         Source::Load(|l| &l.probe_latency),
+    ),
+    gauge(
+        "xlb_backend_flow_time_seconds",
+        "Load-aware: how long the backend's flows stay open (open flows over new flows a second, Little's law).",
+        Source::Load(|l| &l.flow_time),
     ),
     gauge(
         "xlb_backend_reported_load_percent",
@@ -678,6 +685,7 @@ mod tests {
                 factor: vec![value("10.1.0.1:8080", 0.5)],
                 pressure: vec![value("10.1.0.1:8080", 1.25)],
                 probe_latency: vec![value("10.1.0.1:8080", 0.003)],
+                flow_time: vec![value("10.1.0.1:8080", 0.25)],
                 reported_percent: vec![value("10.1.0.2:8080", 40.0)],
                 cpu: vec![value("10.1.0.1:8080", 1.5)],
                 all_draining: vec![value("", 0.0)],
@@ -752,6 +760,7 @@ mod tests {
             t,
             &format!("xlb_backend_probe_latency_seconds{{{b1}}} 0.003"),
         );
+        has_line(t, &format!("xlb_backend_flow_time_seconds{{{b1}}} 0.25"));
         has_line(t, "xlb_service_all_backends_draining{service=\"web\"} 0");
 
         for r in Reason::ALL {
@@ -824,6 +833,7 @@ mod tests {
             "xlb_backend_load_factor",
             "xlb_backend_load_pressure",
             "xlb_backend_probe_latency_seconds",
+            "xlb_backend_flow_time_seconds",
             "xlb_backend_reported_load_percent",
             "xlb_backend_cpu_load",
             "xlb_service_all_backends_draining",

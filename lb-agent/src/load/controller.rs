@@ -23,6 +23,11 @@ pub struct Signals {
     pub weight: u32,
     /// Open flows (the data plane's count).
     pub open_flows: Option<f64>,
+    /// How long its flows stay open: open flows over new flows a second
+    /// (Little's law). Where new flows go to the least loaded candidate,
+    /// open flows even out across backends and this is what still tells a
+    /// slow backend: it takes few flows and holds them long.
+    pub flow_time: Option<Duration>,
     /// The health check's latency.
     pub latency: Option<Duration>,
     /// The agent check's latest answer.
@@ -60,8 +65,8 @@ pub struct Params {
     pub gain: f64,
     /// The most a factor changes in one step (× or ÷).
     pub max_step: f64,
-    /// Pressure up to 1 + this does not lower a factor (no chasing noise);
-    /// any pressure under 1 raises it, so that equal load ends at the
+    /// Pressure up to 1 + this does not lower a factor (no chasing noise)
+    /// but raises it by `recover`, so that equal load ends at the
     /// configured weights.
     pub deadband: f64,
     /// Weight of the newest sample in the smoothed signals.
@@ -133,6 +138,7 @@ struct State {
     fresh: bool,
     flows: Option<f64>,
     latency: Option<f64>,
+    flow_time: Option<f64>,
 }
 
 /// One service's controller.
@@ -188,6 +194,7 @@ impl Controller {
                 fresh: true,
                 flows: None,
                 latency: None,
+                flow_time: None,
             });
             st.flows = smooth(st.flows, s.open_flows, p.smoothing);
             st.latency = smooth(
@@ -195,6 +202,11 @@ impl Controller {
                 s.latency.map(|l| (l + p.latency_slack).as_secs_f64()),
                 p.smoothing,
             );
+            // A step with too few new flows to time keeps the last value: a
+            // backend whose weight was cut gets few, and its flows' time
+            // is still the best known.
+            let flow_time = s.flow_time.map(|t| (t + p.latency_slack).as_secs_f64());
+            st.flow_time = smooth(st.flow_time, flow_time, p.smoothing).or(st.flow_time);
         }
         // Who takes part in the comparison: configured in, not reported out.
         let active: Vec<SocketAddr> = signals
@@ -207,11 +219,13 @@ impl Controller {
             let st = self.state.get_mut(addr).expect("state for every signal");
             if st.fresh {
                 st.fresh = false;
-            } else if *pr > 1.0 + p.deadband || *pr <= 1.0 {
+            } else {
                 // Nothing calling a backend loaded gives it weight back,
-                // at least ×recover a step.
+                // at least ×recover a step: within the dead band too, or a
+                // backend cut for a slow flow time or probe (which do not
+                // fall below the others' when it recovers) would stay cut.
                 let mut next = st.factor * pr.powf(-p.gain);
-                if *pr <= 1.0 {
+                if *pr <= 1.0 + p.deadband {
                     next = next.max(st.factor * p.recover);
                 }
                 st.factor = next
@@ -255,12 +269,21 @@ impl Controller {
             active.iter().filter_map(|a| st(a).flows).sum::<f64>() / active.len().max(1) as f64;
         let flows_known = flows.iter().any(Option::is_some);
         let light = flows_known && mean_flows < self.params.min_flows;
-        let flows = if light {
+        let (flows, flow_time) = if light {
             // Few flows anywhere: nothing is overloaded, whatever one
-            // noisy probe says.
-            vec![Some(1.0); active.len()]
+            // noisy probe or a few timed flows say.
+            (vec![Some(1.0); active.len()], vec![None; active.len()])
         } else {
-            ratios(&flows)
+            // A flow time only tells a slow backend: one as fast as the
+            // others leaves the say to its share-dependent signals, which
+            // fall below the mean for a recovered backend whose weight was
+            // cut (it takes fewer flows), so that it gets its weight back.
+            let times: Vec<Option<f64>> = active.iter().map(|a| st(a).flow_time).collect();
+            let slow = |r: Option<f64>| r.filter(|&r| r > 1.0 + self.params.deadband);
+            (
+                ratios(&flows),
+                ratios(&times).into_iter().map(slow).collect(),
+            )
         };
         let latency = ratios(&active.iter().map(|a| st(a).latency).collect::<Vec<_>>());
         // CPU speaks only of a backend short of it (held back by its limit
@@ -272,14 +295,15 @@ impl Controller {
             .iter()
             .map(|a| signals[a].cpu.filter(|&c| c > 1.0))
             .collect();
-        // Open flows (averaged over the step) and CPU are measured load;
-        // one probe's latency is a single noisy sample, so it counts only
-        // where neither is known. A failed probe is load whatever else says.
+        // Open flows (averaged over the step), their time and CPU are
+        // measured load; one probe's latency is a single noisy sample, so
+        // it counts only where none is known. A failed probe is load
+        // whatever else says.
         active
             .iter()
             .enumerate()
             .map(|(i, a)| {
-                let p = [flows[i], cpu[i]]
+                let p = [flows[i], flow_time[i], cpu[i]]
                     .into_iter()
                     .flatten()
                     .reduce(f64::max)
@@ -413,6 +437,49 @@ mod tests {
                 "not back to equal: {shares:?}"
             );
         }
+    }
+
+    #[test]
+    fn under_the_per_connection_choice_a_slow_backend_shows_in_its_flow_time() {
+        // Least loaded of three: every backend holds the same open flows,
+        // the slow one by taking few and holding them 10× as long.
+        let timed = |times_ms: [u64; 3]| {
+            let mut s = signals(&[4.0, 4.0, 4.0]);
+            for (sig, t) in s.values_mut().zip(times_ms) {
+                sig.flow_time = Some(Duration::from_millis(t));
+            }
+            s
+        };
+        let mut c = Controller::new(Params::for_service(true));
+        let mut d = BTreeMap::new();
+        for _ in 0..10 {
+            d = c.step(&timed([400, 40, 40]));
+        }
+        assert!(weights(&d)[0] <= 25, "slow backend kept {:?}", weights(&d));
+        assert_eq!(weights(&d)[1..], [100, 100]);
+        // A step without enough new flows to time keeps the last time.
+        let mut untimed = timed([400, 40, 40]);
+        untimed.values_mut().next().unwrap().flow_time = None;
+        assert!(weights(&c.step(&untimed))[0] <= 25);
+        // Recovered: as fast as the others, and, a rarer candidate while
+        // its weight is cut, holding fewer flows than they do. The smoothed
+        // time takes 9 steps to come within the dead band.
+        for _ in 0..20 {
+            let mut s = timed([40, 40, 40]);
+            let w1 = d[&addr(1)].weight as f64 / 100.0;
+            s.get_mut(&addr(1)).unwrap().open_flows = Some(4.0 * w1);
+            d = c.step(&s);
+        }
+        assert_eq!(weights(&d), vec![100, 100, 100]);
+        // Few flows anywhere: their times are noise.
+        for _ in 0..20 {
+            let mut s = timed([400, 40, 40]);
+            for sig in s.values_mut() {
+                sig.open_flows = Some(0.5);
+            }
+            d = c.step(&s);
+        }
+        assert_eq!(weights(&d), vec![100, 100, 100]);
     }
 
     #[test]

@@ -25,7 +25,7 @@ use std::{
     collections::{BTreeMap, BTreeSet},
     net::SocketAddr,
     sync::{Arc, Mutex},
-    time::Duration,
+    time::{Duration, Instant},
 };
 
 use lb_common::ServiceKey;
@@ -49,6 +49,9 @@ const SAMPLES: u64 = 10;
 
 /// Flows not seen for this long are not counted as open by the walk.
 const ACTIVE: Duration = Duration::from_secs(30);
+
+/// A backend's flows are timed only in a step where it opened this many.
+const MIN_TIMED_FLOWS: u64 = 5;
 
 /// A load-aware service, as the agent's reconcile sees it.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -139,6 +142,8 @@ impl LoadTask {
             tx,
             controllers: BTreeMap::new(),
             flows: BTreeMap::new(),
+            opened: BTreeMap::new(),
+            last_step: None,
             agents: BTreeMap::new(),
             cgroups,
             cpu: BTreeMap::new(),
@@ -193,6 +198,9 @@ struct Run {
     tx: watch::Sender<LoadWeights>,
     controllers: BTreeMap<ServiceKey, Controller>,
     flows: BTreeMap<(ServiceKey, SocketAddr), FlowCount>,
+    /// Each backend's id and new-flow counter at the last step, and when.
+    opened: BTreeMap<(ServiceKey, SocketAddr), (u32, u64)>,
+    last_step: Option<Instant>,
     agents: BTreeMap<SocketAddr, AgentState>,
     cgroups: Hierarchies,
     cpu: BTreeMap<SocketAddr, CpuState>,
@@ -239,6 +247,7 @@ impl Run {
                 .iter()
                 .any(|t| t.key == *k && t.backends.iter().any(|b| b.0 == *a))
         });
+        let flow_times = self.flow_times(targets, &open);
         let reports = self.agent_reports(targets).await;
         let cpu = self.cpu_loads(targets);
         let health = self.health.borrow().clone();
@@ -251,6 +260,7 @@ impl Run {
                     let s = Signals {
                         weight,
                         open_flows: open.get(&(t.key, addr)).copied(),
+                        flow_time: flow_times.get(&(t.key, addr)).copied(),
                         latency: health.get(&addr).and_then(|h| h.latency),
                         probe_failed: health.get(&addr).is_some_and(|h| h.last_error.is_some()),
                         report: reports.get(&(t.key, addr)).copied(),
@@ -362,6 +372,47 @@ impl Run {
                 out.insert((t.key, addr), open);
             }
         }
+        out
+    }
+
+    /// How long each backend's flows stay open: its open flows averaged
+    /// over the step, over its new flows a second in the step (Little's
+    /// law). Only for backends that opened at least `MIN_TIMED_FLOWS` in
+    /// the step: fewer say little.
+    fn flow_times(
+        &mut self,
+        targets: &[LoadTarget],
+        open: &BTreeMap<(ServiceKey, SocketAddr), f64>,
+    ) -> BTreeMap<(ServiceKey, SocketAddr), Duration> {
+        let now = Instant::now();
+        let elapsed = self.last_step.replace(now).map(|t| now - t);
+        let dp = self.dp.lock().expect("data plane lock");
+        let mut counters = BTreeMap::new();
+        let mut out = BTreeMap::new();
+        for t in targets {
+            for &(addr, _) in &t.backends {
+                let key = (t.key, addr);
+                let Some(id) = dp.backend_id(&t.key, addr) else {
+                    continue;
+                };
+                let Ok((opened, _)) = dp.backend_flows(id) else {
+                    continue;
+                };
+                counters.insert(key, (id, opened));
+                let Some((elapsed, &(last_id, last))) = elapsed.zip(self.opened.get(&key)) else {
+                    continue;
+                };
+                let new = opened.saturating_sub(last);
+                if last_id != id || new < MIN_TIMED_FLOWS || elapsed.is_zero() {
+                    continue;
+                }
+                if let Some(open) = open.get(&key) {
+                    let per_second = new as f64 / elapsed.as_secs_f64();
+                    out.insert(key, Duration::from_secs_f64(open / per_second));
+                }
+            }
+        }
+        self.opened = counters;
         out
     }
 
