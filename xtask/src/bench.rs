@@ -12,7 +12,8 @@ use crate::{
 /// time), the forwarding rate (`xlb-forwarding-bench`), the Kubernetes,
 /// locality and BGP convergence benchmarks. Arguments go to both (`xlb-bench` takes none and ignores them);
 /// `--e2e-only` / `--per-packet-only` run just one of them;
-/// `load-aware [ARGS]`, `l2 [ARGS]` and `rollout [ARGS]` run only that benchmark.
+/// `load-aware [ARGS]` (after `xlb-dispatch-model`), `l2 [ARGS]` and
+/// `rollout [ARGS]` run only that benchmark.
 pub fn run(args: &[String]) -> Result<()> {
     let only = [
         ("load-aware", "xlb-load-aware-bench"),
@@ -25,6 +26,9 @@ pub fn run(args: &[String]) -> Result<()> {
     {
         wait_through_ctrl_c();
         build_agent()?;
+        if *bin == "xlb-load-aware-bench" {
+            run_bench("xlb-dispatch-model", &[])?;
+        }
         let rest: Vec<&String> = args[1..].iter().collect();
         return run_bench(bin, &rest);
     }
@@ -51,7 +55,9 @@ pub fn run(args: &[String]) -> Result<()> {
     run_bench("xlb-k8s-bench", &[])?;
     // What keeping traffic on the node buys (trafficDistribution).
     run_bench("xlb-locality-bench", &[])?;
-    // Load-aware against static weights, the seed paper's patterns.
+    // Load-aware against static weights, the seed paper's patterns, after
+    // the model of its dispatch policies.
+    run_bench("xlb-dispatch-model", &[])?;
     run_bench("xlb-load-aware-bench", &[])?;
     // L2 mode: how long traffic stops when a VIP's owner goes away.
     run_bench("xlb-l2-bench", &[])?;
