@@ -273,6 +273,7 @@ impl Agent {
                 exchange.take_from_peers().await;
                 tokio::time::sleep(Duration::from_secs(1)).await;
                 exchange.take_from_peers().await;
+                info!("flow exchange: the start's pulls are done; from now on the peers push");
             });
         }
         Ok(())
@@ -517,7 +518,16 @@ impl Agent {
             .map_err(anyhow::Error::from)
             .and_then(|c| {
                 let old = std::mem::replace(&mut self.config, with_node_addresses(c));
-                self.apply_config().inspect_err(|_| self.config = old)
+                match self.apply_config() {
+                    Ok(()) => {
+                        self.reload_flow_sync(old.flow_sync.as_ref());
+                        Ok(())
+                    }
+                    Err(e) => {
+                        self.config = old;
+                        Err(e)
+                    }
+                }
             });
         let ok = result.is_ok();
         release_free_memory();
@@ -529,6 +539,24 @@ impl Agent {
             ),
         }
         self.metrics.record_reload(ok, started.elapsed());
+    }
+
+    /// Gives the running flow exchange the reloaded peers; any other change
+    /// to `flow_sync` waits for a restart, and says so.
+    fn reload_flow_sync(&self, before: Option<&crate::config::FlowSyncConfig>) {
+        use crate::config::{FlowSyncConfig, FlowSyncReload};
+        match FlowSyncConfig::reload(before, self.config.flow_sync.as_ref()) {
+            FlowSyncReload::Unchanged => {}
+            FlowSyncReload::Peers(peers) => {
+                if let Some(exchange) = &self.flow_sync {
+                    info!(?peers, "flow exchange: peers reloaded");
+                    exchange.peers.set(peers);
+                }
+            }
+            FlowSyncReload::NeedsRestart(what) => warn!(
+                "flow_sync: {what} changed; the flow exchange runs as it started until the agent restarts"
+            ),
+        }
     }
 
     /// Interfaces, data-plane settings, health targets, then services.

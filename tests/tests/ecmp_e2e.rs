@@ -50,8 +50,9 @@ use std::{
 use serde_json::Value;
 use xlb_tests::cluster::{Cluster, AGENT_NAMESPACE, API_HOST};
 use xlb_tests::ecmp::{
-    backend_ip, node_ip, node_of_hop, request_from, Driver, EcmpLab, Node, Topology, BACKENDS,
-    BACKEND_PORT, CLIENT_IP, HOLD_TIME, NODES, ROUTER_IP, RR_IP, VIP,
+    backend_ip, node_backend_ip, node_ip, node_of_hop, request_from, Driver, EcmpLab, Node,
+    Topology, BACKENDS, BACKEND_PORT, CLIENT_IP, FLOW_SYNC_PORT, HOLD_TIME, NODES, ROUTER_IP,
+    RR_IP, VIP,
 };
 use xlb_tests::topology::{agent_bin, in_netns, lbctl_bin, HttpConn};
 use xlb_tests::traffic::poll_until;
@@ -819,13 +820,7 @@ fn with_connections_configured(
         lab.node(i).wait_agent_ready();
     }
     wait_fib(&lab, &[1, 2, 3], Duration::from_secs(30), "start");
-    let vip = std::net::SocketAddr::from((VIP, 80));
-    let mut conns: Vec<HttpConn> = (0..KEEP_ALIVE)
-        .map(|_| HttpConn::connect_in(&lab.client, vip).expect("keep-alive connection"))
-        .collect();
-    for c in &mut conns {
-        c.get().expect("first request");
-    }
+    let conns = open_keep_alive(&lab);
     let on: BTreeSet<usize> = flow_owners(&lab, &conn_ports(&conns))
         .values()
         .flat_map(|o| o.iter().map(|(n, _)| *n))
@@ -836,6 +831,18 @@ fn with_connections_configured(
         "{KEEP_ALIVE} connections on the nodes {on:?}"
     );
     (lab, conns)
+}
+
+/// [`KEEP_ALIVE`] keep-alive connections to the VIP, each answered once.
+fn open_keep_alive(lab: &EcmpLab) -> Vec<HttpConn> {
+    let vip = std::net::SocketAddr::from((VIP, 80));
+    let mut conns: Vec<HttpConn> = (0..KEEP_ALIVE)
+        .map(|_| HttpConn::connect_in(&lab.client, vip).expect("keep-alive connection"))
+        .collect();
+    for c in &mut conns {
+        c.get().expect("first request");
+    }
+    conns
 }
 
 fn conn_ports(conns: &[HttpConn]) -> BTreeSet<u16> {
@@ -1006,6 +1013,87 @@ fn node_leaves_and_joins(driver: Driver, mode: &str) {
     // flow exchange has carried it is held, not reset, until it has
     // (`SERVICE_F_HOLD_UNKNOWN`): the client's retransmission goes through.
     no_new_connection_failed(stop, fresh, "while node 1 left and joined");
+}
+
+/// A reload gives the running flow exchange its new peers: node 1 starts
+/// with node 2 as its only peer, so node 3 gets none of the flows node 1
+/// opens; once node 1's config lists node 3 too (rewritten, and SIGHUP),
+/// the flows it opens from then on reach node 3 as well. (A starting node
+/// pulls every peer's flows, so the connections are opened once the
+/// agents' start-up pulls are done.)
+#[test]
+fn a_reload_gives_the_flow_exchange_its_new_peers() {
+    let node3 = format!(", {}:{FLOW_SYNC_PORT}", node_backend_ip(3));
+    let lab = EcmpLab::start_tagged(Driver::Bird, 'p');
+    let (mut lab, _) = with_connections_configured(lab, |lab, i| {
+        let c = lab.agent_config_in(i, 1, "snat");
+        if i == 1 {
+            assert!(c.contains(&node3), "node 1 lists node 3: {c}");
+            c.replace(&node3, "")
+        } else {
+            c
+        }
+    });
+    let logged = |lab: &EcmpLab, node: usize, line: &str| {
+        poll_until(Duration::from_secs(10), Duration::from_millis(50), || {
+            lab.nodes[node - 1]
+                .agent_log()
+                .contains(line)
+                .then_some(())
+                .ok_or(())
+        })
+        .unwrap_or_else(|()| {
+            panic!(
+                "node {node} did not log {line:?}:\n{}",
+                lab.nodes[node - 1].agent_log()
+            )
+        })
+    };
+    for node in 1..=NODES {
+        logged(&lab, node, "flow exchange: the start's pulls are done");
+    }
+    // The flows of `conns` node 1 opened, and those of them `node` holds.
+    let handed_to = |lab: &EcmpLab, conns: &[HttpConn], node: usize| {
+        let opened: BTreeSet<u16> = flow_owners(lab, &conn_ports(conns))
+            .into_iter()
+            .filter(|(_, o)| o.iter().any(|(n, _)| *n == 1))
+            .map(|(p, _)| p)
+            .collect();
+        let held: BTreeSet<u16> = flow_holders(lab, &opened)
+            .into_iter()
+            .filter(|(_, h)| h.iter().any(|(n, _)| *n == node))
+            .map(|(p, _)| p)
+            .collect();
+        (opened, held)
+    };
+    let all_handed = |lab: &EcmpLab, conns: &[HttpConn], node: usize| {
+        poll_until(Duration::from_secs(10), Duration::from_millis(100), || {
+            let (opened, held) = handed_to(lab, conns, node);
+            (!opened.is_empty() && opened == held)
+                .then_some(())
+                .ok_or(())
+        })
+        .unwrap_or_else(|()| {
+            panic!(
+                "node {node} does not hold node 1's flows (opened, held): {:?}",
+                handed_to(lab, conns, node)
+            )
+        })
+    };
+    let before = open_keep_alive(&lab);
+    all_handed(&lab, &before, 2);
+    let (opened, on3) = handed_to(&lab, &before, 3);
+    assert!(
+        on3.is_empty(),
+        "node 3 holds {on3:?} of node 1's flows {opened:?}, though not its peer"
+    );
+
+    let full = lab.agent_config_in(1, 1, "snat");
+    lab.node(1).write_config(&full);
+    lab.node(1).signal_agent(libc::SIGHUP);
+    logged(&lab, 1, "flow exchange: peers reloaded");
+    let after = open_keep_alive(&lab);
+    all_handed(&lab, &after, 3);
 }
 
 /// The flow exchange's peers from the agents' Leases, on the real control

@@ -87,3 +87,95 @@ impl Validator<'_> {
         })
     }
 }
+
+/// What a config reload changes in a running flow exchange.
+#[derive(Debug, PartialEq, Eq)]
+pub enum FlowSyncReload {
+    Unchanged,
+    /// Only the listed peers: the running exchange takes them at once.
+    Peers(Vec<SocketAddr>),
+    /// Anything else (turned on or off, `listen`, the key, the interval,
+    /// listed against discovered peers): the exchange keeps running as it
+    /// started until the agent restarts; what changed, for the log.
+    NeedsRestart(&'static str),
+}
+
+impl FlowSyncConfig {
+    /// What going from `before` to `after` asks of the running exchange.
+    pub fn reload(before: Option<&Self>, after: Option<&Self>) -> FlowSyncReload {
+        let (b, a) = match (before, after) {
+            (None, None) => return FlowSyncReload::Unchanged,
+            (None, Some(_)) => return FlowSyncReload::NeedsRestart("turned on"),
+            (Some(_), None) => return FlowSyncReload::NeedsRestart("turned off"),
+            (Some(b), Some(a)) => (b, a),
+        };
+        if b.listen != a.listen {
+            FlowSyncReload::NeedsRestart("listen")
+        } else if b.key != a.key {
+            FlowSyncReload::NeedsRestart("key_file's key")
+        } else if b.interval != a.interval {
+            FlowSyncReload::NeedsRestart("interval")
+        } else if b.discover_peers != a.discover_peers {
+            FlowSyncReload::NeedsRestart("peers listed or discovered")
+        } else if b.peers != a.peers {
+            FlowSyncReload::Peers(a.peers.clone())
+        } else {
+            FlowSyncReload::Unchanged
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn config(peers: &[&str]) -> FlowSyncConfig {
+        FlowSyncConfig {
+            listen: "10.0.0.11:7947".parse().unwrap(),
+            peers: peers.iter().map(|p| p.parse().unwrap()).collect(),
+            discover_peers: peers.is_empty(),
+            key: b"0123456789abcdef".to_vec(),
+            interval: DEFAULT_INTERVAL,
+        }
+    }
+
+    #[test]
+    fn a_reload_changes_the_peers_live_and_names_what_needs_a_restart() {
+        use FlowSyncReload::*;
+        let two = config(&["10.0.0.12:7947"]);
+        let three = config(&["10.0.0.12:7947", "10.0.0.13:7947"]);
+        let reload =
+            |b: &FlowSyncConfig, a: &FlowSyncConfig| FlowSyncConfig::reload(Some(b), Some(a));
+        assert_eq!(reload(&two, &two), Unchanged);
+        assert_eq!(reload(&two, &three), Peers(three.peers.clone()));
+        assert_eq!(reload(&three, &two), Peers(two.peers.clone()));
+        let moved = FlowSyncConfig {
+            listen: "10.0.0.11:9000".parse().unwrap(),
+            ..three.clone()
+        };
+        assert_eq!(reload(&three, &moved), NeedsRestart("listen"));
+        let rekeyed = FlowSyncConfig {
+            key: b"another key of 16+".to_vec(),
+            ..three.clone()
+        };
+        assert_eq!(reload(&three, &rekeyed), NeedsRestart("key_file's key"));
+        let slower = FlowSyncConfig {
+            interval: Duration::from_secs(1),
+            ..three.clone()
+        };
+        assert_eq!(reload(&three, &slower), NeedsRestart("interval"));
+        assert_eq!(
+            reload(&three, &config(&[])),
+            NeedsRestart("peers listed or discovered")
+        );
+        assert_eq!(
+            FlowSyncConfig::reload(None, Some(&two)),
+            NeedsRestart("turned on")
+        );
+        assert_eq!(
+            FlowSyncConfig::reload(Some(&two), None),
+            NeedsRestart("turned off")
+        );
+        assert_eq!(FlowSyncConfig::reload(None, None), Unchanged);
+    }
+}

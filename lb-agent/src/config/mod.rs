@@ -339,7 +339,7 @@ mod locate;
 mod raw;
 mod validate;
 
-pub use self::flow_sync::{FlowSyncConfig, DEFAULT_FLOW_SYNC_PORT};
+pub use self::flow_sync::{FlowSyncConfig, FlowSyncReload, DEFAULT_FLOW_SYNC_PORT};
 pub use self::l2::{majority, L2Config, DEFAULT_L2_PORT};
 use self::{locate::yaml_error, raw::RawConfig, validate::Validator};
 #[cfg(test)]
