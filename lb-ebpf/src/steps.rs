@@ -16,7 +16,7 @@ use crate::{
 const IP: usize = 14;
 const L4: usize = 14 + 20;
 
-/// The clock read (`bpf_ktime_get_coarse_ns`), once.
+/// The clock read, as the data path reads it (`conntrack::now`).
 #[xdp]
 pub fn xlb_step_clock(_ctx: XdpContext) -> u32 {
     if now() == 0 {
