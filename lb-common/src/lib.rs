@@ -52,6 +52,11 @@ pub const PORT_FLAGS_ENTRIES: u32 = 65536;
 pub const MAX_L2_VIPS: u32 = 4096;
 /// `L2_IFACES`: interfaces L2 mode answers on.
 pub const MAX_L2_IFACES: u32 = 64;
+/// `IFACE_MACS`: slots of the attached interfaces' MACs, by
+/// `ifindex % IFACE_SLOTS` (a power of two); an interface whose slot is
+/// taken goes to `IFACE_MACS_SPILL`.
+pub const IFACE_SLOTS: u32 = 1024;
+pub const MAX_IFACE_SPILL: u32 = 256;
 
 /// Maglev table size used when a service does not set one (prime).
 pub const DEFAULT_MAGLEV_SIZE: u32 = 16381;
@@ -97,6 +102,9 @@ pub mod map_names {
     pub const FLOW_LIMITS: &str = "FLOW_LIMITS";
     pub const SOURCE_RATES: &str = "SOURCE_RATES";
     pub const HELD_FLOWS: &str = "HELD_FLOWS";
+    /// Not pinned: the agent writes them whenever it attaches.
+    pub const IFACE_MACS: &str = "IFACE_MACS";
+    pub const IFACE_MACS_SPILL: &str = "IFACE_MACS_SPILL";
     pub const ALL: [&str; 22] = [
         SERVICES,
         BACKENDS,
@@ -121,6 +129,17 @@ pub mod map_names {
         SOURCE_RATES,
         HELD_FLOWS,
     ];
+}
+
+/// Value of `IFACE_MACS` and `IFACE_MACS_SPILL`: an attached interface and
+/// its MAC. The program acts only on unicast frames addressed to it
+/// (docs/datapath.md); `ifindex` 0 is an empty slot.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct IfaceMac {
+    pub ifindex: u32,
+    pub mac: [u8; 6],
+    pub _pad: [u8; 6],
 }
 
 /// Key of `SERVICES`. Written by the agent.
@@ -566,9 +585,13 @@ pub enum Reason {
     /// A TCP packet of a flow this node does not know, held while the flow
     /// exchange brings it (`SERVICE_F_HOLD_UNKNOWN`).
     DropHeldUnknownFlow = 21,
+    /// A unicast frame addressed to another MAC than the receiving
+    /// interface's (a promiscuous port, a switch flooding): passed untouched,
+    /// and the kernel drops it as it would without XDP.
+    PassForeignMac = 22,
 }
 
-pub const REASON_COUNT: u32 = 22;
+pub const REASON_COUNT: u32 = 23;
 
 impl Reason {
     pub const ALL: [Reason; REASON_COUNT as usize] = [
@@ -594,6 +617,7 @@ impl Reason {
         Reason::NdpAdvert,
         Reason::DropFlowLimit,
         Reason::DropHeldUnknownFlow,
+        Reason::PassForeignMac,
     ];
 
     /// Stable snake_case name, used in metrics and lbctl.
@@ -621,6 +645,7 @@ impl Reason {
             Reason::NdpAdvert => "ndp_advert",
             Reason::DropFlowLimit => "drop_flow_limit",
             Reason::DropHeldUnknownFlow => "drop_held_unknown_flow",
+            Reason::PassForeignMac => "pass_foreign_mac",
         }
     }
 }
@@ -668,6 +693,7 @@ mod pod {
     unsafe impl aya::Pod for L2VipKey {}
     unsafe impl aya::Pod for L2Vip {}
     unsafe impl aya::Pod for L2Iface {}
+    unsafe impl aya::Pod for IfaceMac {}
     unsafe impl aya::Pod for ReverseKey {}
     unsafe impl aya::Pod for ReverseNat {}
     unsafe impl aya::Pod for FlowLimit {}
@@ -690,4 +716,5 @@ const _: () = {
     assert!(core::mem::size_of::<L2VipKey>() == 20);
     assert!(core::mem::size_of::<L2Vip>() == 8);
     assert!(core::mem::size_of::<L2Iface>() == 16);
+    assert!(core::mem::size_of::<IfaceMac>() == 16);
 };

@@ -17,6 +17,7 @@ mod forward;
 mod icmp;
 mod l2;
 mod limit;
+mod mac;
 mod maps;
 mod nat;
 mod parse;
@@ -102,6 +103,11 @@ fn drop(reason: Reason) -> Verdict {
 
 #[inline(always)]
 fn process(ctx: &XdpContext) -> Verdict {
+    // Before anything reads the frame as ours: ARP, NDP, ICMP and VLAN
+    // frames included.
+    if !mac::for_us(ctx) {
+        return pass(Reason::PassForeignMac);
+    }
     let h = match parse(ctx) {
         Ok(h) => h,
         Err(ParseError::NotIp) => {

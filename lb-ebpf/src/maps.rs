@@ -7,11 +7,12 @@ use aya_ebpf::{
     macros::btf_map,
 };
 use lb_common::{
-    BackendEntry, BackendLoad, Config, Flow, FlowKey, FlowLimit, L2Iface, L2Vip, L2VipKey,
-    RangeKey, ReplyNat, ReverseKey, ReverseNat, ServiceInfo, ServiceKey, SourceKey, TrafficStats,
-    FLOWS_ENTRIES, FLOW_EVENT_COUNT, HELD_FLOWS_ENTRIES, MAGLEV_POOL_ENTRIES, MAX_BACKENDS,
-    MAX_L2_IFACES, MAX_L2_VIPS, MAX_SERVICES, MAX_SOURCE_RANGES, MAX_TX_PORTS, PORT_FLAGS_ENTRIES,
-    REASON_COUNT, REPLY_NAT_ENTRIES, SOURCE_RATES_ENTRIES,
+    BackendEntry, BackendLoad, Config, Flow, FlowKey, FlowLimit, IfaceMac, L2Iface, L2Vip,
+    L2VipKey, RangeKey, ReplyNat, ReverseKey, ReverseNat, ServiceInfo, ServiceKey, SourceKey,
+    TrafficStats, FLOWS_ENTRIES, FLOW_EVENT_COUNT, HELD_FLOWS_ENTRIES, IFACE_SLOTS,
+    MAGLEV_POOL_ENTRIES, MAX_BACKENDS, MAX_IFACE_SPILL, MAX_L2_IFACES, MAX_L2_VIPS, MAX_SERVICES,
+    MAX_SOURCE_RANGES, MAX_TX_PORTS, PORT_FLAGS_ENTRIES, REASON_COUNT, REPLY_NAT_ENTRIES,
+    SOURCE_RATES_ENTRIES,
 };
 
 const NO_PREALLOC: usize = BPF_F_NO_PREALLOC as usize;
@@ -141,6 +142,17 @@ pub static L2_VIPS: HashMap<L2VipKey, L2Vip, { MAX_L2_VIPS as usize }> = HashMap
 /// vouches for its VIPs (see `lb_common::L2Iface`).
 #[btf_map]
 pub static L2_IFACES: HashMap<u32, L2Iface, { MAX_L2_IFACES as usize }> = HashMap::new();
+
+/// The attached interfaces' MACs, at `ifindex % IFACE_SLOTS` (`mac::for_us`):
+/// an array, so that the lookup on every frame is a bounds check and an
+/// offset, not a hash. Not pinned: the agent writes it when it attaches.
+#[btf_map]
+pub static IFACE_MACS: Array<IfaceMac, { IFACE_SLOTS as usize }> = Array::new();
+
+/// ifindex -> MAC of an attached interface whose `IFACE_MACS` slot another
+/// interface holds.
+#[btf_map]
+pub static IFACE_MACS_SPILL: HashMap<u32, IfaceMac, { MAX_IFACE_SPILL as usize }> = HashMap::new();
 
 /// Per-CPU scratch space for large temporaries (see `conntrack::Scratch`).
 #[btf_map]

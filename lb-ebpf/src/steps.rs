@@ -26,6 +26,13 @@ pub fn xlb_step_clock(_ctx: XdpContext) -> u32 {
     }
 }
 
+/// The check that a frame is addressed to the receiving interface
+/// (`mac::for_us`): XDP_PASS when it is, XDP_DROP when not.
+#[xdp]
+pub fn xlb_step_mac_check(ctx: XdpContext) -> u32 {
+    verdict(crate::mac::for_us(&ctx))
+}
+
 /// The service lookup (`SERVICES`) of the frame's destination: XDP_PASS
 /// when found, XDP_DROP when not.
 #[xdp]

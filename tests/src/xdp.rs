@@ -48,6 +48,9 @@ impl FixtureBed {
             Dataplane::open_with(pin_dir, sizes).expect("load the XDP program (root needed)");
         dp.allow_redirect(cl0).unwrap();
         dp.allow_redirect(be0).unwrap();
+        // As attaching does: frames to other MACs are passed untouched.
+        dp.learn_interface("cl0").unwrap();
+        dp.learn_interface("be0").unwrap();
         Self { dp, cl0, be0, ns }
     }
 }

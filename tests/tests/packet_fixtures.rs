@@ -35,6 +35,10 @@ const ROUTER_MAC: Mac = [2, 0, 0, 0, 1, 0xfe];
 const B2_MAC: Mac = [2, 0, 0, 0, 2, 2];
 const B3_MAC: Mac = [2, 0, 0, 0, 2, 3];
 const B4_MAC: Mac = [2, 0, 0, 0, 2, 4];
+/// Another host's MAC on each side: frames a promiscuous interface or a
+/// flooding switch hands over, addressed to neither cl0 nor be0.
+const OTHER_NODE_MAC: Mac = [2, 0, 0, 0, 1, 0x99];
+const OTHER_BE_SIDE_MAC: Mac = [2, 0, 0, 0, 2, 0x99];
 
 const CLIENT: Ipv4Addr = Ipv4Addr::new(10, 0, 0, 2);
 const REMOTE_CLIENT: Ipv4Addr = Ipv4Addr::new(198, 51, 100, 7);
@@ -1270,6 +1274,7 @@ fn fixtures() -> Vec<Fixture> {
         )
         .traffic(Traffic::Forward(4, sa(b6_2(), 8080), true)),
     ];
+    v.extend(foreign_frames());
     // Multi-backend service: the expected backend is computed from the live
     // table exactly as the data plane does (checked by the harness).
     v.push(fx(
@@ -1283,6 +1288,138 @@ fn fixtures() -> Vec<Fixture> {
         Redirect,
     ));
     v
+}
+
+/// Unicast frames addressed to another host's MAC: passed untouched with
+/// or without a flow, whatever they carry; group frames as before.
+fn foreign_frames() -> Vec<Fixture> {
+    use Ingress::*;
+    use Reason::*;
+    let foreign = || PacketBuilder::new().eth(CLIENT_MAC, OTHER_NODE_MAC);
+    let c4 = |t: Tcp| from_client().ipv4(ip4(CLIENT, VIP, 64)).tcp(t).build();
+    let f4 = |t: Tcp| foreign().ipv4(ip4(CLIENT, VIP, 64)).tcp(t).build();
+    let snat_syn = || c4(syn(40400, 443));
+    let passed = |name, ingress, input, before: Option<(Ingress, Vec<u8>)>| {
+        let f = fx(name, ingress, input, XDP_PASS, PassForeignMac);
+        match before {
+            Some((i, p)) => f.after(i, p),
+            None => f,
+        }
+    };
+    let u4 = |b: PacketBuilder, sport, dport| {
+        b.ipv4(ip4(CLIENT, VIP, 64)).udp(udp(sport, dport)).build()
+    };
+    let reply = |dst_mac: Mac, t: Tcp| {
+        PacketBuilder::new()
+            .eth(B2_MAC, dst_mac)
+            .ipv4(ip4(B2, CLIENT, 64))
+            .tcp(t)
+            .build()
+    };
+    vec![
+        passed(
+            "foreign MAC: a SYN to a VIP passes untouched and opens no flow",
+            Clients,
+            f4(syn(40300, 80)),
+            None,
+        ),
+        passed(
+            "foreign MAC: a SYN to an snat VIP passes untouched",
+            Clients,
+            f4(syn(40400, 443)),
+            None,
+        ),
+        passed(
+            "foreign MAC: an ACK without a flow passes untouched",
+            Clients,
+            f4(ack(40301, 80)),
+            None,
+        ),
+        passed(
+            "foreign MAC: an ACK of a flow this node holds passes untouched",
+            Clients,
+            f4(ack(40000, 80)),
+            Some((Clients, c4(syn(40000, 80)))),
+        ),
+        passed(
+            "foreign MAC: an ACK of an snat flow this node holds passes untouched",
+            Clients,
+            f4(ack(40400, 443)),
+            Some((Clients, snat_syn())),
+        ),
+        passed(
+            "foreign MAC: a UDP datagram without a flow passes untouched",
+            Clients,
+            u4(foreign(), 40302, 53),
+            None,
+        ),
+        passed(
+            "foreign MAC: a UDP datagram of a flow this node holds passes untouched",
+            Clients,
+            u4(foreign(), 40303, 53),
+            Some((Clients, u4(from_client(), 40303, 53))),
+        ),
+        passed(
+            "foreign MAC: a backend's reply without a flow passes untouched",
+            Backends,
+            reply(OTHER_BE_SIDE_MAC, synack(8080, 40304)),
+            None,
+        ),
+        passed(
+            "foreign MAC: a backend's reply of a flow this node holds passes untouched",
+            Backends,
+            reply(OTHER_BE_SIDE_MAC, synack(8080, 40000)),
+            Some((Clients, c4(syn(40000, 80)))),
+        ),
+        passed(
+            "foreign MAC: a VLAN-tagged SYN to a VIP passes untouched",
+            Clients,
+            foreign()
+                .vlan(100)
+                .ipv4(ip4(CLIENT, VIP, 64))
+                .tcp(syn(40305, 80))
+                .build(),
+            None,
+        ),
+        passed(
+            "foreign MAC: an echo request to a VIP is not answered",
+            Clients,
+            foreign()
+                .ipv4(ip4(CLIENT, VIP, 64))
+                .icmpv4(Icmpv4::echo_request(7, 2).payload(b"ping"))
+                .build(),
+            None,
+        ),
+        passed(
+            "foreign MAC: a v6 SYN to a VIP passes untouched",
+            Clients,
+            foreign()
+                .ipv6(ip6(client6(), vip6(), 64))
+                .tcp(syn(40306, 80))
+                .build(),
+            None,
+        ),
+        // A group address is not another host's: an IPv4 multicast MAC
+        // (01:00:5e:..) keeps today's handling, as ARP and NDP need.
+        fx(
+            "a group-addressed frame to a VIP is handled as before",
+            Clients,
+            PacketBuilder::new()
+                .eth(CLIENT_MAC, [1, 0, 0x5e, 0, 0, 1])
+                .ipv4(ip4(CLIENT, VIP, 64))
+                .tcp(syn(40307, 80))
+                .build(),
+            XDP_REDIRECT,
+            Redirect,
+        )
+        .out(
+            to_backend(B2_MAC)
+                .ipv4(ip4(CLIENT, B2, 63))
+                .tcp(syn(40307, 8080))
+                .build(),
+        )
+        .traffic(Traffic::Forward(0, sa(B2, 8080), true)),
+    ]
 }
 
 /// Restricts base service `index` to `ranges`.
@@ -2467,5 +2604,52 @@ fn snat_ports_are_probed_until_a_free_one_and_exhaustion_drops_needs_root() {
         snat_port(dp, 46000),
         Some(first),
         "a client flow starting again finds its own port"
+    );
+}
+
+/// An interface whose MAC changes while the program runs: once the agent
+/// reads it again (its 500 ms tick does), frames to the new MAC are
+/// translated and frames to the old one are another host's.
+#[test]
+fn a_changed_interface_mac_is_followed_needs_root() {
+    let mut bed = FixtureBed::new("xlb-fx-macchange");
+    for s in base_services() {
+        bed.dp.set_service(&s).unwrap();
+    }
+    let new_mac: Mac = [2, 0, 0, 0, 1, 0x42];
+    let to = |mac: Mac, sport: u16| {
+        PacketBuilder::new()
+            .eth(CLIENT_MAC, mac)
+            .ipv4(ip4(CLIENT, VIP, 64))
+            .tcp(syn(sport, 80))
+            .build()
+    };
+    assert_eq!(run(&bed.dp, bed.cl0, &to(CL0_MAC, 40500)).0, XDP_REDIRECT);
+    assert!(
+        bed.dp.refresh_interface_macs().unwrap().is_empty(),
+        "nothing changed yet"
+    );
+    bed.ns.run("ip link set cl0 address 02:00:00:00:01:42");
+    assert_eq!(
+        bed.dp.refresh_interface_macs().unwrap(),
+        ["cl0"],
+        "the changed MAC is noticed"
+    );
+    let before = bed.dp.reason_counts().unwrap();
+    assert_eq!(
+        run(&bed.dp, bed.cl0, &to(new_mac, 40501)).0,
+        XDP_REDIRECT,
+        "a SYN to the new MAC is translated"
+    );
+    assert_eq!(
+        run(&bed.dp, bed.cl0, &to(CL0_MAC, 40502)).0,
+        XDP_PASS,
+        "a SYN to the old MAC is another host's"
+    );
+    let after = bed.dp.reason_counts().unwrap();
+    let moved = |r: Reason| after[r as usize] - before[r as usize];
+    assert_eq!(
+        (moved(Reason::Redirect), moved(Reason::PassForeignMac)),
+        (1, 1)
     );
 }

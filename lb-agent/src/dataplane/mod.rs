@@ -8,6 +8,7 @@ mod alloc;
 mod compiled;
 mod flow_limit;
 mod handoff;
+mod macs;
 mod pins;
 mod reverse;
 mod source_ranges;
@@ -87,8 +88,9 @@ pub const PROGRAM: &str = "xlb";
 pub const FLOOR_PROGRAM: &str = "xlb_floor";
 /// Programs that each run one step of the data path alone, for
 /// `xlb-bench`'s account of where a packet's time goes (lb-ebpf/src/steps.rs).
-pub const STEP_PROGRAMS: [&str; 4] = [
+pub const STEP_PROGRAMS: [&str; 5] = [
     "xlb_step_clock",
+    "xlb_step_mac_check",
     "xlb_step_service_lookup",
     "xlb_step_flow_lookup",
     "xlb_step_flow_insert",
@@ -295,6 +297,7 @@ struct Maps {
     l2_ifaces: HashMap<MapData, u32, L2Iface>,
     backend_reverse: HashMap<MapData, ReverseKey, ReverseNat>,
     flow_limits: Array<MapData, FlowLimit>,
+    iface_macs: macs::InterfaceMacs,
 }
 
 impl Dataplane {
@@ -421,6 +424,12 @@ impl Dataplane {
                 .map_err(map_err(names::BACKEND_REVERSE))?,
             flow_limits: Array::try_from(take(&mut ebpf, names::FLOW_LIMITS)?)
                 .map_err(map_err(names::FLOW_LIMITS))?,
+            iface_macs: macs::InterfaceMacs::new(
+                Array::try_from(take(&mut ebpf, names::IFACE_MACS)?)
+                    .map_err(map_err(names::IFACE_MACS))?,
+                HashMap::try_from(take(&mut ebpf, names::IFACE_MACS_SPILL)?)
+                    .map_err(map_err(names::IFACE_MACS_SPILL))?,
+            ),
         };
         let mut dp = Self {
             maps,
@@ -493,6 +502,8 @@ impl Dataplane {
     pub fn attach(&mut self, iface: &str, mode: XdpMode) -> Result<()> {
         let ifindex = crate::netif::ifindex(iface)
             .ok_or_else(|| DataplaneError::NoInterface(iface.to_string()))?;
+        // Before the program runs there: it acts only on frames to this MAC.
+        self.learn_interface(iface)?;
         let link_pin = self
             .pin_dir
             .as_ref()
@@ -568,6 +579,18 @@ impl Dataplane {
         std::fs::remove_dir(pin_dir).map_err(|e| DataplaneError::Pin(pin_dir.to_path_buf(), e))?;
         removed.sort();
         Ok(removed)
+    }
+
+    /// Tells the program `iface`'s MAC (`IFACE_MACS`): it acts only on
+    /// unicast frames addressed to it. True when that changed the map.
+    pub fn learn_interface(&mut self, iface: &str) -> Result<bool> {
+        self.maps.iface_macs.learn(iface)
+    }
+
+    /// Reads the MACs of the interfaces learnt again (one may have changed
+    /// while the agent runs): the names whose MAC or index changed.
+    pub fn refresh_interface_macs(&mut self) -> Result<Vec<String>> {
+        self.maps.iface_macs.refresh()
     }
 
     /// Lets the program redirect to `ifindex` (it must be able to take XDP frames).
