@@ -297,10 +297,10 @@ impl Agent {
         let mut advertised = fs.listen;
         if advertised.ip().is_unspecified() {
             let first = self.config.interfaces.first();
-            match first.and_then(|i| interface_address(i, true)) {
+            match first.and_then(|i| crate::netif::node_address(i)) {
                 Some(ip) => advertised.set_ip(ip),
                 None => {
-                    warn!("flow exchange: no IPv4 address on the first interface to tell the peers; set flow_sync.listen");
+                    warn!("flow exchange: no IPv4 or global IPv6 address on the first interface to tell the peers; set flow_sync.listen (or l2.bind)");
                     return;
                 }
             }
@@ -375,7 +375,16 @@ impl Agent {
             tokio::select! {
                 _ = hup.recv() => self.reload("SIGHUP"),
                 _ = poll.tick() => {
-                    self.dp.lock().expect("data plane lock").flush_logs();
+                    {
+                        let mut dp = self.dp.lock().expect("data plane lock");
+                        dp.flush_logs();
+                        match dp.refresh_interface_macs() {
+                            Ok(changed) => for iface in changed {
+                                info!(interface = %iface, "the interface's MAC changed: the program now takes the frames addressed to the new one");
+                            },
+                            Err(e) => warn!("reading the interfaces' MACs: {e:#}"),
+                        }
+                    }
                     if std::fs::read(&self.opts.config_path).is_ok_and(|b| b != self.config_bytes) {
                         self.reload("the file changed");
                     }
@@ -420,7 +429,11 @@ impl Agent {
         // A node that leaves gives its SNAT flows to the others before the
         // routers send them there, then those it opened meanwhile, and at
         // the end of the drain those that still reached it.
-        let exchange = self.flow_sync.clone().filter(|_| leaving);
+        // L2 hands its VIPs over on every stop, a restart included.
+        let exchange = self
+            .flow_sync
+            .clone()
+            .filter(|_| leaving || self.l2.is_some());
         let give = |which: Handing| {
             let exchange = exchange.clone();
             async move {
@@ -451,6 +464,8 @@ impl Agent {
         let hand_over = async {
             if let Some(l2) = &self.l2 {
                 l2.leave().await;
+                // Flows opened while the others took over.
+                give(Handing::OpenedHereSince(before)).await;
             }
             if let Some(members) = members {
                 members.leave().await;

@@ -26,6 +26,12 @@ pub fn interface_address(iface: &str, v4: bool) -> Option<IpAddr> {
         .find(|a| a.is_ipv4() == v4 && !is_link_local(*a))
 }
 
+/// The address this node is known by on `iface`: its first IPv4 address,
+/// or on an IPv6-only interface its first global IPv6 address.
+pub fn node_address(iface: &str) -> Option<IpAddr> {
+    interface_address(iface, true).or_else(|| interface_address(iface, false))
+}
+
 fn is_link_local(a: IpAddr) -> bool {
     matches!(a, IpAddr::V6(v6) if v6.segments()[0] & 0xffc0 == 0xfe80)
 }

@@ -12,13 +12,13 @@
 //! The VIPs (10.9.0.50-55, fd00:9::50) are on the segment's subnet, so the
 //! client asks for them by ARP/NDP and sends to whichever MAC answered. The
 //! nodes forward in snat mode, out of the interface the packet came in on.
-//! The switch floods no unknown unicast to the nodes (a NIC's MAC filter
-//! would drop it; veth delivers it to XDP). The switch ports of the nodes have GRO on (XDP_TX into a veth needs it);
+//! The switch floods unknown unicast to the nodes too (veth hands it to
+//! XDP as a promiscuous NIC would). The switch ports of the nodes have GRO on (XDP_TX into a veth needs it);
 //! client and backend have TX checksum offload off (XDP cannot complete
 //! partial checksums).
 
 use std::{
-    collections::BTreeSet,
+    collections::{BTreeMap, BTreeSet},
     fs, io,
     net::{Ipv4Addr, Ipv6Addr, SocketAddr},
     path::{Path, PathBuf},
@@ -203,10 +203,9 @@ impl L2Lab {
         for i in 1..=3 {
             let ns = Netns::new(&format!("{prefix}-n{i}"));
             port(&ns, &format!("{prefix}n{i}"), "lan");
-            // A NIC drops unicast frames for other MACs before XDP sees
-            // them; a veth does not. So the switch floods no unknown
-            // unicast to the nodes (a dead owner's frames reach nobody).
-            switch.run(&format!("bridge link set dev {prefix}n{i} flood off"));
+            // The switch floods unknown unicast to the nodes, as a real
+            // one does once a cut owner's port is gone: the program must
+            // pass frames addressed to another node's MAC untouched.
             ns.run(&format!(
                 "ip link set lan address 02:00:00:00:09:0{i} && \
                  ip addr add {}/24 dev lan && ip addr add fd00:9::1{i}/64 dev lan nodad && \
@@ -457,6 +456,100 @@ impl L2Lab {
     }
 }
 
+impl L2Lab {
+    /// Records, until stopped, every SYN-ACK from `vip`:`port` that reaches
+    /// the client: two with different sequence numbers for one client port
+    /// mean two nodes answered one connection.
+    pub fn watch_synacks(&self, vip: Ipv4Addr, port: u16) -> SynAckWatch {
+        let stop = Arc::new(AtomicBool::new(false));
+        let s = stop.clone();
+        let (started, ready) = std::sync::mpsc::channel();
+        let thread = in_netns(&self.client, move || {
+            let sock = RawSocket::open("eth0");
+            let _ = started.send(());
+            let mut seen: BTreeMap<u16, BTreeSet<(u32, [u8; 6])>> = BTreeMap::new();
+            while !s.load(Ordering::Relaxed) {
+                for f in sock.frames(Duration::from_millis(50)) {
+                    // Ethernet, IPv4 without options, TCP with SYN and ACK.
+                    if f.len() >= 54
+                        && f[12..14] == [0x08, 0x00]
+                        && f[14] == 0x45
+                        && f[23] == 6
+                        && f[26..30] == vip.octets()
+                        && f[34..36] == port.to_be_bytes()
+                        && f[47] & 0x12 == 0x12
+                    {
+                        let cport = u16::from_be_bytes([f[36], f[37]]);
+                        let seq = u32::from_be_bytes([f[38], f[39], f[40], f[41]]);
+                        let mut mac = [0u8; 6];
+                        mac.copy_from_slice(&f[6..12]);
+                        seen.entry(cport).or_default().insert((seq, mac));
+                    }
+                }
+            }
+            seen
+        });
+        let _ = ready.recv();
+        SynAckWatch { stop, thread }
+    }
+
+    /// Opens a new connection to `addr` from the client every `every`, each
+    /// in a thread of its own (one `GET`), whether the ones before it are
+    /// answered or not, until stopped: how many were opened and how many
+    /// failed.
+    pub fn connection_stream(&self, addr: SocketAddr, every: Duration) -> ConnectionStream {
+        let stop = Arc::new(AtomicBool::new(false));
+        let s = stop.clone();
+        let thread = in_netns(&self.client, move || {
+            // Threads started here live in the client's namespace too.
+            let mut running = Vec::new();
+            while !s.load(Ordering::Relaxed) {
+                let next = Instant::now() + every;
+                running.push(std::thread::spawn(move || {
+                    matches!(http_get(addr, "/", Duration::from_secs(5)), Ok((200, _)))
+                }));
+                std::thread::sleep(next.saturating_duration_since(Instant::now()));
+            }
+            let opened = running.len();
+            let failed = running
+                .into_iter()
+                .map(|t| t.join().unwrap_or(false))
+                .filter(|ok| !ok)
+                .count();
+            (opened, failed)
+        });
+        ConnectionStream { stop, thread }
+    }
+}
+
+/// A running [`L2Lab::watch_synacks`].
+pub struct SynAckWatch {
+    stop: Arc<AtomicBool>,
+    thread: JoinHandle<BTreeMap<u16, BTreeSet<(u32, [u8; 6])>>>,
+}
+
+impl SynAckWatch {
+    /// Per client port, the SYN-ACKs seen (sequence number, sender MAC).
+    pub fn stop(self) -> BTreeMap<u16, BTreeSet<(u32, [u8; 6])>> {
+        self.stop.store(true, Ordering::Relaxed);
+        self.thread.join().expect("SYN-ACK watch thread")
+    }
+}
+
+/// A running [`L2Lab::connection_stream`].
+pub struct ConnectionStream {
+    stop: Arc<AtomicBool>,
+    thread: JoinHandle<(usize, usize)>,
+}
+
+impl ConnectionStream {
+    /// Connections opened, and of them failed.
+    pub fn stop(self) -> (usize, usize) {
+        self.stop.store(true, Ordering::Relaxed);
+        self.thread.join().expect("connection stream thread")
+    }
+}
+
 /// A running [`L2Lab::watch_arp`].
 pub struct ArpWatch {
     stop: Arc<AtomicBool>,
@@ -538,10 +631,10 @@ impl RawSocket {
         }
     }
 
-    /// The source MACs of the frames `is_answer` accepts, for `wait`.
-    fn answers(&self, wait: Duration, is_answer: impl Fn(&[u8]) -> bool) -> BTreeSet<[u8; 6]> {
+    /// The frames received within `wait`.
+    fn frames(&self, wait: Duration) -> Vec<Vec<u8>> {
         let deadline = Instant::now() + wait;
-        let mut out = BTreeSet::new();
+        let mut out = Vec::new();
         let mut buf = [0u8; 2048];
         loop {
             let left = deadline.saturating_duration_since(Instant::now());
@@ -560,12 +653,19 @@ impl RawSocket {
                 }
                 libc::recv(self.fd, buf.as_mut_ptr().cast(), buf.len(), 0)
             };
-            if n >= 14 && is_answer(&buf[..n as usize]) {
-                let mut mac = [0u8; 6];
-                mac.copy_from_slice(&buf[6..12]);
-                out.insert(mac);
+            if n > 0 {
+                out.push(buf[..n as usize].to_vec());
             }
         }
+    }
+
+    /// The source MACs of the frames `is_answer` accepts, for `wait`.
+    fn answers(&self, wait: Duration, is_answer: impl Fn(&[u8]) -> bool) -> BTreeSet<[u8; 6]> {
+        self.frames(wait)
+            .into_iter()
+            .filter(|f| f.len() >= 14 && is_answer(f))
+            .map(|f| <[u8; 6]>::try_from(&f[6..12]).expect("six bytes"))
+            .collect()
     }
 }
 

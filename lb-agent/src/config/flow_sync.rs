@@ -1,11 +1,15 @@
 //! The `flow_sync:` section: which agents share SNAT flows, so that a node
 //! leaving ECMP hands its connections over (docs/bgp.md).
 
-use std::{net::SocketAddr, time::Duration};
+use std::{
+    net::{IpAddr, Ipv6Addr, SocketAddr},
+    time::Duration,
+};
 
 use serde::Deserialize;
 
 use super::validate::{root, Checked, Validator};
+use super::L2Config;
 
 /// The flow exchange, validated.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -88,6 +92,35 @@ impl Validator<'_> {
     }
 }
 
+impl FlowSyncConfig {
+    /// L2 mode's exchange when there is no `flow_sync:` section: with the
+    /// members, on port 7947 of their membership addresses, signed with the
+    /// membership key. A failover moves every client of a VIP at once, so
+    /// without it every snat connection through the old owner is reset.
+    /// `None` with no members to share with.
+    pub fn for_l2(l2: &L2Config) -> Option<Self> {
+        if !l2.share_flows || (l2.peers.is_empty() && !l2.discover_peers) {
+            return None;
+        }
+        let port = DEFAULT_FLOW_SYNC_PORT;
+        // Unbound: both families (an IPv6-only node has no IPv4 address).
+        let ip = l2
+            .bind
+            .map_or(IpAddr::V6(Ipv6Addr::UNSPECIFIED), |b| b.ip());
+        Some(Self {
+            listen: SocketAddr::new(ip, port),
+            peers: l2
+                .peers
+                .iter()
+                .map(|p| SocketAddr::new(p.ip(), port))
+                .collect(),
+            discover_peers: l2.discover_peers,
+            key: l2.key.clone(),
+            interval: DEFAULT_INTERVAL,
+        })
+    }
+}
+
 /// What a config reload changes in a running flow exchange.
 #[derive(Debug, PartialEq, Eq)]
 pub enum FlowSyncReload {
@@ -137,6 +170,33 @@ mod tests {
             key: b"0123456789abcdef".to_vec(),
             interval: DEFAULT_INTERVAL,
         }
+    }
+
+    #[test]
+    fn l2_members_share_flows_on_port_7947_with_the_membership_key() {
+        let yaml = |extra: &str| {
+            let dir = std::env::temp_dir().join(format!("xlb-l2fs-{}", std::process::id()));
+            std::fs::create_dir_all(&dir).unwrap();
+            let key = dir.join("l2.key");
+            std::fs::write(&key, "l2-key-0123456789abcdef\n").unwrap();
+            format!(
+                "interfaces: [lo]\nl2:\n  interfaces: [lo]\n  node_name: a\n  bind: 10.0.0.11\n  peers: [10.0.0.12, \"10.0.0.13:8000\"]\n  key_file: {}\n{extra}",
+                key.display()
+            )
+        };
+        let parse = |s: &str| crate::config::AgentConfig::parse(s).expect("valid config");
+        let fs = parse(&yaml("")).flow_sync.expect("shared by default");
+        assert_eq!(fs.listen, "10.0.0.11:7947".parse().unwrap());
+        assert_eq!(
+            fs.peers,
+            [
+                "10.0.0.12:7947".parse().unwrap(),
+                "10.0.0.13:7947".parse().unwrap()
+            ]
+        );
+        assert_eq!(fs.key, b"l2-key-0123456789abcdef");
+        assert!(!fs.discover_peers);
+        assert_eq!(parse(&yaml("  share_flows: false\n")).flow_sync, None);
     }
 
     #[test]

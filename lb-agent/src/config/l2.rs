@@ -40,6 +40,10 @@ pub struct L2Config {
     /// How often owned VIPs are announced again (gratuitous ARP, unsolicited
     /// NA) so that switch tables never age them out.
     pub announce_interval: Duration,
+    /// Share snat flows with the members (TCP 7947, signed with `key`) when
+    /// there is no `flow_sync:` section, so that connections survive a
+    /// failover (docs/l2.md).
+    pub share_flows: bool,
 }
 
 /// A majority of `peers` and this node.
@@ -56,7 +60,7 @@ const MIN_KEY_BYTES: usize = 16;
 #[derive(Deserialize)]
 #[serde(
     deny_unknown_fields,
-    expecting = "an l2 mapping (interfaces, bind, peers, key_file, ...)"
+    expecting = "an l2 mapping (interfaces, bind, peers, key_file, share_flows, ...)"
 )]
 pub(super) struct RawL2 {
     interfaces: Vec<String>,
@@ -70,6 +74,7 @@ pub(super) struct RawL2 {
     probe_timeout: Option<String>,
     suspect_timeout: Option<String>,
     announce_interval: Option<String>,
+    share_flows: Option<bool>,
 }
 
 impl Validator<'_> {
@@ -179,6 +184,7 @@ impl Validator<'_> {
             probe_timeout,
             suspect_timeout,
             announce_interval,
+            share_flows: raw.share_flows.unwrap_or(true),
         })
     }
 

@@ -126,10 +126,10 @@ impl Validator<'_> {
             None => None,
             Some(l) => Some(self.l2(l, &interfaces, kubernetes.is_some())?),
         };
-        let flow_sync = raw
-            .flow_sync
-            .map(|f| self.flow_sync(f, kubernetes.is_some()))
-            .transpose()?;
+        let flow_sync = match raw.flow_sync {
+            Some(f) => Some(self.flow_sync(f, kubernetes.is_some())?),
+            None => l2.as_ref().and_then(FlowSyncConfig::for_l2),
+        };
         let services = self.services(raw.services, snat_ipv4, snat_ipv6)?;
         self.announce(&services, bgp.is_some(), l2.is_some())?;
         Ok(AgentConfig {

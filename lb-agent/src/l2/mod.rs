@@ -80,9 +80,9 @@ impl L2Task {
             Some(b) => b,
             None => {
                 let iface = &cfg.interfaces[0];
-                let ip = netif::interface_address(iface, true).ok_or_else(|| {
+                let ip = netif::node_address(iface).ok_or_else(|| {
                     anyhow::anyhow!(
-                        "l2: bind is not set and {iface} has no IPv4 address to bind to"
+                        "l2: bind is not set and {iface} has no IPv4 or global IPv6 address to bind to; set l2.bind"
                     )
                 })?;
                 SocketAddr::new(ip, crate::config::DEFAULT_L2_PORT)
