@@ -467,7 +467,7 @@ impl L2Lab {
         let thread = in_netns(&self.client, move || {
             let sock = RawSocket::open("eth0");
             let _ = started.send(());
-            let mut seen: BTreeMap<u16, BTreeSet<(u32, [u8; 6])>> = BTreeMap::new();
+            let mut seen = SynAcks::new();
             while !s.load(Ordering::Relaxed) {
                 for f in sock.frames(Duration::from_millis(50)) {
                     // Ethernet, IPv4 without options, TCP with SYN and ACK.
@@ -522,15 +522,18 @@ impl L2Lab {
     }
 }
 
+/// Per client port, the SYN-ACKs seen: (sequence number, sender MAC).
+pub type SynAcks = BTreeMap<u16, BTreeSet<(u32, [u8; 6])>>;
+
 /// A running [`L2Lab::watch_synacks`].
 pub struct SynAckWatch {
     stop: Arc<AtomicBool>,
-    thread: JoinHandle<BTreeMap<u16, BTreeSet<(u32, [u8; 6])>>>,
+    thread: JoinHandle<SynAcks>,
 }
 
 impl SynAckWatch {
     /// Per client port, the SYN-ACKs seen (sequence number, sender MAC).
-    pub fn stop(self) -> BTreeMap<u16, BTreeSet<(u32, [u8; 6])>> {
+    pub fn stop(self) -> SynAcks {
         self.stop.store(true, Ordering::Relaxed);
         self.thread.join().expect("SYN-ACK watch thread")
     }
