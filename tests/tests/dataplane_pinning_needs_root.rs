@@ -294,3 +294,72 @@ fn source_ranges_and_affinity_are_adopted() {
         "only the live scope's entry is left"
     );
 }
+
+/// Drops CAP_SYS_ADMIN from the calling thread's effective set (capabilities
+/// are per thread, so only this thread loses it).
+fn drop_sys_admin_here() {
+    const CAP_SYS_ADMIN: u32 = 21;
+    const VERSION_3: u32 = 0x2008_0522;
+    #[repr(C)]
+    struct Header {
+        version: u32,
+        pid: i32,
+    }
+    #[repr(C)]
+    #[derive(Clone, Copy, Default)]
+    struct Data {
+        effective: u32,
+        permitted: u32,
+        inheritable: u32,
+    }
+    let mut header = Header {
+        version: VERSION_3,
+        pid: 0,
+    };
+    let mut data = [Data::default(); 2];
+    // SAFETY: header and two data words, as capget(2) takes for version 3.
+    let rc = unsafe { libc::syscall(libc::SYS_capget, &mut header, data.as_mut_ptr()) };
+    assert_eq!(rc, 0, "capget: {}", std::io::Error::last_os_error());
+    data[0].effective &= !(1 << CAP_SYS_ADMIN);
+    // SAFETY: as above.
+    let rc = unsafe { libc::syscall(libc::SYS_capset, &mut header, data.as_ptr()) };
+    assert_eq!(rc, 0, "capset: {}", std::io::Error::last_os_error());
+    let status = std::fs::read_to_string("/proc/thread-self/status").unwrap();
+    let eff = status
+        .lines()
+        .find_map(|l| l.strip_prefix("CapEff:"))
+        .map(|v| u64::from_str_radix(v.trim(), 16).unwrap())
+        .unwrap();
+    assert_eq!(
+        eff & (1 << CAP_SYS_ADMIN),
+        0,
+        "CAP_SYS_ADMIN still effective"
+    );
+}
+
+/// The chart grants no CAP_SYS_ADMIN: the flow table's own handle (open
+/// flow counts, the flow exchange) must open without it.
+#[test]
+fn the_flow_table_opens_without_cap_sys_admin() {
+    let dir = PinDir(format!("/sys/fs/bpf/xlb-test-nosysadmin-{}", std::process::id()).into());
+    let mut dp = Dataplane::open(Some(&dir.0)).expect("open (root needed)");
+    dp.set_service(&spec(
+        80,
+        Some(Ipv4Addr::new(10, 9, 0, 254).into()),
+        &[1, 2],
+    ))
+    .unwrap();
+    let dp = std::thread::spawn(move || {
+        drop_sys_admin_here();
+        let table = dp
+            .flow_table()
+            .expect("flow table handle without CAP_SYS_ADMIN");
+        assert!(table.entries().expect("walk the flow table").is_empty());
+        dp.open_flows_by_backend(std::time::Duration::from_secs(10))
+            .expect("open flows without CAP_SYS_ADMIN");
+        dp
+    })
+    .join()
+    .expect("thread without CAP_SYS_ADMIN");
+    drop(dp);
+}

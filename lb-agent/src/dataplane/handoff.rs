@@ -63,9 +63,19 @@ pub struct FlowTable {
 }
 
 impl Dataplane {
-    /// A handle of its own on the flow table.
+    /// A handle of its own on the flow table: a duplicate of the driver's
+    /// fd. Not opened by id, which needs CAP_SYS_ADMIN (the chart does not
+    /// grant it).
     pub fn flow_table(&self) -> Result<FlowTable> {
-        let open = || MapData::from_id(self.maps.flows_id).map_err(map_err(names::FLOWS));
+        use aya::maps::IterableMap;
+        use std::os::fd::AsFd;
+        let fd = self.maps.shared_flows.map().fd().as_fd();
+        let open = || {
+            let dup = fd
+                .try_clone_to_owned()
+                .map_err(|e| map_err(names::FLOWS)(MapError::IoError(e)))?;
+            MapData::from_fd(dup).map_err(map_err(names::FLOWS))
+        };
         let map = HashMap::try_from(Map::LruHashMap(open()?)).map_err(map_err(names::FLOWS))?;
         Ok(FlowTable { data: open()?, map })
     }

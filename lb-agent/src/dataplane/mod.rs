@@ -282,8 +282,6 @@ struct Maps {
     /// The flow table's size as the kernel holds it (a pinned table keeps
     /// the size it was created with).
     flow_table_entries: u32,
-    /// The flow table's kernel id, for handles of its own (`FlowTable`).
-    flows_id: u32,
     reply_nat: HashMap<MapData, FlowKey, ReplyNat>,
     service_stats: PerCpuArray<MapData, TrafficStats>,
     backend_stats: PerCpuArray<MapData, TrafficStats>,
@@ -366,11 +364,8 @@ impl Dataplane {
             ebpf.take_map(name).ok_or(DataplaneError::MissingMap(name))
         }
         let flows = take(&mut ebpf, names::FLOWS)?;
-        let (flow_table_entries, flows_id) = match &flows {
-            Map::LruHashMap(data) => {
-                let info = data.info().map_err(map_err(names::FLOWS))?;
-                (info.max_entries(), info.id())
-            }
+        let flow_table_entries = match &flows {
+            Map::LruHashMap(data) => data.info().map_err(map_err(names::FLOWS))?.max_entries(),
             _ => return Err(DataplaneError::MissingMap(names::FLOWS)),
         };
         let maglev_data = match take(&mut ebpf, names::MAGLEV)? {
@@ -394,7 +389,6 @@ impl Dataplane {
                 .map_err(map_err(names::TX_PORTS))?,
             shared_flows: HashMap::try_from(flows).map_err(map_err(names::FLOWS))?,
             flow_table_entries,
-            flows_id,
             reply_nat: HashMap::try_from(take(&mut ebpf, names::REPLY_NAT)?)
                 .map_err(map_err(names::REPLY_NAT))?,
             service_stats: PerCpuArray::try_from(take(&mut ebpf, names::SERVICE_STATS)?)
