@@ -262,7 +262,7 @@ async fn a_service_gets_an_address_and_the_status_patch_is_what_the_server_store
         ),
     );
 
-    let svc = wait_allocated(&server, "web", &["192.0.2.0"]);
+    let svc = wait_allocated(&server, "web", &["192.0.2.1"]);
     let ingress = &svc
         .status
         .as_ref()
@@ -273,11 +273,11 @@ async fn a_service_gets_an_address_and_the_status_patch_is_what_the_server_store
         .ingress;
     assert_eq!(
         serde_json::to_value(ingress).unwrap(),
-        json!([{"ip": "192.0.2.0", "ipMode": "VIP"}])
+        json!([{"ip": "192.0.2.1", "ipMode": "VIP"}])
     );
     let c = condition(&svc).unwrap();
     assert_eq!(c.reason, "Allocated");
-    assert_eq!(c.message, "192.0.2.0 (pool public)");
+    assert_eq!(c.message, "192.0.2.1 (pool public)");
     // kube-apiserver keeps no metadata.generation for Services (the test
     // server this suite used to run against did), so there is none to echo.
     assert_eq!(c.observed_generation, created.metadata.generation);
@@ -294,10 +294,10 @@ async fn a_service_gets_an_address_and_the_status_patch_is_what_the_server_store
     let status = wait_for(DEADLINE, || {
         pool_status(&server, "public").filter(|(_, in_use, _)| *in_use == 1)
     });
-    assert_eq!(status, Some((4, 1, None)));
+    assert_eq!(status, Some((2, 1, None)));
     assert_eq!(
         agent.metric("xlb_pool_addresses", "pool", "public"),
-        Some(4.0)
+        Some(2.0)
     );
     assert_eq!(
         agent.metric("xlb_pool_addresses_in_use", "pool", "public"),
@@ -392,10 +392,10 @@ async fn requested_addresses_are_honoured_or_refused_with_a_reason() {
         "service",
         Some("default"),
         "malformed",
-        &json!({"metadata": {"annotations": {"xlb.dev/ip": "192.0.2.7"}}}),
+        &json!({"metadata": {"annotations": {"xlb.dev/ip": "192.0.2.4"}}}),
         false,
     );
-    wait_allocated(&server, "malformed", &["192.0.2.7"]);
+    wait_allocated(&server, "malformed", &["192.0.2.4"]);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -461,7 +461,7 @@ async fn a_bad_pool_gets_an_error_and_changes_nothing_else() {
     pool(&server, "bad", &["192.0.2.0/33"]);
     let _agent = Agent::start(&mut server, "node-a", Duration::from_secs(15)).await;
     create(&server, lb_service("web", json!({}), json!({})));
-    wait_allocated(&server, "web", &["192.0.2.0"]);
+    wait_allocated(&server, "web", &["192.0.2.1"]);
     let status = wait_for(DEADLINE, || {
         pool_status(&server, "bad").filter(|(_, _, e)| e.is_some())
     })
@@ -532,7 +532,7 @@ async fn a_concurrent_writer_conflicts_and_the_status_patch_is_retried() {
         n
     });
     let _agent = Agent::start(&mut server, "node-a", Duration::from_secs(15)).await;
-    wait_allocated(&server, "web", &["192.0.2.0"]);
+    wait_allocated(&server, "web", &["192.0.2.1"]);
     stop_tx.send(true).unwrap();
     let writes = writer.await.unwrap();
     assert!(writes > 1, "the writer ran alongside the allocator");
@@ -543,7 +543,7 @@ async fn a_concurrent_writer_conflicts_and_the_status_patch_is_retried() {
         svc.metadata.annotations.as_ref().unwrap()["example.com/generation"],
         writes.to_string()
     );
-    assert_eq!(ingress_ips(&svc), vec!["192.0.2.0"]);
+    assert_eq!(ingress_ips(&svc), vec!["192.0.2.1"]);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -564,7 +564,7 @@ async fn one_leader_at_a_time_and_a_takeover_after_the_lease_expires() {
     let leader_name = holder.spec.unwrap().holder_identity.unwrap();
     assert!(leader_name == "node-a" || leader_name == "node-b");
     create(&server, lb_service("web", json!({}), json!({})));
-    wait_allocated(&server, "web", &["192.0.2.0"]);
+    wait_allocated(&server, "web", &["192.0.2.1"]);
 
     // Over several renewals, never two leaders; the follower reports no
     // allocation metrics.
@@ -610,10 +610,10 @@ async fn one_leader_at_a_time_and_a_takeover_after_the_lease_expires() {
 
     // The new leader keeps the existing allocation and serves new Services.
     create(&server, lb_service("api", json!({}), json!({})));
-    wait_allocated(&server, "api", &["192.0.2.1"]);
+    wait_allocated(&server, "api", &["192.0.2.2"]);
     assert_eq!(
         ingress_ips(&get(&server, "web").unwrap()),
-        vec!["192.0.2.0"]
+        vec!["192.0.2.1"]
     );
 
     // Stepping down frees the Lease at once: a newcomer need not wait for
@@ -640,9 +640,9 @@ async fn an_api_server_outage_leaves_allocations_intact() {
     let lease = Duration::from_secs(2);
     let agent = Agent::start(&mut server, "node-a", lease).await;
     create(&server, lb_service("a", json!({}), json!({})));
-    wait_allocated(&server, "a", &["192.0.2.0"]);
+    wait_allocated(&server, "a", &["192.0.2.1"]);
     create(&server, lb_service("b", json!({}), json!({})));
-    let b_before = wait_allocated(&server, "b", &["192.0.2.1"]);
+    let b_before = wait_allocated(&server, "b", &["192.0.2.2"]);
 
     server.stop_apiserver();
     // It cannot renew: it stops leading before the lease could expire.
@@ -653,9 +653,9 @@ async fn an_api_server_outage_leaves_allocations_intact() {
     create(&server, lb_service("c", json!({}), json!({})));
 
     agent.wait_leading(true, DEADLINE).await;
-    wait_allocated(&server, "c", &["192.0.2.0"]);
+    wait_allocated(&server, "c", &["192.0.2.1"]);
     let b_after = get(&server, "b").unwrap();
-    assert_eq!(ingress_ips(&b_after), vec!["192.0.2.1"]);
+    assert_eq!(ingress_ips(&b_after), vec!["192.0.2.2"]);
     assert_eq!(
         b_after.metadata.resource_version, b_before.metadata.resource_version,
         "b was not rewritten"
@@ -731,10 +731,10 @@ async fn scoped_pools_serve_their_namespaces_and_survive_a_leader_change() {
         json!({"xlb.dev/pool": "team-a"}),
         "TCP",
     ));
-    wait_ips_in(&server, "team-a", "dns-tcp", &["198.51.100.0"]);
-    wait_ips_in(&server, "team-a", "dns-udp", &["198.51.100.0"]);
-    wait_ips_in(&server, "team-b", "web", &["203.0.113.0"]);
-    wait_ips_in(&server, "shop", "web", &["192.0.2.0"]);
+    wait_ips_in(&server, "team-a", "dns-tcp", &["198.51.100.1"]);
+    wait_ips_in(&server, "team-a", "dns-udp", &["198.51.100.1"]);
+    wait_ips_in(&server, "team-b", "web", &["203.0.113.1"]);
+    wait_ips_in(&server, "shop", "web", &["192.0.2.1"]);
     let refused = wait_for(DEADLINE, || {
         let svc: Service =
             serde_json::from_value(server.get("service", Some("shop"), "sneaky")?).ok()?;
@@ -766,11 +766,11 @@ async fn scoped_pools_serve_their_namespaces_and_survive_a_leader_change() {
     let b = Agent::start(&mut server, "node-b", lease).await;
     b.wait_leading(true, DEADLINE).await;
     server.create(&in_ns("team-a", "late", json!({}), "TCP"));
-    wait_ips_in(&server, "team-a", "late", &["198.51.100.1"]);
-    wait_ips_in(&server, "team-a", "dns-tcp", &["198.51.100.0"]);
-    wait_ips_in(&server, "team-a", "dns-udp", &["198.51.100.0"]);
-    wait_ips_in(&server, "team-b", "web", &["203.0.113.0"]);
-    wait_ips_in(&server, "shop", "web", &["192.0.2.0"]);
+    wait_ips_in(&server, "team-a", "late", &["198.51.100.2"]);
+    wait_ips_in(&server, "team-a", "dns-tcp", &["198.51.100.1"]);
+    wait_ips_in(&server, "team-a", "dns-udp", &["198.51.100.1"]);
+    wait_ips_in(&server, "team-b", "web", &["203.0.113.1"]);
+    wait_ips_in(&server, "shop", "web", &["192.0.2.1"]);
     let after: Vec<Value> = ["dns-tcp", "dns-udp"]
         .iter()
         .map(|n| {
@@ -794,7 +794,7 @@ async fn an_unusable_service_field_gets_one_event() {
         &server,
         lb_service("odd", json!({"xlb.dev/mode": "bogus"}), json!({})),
     );
-    wait_allocated(&server, "odd", &["192.0.2.0"]);
+    wait_allocated(&server, "odd", &["192.0.2.1"]);
     let events = wait_events(&server, "odd");
     assert_eq!(events.len(), 1, "{events:?}");
     assert_eq!(events[0].0, "InvalidService");
@@ -806,6 +806,6 @@ async fn an_unusable_service_field_gets_one_event() {
     );
     // Later reconciles (another Service arrives) do not repeat it.
     create(&server, lb_service("other", json!({}), json!({})));
-    wait_allocated(&server, "other", &["192.0.2.1"]);
+    wait_allocated(&server, "other", &["192.0.2.2"]);
     assert_eq!(events_about(&server, "odd").len(), 1);
 }

@@ -901,7 +901,7 @@ fn desired_condition(
 ) -> Condition {
     let describe = |ips: &[IpAddr]| {
         ips.iter()
-            .map(|ip| match pools.pool_of(*ip) {
+            .map(|ip| match pools.pool_keeping(*ip) {
                 Some(p) => format!("{ip} (pool {})", p.name),
                 None => ip.to_string(),
             })

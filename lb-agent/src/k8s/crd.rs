@@ -35,7 +35,9 @@ use serde::{Deserialize, Serialize};
 #[serde(rename_all = "camelCase")]
 pub struct LoadBalancerPoolSpec {
     /// CIDRs (`192.0.2.0/24`, `2001:db8::/120`) or inclusive ranges
-    /// (`192.0.2.10-192.0.2.20`), IPv4 and IPv6 mixed as needed.
+    /// (`192.0.2.10-192.0.2.20`), IPv4 and IPv6 mixed as needed. The first
+    /// and last address of an IPv4 CIDR of /30 or shorter (its network and
+    /// broadcast address) are not handed out; a range is taken as written.
     pub addresses: Vec<String>,
     /// Skip IPv4 addresses ending in .0 or .255, which some clients and
     /// routers mishandle.

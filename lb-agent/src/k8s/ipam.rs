@@ -467,14 +467,14 @@ fn keep_current(
             }
             let keep = match &st.plan {
                 // A Service whose request cannot be read keeps what it has.
-                Err(_) => pools.pool_of(ip).is_some(),
+                Err(_) => pools.pool_keeping(ip).is_some(),
                 Ok(plan) => {
                     plan.wants(family)
                         && plan.requested.get(&family).is_none_or(|r| *r == ip)
                         && match plan.named {
-                            Some(pool) => pool.contains(ip),
+                            Some(pool) => pool.may_keep(ip),
                             None => pools
-                                .pool_of(ip)
+                                .pool_keeping(ip)
                                 .is_some_and(|p| p.refuses(&services[i]).is_none()),
                         }
                 }
@@ -521,9 +521,17 @@ fn grant_requested(
                 break;
             }
             if !in_pool {
+                let in_range = match plan.named {
+                    Some(pool) => pool.ranges().iter().any(|r| r.contains(ip)),
+                    None => pools.in_any_range(ip),
+                };
                 failure = Some(Failure::new(
                     FailureReason::AddressNotInPool,
                     match plan.named {
+                        _ if in_range => format!(
+                            "{ip} is not handed out: the network or broadcast address \
+                             of an IPv4 CIDR, or skipped by avoidBuggyIPs"
+                        ),
                         Some(pool) => format!("{ip} is not in pool {:?}", pool.name),
                         None => format!("{ip} is in no pool"),
                     },
@@ -694,7 +702,7 @@ fn results(
             if first_holder != Some(&i) {
                 continue;
             }
-            if let Some(pool) = pools.pool_of(*ip) {
+            if let Some(pool) = pools.pool_keeping(*ip) {
                 *allocation.in_use.entry(pool.name.clone()).or_default() += 1;
             }
         }

@@ -115,7 +115,7 @@ fn metrics_count_services_without_address_by_reason() {
     metrics.update(&pools(), &allocation);
     assert_eq!(
         metrics.pool_addresses.with_label_values(&["public"]).get(),
-        256
+        254
     );
     assert_eq!(metrics.pool_in_use.with_label_values(&["public"]).get(), 1);
     assert_eq!(

@@ -59,7 +59,14 @@ pub struct AddressRange {
     family: Family,
     first: u128,
     last: u128,
+    /// The first and last address are not handed out: the network and
+    /// broadcast addresses of an IPv4 CIDR of /30 or shorter, which hosts
+    /// on that network treat as such (a /31 or /32 has neither, RFC 3021).
+    edges_reserved: bool,
 }
+
+/// The longest IPv4 prefix whose first and last address are reserved.
+const EDGES_RESERVED_UP_TO: u32 = 30;
 
 impl AddressRange {
     /// Parses a CIDR (`192.0.2.0/24`), an inclusive range
@@ -104,6 +111,7 @@ impl AddressRange {
                 family,
                 first,
                 last: first | host_mask,
+                edges_reserved: family == Family::V4 && prefix <= EDGES_RESERVED_UP_TO,
             });
         }
         if let Some((a, b)) = entry.split_once('-') {
@@ -119,6 +127,7 @@ impl AddressRange {
                 family: Family::of(a),
                 first,
                 last,
+                edges_reserved: false,
             });
         }
         let ip = parse_ip(entry)
@@ -127,6 +136,7 @@ impl AddressRange {
             family: Family::of(ip),
             first: to_u128(ip),
             last: to_u128(ip),
+            edges_reserved: false,
         })
     }
 
@@ -142,9 +152,16 @@ impl AddressRange {
         from_u128(self.family, self.last)
     }
 
-    /// Whether `ip` lies in the range (avoidBuggyIPs not considered).
+    /// Whether `ip` lies in the range (reserved addresses and avoidBuggyIPs
+    /// not considered).
     pub fn contains(&self, ip: IpAddr) -> bool {
         Family::of(ip) == self.family && (self.first..=self.last).contains(&to_u128(ip))
+    }
+
+    /// Whether `n` is in the range but not handed out.
+    fn skips(&self, n: u128, avoid_buggy: bool) -> bool {
+        (avoid_buggy && is_buggy(self.family, n))
+            || (self.edges_reserved && (n == self.first || n == self.last))
     }
 
     pub fn overlaps(&self, other: &AddressRange) -> bool {
@@ -154,9 +171,9 @@ impl AddressRange {
     /// The first address at or after `from` that is usable, within the range.
     pub(crate) fn usable_from(&self, from: u128, avoid_buggy: bool) -> Option<u128> {
         let mut n = from.max(self.first);
-        if avoid_buggy && is_buggy(self.family, n) {
-            // .0 -> .1, .255 -> next .1
-            n = n.checked_add(if n & 0xff == 0 { 1 } else { 2 })?;
+        // At most three in a row: .255, .0 and a reserved edge.
+        while n <= self.last && self.skips(n, avoid_buggy) {
+            n = n.checked_add(1)?;
         }
         (n <= self.last).then_some(n)
     }
@@ -164,6 +181,17 @@ impl AddressRange {
     /// How many usable addresses the range holds (saturating).
     pub(crate) fn size(&self, avoid_buggy: bool) -> u128 {
         let all = (self.last - self.first).saturating_add(1);
+        // Reserved edges that avoidBuggyIPs does not already skip (a /30 or
+        // shorter has two distinct edges).
+        let edges = if self.edges_reserved {
+            [self.first, self.last]
+                .iter()
+                .filter(|&&n| !(avoid_buggy && is_buggy(self.family, n)))
+                .count() as u128
+        } else {
+            0
+        };
+        let all = all - edges;
         if !(avoid_buggy && self.family == Family::V4) {
             return all;
         }
@@ -305,10 +333,19 @@ impl Pool {
         (p.is_none(), p.unwrap_or_default())
     }
 
-    /// Whether the pool may hand out `ip` (avoidBuggyIPs considered).
+    /// Whether the pool may hand out `ip` (reserved addresses and
+    /// avoidBuggyIPs considered).
     pub fn contains(&self, ip: IpAddr) -> bool {
-        let family = Family::of(ip);
-        !(self.avoid_buggy_ips && is_buggy(family, to_u128(ip)))
+        self.ranges
+            .iter()
+            .any(|r| r.contains(ip) && !r.skips(to_u128(ip), self.avoid_buggy_ips))
+    }
+
+    /// Whether a Service that holds `ip` keeps it: as [`Pool::contains`],
+    /// but a reserved network or broadcast address handed out before they
+    /// were reserved is kept, so that an upgrade moves no Service.
+    pub fn may_keep(&self, ip: IpAddr) -> bool {
+        !(self.avoid_buggy_ips && is_buggy(Family::of(ip), to_u128(ip)))
             && self.ranges.iter().any(|r| r.contains(ip))
     }
 
@@ -427,6 +464,11 @@ impl Pools {
     /// The usable pool that may hand out `ip` (pools do not overlap).
     pub fn pool_of(&self, ip: IpAddr) -> Option<&Pool> {
         self.valid.values().find(|p| p.contains(ip))
+    }
+
+    /// The usable pool in which a holder of `ip` keeps it ([`Pool::may_keep`]).
+    pub fn pool_keeping(&self, ip: IpAddr) -> Option<&Pool> {
+        self.valid.values().find(|p| p.may_keep(ip))
     }
 
     /// Whether `ip` lies in any usable pool's ranges (avoidBuggyIPs ignored):

@@ -78,7 +78,11 @@ fn parses_cidrs_ranges_and_single_addresses() {
     let r = AddressRange::parse("198.51.100.7/32").unwrap();
     assert_eq!(r.size(false), 1);
     let r = AddressRange::parse("0.0.0.0/0").unwrap();
-    assert_eq!(r.size(false), 1 << 32);
+    assert_eq!(
+        r.size(false),
+        (1 << 32) - 2,
+        "network and broadcast reserved"
+    );
     let r = AddressRange::parse("::/0").unwrap();
     assert_eq!(r.size(false), u128::MAX, "saturates instead of overflowing");
 }
@@ -211,6 +215,68 @@ fn size_matches_iteration_with_and_without_avoid() {
                 for a in pool.addresses() {
                     assert!(pool.contains(a));
                 }
+            }
+        }
+    }
+}
+
+#[test]
+fn ipv4_cidrs_of_slash_30_or_shorter_keep_their_first_and_last_address() {
+    let all = |entry: &str| -> Vec<IpAddr> {
+        Pool::parse("p", &spec(&[entry]))
+            .unwrap()
+            .addresses()
+            .collect()
+    };
+    let sixteen = |first: &str| {
+        let first: Ipv4Addr = first.parse().unwrap();
+        (0..16)
+            .map(|i| IpAddr::V4((u32::from(first) + i).into()))
+            .collect::<Vec<_>>()
+    };
+    // The network and broadcast address of a /28 are not handed out...
+    assert_eq!(all("192.0.2.0/28"), sixteen("192.0.2.0")[1..15].to_vec());
+    assert_eq!(all("192.0.2.0/30"), ips(&["192.0.2.1", "192.0.2.2"]));
+    // ...a /31 and a /32 have neither (RFC 3021)...
+    assert_eq!(all("192.0.2.0/31"), ips(&["192.0.2.0", "192.0.2.1"]));
+    assert_eq!(all("192.0.2.7/32"), ips(&["192.0.2.7"]));
+    // ...a range is taken as written, and IPv6 has no broadcast address.
+    assert_eq!(all("192.0.2.0-192.0.2.15"), sixteen("192.0.2.0"));
+    assert_eq!(all("2001:db8::/126").len(), 4);
+    assert_eq!(all("2001:db8::/126")[0], ip("2001:db8::"));
+
+    let pool = Pool::parse("p", &spec(&["192.0.2.0/28"])).unwrap();
+    assert_eq!(pool.size(), 14);
+    assert!(!pool.contains(ip("192.0.2.0")) && !pool.contains(ip("192.0.2.15")));
+    assert!(pool.contains(ip("192.0.2.1")) && pool.contains(ip("192.0.2.14")));
+    // With avoidBuggyIPs the edges of a /24 are counted once.
+    let mut s = spec(&["192.0.2.0/24", "198.51.100.128/25"]);
+    s.avoid_buggy_ips = true;
+    let pool = Pool::parse("p", &s).unwrap();
+    assert_eq!(pool.size(), 254 + 126);
+    assert_eq!(pool.size(), pool.addresses().count() as u64);
+    assert_eq!(pool.addresses().nth(254), Some(ip("198.51.100.129")));
+}
+
+#[test]
+fn size_matches_iteration_for_cidrs() {
+    for prefix in 20..=32 {
+        for base in ["192.0.2.0", "10.0.0.0", "255.255.255.0"] {
+            let base: Ipv4Addr = base.parse().unwrap();
+            let mask = u32::MAX.checked_shl(32 - prefix).unwrap_or(0);
+            let entry = format!("{}/{prefix}", Ipv4Addr::from(u32::from(base) & mask));
+            for avoid in [false, true] {
+                let mut s = spec(&[&entry]);
+                s.avoid_buggy_ips = avoid;
+                let Ok(pool) = Pool::parse("p", &s) else {
+                    assert!(avoid && prefix == 32, "{entry} avoid={avoid}");
+                    continue;
+                };
+                assert_eq!(
+                    pool.size(),
+                    pool.addresses().count() as u64,
+                    "{entry} avoid={avoid}"
+                );
             }
         }
     }
@@ -354,12 +420,42 @@ fn hands_out_the_first_free_addresses_oldest_service_first() {
 
 #[test]
 fn avoid_buggy_ips_changes_the_first_address() {
-    let mut s = spec(&["192.0.2.0/24"]);
+    // A range is taken as written: its .0 is handed out unless avoided.
+    let mut s = spec(&["192.0.2.0-192.0.2.255"]);
     let a = allocate(&[svc("a", 1)], &pools(&[("p", s.clone())]));
     assert_eq!(decision(&a, "a").addresses, ips(&["192.0.2.0"]));
     s.avoid_buggy_ips = true;
     let a = allocate(&[svc("a", 1)], &pools(&[("p", s)]));
     assert_eq!(decision(&a, "a").addresses, ips(&["192.0.2.1"]));
+}
+
+#[test]
+fn a_cidr_pool_hands_out_neither_its_network_nor_its_broadcast_address() {
+    let p = one_pool(&["192.0.2.0/30"]);
+    let alloc = allocate(&[svc("a", 1), svc("b", 2), svc("c", 3)], &p);
+    assert_eq!(decision(&alloc, "a").addresses, ips(&["192.0.2.1"]));
+    assert_eq!(decision(&alloc, "b").addresses, ips(&["192.0.2.2"]));
+    assert_eq!(reason(&alloc, "c"), Some(FailureReason::PoolExhausted));
+
+    // Nor on request, and the failure says why.
+    let mut d = svc("d", 4);
+    d.requested = ips(&["192.0.2.3"]);
+    let alloc = allocate(&[d], &p);
+    let failure = decision(&alloc, "d").failure.clone().unwrap();
+    assert_eq!(failure.reason, FailureReason::AddressNotInPool);
+    assert!(
+        failure.message.contains("network or broadcast address"),
+        "{}",
+        failure.message
+    );
+
+    // One handed out before the rule is kept: an upgrade moves no Service.
+    let mut e = svc("e", 5);
+    e.current = ips(&["192.0.2.0"]);
+    let alloc = allocate(&[e], &p);
+    assert_eq!(decision(&alloc, "e").addresses, ips(&["192.0.2.0"]));
+    assert_eq!(decision(&alloc, "e").failure, None);
+    assert_eq!(alloc.in_use["main"], 1);
 }
 
 #[test]
@@ -741,7 +837,7 @@ fn require_dual_stack_without_a_second_family_pool_is_no_family() {
     assert_eq!(reason(&alloc, "a"), Some(FailureReason::NoFamily));
     assert_eq!(decision(&alloc, "a").addresses, ips(&[]));
     // The IPv4 address a could not use went to b.
-    assert_eq!(decision(&alloc, "b").addresses, ips(&["192.0.2.0"]));
+    assert_eq!(decision(&alloc, "b").addresses, ips(&["192.0.2.1"]));
 }
 
 #[test]
@@ -754,7 +850,7 @@ fn requests_per_family_with_the_other_family_automatic() {
     let alloc = allocate(&[a], &p);
     assert_eq!(
         decision(&alloc, "a").addresses,
-        ips(&["192.0.2.0", "2001:db8::42"])
+        ips(&["192.0.2.1", "2001:db8::42"])
     );
 }
 
@@ -800,7 +896,7 @@ fn a_deleted_pool_releases_its_addresses() {
     let mut a = svc("a", 1);
     a.current = ips(&["192.0.2.1"]);
     let alloc = allocate(&[a], &p);
-    assert_eq!(decision(&alloc, "a").addresses, ips(&["198.51.100.0"]));
+    assert_eq!(decision(&alloc, "a").addresses, ips(&["198.51.100.1"]));
 }
 
 #[test]
@@ -1001,13 +1097,13 @@ fn a_team_pool_serves_only_its_namespaces_and_comes_before_the_default() {
             .addresses
             .clone()
     };
-    assert_eq!(got("team-a", "web"), ips(&["198.51.100.0"]));
+    assert_eq!(got("team-a", "web"), ips(&["198.51.100.1"]));
     assert_eq!(
         got("shop", "web"),
         ips(&["192.0.2.10"]),
         "the catch-all pool"
     );
-    assert_eq!(got("team-b", "web"), ips(&["203.0.113.0"]));
+    assert_eq!(got("team-b", "web"), ips(&["203.0.113.1"]));
     assert_eq!(
         got("team-b", "private"),
         ips(&["192.0.2.11"]),
