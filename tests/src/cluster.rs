@@ -762,10 +762,16 @@ impl Cluster {
         );
         let manifest = docs.join("\n---\n");
         let out = self.kubectl_with_input(&["apply", "-f", "-"], Some(manifest.as_bytes()));
+        let stderr = String::from_utf8_lossy(&out.stderr);
         assert!(
             out.status.success(),
-            "applying the chart's identity: {}",
-            String::from_utf8_lossy(&out.stderr)
+            "applying the chart's identity: {stderr}"
+        );
+        // The API server's warnings (e.g. a CRD format it does not know)
+        // are what `helm install` shows users.
+        assert!(
+            !stderr.contains("Warning:"),
+            "the API server warned about the chart's identity objects:\n{stderr}"
         );
         self.kubectl_ok(&[
             "wait",

@@ -82,8 +82,12 @@ fn default_true() -> bool {
 #[serde(rename_all = "camelCase")]
 pub struct LoadBalancerPoolStatus {
     /// Addresses the pool can hand out (capped at 2^32 for large IPv6 ranges).
+    // schemars says `uint64`, a format Kubernetes does not know (helm
+    // warns); int64 with schemars' `minimum: 0` is what it validates.
+    #[schemars(extend("format" = "int64"))]
     pub size: u64,
     /// Addresses Services hold now.
+    #[schemars(extend("format" = "int64"))]
     pub in_use: u64,
     /// Why the spec is unusable, when it is (e.g. a malformed CIDR).
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -106,6 +110,79 @@ mod tests {
         );
         let v = &crd.spec.versions[0];
         assert!(v.subresources.as_ref().unwrap().status.is_some());
+    }
+
+    /// The formats kube-apiserver validates (apiextensions-apiserver's
+    /// `pkg/apiserver/validation/formats.go`); any other is warned about.
+    const KNOWN_FORMATS: &[&str] = &[
+        "bsonobjectid",
+        "uri",
+        "email",
+        "hostname",
+        "ipv4",
+        "ipv6",
+        "cidr",
+        "mac",
+        "uuid",
+        "uuid3",
+        "uuid4",
+        "uuid5",
+        "isbn",
+        "isbn10",
+        "isbn13",
+        "creditcard",
+        "ssn",
+        "hexcolor",
+        "rgbcolor",
+        "byte",
+        "password",
+        "date",
+        "duration",
+        "datetime",
+        "date-time",
+        "int32",
+        "int64",
+        "float",
+        "double",
+    ];
+
+    fn formats(v: &serde_json::Value, at: String, out: &mut Vec<(String, String)>) {
+        match v {
+            serde_json::Value::Object(m) => {
+                for (k, v) in m {
+                    match (k.as_str(), v) {
+                        ("format", serde_json::Value::String(f)) => {
+                            out.push((at.clone(), f.clone()))
+                        }
+                        _ => formats(v, format!("{at}.{k}"), out),
+                    }
+                }
+            }
+            serde_json::Value::Array(a) => {
+                for (i, v) in a.iter().enumerate() {
+                    formats(v, format!("{at}[{i}]"), out);
+                }
+            }
+            _ => {}
+        }
+    }
+
+    #[test]
+    fn the_crd_uses_only_formats_kubernetes_knows() {
+        let crd = serde_json::to_value(LoadBalancerPool::crd()).unwrap();
+        let mut found = Vec::new();
+        formats(&crd, String::new(), &mut found);
+        let unknown: Vec<_> = found
+            .iter()
+            .filter(|(_, f)| !KNOWN_FORMATS.contains(&f.as_str()))
+            .collect();
+        assert!(unknown.is_empty(), "unknown formats: {unknown:?}");
+        let status = &crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]
+            ["status"]["properties"];
+        for field in ["size", "inUse"] {
+            assert_eq!(status[field]["format"], "int64", "{field}");
+            assert_eq!(status[field]["minimum"].as_f64(), Some(0.0), "{field}");
+        }
     }
 
     #[test]
