@@ -363,3 +363,17 @@ fn the_flow_table_opens_without_cap_sys_admin() {
     .expect("thread without CAP_SYS_ADMIN");
     drop(dp);
 }
+
+/// The start-up check asks the kernel about bpf_loop when the release says
+/// it is older than 5.17 (a distribution kernel with backports): the probe
+/// must find it on a kernel that has it.
+#[test]
+fn the_kernel_check_finds_bpf_loop_on_this_kernel() {
+    use lb_agent::dataplane::kernel;
+    let release = kernel::running_release();
+    assert!(
+        kernel::parse_release(&release).is_some_and(|v| v >= kernel::MINIMUM),
+        "{release}"
+    );
+    assert!(kernel::has_bpf_loop(), "bpf_loop probe on {release}");
+}

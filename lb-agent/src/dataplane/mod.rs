@@ -8,6 +8,7 @@ mod alloc;
 mod compiled;
 mod flow_limit;
 mod handoff;
+pub mod kernel;
 mod macs;
 mod pins;
 mod reverse;
@@ -139,9 +140,39 @@ pub enum DataplaneError {
     NoBpffs(PathBuf),
     #[error("pinned state is inconsistent: {0} (run `lb-agent --cleanup` to start afresh)")]
     Adopt(String),
+    #[error(
+        "this kernel is Linux {release} ({running}); xlb needs Linux {} or newer: its XDP \
+         program calls bpf_loop, which this kernel does not have",
+        kernel::MINIMUM
+    )]
+    KernelTooOld {
+        release: String,
+        running: kernel::KernelVersion,
+    },
 }
 
 type Result<T, E = DataplaneError> = std::result::Result<T, E>;
+
+/// Refuses a kernel the program cannot load on, by name, before the
+/// verifier would refuse it with a log.
+fn check_kernel() -> Result<()> {
+    let release = kernel::running_release();
+    match kernel::decide(&release, kernel::has_bpf_loop) {
+        kernel::Verdict::Fits => {}
+        kernel::Verdict::Backported(v) => log::info!(
+            "kernel {release} reports {v}, older than {}, but has bpf_loop: loading",
+            kernel::MINIMUM
+        ),
+        kernel::Verdict::Unknown => log::warn!(
+            "kernel release {release:?} does not parse; xlb needs Linux {} or newer",
+            kernel::MINIMUM
+        ),
+        kernel::Verdict::TooOld(running) => {
+            return Err(DataplaneError::KernelTooOld { release, running })
+        }
+    }
+    Ok(())
+}
 
 fn map_err(name: &'static str) -> impl FnOnce(MapError) -> DataplaneError {
     move |source| DataplaneError::Map { name, source }
@@ -315,6 +346,7 @@ impl Dataplane {
     /// As [`Dataplane::open`], with the sizes of the maps that the config
     /// sizes. Pinned maps keep the size they were created with.
     pub fn open_with(pin_dir: Option<&Path>, sizes: MapSizes) -> Result<Self> {
+        check_kernel()?;
         let mut loader = EbpfLoader::new();
         loader.map_max_entries(names::MAGLEV, sizes.maglev_pool_entries);
         loader.map_max_entries(names::FLOWS, sizes.flow_table_entries);
