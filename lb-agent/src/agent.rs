@@ -64,6 +64,8 @@ pub struct Agent {
     /// Service names and health by key, read by the metrics snapshot.
     labels: Arc<Mutex<Labels>>,
     attached: BTreeSet<String>,
+    /// The `xdp_mode` the interfaces in `attached` were attached with.
+    attached_mode: Option<XdpAttachMode>,
     /// Announcing VIPs through the BGP speaker, when configured.
     announce: Option<AnnounceTask>,
     /// Answering ARP/NDP for the VIPs (L2 mode), when configured.
@@ -189,6 +191,7 @@ impl Agent {
             ready,
             labels,
             attached: BTreeSet::new(),
+            attached_mode: None,
             announce: None,
             l2: None,
             l2_members: None,
@@ -578,12 +581,34 @@ impl Agent {
     fn apply_config(&mut self) -> anyhow::Result<()> {
         {
             let mut dp = self.dp.lock().expect("data plane lock");
+            // A changed mode re-attaches every interface (`attach` replaces
+            // a link of the other mode).
+            if self.attached_mode != Some(self.config.xdp_mode) {
+                self.attached.clear();
+                self.attached_mode = Some(self.config.xdp_mode);
+            }
+            // Interfaces no longer listed, also those pinned by an earlier
+            // agent: left attached, redirects to them would vanish.
+            let gone: BTreeSet<String> = self
+                .attached
+                .iter()
+                .cloned()
+                .chain(dp.pinned_interfaces())
+                .filter(|i| !self.config.interfaces.contains(i))
+                .collect();
+            for iface in gone {
+                dp.detach(&iface)
+                    .with_context(|| format!("detaching from {iface}"))?;
+                info!(interface = %iface, "XDP program detached: no longer in interfaces");
+                self.attached.remove(&iface);
+            }
             for iface in &self.config.interfaces {
                 if !self.attached.contains(iface) {
-                    dp.attach(iface, xdp_mode(self.config.xdp_mode))
+                    let mode = dp
+                        .attach(iface, xdp_mode(self.config.xdp_mode))
                         .with_context(|| format!("attaching to {iface}"))?;
                     accept_local(iface);
-                    info!(interface = %iface, "XDP program attached");
+                    info!(interface = %iface, ?mode, "XDP program attached");
                     if crate::netif::driver(iface).is_ok_and(|d| d == "veth") {
                         warn!(
                             interface = %iface,

@@ -164,8 +164,86 @@ fn accept_local_request(ifindex: u32, on: bool) -> Vec<u8> {
     msg
 }
 
+/// How XDP is attached to an interface, as `IFLA_XDP_ATTACHED` says
+/// (linux/if_link.h `XDP_ATTACHED_*`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum XdpAttached {
+    None,
+    /// Driver (native) mode.
+    Driver,
+    /// Generic (skb) mode.
+    Generic,
+    /// Offloaded to the NIC, or more than one mode at once.
+    Other,
+}
+
+/// linux/if_link.h: `IFLA_XDP` and `IFLA_XDP_ATTACHED` inside it.
+const IFLA_XDP: u16 = 43;
+const IFLA_XDP_ATTACHED: u16 = 2;
+
+/// How XDP is attached to `ifindex` in the caller's network namespace.
+pub fn xdp_attached(ifindex: u32) -> io::Result<XdpAttached> {
+    let mut msg = Vec::with_capacity(32);
+    msg.extend_from_slice(&32u32.to_ne_bytes());
+    msg.extend_from_slice(&libc::RTM_GETLINK.to_ne_bytes());
+    msg.extend_from_slice(&(libc::NLM_F_REQUEST as u16).to_ne_bytes());
+    msg.extend_from_slice(&1u32.to_ne_bytes());
+    msg.extend_from_slice(&0u32.to_ne_bytes());
+    // struct ifinfomsg
+    msg.extend_from_slice(&[libc::AF_UNSPEC as u8, 0]);
+    msg.extend_from_slice(&0u16.to_ne_bytes());
+    msg.extend_from_slice(&(ifindex as i32).to_ne_bytes());
+    msg.extend_from_slice(&0u32.to_ne_bytes());
+    msg.extend_from_slice(&0u32.to_ne_bytes());
+    let reply = rtnetlink_exchange(&msg)?;
+    parse_xdp_attached(&reply)
+}
+
+/// Attributes (kind without flag bits, payload) of a netlink attribute list.
+fn attrs(mut buf: &[u8]) -> impl Iterator<Item = (u16, &[u8])> {
+    std::iter::from_fn(move || {
+        if buf.len() < 4 {
+            return None;
+        }
+        let len = u16::from_ne_bytes([buf[0], buf[1]]) as usize;
+        let kind = u16::from_ne_bytes([buf[2], buf[3]]) & 0x3fff;
+        if len < 4 || len > buf.len() {
+            return None;
+        }
+        let payload = &buf[4..len];
+        buf = &buf[len.next_multiple_of(4).min(buf.len())..];
+        Some((kind, payload))
+    })
+}
+
+/// The RTM_NEWLINK reply's `IFLA_XDP { IFLA_XDP_ATTACHED }`.
+fn parse_xdp_attached(reply: &[u8]) -> io::Result<XdpAttached> {
+    if reply.len() >= 16 && u16::from_ne_bytes([reply[4], reply[5]]) == libc::NLMSG_ERROR as u16 {
+        parse_ack(reply)?;
+    }
+    if reply.len() < 32 || u16::from_ne_bytes([reply[4], reply[5]]) != libc::RTM_NEWLINK {
+        return Err(io::Error::other("unexpected reply to RTM_GETLINK"));
+    }
+    let len =
+        (u32::from_ne_bytes([reply[0], reply[1], reply[2], reply[3]]) as usize).min(reply.len());
+    let Some((_, xdp)) = attrs(&reply[32..len]).find(|(k, _)| *k == IFLA_XDP) else {
+        return Ok(XdpAttached::None);
+    };
+    Ok(match attrs(xdp).find(|(k, _)| *k == IFLA_XDP_ATTACHED) {
+        Some((_, [0, ..])) | None => XdpAttached::None,
+        Some((_, [1, ..])) => XdpAttached::Driver,
+        Some((_, [2, ..])) => XdpAttached::Generic,
+        Some(_) => XdpAttached::Other,
+    })
+}
+
 /// Sends one request on a fresh NETLINK_ROUTE socket and reads the ack.
 fn rtnetlink_request(request: &[u8]) -> io::Result<()> {
+    parse_ack(&rtnetlink_exchange(request)?)
+}
+
+/// Sends one request on a fresh NETLINK_ROUTE socket; the first reply.
+fn rtnetlink_exchange(request: &[u8]) -> io::Result<Vec<u8>> {
     // SAFETY: plain socket calls on a descriptor owned by this function;
     // buffers are valid for the lengths passed.
     unsafe {
@@ -191,12 +269,15 @@ fn rtnetlink_request(request: &[u8]) -> io::Result<()> {
             if sent < 0 {
                 return Err(io::Error::last_os_error());
             }
-            let mut reply = [0u8; 4096];
+            // A link's attributes (statistics, per-family settings) take
+            // a few KiB.
+            let mut reply = vec![0u8; 64 * 1024];
             let n = libc::recv(fd, reply.as_mut_ptr().cast(), reply.len(), 0);
             if n < 0 {
                 return Err(io::Error::last_os_error());
             }
-            parse_ack(&reply[..n as usize])
+            reply.truncate(n as usize);
+            Ok(reply)
         })();
         libc::close(fd);
         result

@@ -1131,3 +1131,115 @@ fn agent_runs_with_only_the_charts_capabilities() {
         );
     }
 }
+
+// ---------------------------------------------------------------------------
+// Interfaces that come, go and change mode.
+
+/// How XDP sits on `iface` in the LB namespace, as `ip link` shows it:
+/// `xdp` (native), `xdpgeneric`, or None.
+fn xdp_on(t: &Topology, iface: &str) -> Option<String> {
+    let out = t.output_in(&t.lb, "ip", &["link", "show", "dev", iface]);
+    assert!(out.status.success(), "ip link show {iface}");
+    String::from_utf8_lossy(&out.stdout)
+        .split_whitespace()
+        .find(|w| w.starts_with("xdp"))
+        .map(str::to_string)
+}
+
+/// The ifindexes `TX_PORTS` lets the program redirect to.
+fn tx_ports(t: &Topology) -> Vec<u64> {
+    let out = Command::new("bpftool")
+        .args(["-j", "map", "dump", "pinned"])
+        .arg(t.pin_dir.join("TX_PORTS"))
+        .output()
+        .expect("bpftool");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+    v.as_array()
+        .unwrap()
+        .iter()
+        .map(|e| match &e["key"] {
+            Value::Number(n) => n.as_u64().unwrap(),
+            // Without BTF: the key's bytes, little-endian, as "0x05".
+            Value::Array(bytes) => bytes.iter().rev().fold(0, |acc, b| {
+                acc << 8
+                    | u64::from_str_radix(b.as_str().unwrap().trim_start_matches("0x"), 16).unwrap()
+            }),
+            other => panic!("TX_PORTS key {other}"),
+        })
+        .collect()
+}
+
+fn ifindex_in(t: &Topology, iface: &str) -> u64 {
+    let out = t.output_in(&t.lb, "ip", &["-j", "link", "show", "dev", iface]);
+    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+    v[0]["ifindex"].as_u64().expect("an ifindex")
+}
+
+/// A Linux bridge cannot take native XDP: the agent attaches it in generic
+/// mode and says so, instead of crash-looping, and does not redirect to it.
+/// Interfaces removed from the file are detached on reload (link, pin and
+/// redirects). `xdp_mode` changed by a reload or across a restart replaces
+/// the pinned links of the other mode.
+#[test]
+fn interfaces_fall_back_are_detached_and_change_mode() {
+    let mut t = Topology::new("e2if", 1);
+    t.lb.run("ip link add xbr0 type bridge && ip link set xbr0 up");
+    t.lb.run(
+        "ip link add xve0 type veth peer name xve1 && ip link set xve0 up && ip link set xve1 up",
+    );
+    let cfg = |ifaces: &str, mode: &str| {
+        format!(
+            "interfaces: [lbc, lbb1{ifaces}]\nxdp_mode: {mode}\nsnat_ipv4: {LB_CLIENT_SIDE}\nservices:\n{}",
+            web("nat", &[(1, 1)], "")
+        )
+    };
+    let mut agent = t.start_agent(&cfg(", xbr0, xve0", "native"));
+    assert!(
+        agent.log().contains("xbr0 cannot take native XDP"),
+        "{}",
+        agent.log()
+    );
+    assert_eq!(xdp_on(&t, "xbr0").as_deref(), Some("xdpgeneric"));
+    assert_eq!(xdp_on(&t, "xve0").as_deref(), Some("xdp"));
+    assert_eq!(xdp_on(&t, "lbc").as_deref(), Some("xdp"));
+    let (br, ve) = (ifindex_in(&t, "xbr0"), ifindex_in(&t, "xve0"));
+    let ports = tx_ports(&t);
+    assert!(!ports.contains(&br) && ports.contains(&ve), "{ports:?}");
+    assert_eq!(count(&requests(&t, 10)).len(), 1);
+
+    // Reload without them: detached, unpinned, no redirects to them.
+    agent.write_config(&cfg("", "native"));
+    agent.wait_for_log("no longer in interfaces", 2, Duration::from_secs(10));
+    for iface in ["xbr0", "xve0"] {
+        assert_eq!(xdp_on(&t, iface), None, "{iface}");
+        assert!(!t.pin_dir.join(format!("link_{iface}")).exists(), "{iface}");
+    }
+    assert!(!tx_ports(&t).contains(&ve));
+
+    // generic by reload: the native links are replaced.
+    agent.write_config(&cfg("", "generic"));
+    agent.wait_for_log("is configured: replacing it", 2, Duration::from_secs(10));
+    for iface in ["lbc", "lbb1"] {
+        assert_eq!(xdp_on(&t, iface).as_deref(), Some("xdpgeneric"), "{iface}");
+    }
+    assert_eq!(count(&requests(&t, 10)).len(), 1);
+
+    // native again across a restart (an upgrade changing the value).
+    agent.sigterm_and_wait();
+    let agent = t.start_agent(&cfg("", "native"));
+    assert_eq!(
+        agent.log().matches("is configured: replacing it").count(),
+        2,
+        "{}",
+        agent.log()
+    );
+    for iface in ["lbc", "lbb1"] {
+        assert_eq!(xdp_on(&t, iface).as_deref(), Some("xdp"), "{iface}");
+    }
+    assert_eq!(count(&requests(&t, 10)).len(), 1);
+}

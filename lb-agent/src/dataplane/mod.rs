@@ -27,7 +27,7 @@ use aya::{
     maps::{lpm_trie::LpmTrie, Array, DevMapHash, HashMap, Map, MapData, MapError, PerCpuArray},
     programs::{
         links::{FdLink, PinnedLink},
-        xdp::XdpLink,
+        xdp::{XdpLink, XdpLinkId},
         ProgramError, Xdp, XdpMode,
     },
     Ebpf, EbpfLoader,
@@ -54,6 +54,7 @@ use self::{
     write::{Ids, Placement, Reservation},
 };
 use crate::maps::{self as reads, MaglevPool};
+use crate::netif::XdpAttached;
 
 /// The sizes of the maps the config can size (entries).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -298,6 +299,8 @@ pub struct Dataplane {
     /// `BACKEND_REVERSE` as written.
     reverse: BTreeMap<ReverseKey, ReverseNat>,
     pin_dir: Option<PathBuf>,
+    /// Attachments without a pin directory, by interface (for `detach`).
+    unpinned_links: BTreeMap<String, XdpLinkId>,
     logger: Option<aya_log::EbpfLogger<&'static dyn log::Log>>,
 }
 
@@ -470,6 +473,7 @@ impl Dataplane {
             ports: vec![0; 65536],
             reverse: BTreeMap::new(),
             pin_dir,
+            unpinned_links: BTreeMap::new(),
             logger: None,
         };
         if dp
@@ -525,7 +529,13 @@ impl Dataplane {
     /// directory the attachment is a BPF link pinned as `link_<iface>`: it
     /// outlives the agent (forwarding goes on while it restarts), and a new
     /// agent swaps its program in atomically (`BPF_LINK_UPDATE`).
-    pub fn attach(&mut self, iface: &str, mode: XdpMode) -> Result<()> {
+    ///
+    /// An interface that cannot take native XDP (a Linux bridge: no
+    /// `ndo_bpf`) is attached in generic mode instead, with a warning, and
+    /// takes no redirects: a driver-mode program's frames cannot be handed
+    /// to a device without `ndo_xdp_xmit`, so the kernel forwards to it.
+    /// Returns the mode it attached in.
+    pub fn attach(&mut self, iface: &str, mode: XdpMode) -> Result<XdpMode> {
         let ifindex = crate::netif::ifindex(iface)
             .ok_or_else(|| DataplaneError::NoInterface(iface.to_string()))?;
         // Before the program runs there: it acts only on frames to this MAC.
@@ -534,9 +544,37 @@ impl Dataplane {
             .pin_dir
             .as_ref()
             .map(|d| d.join(format!("link_{iface}")));
+        let now = crate::netif::xdp_attached(ifindex).ok();
+        let other_mode = matches!(
+            (mode, now),
+            (XdpMode::Skb, Some(XdpAttached::Driver))
+                | (XdpMode::Driver, Some(XdpAttached::Generic))
+        );
+        if let Some(pin) = link_pin.as_ref().filter(|p| p.exists() && other_mode) {
+            // A link keeps the mode it was created in: replace it. The
+            // kernel allows one mode at a time, so the interface is without
+            // XDP for the moment between the two.
+            log::info!(
+                "the pinned XDP link of {iface} is in {} mode, {} is configured: replacing it",
+                if now == Some(XdpAttached::Driver) {
+                    "native"
+                } else {
+                    "generic"
+                },
+                if mode == XdpMode::Driver {
+                    "native"
+                } else {
+                    "generic"
+                },
+            );
+            Self::unpin_link(iface, pin)?;
+        }
         if let Some(pin) = link_pin.as_ref().filter(|p| p.exists()) {
             match self.update_pinned_link(iface, pin) {
-                Ok(()) => return self.allow_redirect(ifindex),
+                Ok(()) => {
+                    self.allow_redirect(ifindex)?;
+                    return Ok(mode);
+                }
                 // The interface the link held was deleted (a namespace or
                 // bond rebuilt, a driver reloaded): the kernel severed the
                 // link. Replace it; the maps, and the flows in them, stay.
@@ -553,9 +591,85 @@ impl Dataplane {
                 Err(e) => return Err(e),
             }
         }
-        match &link_pin {
+        match self.attach_new(iface, link_pin.as_deref(), mode) {
+            Err(DataplaneError::Program(ProgramError::SyscallError(e)))
+                if mode == XdpMode::Driver
+                    && e.io_error.raw_os_error() == Some(libc::EOPNOTSUPP) =>
+            {
+                log::warn!(
+                    "{iface} cannot take native XDP ({}: {}): attached in generic (skb) mode \
+                     instead, which is slower; packets leaving through {iface} go through the \
+                     kernel (set xdp_mode: generic to attach every interface so)",
+                    e.call,
+                    e.io_error
+                );
+                self.attach_new(iface, link_pin.as_deref(), XdpMode::Skb)?;
+                Ok(XdpMode::Skb)
+            }
+            Err(e) => Err(e),
+            Ok(()) => {
+                self.allow_redirect(ifindex)?;
+                Ok(mode)
+            }
+        }
+    }
+
+    /// Detaches from an interface no longer configured: its pinned link
+    /// goes (the program with it) and redirects to it stop.
+    pub fn detach(&mut self, iface: &str) -> Result<()> {
+        if let Some(pin) = self
+            .pin_dir
+            .as_ref()
+            .map(|d| d.join(format!("link_{iface}")))
+        {
+            if pin.exists() {
+                Self::unpin_link(iface, &pin)?;
+            }
+        }
+        if let Some(id) = self.unpinned_links.remove(iface) {
+            self.program_mut().detach(id)?;
+        }
+        if let Some(ifindex) = crate::netif::ifindex(iface) {
+            match self.maps.tx_ports.remove(ifindex) {
+                Ok(()) => {}
+                Err(MapError::SyscallError(e))
+                    if e.io_error.raw_os_error() == Some(libc::ENOENT) => {}
+                Err(e) => return Err(map_err(names::TX_PORTS)(e)),
+            }
+        }
+        Ok(())
+    }
+
+    /// The interfaces with a pinned link (`link_<iface>`).
+    pub fn pinned_interfaces(&self) -> Vec<String> {
+        let Some(entries) = self
+            .pin_dir
+            .as_ref()
+            .and_then(|d| std::fs::read_dir(d).ok())
+        else {
+            return Vec::new();
+        };
+        entries
+            .flatten()
+            .filter_map(|e| Some(e.file_name().to_str()?.strip_prefix("link_")?.to_string()))
+            .collect()
+    }
+
+    /// Removes a link's pin; with the last reference gone the kernel
+    /// detaches it.
+    fn unpin_link(iface: &str, pin: &Path) -> Result<()> {
+        let link = PinnedLink::from_pin(pin)
+            .map_err(|e| DataplaneError::Link(iface.to_string(), e.to_string()))?;
+        link.unpin()
+            .map_err(|e| DataplaneError::Pin(pin.to_path_buf(), e))?;
+        Ok(())
+    }
+
+    /// A new attachment, pinned as `pin` if given.
+    fn attach_new(&mut self, iface: &str, pin: Option<&Path>, mode: XdpMode) -> Result<()> {
+        let id = self.program_mut().attach(iface, mode)?;
+        match pin {
             Some(pin) => {
-                let id = self.program_mut().attach(iface, mode)?;
                 let link = self.program_mut().take_link(id)?;
                 let fd_link = FdLink::try_from(link)
                     .map_err(|e| DataplaneError::Link(iface.to_string(), e.to_string()))?;
@@ -564,10 +678,10 @@ impl Dataplane {
                     .map_err(|e| DataplaneError::Link(iface.to_string(), e.to_string()))?;
             }
             None => {
-                self.program_mut().attach(iface, mode)?;
+                self.unpinned_links.insert(iface.to_string(), id);
             }
         }
-        self.allow_redirect(ifindex)
+        Ok(())
     }
 
     /// Swaps this program into the pinned link `pin` (`BPF_LINK_UPDATE`).
