@@ -217,6 +217,12 @@ impl Allocator {
             term.run(&mut leader).await;
             self.metrics.clear();
             info!("not leading: stopped handing out LoadBalancer addresses");
+            // The elector is gone (the agent is stopping). Its last value
+            // may still be `true`, which `wait_for` would take at once,
+            // again and again.
+            if leader.has_changed().is_err() {
+                return;
+            }
         }
     }
 }

@@ -133,3 +133,25 @@ fn metrics_count_services_without_address_by_reason() {
     assert!(registry.gather().iter().all(|f| f.get_metric().is_empty()));
     assert!(Metrics::register(&registry).is_err(), "registered once");
 }
+
+/// On the way out the elector goes while its last word is "leading": the
+/// allocator must stop, not take that word again and again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn run_returns_when_the_leader_channel_closes_while_leading() {
+    // Never reached: the term ends before its watchers get anywhere.
+    let config = kube::Config::new("http://127.0.0.1:9".parse().unwrap());
+    let client = Client::try_from(config).unwrap();
+    let cfg = AllocatorConfig {
+        load_balancer_class: "xlb.dev/xlb".into(),
+        default_class: false,
+        identity: "test".into(),
+    };
+    let allocator = Allocator::new(client, cfg, &Registry::new()).unwrap();
+    let (tx, rx) = watch::channel(true);
+    drop(tx);
+    let run = tokio::spawn(allocator.run(rx));
+    tokio::time::timeout(std::time::Duration::from_secs(5), run)
+        .await
+        .expect("the allocator kept running after its leader channel closed")
+        .unwrap();
+}
