@@ -374,6 +374,44 @@ mod tests {
 
     use super::*;
 
+    /// An RTM_NEWLINK reply: header, ifinfomsg, IFLA_MTU, then `IFLA_XDP
+    /// { IFLA_XDP_ATTACHED = attached }` if given.
+    fn newlink(attached: Option<u8>) -> Vec<u8> {
+        let mut body = vec![0u8; 16];
+        attr(&mut body, 4, &1500u32.to_ne_bytes());
+        if let Some(a) = attached {
+            let mut xdp = Vec::new();
+            attr(&mut xdp, IFLA_XDP_ATTACHED, &[a]);
+            attr(&mut xdp, 4, &42u32.to_ne_bytes());
+            attr(&mut body, IFLA_XDP | NLA_F_NESTED, &xdp);
+        }
+        let mut msg = Vec::new();
+        msg.extend_from_slice(&((16 + body.len()) as u32).to_ne_bytes());
+        msg.extend_from_slice(&libc::RTM_NEWLINK.to_ne_bytes());
+        msg.extend_from_slice(&[0; 10]);
+        msg.extend_from_slice(&body);
+        msg
+    }
+
+    #[test]
+    fn reads_the_xdp_mode_of_a_link() {
+        for (attached, want) in [
+            (None, XdpAttached::None),
+            (Some(0), XdpAttached::None),
+            (Some(1), XdpAttached::Driver),
+            (Some(2), XdpAttached::Generic),
+            (Some(4), XdpAttached::Other),
+        ] {
+            assert_eq!(parse_xdp_attached(&newlink(attached)).unwrap(), want);
+        }
+        // The kernel's answer for loopback, which has no XDP program.
+        assert_eq!(
+            xdp_attached(ifindex("lo").unwrap()).unwrap(),
+            XdpAttached::None
+        );
+        assert!(xdp_attached(u32::MAX).is_err());
+    }
+
     #[test]
     fn the_request_nests_the_setting_as_the_kernel_expects() {
         let msg = accept_local_request(7, true);
