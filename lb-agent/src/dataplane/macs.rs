@@ -54,6 +54,15 @@ impl InterfaceMacs {
         Ok(true)
     }
 
+    /// Forgets `iface` (it was detached): no longer re-read, its slot freed.
+    pub(super) fn forget(&mut self, iface: &str) -> Result<()> {
+        if let Some((index, _)) = self.known.get(iface).copied() {
+            self.remove(index)?;
+            self.known.remove(iface);
+        }
+        Ok(())
+    }
+
     /// Reads every known interface again: the names whose index or MAC changed.
     pub(super) fn refresh(&mut self) -> Result<Vec<String>> {
         let names: Vec<String> = self.known.keys().cloned().collect();

@@ -637,7 +637,7 @@ impl Dataplane {
                 Err(e) => return Err(map_err(names::TX_PORTS)(e)),
             }
         }
-        Ok(())
+        self.maps.iface_macs.forget(iface)
     }
 
     /// The interfaces with a pinned link (`link_<iface>`).
