@@ -393,6 +393,38 @@ mod tests {
         msg
     }
 
+    /// An IPv6-only interface: L2 membership and the flow exchange take
+    /// its global IPv6 address; with an IPv4 address too, the IPv4 one.
+    /// (Root: a network namespace of the test thread's own.)
+    #[test]
+    fn an_ipv6_only_interface_is_known_by_its_ipv6_address() {
+        std::thread::spawn(|| {
+            // SAFETY: unshares this thread's network namespace only.
+            assert_eq!(
+                unsafe { libc::unshare(libc::CLONE_NEWNET) },
+                0,
+                "unshare (root needed)"
+            );
+            let sh = |cmd: &str| {
+                let ok = std::process::Command::new("sh")
+                    .args(["-c", cmd])
+                    .status()
+                    .is_ok_and(|s| s.success());
+                assert!(ok, "{cmd}");
+            };
+            sh(
+                "ip link add v0 type veth peer name v1 && ip addr add fe80::5/64 dev v0 && \
+                ip addr add fd00::5/64 dev v0 nodad && ip link set v0 up",
+            );
+            assert_eq!(node_address("v0"), Some("fd00::5".parse().unwrap()));
+            sh("ip addr add 10.0.0.5/24 dev v0");
+            assert_eq!(node_address("v0"), Some("10.0.0.5".parse().unwrap()));
+            assert_eq!(node_address("v1"), None, "no address at all");
+        })
+        .join()
+        .expect("test thread");
+    }
+
     #[test]
     fn reads_the_xdp_mode_of_a_link() {
         for (attached, want) in [

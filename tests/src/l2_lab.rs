@@ -525,6 +525,44 @@ impl L2Lab {
 /// Per client port, the SYN-ACKs seen: (sequence number, sender MAC).
 pub type SynAcks = BTreeMap<u16, BTreeSet<(u32, [u8; 6])>>;
 
+impl L2Lab {
+    /// Opens `n` keep-alive connections to `addr` from the client, one
+    /// request each, and waits (at most 10 s) until every node but `owner`
+    /// holds their flows: the owner's periodic push has reached them.
+    pub fn keepalive_held(
+        &self,
+        addr: SocketAddr,
+        n: usize,
+        owner: usize,
+    ) -> Result<Vec<crate::topology::HttpConn>, String> {
+        let mut conns = Vec::new();
+        for _ in 0..n {
+            let mut c = crate::topology::HttpConn::connect_in(&self.client, addr)
+                .map_err(|e| format!("keep-alive connection: {e}"))?;
+            c.get().map_err(|e| format!("first request: {e}"))?;
+            conns.push(c);
+        }
+        let clients: BTreeSet<String> = conns
+            .iter()
+            .filter_map(|c| c.stream.local_addr().ok())
+            .map(|a| a.to_string())
+            .collect();
+        for other in (1..=3).filter(|i| *i != owner) {
+            poll_until(Duration::from_secs(10), Duration::from_millis(100), || {
+                let ct = self.nodes[other - 1].lbctl_json(&["conntrack"]);
+                let held = ct["entries"].as_array().map_or(0, |e| {
+                    e.iter()
+                        .filter(|f| f["client"].as_str().is_some_and(|c| clients.contains(c)))
+                        .count()
+                });
+                (held == n).then_some(()).ok_or(held)
+            })
+            .map_err(|held| format!("node {other} holds {held} of the {n} flows"))?;
+        }
+        Ok(conns)
+    }
+}
+
 /// A running [`L2Lab::watch_synacks`].
 pub struct SynAckWatch {
     stop: Arc<AtomicBool>,

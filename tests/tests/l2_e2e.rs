@@ -13,7 +13,7 @@ use serde_json::json;
 use xlb_tests::{
     cluster::{Cluster, Pod, AGENT_NAMESPACE, API_HOST},
     l2_lab::{node_of, node_v4, vip, ArpWatch, L2Lab, BACKEND_V4, VIP6, VIPS},
-    topology::{in_netns, HttpConn},
+    topology::in_netns,
     traffic::poll_until,
 };
 
@@ -361,38 +361,13 @@ fn keep_alive_connections_survive_a_stop_a_crash_and_a_cut_of_their_owner() {
     lab.start_all();
     let addr = SocketAddr::from((vip(0), 80));
     let first = lab.wait_owner(vip(0), Duration::from_secs(10));
-    let open = |lab: &L2Lab| {
-        let mut c = HttpConn::connect_in(&lab.client, addr).expect("keep-alive connection");
-        assert_eq!(c.get().expect("first request"), "b1");
-        c
-    };
-    let mut conns: Vec<HttpConn> = (0..30).map(|_| open(&lab)).collect();
     // Per event: connections reset at the takeover, and once the VIP is back.
     let mut table = Vec::new();
     for event in ["SIGTERM", "SIGKILL", "link cut"] {
-        // The other nodes hold the 30 flows before the event: the owner's
-        // periodic push has reached them.
-        let clients: BTreeSet<String> = conns
-            .iter()
-            .map(|c| c.stream.local_addr().unwrap().to_string())
-            .collect();
-        for other in (1..=3).filter(|n| *n != first) {
-            poll_until(Duration::from_secs(10), Duration::from_millis(100), || {
-                let ct = lab.nodes[other - 1].lbctl_json(&["conntrack"]);
-                let held = ct["entries"].as_array().map_or(0, |e| {
-                    e.iter()
-                        .filter(|f| f["client"].as_str().is_some_and(|c| clients.contains(c)))
-                        .count()
-                });
-                (held == 30).then_some(()).ok_or(held)
-            })
-            .unwrap_or_else(|held| {
-                panic!(
-                    "{event}: node {other} holds {held} of the 30 flows; logs:\n{}",
-                    lab.logs()
-                )
-            });
-        }
+        // 30 connections the other nodes hold before the event.
+        let mut conns = lab
+            .keepalive_held(addr, 30, first)
+            .unwrap_or_else(|e| panic!("{event}: {e}; logs:\n{}", lab.logs()));
         match event {
             "SIGTERM" => lab.node(first).stop_agent(Duration::from_secs(5)),
             "SIGKILL" => lab.node(first).kill_agent(),
@@ -440,12 +415,6 @@ fn keep_alive_connections_survive_a_stop_a_crash_and_a_cut_of_their_owner() {
         }
         let back = (after, back);
         table.push((event, reset, back.0, back.1));
-        // The next event starts again from 30 working connections.
-        for (c, b) in conns.iter_mut().zip(&broken) {
-            if *b {
-                *c = open(&lab);
-            }
-        }
     }
     let what = "connections reset of 30 (event, through the new owner, once the VIP was back, the requests' longest wait)";
     println!("{what}: {table:?}");

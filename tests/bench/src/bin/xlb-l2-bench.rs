@@ -23,7 +23,12 @@
 //! gap then is the baseline, this machine's own jitter (veth and softirq
 //! batching deliver echoes in bursts of up to tens of milliseconds here).
 //!
-//! Prints a table (events, median, p99, max, baseline p99, double owners) and the line
+//! Before each event 10 keep-alive HTTP connections are opened through the
+//! owner and held by the others (the L2 flow exchange); a request on each
+//! across the event tells whether it was reset.
+//!
+//! Prints a table (events, median, p99, max, baseline p99, double owners,
+//! keep-alive connections reset) and the line
 //! `l2 failover: crash p99 X ms, link-cut p99 Y ms, graceful p99 Z ms,
 //! double owners N`, and writes a histogram (docs/benchmarks-l2.svg).
 
@@ -208,7 +213,13 @@ struct Sample {
     /// this machine's jitter alone gives.
     baseline: Duration,
     doubles: usize,
+    /// Of the `KEEPALIVE` connections open through the owner (and held by
+    /// the others) before the event, those a request across it found reset.
+    reset: usize,
 }
+
+/// Keep-alive connections through the owner at each event.
+const KEEPALIVE: usize = 10;
 
 /// Quiet time before each event, whose longest gap is the baseline.
 const QUIET: Duration = Duration::from_millis(500);
@@ -216,6 +227,7 @@ const QUIET: Duration = Duration::from_millis(500);
 /// One event: take the owner away, measure, bring it back.
 fn event(lab: &mut L2Lab, stream: &Stream, kind: Kind) -> Result<Sample, String> {
     let owner = lab.wait_owner(vip(0), Duration::from_secs(10));
+    let conns = lab.keepalive_held(SocketAddr::from((vip(0), 80)), KEEPALIVE, owner)?;
     // Steady before the event: echoes within the last 50 ms.
     poll_until(Duration::from_secs(10), Duration::from_millis(5), || {
         stream
@@ -260,6 +272,18 @@ fn event(lab: &mut L2Lab, stream: &Stream, kind: Kind) -> Result<Sample, String>
         ms(gap),
         ms(at)
     );
+    // A request on each keep-alive connection through the new owner while
+    // the node comes back (after a crash or cut the backend's replies go to
+    // its SNAT address and wait for it: docs/l2.md).
+    let requests: Vec<_> = conns
+        .into_iter()
+        .map(|mut c| {
+            std::thread::spawn(move || {
+                let _ = c.stream.set_read_timeout(Some(Duration::from_secs(20)));
+                c.get().is_err()
+            })
+        })
+        .collect();
     // Undo, and let the node take its VIP back.
     match kind {
         Kind::Crash => {
@@ -279,6 +303,11 @@ fn event(lab: &mut L2Lab, stream: &Stream, kind: Kind) -> Result<Sample, String>
             .ok_or(())
     })
     .map_err(|()| format!("{}: node {owner} did not take its VIP back", kind.name()))?;
+    let reset = requests
+        .into_iter()
+        .map(|r| r.join().unwrap_or(true))
+        .filter(|broken| *broken)
+        .count();
     let rounds = watch.stop();
     let wall0 = std::time::SystemTime::now() - t0.elapsed();
     let doubles = rounds.iter().filter(|(_, m)| m.len() > 1).count();
@@ -297,6 +326,7 @@ fn event(lab: &mut L2Lab, stream: &Stream, kind: Kind) -> Result<Sample, String>
         gap,
         baseline,
         doubles,
+        reset,
     })
 }
 
@@ -409,20 +439,21 @@ fn run(o: &Options) -> Result<(), String> {
             let s = event(&mut lab, &stream, *kind)
                 .map_err(|e| format!("{e}; logs:\n{}", lab.logs()))?;
             eprintln!(
-                "{} {}/{}: gap {} ms (baseline {} ms), double owners {}",
+                "{} {}/{}: gap {} ms (baseline {} ms), double owners {}, keep-alive reset {}/{KEEPALIVE}",
                 kind.name(),
                 i + 1,
                 o.events,
                 ms(s.gap),
                 ms(s.baseline),
-                s.doubles
+                s.doubles,
+                s.reset
             );
             samples.push(s);
         }
     }
     stream.stop();
-    println!("| event | events | median | p99 | max | baseline p99 | double owners |");
-    println!("|---|---:|---:|---:|---:|---:|---:|");
+    println!("| event | events | median | p99 | max | baseline p99 | double owners | keep-alive connections reset |");
+    println!("|---|---:|---:|---:|---:|---:|---:|---:|");
     let mut line = Vec::new();
     let mut doubles = 0;
     for kind in &o.kinds {
@@ -444,14 +475,20 @@ fn run(o: &Options) -> Result<(), String> {
             .map(|s| s.doubles)
             .sum();
         doubles += d;
+        let reset: usize = samples
+            .iter()
+            .filter(|s| s.kind == *kind)
+            .map(|s| s.reset)
+            .sum();
         println!(
-            "| {} | {} | {} ms | {} ms | {} ms | {} ms | {d} |",
+            "| {} | {} | {} ms | {} ms | {} ms | {} ms | {d} | {reset} of {} |",
             kind.name(),
             gaps.len(),
             ms(percentile(&gaps, 0.5)),
             ms(percentile(&gaps, 0.99)),
             ms(gaps.last().copied().unwrap_or_default()),
-            ms(percentile(&base, 0.99))
+            ms(percentile(&base, 0.99)),
+            gaps.len() * KEEPALIVE
         );
         line.push(format!(
             "{} p99 {} ms",
