@@ -527,13 +527,14 @@ pub type SynAcks = BTreeMap<u16, BTreeSet<(u32, [u8; 6])>>;
 
 impl L2Lab {
     /// Opens `n` keep-alive connections to `addr` from the client, one
-    /// request each, and waits (at most 10 s) until every node but `owner`
-    /// holds their flows: the owner's periodic push has reached them.
-    pub fn keepalive_held(
+    /// request each. With `held_beside: Some(owner)` (nodes that share
+    /// flows), waits (at most 10 s) until every node but `owner` holds
+    /// their flows: the owner's periodic push has reached them.
+    pub fn keepalive(
         &self,
         addr: SocketAddr,
         n: usize,
-        owner: usize,
+        held_beside: Option<usize>,
     ) -> Result<Vec<crate::topology::HttpConn>, String> {
         let mut conns = Vec::new();
         for _ in 0..n {
@@ -547,6 +548,9 @@ impl L2Lab {
             .filter_map(|c| c.stream.local_addr().ok())
             .map(|a| a.to_string())
             .collect();
+        let Some(owner) = held_beside else {
+            return Ok(conns);
+        };
         for other in (1..=3).filter(|i| *i != owner) {
             poll_until(Duration::from_secs(10), Duration::from_millis(100), || {
                 let ct = self.nodes[other - 1].lbctl_json(&["conntrack"]);

@@ -93,7 +93,7 @@ impl Validator<'_> {
 }
 
 impl FlowSyncConfig {
-    /// L2 mode's exchange when there is no `flow_sync:` section: with the
+    /// L2 mode's exchange with `share_flows` and no `flow_sync:` section: with the
     /// members, on port 7947 of their membership addresses, signed with the
     /// membership key. A failover moves every client of a VIP at once, so
     /// without it every snat connection through the old owner is reset.
@@ -185,7 +185,10 @@ mod tests {
             )
         };
         let parse = |s: &str| crate::config::AgentConfig::parse(s).expect("valid config");
-        let fs = parse(&yaml("")).flow_sync.expect("shared by default");
+        assert_eq!(parse(&yaml("")).flow_sync, None, "off by default");
+        let fs = parse(&yaml("  share_flows: true\n"))
+            .flow_sync
+            .expect("shared when asked");
         assert_eq!(fs.listen, "10.0.0.11:7947".parse().unwrap());
         assert_eq!(
             fs.peers,
@@ -196,7 +199,6 @@ mod tests {
         );
         assert_eq!(fs.key, b"l2-key-0123456789abcdef");
         assert!(!fs.discover_peers);
-        assert_eq!(parse(&yaml("  share_flows: false\n")).flow_sync, None);
     }
 
     #[test]

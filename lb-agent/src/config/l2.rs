@@ -42,7 +42,8 @@ pub struct L2Config {
     pub announce_interval: Duration,
     /// Share snat flows with the members (TCP 7947, signed with `key`) when
     /// there is no `flow_sync:` section, so that connections survive a
-    /// failover (docs/l2.md).
+    /// failover (docs/l2.md). Off by default: a node that dies for good
+    /// then strands its connections instead of having them reset.
     pub share_flows: bool,
 }
 
@@ -184,7 +185,7 @@ impl Validator<'_> {
             probe_timeout,
             suspect_timeout,
             announce_interval,
-            share_flows: raw.share_flows.unwrap_or(true),
+            share_flows: raw.share_flows.unwrap_or(false),
         })
     }
 
