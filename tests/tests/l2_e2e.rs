@@ -357,7 +357,7 @@ fn through_a_link_cut_no_connection_is_answered_by_two_nodes() {
 /// on translating them.
 #[test]
 fn keep_alive_connections_survive_a_stop_a_crash_and_a_cut_of_their_owner() {
-    let prefix = format!("l2k{}", std::process::id() % 10000);
+    let prefix = format!("l2g{}", std::process::id() % 10000);
     let mut lab = L2Lab::start(&prefix);
     // What this test is about is off by default (docs/l2.md).
     const SHARE: &str = "  share_flows: true\n";
