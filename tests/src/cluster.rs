@@ -143,6 +143,19 @@ impl Pki {
             "subjectAltName=DNS:kube-controller-manager",
             "clientAuth",
         );
+        self.signed(
+            "scheduler",
+            "/CN=system:kube-scheduler",
+            "subjectAltName=DNS:kube-scheduler",
+            "clientAuth",
+        );
+        // The API server's client certificate towards kubelets (logs, exec).
+        self.signed(
+            "apiserver-kubelet-client",
+            "/O=system:masters/CN=kube-apiserver-kubelet-client",
+            "subjectAltName=DNS:kube-apiserver-kubelet-client",
+            "clientAuth",
+        );
         self.openssl(&[
             "ecparam",
             "-name",
@@ -273,12 +286,28 @@ pub struct Cluster {
     admin_kubeconfig: PathBuf,
     apiserver_starts: usize,
     chart_installed: bool,
+    /// Runs kubelets (tests/src/nodes.rs): the API server publishes its
+    /// own endpoint and the controllers a real cluster needs run too.
+    real_nodes: bool,
+    scheduler: Option<Child>,
 }
 
 impl Cluster {
     /// etcd, kube-apiserver and the controllers, each waited for through
     /// its own health endpoint. `name` names the working directory.
     pub fn start(name: &str) -> Cluster {
+        Self::start_with(name, false)
+    }
+
+    /// The control plane for real nodes: also kube-scheduler, and the
+    /// controllers kubelet-run workloads need (DaemonSets, Deployments,
+    /// ReplicaSets, node lifecycle, Pod CIDRs for flannel, the root CA
+    /// ConfigMap for projected tokens, garbage collection for uninstall).
+    pub fn start_for_nodes(name: &str) -> Cluster {
+        Self::start_with(name, true)
+    }
+
+    fn start_with(name: &str, real_nodes: bool) -> Cluster {
         let pki = Pki::get();
         let dir = std::env::temp_dir().join(format!("xlb-k8s-{name}"));
         let _ = fs::remove_dir_all(&dir);
@@ -305,10 +334,15 @@ impl Cluster {
             admin_kubeconfig,
             apiserver_starts: 0,
             chart_installed: false,
+            real_nodes,
+            scheduler: None,
         };
         cluster.start_etcd();
         cluster.start_apiserver();
         cluster.start_controllers();
+        if real_nodes {
+            cluster.start_scheduler();
+        }
         cluster
     }
 
@@ -362,10 +396,20 @@ impl Cluster {
             format!("--etcd-servers=http://127.0.0.1:{}", self.etcd_port),
             "--bind-address=0.0.0.0".into(),
             format!("--secure-port={}", self.api_port),
-            // Not loopback (refused); the endpoint reconciler would want to
-            // reach it as a cluster member, so it is off.
+            // Not loopback (refused). With real nodes the `kubernetes`
+            // Service's endpoint is this address, which node namespaces
+            // reach (`reach_from`), so Pods reach the API through kube-proxy.
             format!("--advertise-address={API_HOST}"),
-            "--endpoint-reconciler-type=none".into(),
+            format!(
+                "--endpoint-reconciler-type={}",
+                if self.real_nodes { "lease" } else { "none" }
+            ),
+            "--kubelet-preferred-address-types=InternalIP,Hostname".into(),
+            format!(
+                "--kubelet-client-certificate={}",
+                p("apiserver-kubelet-client.crt")
+            ),
+            format!("--kubelet-client-key={}", p("apiserver-kubelet-client.key")),
             format!("--tls-cert-file={}", p("apiserver.crt")),
             format!("--tls-private-key-file={}", p("apiserver.key")),
             format!("--client-ca-file={}", p("ca.crt")),
@@ -441,7 +485,28 @@ impl Cluster {
                 "--requestheader-client-ca-file={}",
                 pki.path("ca.crt").display()
             ),
-            "--controllers=endpointslice-controller,serviceaccount-controller".into(),
+            format!(
+                "--controllers={}",
+                if self.real_nodes {
+                    "endpointslice-controller,serviceaccount-controller,daemonset-controller,\
+                     deployment-controller,replicaset-controller,node-lifecycle-controller,\
+                     node-ipam-controller,root-ca-certificate-publisher-controller,\
+                     garbage-collector-controller,namespace-controller,\
+                     serviceaccount-token-controller"
+                } else {
+                    "endpointslice-controller,serviceaccount-controller"
+                }
+            ),
+            format!("--root-ca-file={}", pki.path("ca.crt").display()),
+            format!(
+                "--service-account-private-key-file={}",
+                pki.path("sa.key").display()
+            ),
+            // Pod CIDRs per node, which flannel's kube subnet manager uses.
+            "--allocate-node-cidrs".into(),
+            "--cluster-cidr=10.244.0.0/16".into(),
+            "--node-cidr-mask-size=24".into(),
+            "--service-cluster-ip-range=10.96.0.0/16".into(),
             "--use-service-account-credentials".into(),
             "--leader-elect=false".into(),
             "--bind-address=127.0.0.1".into(),
@@ -454,6 +519,62 @@ impl Cluster {
         ));
         // The serviceaccount controller at work: namespace default has its SA.
         self.wait_for_default_service_account("default");
+    }
+
+    fn start_scheduler(&mut self) {
+        let pki = Pki::get();
+        let kubeconfig = self.dir.join("scheduler.kubeconfig");
+        fs::write(
+            &kubeconfig,
+            cert_kubeconfig(
+                &format!("https://127.0.0.1:{}", self.api_port),
+                &pki.path("ca.crt"),
+                &pki.path("scheduler.crt"),
+                &pki.path("scheduler.key"),
+            ),
+        )
+        .unwrap();
+        let k = kubeconfig.display().to_string();
+        let args: Vec<String> = vec![
+            format!("--kubeconfig={k}"),
+            format!("--authentication-kubeconfig={k}"),
+            format!("--authorization-kubeconfig={k}"),
+            "--leader-elect=false".into(),
+            "--bind-address=127.0.0.1".into(),
+            format!("--secure-port={}", free_port()),
+        ];
+        self.scheduler = Some(spawn_logged(
+            &k8s_bin("kube-scheduler"),
+            &args,
+            &self.dir.join("kube-scheduler.log"),
+        ));
+    }
+
+    /// A kubeconfig whose client certificate is signed by the cluster's CA
+    /// for `subject` (e.g. `/O=system:nodes/CN=system:node:NAME`), naming the
+    /// API server at `host`.
+    pub fn cert_kubeconfig_for(&self, name: &str, subject: &str, host: Ipv4Addr) -> PathBuf {
+        let pki = Pki::get();
+        if !pki.path(&format!("{name}.crt")).exists() {
+            pki.signed(
+                name,
+                subject,
+                &format!("subjectAltName=DNS:{name}"),
+                "clientAuth",
+            );
+        }
+        let path = self.dir.join(format!("{name}.kubeconfig"));
+        fs::write(
+            &path,
+            cert_kubeconfig(
+                &format!("https://{}", SocketAddr::from((host, self.api_port))),
+                &pki.path("ca.crt"),
+                &pki.path(&format!("{name}.crt")),
+                &pki.path(&format!("{name}.key")),
+            ),
+        )
+        .unwrap();
+        path
     }
 
     /// The service-account admission plugin refuses Pods until the
@@ -855,8 +976,9 @@ impl Cluster {
     }
 
     /// Lets processes in `ns` reach the API server at [`API_HOST`]: a veth
-    /// from the host into `ns`, with a /32 route each way.
-    pub fn reach_from(&self, ns: &Netns) {
+    /// from the host into `ns`, with a /32 route each way. Returns the
+    /// host end's name.
+    pub fn reach_from(&self, ns: &Netns) -> String {
         static NEXT: AtomicU32 = AtomicU32::new(0);
         // Unique among namespaces joined at the same time, also across
         // test processes (which do not run at once, but may overlap a
@@ -876,11 +998,13 @@ impl Cluster {
             "ip addr add {inside}/32 dev k8sapi && ip link set k8sapi up && \
              ip route add {API_HOST}/32 dev k8sapi"
         ));
+        host_if
     }
 }
 
 impl Drop for Cluster {
     fn drop(&mut self) {
+        stop(&mut self.scheduler);
         stop(&mut self.controllers);
         stop(&mut self.apiserver);
         stop(&mut self.etcd);

@@ -7,6 +7,7 @@ pub mod ecmp;
 pub mod k8s_topology;
 pub mod l2_lab;
 pub mod netns;
+pub mod nodes;
 pub mod packet;
 pub mod topology;
 pub mod traffic;

@@ -6,7 +6,13 @@
 //! - `localhost/xlb-gobgpd:<version>`: Debian's gobgpd and gobgp with the C
 //!   library they link against, for the chart's BGP sidecar.
 //!
-//! Then each image is checked by running its binaries inside it.
+//! - `localhost/xlb-pause:<version>` and `localhost/xlb-backend:<version>`
+//!   from tests/images: the Pod sandbox and the HTTP/UDP backend the
+//!   real-node tests run (tests/src/nodes.rs).
+//!
+//! Then each image is checked by running its binaries inside it, and saved
+//! as an OCI archive in target/image/oci/<name>.tar, which the real-node
+//! tests import into each node's containerd.
 
 use std::fs;
 use std::path::{Path, PathBuf};
@@ -35,9 +41,78 @@ pub fn run() -> Result<()> {
     let context = repo_root().join("target/image");
     agent_image(&version, &context.join("agent"))?;
     gobgpd_image(&version, &context.join("gobgpd"))?;
+    test_images(&version, &context.join("test"))?;
+    let archives = context.join("oci");
+    fresh_dir(&archives)?;
+    for name in IMAGES {
+        let image = format!("localhost/{name}:{version}");
+        let archive = archives.join(format!("{name}.tar"));
+        run_cmd(
+            buildah()
+                .args(["push", "--quiet", &image])
+                .arg(format!("oci-archive:{}:{image}", archive.display())),
+        )
+        .with_context(|| format!("saving {image} as {}", archive.display()))?;
+    }
     println!(
-        "images built and checked: localhost/xlb-agent:{version}, localhost/xlb-gobgpd:{version}"
+        "images built and checked: {} (tag {version}); OCI archives in {}",
+        IMAGES.join(", "),
+        archives.display()
     );
+    Ok(())
+}
+
+/// Every image this command builds, as `localhost/<name>:<version>`.
+const IMAGES: &[&str] = &["xlb-agent", "xlb-gobgpd", "xlb-pause", "xlb-backend"];
+
+/// The pause and backend images: one static binary each, FROM scratch.
+fn test_images(version: &str, context: &Path) -> Result<()> {
+    run_cmd(
+        cargo()
+            .args([
+                "build",
+                "--release",
+                "-p",
+                "xlb-test-images",
+                "--bins",
+                "--target",
+            ])
+            .arg(MUSL_TARGET),
+    )
+    .context("building the test images' programs for musl")?;
+    let bin_dir = repo_root().join("target").join(MUSL_TARGET).join("release");
+    fresh_dir(context)?;
+    for (name, binary) in [("xlb-pause", "pause"), ("xlb-backend", "backend")] {
+        let image = format!("localhost/{name}:{version}");
+        remove_previous(&[&image]);
+        let staged = context.join(binary);
+        ensure_static(&bin_dir.join(binary))?;
+        copy(&bin_dir.join(binary), &staged)?;
+        let container = format!("{name}-build-{}", std::process::id());
+        run_cmd(buildah().args(["from", "--name", &container, "scratch"]))?;
+        let result = (|| {
+            run_cmd(
+                buildah()
+                    .arg("copy")
+                    .arg(&container)
+                    .arg(&staged)
+                    .arg(format!("/{binary}")),
+            )?;
+            run_cmd(buildah().args([
+                "config",
+                "--entrypoint",
+                &format!(r#"["/{binary}"]"#),
+                "--label",
+                &format!("org.opencontainers.image.version={version}"),
+                &container,
+            ]))?;
+            run_cmd(buildah().args(["commit", "--rm", &container, &image]))
+        })();
+        if result.is_err() {
+            let _ = buildah().args(["rm", &container]).status();
+        }
+        result.with_context(|| format!("building {image}"))?;
+    }
     Ok(())
 }
 

@@ -42,7 +42,7 @@ enum Command {
     ClippyEbpf,
     /// Lint, render and schema-check the Helm chart (charts/xlb) over its CI values files.
     ChartCheck,
-    /// Build the agent and gobgpd container images with buildah and run their binaries.
+    /// Build the container images (agent, gobgpd, and the real-node tests' pause and backend) with buildah, run their binaries, save them as OCI archives.
     Image,
 }
 

@@ -37,6 +37,11 @@ const PACKAGES: &[&str] = &[
     "busybox-static",
     // A venv for kubernetes-validate (cargo xtask chart-check).
     "python3-venv",
+    // Real nodes (tests/src/nodes.rs): the OCI runtime and CNI plugins that
+    // run Pods under the containerd built by kube.rs, and what kube-proxy calls.
+    "runc",
+    "containernetworking-plugins",
+    "conntrack",
 ];
 
 /// Kept with the binary: bpf-linker has an rpath to the libLLVM symlinks here.

@@ -2,7 +2,7 @@ use anyhow::{Context, Result};
 
 use crate::util::{cargo, repo_root, run as run_cmd};
 
-/// fmt, clippy, tests, the Helm chart, the images: cheapest first,
+/// fmt, clippy, the Helm chart, the images, tests: cheapest first,
 /// stopping at the first failure.
 pub fn run(extra: &[String]) -> Result<()> {
     run_cmd(cargo().args(["fmt", "--all", "--check"])).context("step `fmt` failed")?;
@@ -20,6 +20,10 @@ pub fn run(extra: &[String]) -> Result<()> {
     .context("step `clippy` failed")?;
     clippy_ebpf()?;
 
+    // The real-node tests import the images into their nodes' containerd.
+    crate::chart::run().context("step `chart-check` failed")?;
+    crate::image::run().context("step `image` failed")?;
+
     let mut test = cargo();
     // lb-ebpf builds only for the BPF target; lb-agent's build.rs builds it.
     test.args(["test", "--workspace", "--exclude", "lb-ebpf"])
@@ -27,9 +31,6 @@ pub fn run(extra: &[String]) -> Result<()> {
     // The tests set up namespaces and BPF state and manage their own concurrency.
     test.env_remove("RUST_TEST_THREADS");
     run_cmd(&mut test).context("step `test` failed")?;
-
-    crate::chart::run().context("step `chart-check` failed")?;
-    crate::image::run().context("step `image` failed")?;
 
     println!("all checks passed");
     Ok(())
