@@ -396,6 +396,9 @@ impl NodeCluster {
         let name = format!("{}-n{i}", self.prefix);
         let ns = Netns::new(&name);
         let ip = node_ip(i);
+        // The LAN is veths: the frames XDP sends (XDP_TX, redirects) reach
+        // a veth's peer only with GRO on there (docs/datapath.md); real
+        // NICs need nothing. TX checksum offload off for the same reason.
         sh(&format!(
             "ip link add {name}e type veth peer name eth0 netns {ns} && \
              ip link set {name}e netns {r}",
@@ -404,11 +407,11 @@ impl NodeCluster {
         ));
         self.router.run(&format!(
             "ip link set {name}e master br0 && ip link set {name}e up && \
-             ethtool -K {name}e tx off >/dev/null"
+             ethtool -K {name}e gro on tx off >/dev/null"
         ));
         ns.run(&format!(
             "ip addr add {ip}/24 dev eth0 && ip link set eth0 up && \
-             ethtool -K eth0 tx off >/dev/null && ip route add default via {ROUTER_LAN} && \
+             ethtool -K eth0 gro on tx off >/dev/null && ip route add default via {ROUTER_LAN} && \
              sysctl -qw net.ipv4.ip_forward=1"
         ));
         // The API server reaches the kubelet too (logs, exec).
@@ -801,6 +804,41 @@ conntrack:
             .ok_or(())
         })
         .unwrap_or_else(|()| panic!("the agents are not Ready:\n{}", self.describe_agents()));
+    }
+
+    /// What an operator looks at when traffic does not get through: the
+    /// router's neighbours, and per node its interfaces with XDP, routes,
+    /// and what the data plane counted (`lbctl stats`, `lbctl services`).
+    pub fn describe_traffic(&self) -> String {
+        let mut out = String::new();
+        let neigh = Command::new("ip")
+            .args(["-n", &self.router.name, "neigh"])
+            .output()
+            .unwrap();
+        out.push_str(&format!(
+            "--- router neighbours:\n{}",
+            String::from_utf8_lossy(&neigh.stdout)
+        ));
+        let lbctl = crate::topology::lbctl_bin();
+        for n in &self.nodes {
+            let run = |args: &[&str]| {
+                let o = n.command(&lbctl).args(args).output().unwrap();
+                format!(
+                    "{}{}",
+                    String::from_utf8_lossy(&o.stdout),
+                    String::from_utf8_lossy(&o.stderr)
+                )
+            };
+            out.push_str(&format!(
+                "--- {} XDP on {:?}\n{}\n{}\n{}\n",
+                n.name,
+                n.xdp_interfaces(),
+                n.sh("ip -br addr; ip route"),
+                run(&["stats"]),
+                run(&["l2"]),
+            ));
+        }
+        out
     }
 
     /// What a user looks at when the agents do not come up.

@@ -170,9 +170,10 @@ fn requests(c: &NodeCluster, vip: Ipv4Addr, n: usize) -> Vec<(String, String)> {
     let failed: Vec<&String> = answers.iter().filter_map(|a| a.as_ref().err()).collect();
     assert!(
         failed.is_empty(),
-        "{} of {} requests to {target} failed: {failed:?}\n{}",
+        "{} of {} requests to {target} failed: {failed:?}\n{}\n{}",
         failed.len(),
         answers.len(),
+        c.describe_traffic(),
         c.describe_agents()
     );
     answers

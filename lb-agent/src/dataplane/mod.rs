@@ -543,7 +543,7 @@ impl Dataplane {
         let link_pin = self
             .pin_dir
             .as_ref()
-            .map(|d| d.join(format!("link_{iface}")));
+            .map(|d| d.join(pins::link_pin_name(iface)));
         let now = crate::netif::xdp_attached(ifindex).ok();
         let other_mode = matches!(
             (mode, now),
@@ -620,7 +620,7 @@ impl Dataplane {
         if let Some(pin) = self
             .pin_dir
             .as_ref()
-            .map(|d| d.join(format!("link_{iface}")))
+            .map(|d| d.join(pins::link_pin_name(iface)))
         {
             if pin.exists() {
                 Self::unpin_link(iface, &pin)?;
@@ -651,7 +651,7 @@ impl Dataplane {
         };
         entries
             .flatten()
-            .filter_map(|e| Some(e.file_name().to_str()?.strip_prefix("link_")?.to_string()))
+            .filter_map(|e| pins::iface_of_link_pin(e.file_name().to_str()?))
             .collect()
     }
 

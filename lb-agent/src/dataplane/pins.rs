@@ -65,3 +65,31 @@ pub(super) fn check_pinned_layout(name: &'static str, path: &Path) -> Result<()>
     }
     Ok(())
 }
+
+/// The pin of an interface's XDP link: `link_<iface>`, with each `.` as
+/// `:`. bpffs refuses names with a dot (it keeps them for itself), and VLAN
+/// (`eth0.100`) and tunnel (`flannel.1`) interfaces have one; `:` cannot
+/// be in an interface name, so the mapping is reversible.
+pub(super) fn link_pin_name(iface: &str) -> String {
+    format!("link_{}", iface.replace('.', ":"))
+}
+
+/// The interface a link pin was made for, if `name` is a link pin.
+pub(super) fn iface_of_link_pin(name: &str) -> Option<String> {
+    name.strip_prefix("link_").map(|i| i.replace(':', "."))
+}
+
+#[cfg(test)]
+mod link_pin_tests {
+    use super::*;
+
+    #[test]
+    fn interfaces_with_dots_have_pin_names_without_and_come_back() {
+        for iface in ["eth0", "eth0.100", "flannel.1", "bond0.12.3"] {
+            let pin = link_pin_name(iface);
+            assert!(!pin.contains('.'), "{pin}");
+            assert_eq!(iface_of_link_pin(&pin).as_deref(), Some(iface));
+        }
+        assert_eq!(iface_of_link_pin("FLOWS"), None);
+    }
+}
