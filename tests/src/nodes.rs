@@ -53,6 +53,9 @@ pub const ROUTER_LAN: Ipv4Addr = Ipv4Addr::new(10, 80, 0, 1);
 pub const ROUTER_CLIENT_SIDE: Ipv4Addr = Ipv4Addr::new(10, 81, 0, 1);
 pub const CLIENT: Ipv4Addr = Ipv4Addr::new(10, 81, 0, 2);
 pub const POD_NETWORK: &str = "10.244.0.0/16";
+/// The router's AS and the cluster's (the chart's `bgpSpeaker.asn`).
+pub const ROUTER_ASN: u32 = 65000;
+pub const CLUSTER_ASN: u32 = 64512;
 /// The node-namespace directory root: per node `<ROOT>/<node>/`.
 const ROOT: &str = "/run/xlb-nodes";
 /// State that must not be on a tmpfs the size of RAM (images, snapshots).
@@ -254,6 +257,11 @@ impl Drop for Node {
         // node's cgroups, then the groups.
         kill(&mut self.containerd);
         remove_cgroups(&self.cgroup_root);
+        // The shims outlive containerd; they run in the node's namespace.
+        for pid in crate::netns::pids(&self.ns.name) {
+            // SAFETY: kill(2) on a process of this test's node namespace.
+            unsafe { libc::kill(pid, libc::SIGKILL) };
+        }
         let _ = Command::new("umount")
             .arg("-l")
             .arg(&self.mount_ns)
@@ -339,6 +347,7 @@ pub struct NodeCluster {
     pub client: Netns,
     pub nodes: Vec<Node>,
     pub network: PodNetwork,
+    bird: Option<Child>,
 }
 
 impl NodeCluster {
@@ -374,6 +383,7 @@ impl NodeCluster {
             client,
             nodes: Vec::new(),
             network,
+            bird: None,
         };
         sh(&format!(
             "mkdir -p {ROOT} && (mountpoint -q {ROOT} || mount --bind {ROOT} {ROOT}) && \
@@ -394,6 +404,11 @@ impl NodeCluster {
 
     fn make_node(&self, i: usize) -> Node {
         let name = format!("{}-n{i}", self.prefix);
+        // A killed run leaves its node running: its processes go first.
+        for pid in crate::netns::pids(&name) {
+            // SAFETY: kill(2) on a process of a leftover test namespace.
+            unsafe { libc::kill(pid, libc::SIGKILL) };
+        }
         let ns = Netns::new(&name);
         let ip = node_ip(i);
         // The LAN is veths: the frames XDP sends (XDP_TX, redirects) reach
@@ -761,6 +776,96 @@ conntrack:
         });
     }
 
+    /// BIRD on the router, peering with every node's speaker (the chart's
+    /// gobgpd sidecar) and installing what they announce as ECMP routes.
+    pub fn start_bird(&mut self) {
+        let dir = Path::new(ROOT).join(format!("{}-router", self.prefix));
+        let _ = fs::remove_dir_all(&dir);
+        fs::create_dir_all(&dir).unwrap();
+        let mut conf = format!(
+            r#"router id {ROUTER_LAN};
+log "{log}" all;
+protocol device {{ scan time 1; }}
+protocol kernel {{
+  ipv4 {{ import none; export all; }};
+  merge paths on;
+}}
+template bgp node {{
+  local {ROUTER_LAN} as {ROUTER_ASN};
+  hold time 9;
+  keepalive time 3;
+  connect retry time 1;
+  error wait time 1, 2;
+  graceful restart aware;
+  ipv4 {{ import all; export none; }};
+}}
+"#,
+            log = dir.join("bird.log").display()
+        );
+        for (i, n) in self.nodes.iter().enumerate() {
+            conf.push_str(&format!(
+                "protocol bgp n{} from node {{ neighbor {} as {CLUSTER_ASN}; }}\n",
+                i + 1,
+                n.ip
+            ));
+        }
+        let path = dir.join("bird.conf");
+        fs::write(&path, conf).unwrap();
+        let sock = dir.join("bird.ctl");
+        let child = spawn(
+            Command::new("ip")
+                .args(["netns", "exec", &self.router.name, "bird", "-f", "-c"])
+                .arg(&path)
+                .arg("-s")
+                .arg(&sock),
+            &dir.join("bird.out"),
+        );
+        self.bird = Some(child);
+        poll_until(Duration::from_secs(10), Duration::from_millis(50), || {
+            sock.exists().then_some(()).ok_or(())
+        })
+        .unwrap_or_else(|()| panic!("BIRD did not start: {}", tail(&dir.join("bird.out"), 20)));
+    }
+
+    /// `birdc ARGS` against the router's BIRD.
+    pub fn birdc(&self, args: &[&str]) -> String {
+        let sock = Path::new(ROOT)
+            .join(format!("{}-router", self.prefix))
+            .join("bird.ctl");
+        let out = Command::new("birdc")
+            .arg("-s")
+            .arg(sock)
+            .args(args)
+            .output()
+            .expect("run birdc");
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    }
+
+    /// The router's next hops for `ip` (the nodes that announce it).
+    pub fn router_next_hops(&self, ip: Ipv4Addr) -> Vec<Ipv4Addr> {
+        let out = Command::new("ip")
+            .args(["-n", &self.router.name, "-j", "-4", "route", "show"])
+            .arg(ip.to_string())
+            .output()
+            .unwrap();
+        let routes: Value = serde_json::from_slice(&out.stdout).unwrap_or(Value::Null);
+        let mut hops: Vec<Ipv4Addr> = routes
+            .as_array()
+            .into_iter()
+            .flatten()
+            .flat_map(|r| {
+                let mut v: Vec<Value> = r["nexthops"].as_array().cloned().unwrap_or_default();
+                if r.get("gateway").is_some() {
+                    v.push(r.clone());
+                }
+                v
+            })
+            .filter_map(|h| h["gateway"].as_str()?.parse().ok())
+            .collect();
+        hops.sort();
+        hops
+    }
+
     /// `helm ARGS` as the cluster's administrator.
     pub fn helm(&self, args: &[&str]) -> Output {
         Command::new("helm")
@@ -880,6 +985,7 @@ conntrack:
 
 impl Drop for NodeCluster {
     fn drop(&mut self) {
+        kill(&mut self.bird);
         // Nodes before the control plane (the Cluster field drops after).
         self.nodes.clear();
     }
