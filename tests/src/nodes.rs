@@ -693,7 +693,8 @@ podLogsDir: {logs}
                 .unwrap_or_else(|| panic!("{k} missing from {env}"))
                 .to_string()
         };
-        // What the flannel CNI plugin hands to the bridge plugin.
+        // What the flannel CNI plugin hands to the bridge plugin: Pods get
+        // the bridge as their default gateway.
         let conflist = serde_json::json!({
             "cniVersion": "1.0.0",
             "name": "cbr0",
@@ -702,6 +703,7 @@ podLogsDir: {logs}
                     "type": "bridge",
                     "bridge": "cni0",
                     "isGateway": true,
+                    "isDefaultGateway": true,
                     "ipMasq": false,
                     "hairpinMode": true,
                     "mtu": var("FLANNEL_MTU").parse::<u32>().unwrap(),
