@@ -8,6 +8,7 @@ pub mod k8s_topology;
 pub mod l2_lab;
 pub mod netns;
 pub mod packet;
+pub mod podnet_lab;
 pub mod topology;
 pub mod traffic;
 pub mod xdp;
