@@ -258,3 +258,90 @@ fn ordinary_pod_traffic(lab: &PodLab, pod: usize) {
     );
     assert!(n.unwrap(), "the 4 MB came back as sent");
 }
+
+/// What the generic hook on the bridge costs a Pod's own egress: iperf3
+/// from Pod 1 to the client (through cni0, node 1's stack and its uplink),
+/// with the program on cni0 and without, alternating in one run. Not a
+/// check: run by hand (docs/benchmarks.md, "Pod-side interfaces").
+#[test]
+#[ignore = "a measurement: cargo test -p xlb-tests --test podnet_e2e -- --ignored --nocapture"]
+fn pod_egress_cost_bench_needs_root() {
+    let mut lab = PodLab::new("pnb");
+    lab.bridge(1, "cni0", &[1, 2]);
+    let on = config(1);
+    let off = on.replace("pod_interfaces: auto", "pod_interfaces: none");
+    let a1 = lab.start_agent(1, &on);
+    a1.wait_for_log(ATTACHED, 1, Duration::from_secs(5));
+    let server = lab.client.name.clone();
+    let mut iperf_server = std::process::Command::new("ip")
+        .args(["netns", "exec", &server, "iperf3", "-s", "-B", "10.9.0.2"])
+        .stdout(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let pod = lab.pods[0].name.clone();
+    let run = |args: &[&str]| -> f64 {
+        let r = wait_until("iperf3 run", Duration::from_secs(30), || {
+            let out = std::process::Command::new("ip")
+                .args([
+                    "netns", "exec", &pod, "iperf3", "-c", "10.9.0.2", "-t", "4", "-J",
+                ])
+                .args(args)
+                .output()
+                .ok()?;
+            let v: serde_json::Value = serde_json::from_slice(&out.stdout).ok()?;
+            let end = &v["end"];
+            let sum = if args.contains(&"-u") {
+                end["sum"]["packets"].as_f64()? / end["sum"]["seconds"].as_f64()?
+            } else {
+                end["sum_received"]["bits_per_second"].as_f64()?
+            };
+            Some(sum)
+        });
+        r
+    };
+    let cases: [(&str, &[&str]); 2] = [
+        ("TCP stream (Gbit/s)", &[]),
+        ("UDP 64 B, 1 stream (kpps)", &["-u", "-b", "0", "-l", "64"]),
+    ];
+    let (mut attached, mut detached, mut is_on) = (1, 0, true);
+    let mut results: Vec<(String, Vec<f64>, Vec<f64>)> = cases
+        .iter()
+        .map(|(n, _)| (n.to_string(), Vec::new(), Vec::new()))
+        .collect();
+    for round in 0..4 {
+        for with in [round % 2 == 0, round % 2 != 0] {
+            if with && !is_on {
+                a1.write_config(&on);
+                attached += 1;
+                a1.wait_for_log(ATTACHED, attached, Duration::from_secs(5));
+            } else if !with && is_on {
+                a1.write_config(&off);
+                detached += 1;
+                a1.wait_for_log(DETACHED, detached, Duration::from_secs(5));
+            }
+            is_on = with;
+            for (i, (_, args)) in cases.iter().enumerate() {
+                let v = run(args);
+                let scaled = if i == 0 { v / 1e9 } else { v / 1e3 };
+                if with {
+                    results[i].1.push(scaled);
+                } else {
+                    results[i].2.push(scaled);
+                }
+            }
+        }
+    }
+    let _ = iperf_server.kill();
+    let _ = iperf_server.wait();
+    let median = |v: &mut Vec<f64>| {
+        v.sort_by(|a, b| a.partial_cmp(b).unwrap());
+        (v[v.len() / 2 - 1] + v[v.len() / 2]) / 2.0
+    };
+    println!("| Pod egress | without the program on cni0 | with it (generic) | ratio | runs (with / without) |");
+    println!("|---|---:|---:|---:|---|");
+    for (name, mut with, mut without) in results {
+        let runs = format!("{with:.2?} / {without:.2?}");
+        let (w, wo) = (median(&mut with), median(&mut without));
+        println!("| {name} | {wo:.2} | {w:.2} | {:.2} | {runs} |", w / wo);
+    }
+}
