@@ -64,6 +64,9 @@ pub struct Agent {
     /// Service names and health by key, read by the metrics snapshot.
     labels: Arc<Mutex<Labels>>,
     attached: BTreeSet<String>,
+    /// The pod-side interfaces the program is attached to, with the index
+    /// each had then (`podnet`).
+    pod_attached: BTreeMap<String, u32>,
     /// The `xdp_mode` the interfaces in `attached` were attached with.
     attached_mode: Option<XdpAttachMode>,
     /// Announcing VIPs through the BGP speaker, when configured.
@@ -191,6 +194,7 @@ impl Agent {
             ready,
             labels,
             attached: BTreeSet::new(),
+            pod_attached: BTreeMap::new(),
             attached_mode: None,
             announce: None,
             l2: None,
@@ -391,11 +395,15 @@ impl Agent {
                     if std::fs::read(&self.opts.config_path).is_ok_and(|b| b != self.config_bytes) {
                         self.reload("the file changed");
                     }
+                    // A CNI bridge appears with the first Pod, often after
+                    // the agent started; Pod veths come and go.
+                    self.sync_pod_interfaces();
                 }
                 Some(()) = k8s_changed(&mut self.k8s) => {
                     if let Err(e) = self.reconcile() {
                         error!("applying a change from Kubernetes: {e:#}");
                     }
+                    self.sync_pod_interfaces();
                     self.log_node_leaving();
                 }
                 changed = self.health_rx.changed() => {
@@ -588,13 +596,22 @@ impl Agent {
                 self.attached_mode = Some(self.config.xdp_mode);
             }
             // Interfaces no longer listed, also those pinned by an earlier
-            // agent: left attached, redirects to them would vanish.
+            // agent: left attached, redirects to them would vanish. Pod-side
+            // ones (attached, or pinned and still wanted) are
+            // `sync_pod_interfaces`' to keep or let go: detached here, a
+            // restart would leave local Pods' replies untranslated meanwhile.
+            let pod_side: BTreeSet<String> = self
+                .pod_attached
+                .keys()
+                .cloned()
+                .chain(self.wanted_pod_interfaces(&dp).into_keys())
+                .collect();
             let gone: BTreeSet<String> = self
                 .attached
                 .iter()
                 .cloned()
                 .chain(dp.pinned_interfaces())
-                .filter(|i| !self.config.interfaces.contains(i))
+                .filter(|i| !self.config.interfaces.contains(i) && !pod_side.contains(i))
                 .collect();
             for iface in gone {
                 dp.detach(&iface)
@@ -639,7 +656,64 @@ impl Agent {
             (self.load, self.load_rx) = start_load(&self.dp, &self.health_rx, &load_settings);
             self.load_settings = load_settings;
         }
-        self.reconcile()
+        let applied = self.reconcile();
+        self.sync_pod_interfaces();
+        applied
+    }
+
+    /// The pod-side interfaces wanted now (`pod_interfaces`); none when
+    /// they cannot be read (logged).
+    fn wanted_pod_interfaces(&self, dp: &Dataplane) -> BTreeMap<String, u32> {
+        // Every backend, drained and failing ones too: their flows go on.
+        let mut backends: BTreeSet<IpAddr> = dp
+            .services()
+            .flat_map(|(_, s)| s.backends.iter().map(|b| b.addr.ip()))
+            .collect();
+        let file = self.config.services.iter();
+        backends.extend(file.flat_map(|s| s.backends.iter().map(|b| b.ip)));
+        if let Some(rx) = &self.k8s {
+            let desired = rx.borrow();
+            let services = desired.iter().flat_map(|d| &d.services);
+            backends.extend(services.flat_map(|s| s.backends.iter().map(|b| b.ip)));
+        }
+        match crate::podnet::desired(
+            &self.config.pod_interfaces,
+            &self.config.interfaces,
+            backends,
+        ) {
+            Ok(w) => w,
+            Err(e) => {
+                warn!("reading the routes to find the pod-side interfaces: {e}");
+                BTreeMap::new()
+            }
+        }
+    }
+
+    /// Attaches the program to the pod-side interfaces wanted now and
+    /// detaches it from those no longer wanted (gone, or made again under
+    /// a new index: their link was severed), with the uplinks' detach.
+    fn sync_pod_interfaces(&mut self) {
+        let mut dp = self.dp.lock().expect("data plane lock");
+        let wanted = self.wanted_pod_interfaces(&dp);
+        let (detach, attach) = crate::podnet::changes(&self.pod_attached, &wanted);
+        for iface in detach {
+            match dp.detach(&iface) {
+                Ok(()) => {
+                    info!(interface = %iface, "XDP program detached from a pod-side interface (gone, or no backend behind it)");
+                    self.pod_attached.remove(&iface);
+                }
+                Err(e) => warn!(interface = %iface, "detaching from a pod-side interface: {e:#}"),
+            }
+        }
+        for iface in attach {
+            match dp.attach_pod_side(&iface) {
+                Ok(()) => {
+                    info!(interface = %iface, "XDP program attached to a pod-side interface (generic mode): local Pods' replies are translated there");
+                    self.pod_attached.insert(iface.clone(), wanted[&iface]);
+                }
+                Err(e) => warn!(interface = %iface, "attaching to a pod-side interface: {e:#}"),
+            }
+        }
     }
 
     /// Desired = config services minus unhealthy backends; apply the difference.

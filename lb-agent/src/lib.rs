@@ -13,4 +13,5 @@ pub mod load;
 pub mod maps;
 pub mod metrics;
 pub mod netif;
+pub mod podnet;
 pub mod service;

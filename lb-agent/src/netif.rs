@@ -199,6 +199,158 @@ pub fn xdp_attached(ifindex: u32) -> io::Result<XdpAttached> {
     parse_xdp_attached(&reply)
 }
 
+/// Name of the interface with index `ifindex` in the caller's network namespace.
+pub fn ifname(ifindex: u32) -> Option<String> {
+    let mut buf = [0 as libc::c_char; libc::IF_NAMESIZE];
+    // SAFETY: the buffer holds IF_NAMESIZE bytes, as if_indextoname requires.
+    let p = unsafe { libc::if_indextoname(ifindex, buf.as_mut_ptr()) };
+    if p.is_null() {
+        return None;
+    }
+    // SAFETY: if_indextoname wrote a NUL-terminated name into `buf`.
+    let name = unsafe { std::ffi::CStr::from_ptr(buf.as_ptr()) };
+    name.to_str().ok().map(str::to_string)
+}
+
+/// A unicast route of the main table.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct MainRoute {
+    pub dst: IpNet,
+    /// The interface, when the destination is directly on it: no gateway,
+    /// one next hop (`ip route` shows `DST dev IF` with no `via`).
+    pub direct: Option<u32>,
+}
+
+/// linux/rtnetlink.h: attributes of a route, its table and type.
+const RTA_DST: u16 = 1;
+const RTA_OIF: u16 = 4;
+const RTA_GATEWAY: u16 = 5;
+const RTA_MULTIPATH: u16 = 9;
+const RTA_TABLE: u16 = 15;
+const RTA_VIA: u16 = 18;
+const RT_TABLE_MAIN: u32 = 254;
+const RTN_UNICAST: u8 = 1;
+
+/// The unicast routes of the main table (IPv4 and IPv6). On a node, this
+/// node's Pods are reached directly, behind a bridge (`10.244.1.0/24 dev
+/// cni0`) or a per-Pod veth (`10.244.1.5 dev cali1234`); other nodes'
+/// Pods and the rest of the world through a gateway.
+pub fn main_routes() -> io::Result<Vec<MainRoute>> {
+    let mut out = Vec::new();
+    for family in [libc::AF_INET, libc::AF_INET6] {
+        let mut msg = Vec::with_capacity(28);
+        msg.extend_from_slice(&28u32.to_ne_bytes());
+        msg.extend_from_slice(&libc::RTM_GETROUTE.to_ne_bytes());
+        msg.extend_from_slice(&((libc::NLM_F_REQUEST | libc::NLM_F_DUMP) as u16).to_ne_bytes());
+        msg.extend_from_slice(&1u32.to_ne_bytes());
+        msg.extend_from_slice(&0u32.to_ne_bytes());
+        // struct rtmsg: family, dst_len, src_len, tos, table, protocol,
+        // scope, type, flags.
+        msg.extend_from_slice(&[family as u8, 0, 0, 0, 0, 0, 0, 0]);
+        msg.extend_from_slice(&0u32.to_ne_bytes());
+        for reply in rtnetlink_dump(&msg)? {
+            out.extend(parse_main_route(&reply));
+        }
+    }
+    Ok(out)
+}
+
+/// One RTM_NEWROUTE message (header included), if it is a unicast route
+/// of the main table.
+fn parse_main_route(m: &[u8]) -> Option<MainRoute> {
+    if m.len() < 28 || u16::from_ne_bytes([m[4], m[5]]) != libc::RTM_NEWROUTE {
+        return None;
+    }
+    let (family, dst_len, rtm_table, rtm_type) = (m[16], m[17], m[20], m[23]);
+    if rtm_type != RTN_UNICAST {
+        return None;
+    }
+    let mut table = u32::from(rtm_table);
+    let (mut dst, mut oif, mut via) = (None, None, false);
+    for (kind, payload) in attrs(&m[28..]) {
+        match kind {
+            RTA_DST => dst = Some(payload),
+            RTA_OIF => oif = payload.try_into().ok().map(u32::from_ne_bytes),
+            RTA_TABLE => table = payload.try_into().ok().map(u32::from_ne_bytes)?,
+            RTA_GATEWAY | RTA_VIA | RTA_MULTIPATH => via = true,
+            _ => {}
+        }
+    }
+    if table != RT_TABLE_MAIN {
+        return None;
+    }
+    let addr: IpAddr = match (i32::from(family), dst) {
+        (libc::AF_INET, Some(d)) => <[u8; 4]>::try_from(d).ok()?.into(),
+        (libc::AF_INET6, Some(d)) => <[u8; 16]>::try_from(d).ok()?.into(),
+        (libc::AF_INET, None) => std::net::Ipv4Addr::UNSPECIFIED.into(),
+        (libc::AF_INET6, None) => std::net::Ipv6Addr::UNSPECIFIED.into(),
+        _ => return None,
+    };
+    Some(MainRoute {
+        dst: IpNet::new(addr, dst_len).ok()?,
+        direct: oif.filter(|_| !via),
+    })
+}
+
+/// Sends a dump request on a fresh NETLINK_ROUTE socket; every message of
+/// the answer up to NLMSG_DONE.
+fn rtnetlink_dump(request: &[u8]) -> io::Result<Vec<Vec<u8>>> {
+    // SAFETY: plain socket calls on a descriptor owned by this function;
+    // buffers are valid for the lengths passed.
+    unsafe {
+        let fd = libc::socket(
+            libc::AF_NETLINK,
+            libc::SOCK_RAW | libc::SOCK_CLOEXEC,
+            libc::NETLINK_ROUTE,
+        );
+        if fd < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        let result = (|| {
+            let mut addr: libc::sockaddr_nl = std::mem::zeroed();
+            addr.nl_family = libc::AF_NETLINK as u16;
+            let sent = libc::sendto(
+                fd,
+                request.as_ptr().cast(),
+                request.len(),
+                0,
+                (&addr as *const libc::sockaddr_nl).cast(),
+                std::mem::size_of::<libc::sockaddr_nl>() as u32,
+            );
+            if sent < 0 {
+                return Err(io::Error::last_os_error());
+            }
+            let mut out = Vec::new();
+            let mut buf = vec![0u8; 64 * 1024];
+            loop {
+                let n = libc::recv(fd, buf.as_mut_ptr().cast(), buf.len(), 0);
+                if n < 0 {
+                    return Err(io::Error::last_os_error());
+                }
+                let mut rest = &buf[..n as usize];
+                while rest.len() >= 16 {
+                    let len = u32::from_ne_bytes([rest[0], rest[1], rest[2], rest[3]]) as usize;
+                    if len < 16 || len > rest.len() {
+                        return Err(io::Error::other("malformed netlink message"));
+                    }
+                    let kind = u16::from_ne_bytes([rest[4], rest[5]]);
+                    if kind == libc::NLMSG_DONE as u16 {
+                        return Ok(out);
+                    }
+                    if kind == libc::NLMSG_ERROR as u16 {
+                        parse_ack(&rest[..len])?;
+                    } else {
+                        out.push(rest[..len].to_vec());
+                    }
+                    rest = &rest[len.next_multiple_of(4).min(rest.len())..];
+                }
+            }
+        })();
+        libc::close(fd);
+        result
+    }
+}
+
 /// Attributes (kind without flag bits, payload) of a netlink attribute list.
 fn attrs(mut buf: &[u8]) -> impl Iterator<Item = (u16, &[u8])> {
     std::iter::from_fn(move || {

@@ -139,8 +139,17 @@ pub mod map_names {
 pub struct IfaceMac {
     pub ifindex: u32,
     pub mac: [u8; 6],
-    pub _pad: [u8; 6],
+    /// `IFACE_F_*`.
+    pub flags: u8,
+    pub _pad: [u8; 5],
 }
+
+/// `IfaceMac::flags`: a pod-side interface (the host side of this node's
+/// Pods: a CNI bridge, a Pod's veth), attached in generic mode. Replies
+/// arriving there come from local Pods, whose veths hand over unfinished
+/// (CHECKSUM_PARTIAL) checksums, and are translated only when their route
+/// leaves by an attached uplink (docs/datapath.md, "Pod-side interfaces").
+pub const IFACE_F_POD: u8 = 1;
 
 /// Key of `SERVICES`. Written by the agent.
 /// `proto` ICMP/ICMPv6 with `port` 0 marks a VIP whose echo requests are answered.

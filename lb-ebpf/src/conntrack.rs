@@ -661,6 +661,10 @@ pub fn reply_from_reverse(
     if crate::forward::is_local(ctx, h, &rev.vip, &s.key.dst) {
         return None;
     }
+    if crate::mac::pod_side(ctx) && !crate::forward::leaves_by_uplink(ctx, h, &rev.vip, &s.key.dst)
+    {
+        return None;
+    }
     let cfg = config();
     copy_addr(&mut s.reply.vip, &rev.vip);
     copy_addr(&mut s.reply.client, &s.key.dst);

@@ -43,6 +43,21 @@ impl Delta {
     }
 }
 
+/// The folded pseudo-header sum (addresses, protocol, transport length):
+/// what an unfinished (CHECKSUM_PARTIAL) transport checksum holds, the
+/// rest being left to the NIC. Words as loaded from the packet.
+#[inline(always)]
+pub fn pseudo_header(src: &[u32; 4], dst: &[u32; 4], v6: bool, proto: u8, l4_len: u16) -> u16 {
+    let w = |a: u32| (a & 0xffff) as u64 + (a >> 16) as u64;
+    let mut s = w(src[0]) + w(dst[0]);
+    if v6 {
+        s += w(src[1]) + w(src[2]) + w(src[3]) + w(dst[1]) + w(dst[2]) + w(dst[3]);
+    }
+    s += u16::from_ne_bytes([0, proto]) as u64;
+    s += u16::from_ne_bytes(l4_len.to_be_bytes()) as u64;
+    fold(s)
+}
+
 #[inline(always)]
 fn fold(mut s: u64) -> u16 {
     s = (s & 0xffff) + (s >> 16);

@@ -99,6 +99,19 @@ fn fib_lookup(
     p: &mut FibParams,
 ) -> i64 {
     let len = (ctx.data_end() - ctx.data()).saturating_sub(h.l3) as u16;
+    fib_lookup_len(ctx, h, src, dst, p, len)
+}
+
+/// As [`fib_lookup`] with the IP length given: 0 skips the MTU check.
+#[inline(always)]
+fn fib_lookup_len(
+    ctx: &XdpContext,
+    h: &Headers,
+    src: &[u32; 4],
+    dst: &[u32; 4],
+    p: &mut FibParams,
+    len: u16,
+) -> i64 {
     p.family = h.family;
     p.l4_protocol = h.proto;
     p.ifindex = ctx.ingress_ifindex() as u32;
@@ -121,6 +134,21 @@ fn fib_lookup(
 pub fn is_local(ctx: &XdpContext, h: &Headers, src: &[u32; 4], dst: &[u32; 4]) -> bool {
     let mut p = MaybeUninit::<FibParams>::uninit();
     fib_lookup(ctx, h, src, dst, zeroed(&mut p)) == BPF_FIB_LKUP_RET_NOT_FWDED as i64
+}
+
+/// Whether the route from `src` to `dst` leaves by an interface that takes
+/// redirects (`TX_PORTS`: the attached uplinks). A reply seen on a pod-side
+/// interface is translated by `BACKEND_REVERSE` only then: one to another
+/// node's Pod (through a tunnel) is in-cluster traffic to the backend's own
+/// address, not a reply to a client of the VIP. No MTU check (`tot_len` 0):
+/// only the route matters.
+#[inline(never)]
+pub fn leaves_by_uplink(ctx: &XdpContext, h: &Headers, src: &[u32; 4], dst: &[u32; 4]) -> bool {
+    let mut p = MaybeUninit::<FibParams>::uninit();
+    let p = zeroed(&mut p);
+    let rc = fib_lookup_len(ctx, h, src, dst, p, 0);
+    (rc == BPF_FIB_LKUP_RET_SUCCESS as i64 || rc == BPF_FIB_LKUP_RET_NO_NEIGH as i64)
+        && TX_PORTS.get_ifindex(p.ifindex).is_some()
 }
 
 /// Zeroes the FIB lookup's parameter block four bytes at a time (its

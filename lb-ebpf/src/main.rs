@@ -34,7 +34,7 @@ use lb_common::{
 use crate::{
     forward::{forward, ttl},
     maps::{BACKENDS, FLOWS, PORT_FLAGS, SCRATCH, SERVICES},
-    nat::{l4_min_len, rewrite},
+    nat::{checksum_unfinished, l4_min_len, leave_unfinished, rewrite},
     parse::{load8, parse, ports, ptr_at, Headers, ParseError},
 };
 
@@ -323,7 +323,13 @@ fn from_backend_inner(ctx: &XdpContext, h: &Headers) -> Option<Verdict> {
     } else {
         None
     };
+    // Only on a pod-side interface (generic XDP, the skb kept): there a
+    // local Pod's unfinished checksum reaches the NIC as such.
+    let unfinished = mac::pod_side(ctx) && checksum_unfinished(ctx, h);
     rewrite(ctx, h, Some((&r.vip, r.vport)), dst)?;
+    if unfinished {
+        leave_unfinished(ctx, h, &r.vip, &r.client)?;
+    }
     let bytes = (ctx.data_end() - ctx.data()) as u64;
     stats::count_traffic(r.service_id, r.backend_id, bytes, false, true);
     // The cache lives in the shared entry: any CPU may refresh it.

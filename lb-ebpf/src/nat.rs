@@ -4,7 +4,7 @@ use aya_ebpf::programs::XdpContext;
 use lb_common::{PROTO_TCP, PROTO_UDP};
 
 use crate::{
-    csum::Delta,
+    csum::{pseudo_header, Delta},
     parse::{addr_offsets, rd16, wr16, wr_addr, Headers},
 };
 
@@ -64,4 +64,60 @@ pub fn rewrite(
         wr16(ctx, c, l4_delta.apply(rd16(ctx, c)?))?;
     }
     Some(())
+}
+
+/// Offset of the transport checksum.
+#[inline(always)]
+fn l4_check_offset(h: &Headers) -> usize {
+    if h.proto == PROTO_TCP {
+        h.l4 + 16
+    } else {
+        h.l4 + 6
+    }
+}
+
+/// The transport length (header and payload) the IP header gives.
+#[inline(always)]
+fn l4_len(ctx: &XdpContext, h: &Headers) -> Option<u16> {
+    let ext = (h.l4 - h.l3) as u16;
+    if h.v6() {
+        Some(
+            u16::from_be(rd16(ctx, h.l3 + 4)?)
+                .wrapping_add(40)
+                .wrapping_sub(ext),
+        )
+    } else {
+        Some(u16::from_be(rd16(ctx, h.l3 + 2)?).wrapping_sub(ext))
+    }
+}
+
+/// Whether the transport checksum is unfinished: a Pod's veth hands over
+/// TCP and UDP with only the pseudo-header sum in it (CHECKSUM_PARTIAL,
+/// TX checksum offload), for the egress NIC to finish. A finished
+/// checksum equals that sum only by chance (1 in 65536).
+#[inline(always)]
+pub fn checksum_unfinished(ctx: &XdpContext, h: &Headers) -> bool {
+    let (Some(len), Some(check)) = (l4_len(ctx, h), rd16(ctx, l4_check_offset(h))) else {
+        return false;
+    };
+    check == pseudo_header(&h.src, &h.dst, h.v6(), h.proto, len)
+}
+
+/// After [`rewrite`] of a packet whose checksum was unfinished: the field
+/// must again hold the pseudo-header sum, now of the new addresses (the
+/// incremental update is right for a finished checksum only; the skb,
+/// kept by generic XDP, still says the NIC finishes it).
+#[inline(always)]
+pub fn leave_unfinished(
+    ctx: &XdpContext,
+    h: &Headers,
+    src: &[u32; 4],
+    dst: &[u32; 4],
+) -> Option<()> {
+    let len = l4_len(ctx, h)?;
+    wr16(
+        ctx,
+        l4_check_offset(h),
+        pseudo_header(src, dst, h.v6(), h.proto, len),
+    )
 }

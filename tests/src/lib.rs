@@ -9,6 +9,7 @@ pub mod l2_lab;
 pub mod netns;
 pub mod nodes;
 pub mod packet;
+pub mod podnet_lab;
 pub mod topology;
 pub mod traffic;
 pub mod xdp;

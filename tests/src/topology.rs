@@ -541,6 +541,67 @@ impl AgentHandle {
     }
 }
 
+impl AgentHandle {
+    /// Waits (at most 30 s) until `/readyz` answers 200.
+    pub fn wait_ready(&mut self) {
+        poll_until(Duration::from_secs(30), Duration::from_millis(50), || {
+            if let Some(st) = self.child.try_wait().expect("wait lb-agent") {
+                panic!("lb-agent exited ({st}) before ready; log:\n{}", self.log());
+            }
+            match self.get("/readyz") {
+                Ok((200, _)) => Ok(()),
+                _ => Err(()),
+            }
+        })
+        .unwrap_or_else(|()| panic!("lb-agent not ready within 30 s; log:\n{}", self.log()));
+    }
+}
+
+/// Starts `lb-agent` in the namespace `ns` with `config_yaml` (plus a
+/// `metrics_addr` on 127.0.0.1 unless it has one) written to
+/// `dir/agent.yaml`, pinning under `pin_dir`, logging to
+/// `dir/agent-<start>.log`; does not wait for readiness.
+pub fn spawn_agent_in(
+    ns: &str,
+    dir: &Path,
+    pin_dir: &Path,
+    start: usize,
+    wrapper: &[&str],
+    config_yaml: &str,
+) -> AgentHandle {
+    static NEXT_PORT: AtomicU16 = AtomicU16::new(19470);
+    let port = NEXT_PORT.fetch_add(1, Ordering::Relaxed);
+    let metrics_addr = SocketAddr::from((Ipv4Addr::LOCALHOST, port));
+    let config_path = dir.join("agent.yaml");
+    let log_path = dir.join(format!("agent-{start}.log"));
+    write_atomic(&config_path, &with_metrics_addr(config_yaml, metrics_addr));
+    let log = fs::File::create(&log_path).expect("create agent log");
+    let child = Command::new("nsenter")
+        .arg(format!("--net=/var/run/netns/{ns}"))
+        .args(wrapper)
+        .arg(agent_bin())
+        .arg("--config")
+        .arg(&config_path)
+        .arg("--pin-dir")
+        .arg(pin_dir)
+        .arg("--log")
+        .arg(std::env::var("XLB_AGENT_LOG").unwrap_or_else(|_| "info".into()))
+        .env_remove("RUST_LOG")
+        .env("NO_COLOR", "1")
+        .stdin(Stdio::null())
+        .stdout(log.try_clone().expect("dup log"))
+        .stderr(log)
+        .spawn()
+        .expect("spawn lb-agent");
+    AgentHandle {
+        child,
+        log_path,
+        config_path,
+        metrics_addr,
+        lb_ns: ns.to_string(),
+    }
+}
+
 impl Drop for AgentHandle {
     fn drop(&mut self) {
         let _ = self.child.kill();
@@ -562,16 +623,7 @@ impl Topology {
     /// `wrapper` (a command that execs its arguments, e.g. `setpriv ...`).
     pub fn start_agent_wrapped(&mut self, wrapper: &[&str], config_yaml: &str) -> AgentHandle {
         let mut agent = self.spawn_agent_wrapped(wrapper, config_yaml);
-        poll_until(Duration::from_secs(30), Duration::from_millis(50), || {
-            if let Some(st) = agent.child.try_wait().expect("wait lb-agent") {
-                panic!("lb-agent exited ({st}) before ready; log:\n{}", agent.log());
-            }
-            match agent.get("/readyz") {
-                Ok((200, _)) => Ok(()),
-                _ => Err(()),
-            }
-        })
-        .unwrap_or_else(|()| panic!("lb-agent not ready within 30 s; log:\n{}", agent.log()));
+        agent.wait_ready();
         agent
     }
 
@@ -581,38 +633,15 @@ impl Topology {
     }
 
     fn spawn_agent_wrapped(&mut self, wrapper: &[&str], config_yaml: &str) -> AgentHandle {
-        static NEXT_PORT: AtomicU16 = AtomicU16::new(19470);
-        let port = NEXT_PORT.fetch_add(1, Ordering::Relaxed);
-        let metrics_addr = SocketAddr::from((Ipv4Addr::LOCALHOST, port));
         self.agent_starts += 1;
-        let config_path = self.dir.join("agent.yaml");
-        let log_path = self.dir.join(format!("agent-{}.log", self.agent_starts));
-        write_atomic(&config_path, &with_metrics_addr(config_yaml, metrics_addr));
-        let log = fs::File::create(&log_path).expect("create agent log");
-        let child = Command::new("nsenter")
-            .arg(format!("--net=/var/run/netns/{}", self.lb.name))
-            .args(wrapper)
-            .arg(agent_bin())
-            .arg("--config")
-            .arg(&config_path)
-            .arg("--pin-dir")
-            .arg(&self.pin_dir)
-            .arg("--log")
-            .arg(std::env::var("XLB_AGENT_LOG").unwrap_or_else(|_| "info".into()))
-            .env_remove("RUST_LOG")
-            .env("NO_COLOR", "1")
-            .stdin(Stdio::null())
-            .stdout(log.try_clone().expect("dup log"))
-            .stderr(log)
-            .spawn()
-            .expect("spawn lb-agent");
-        AgentHandle {
-            child,
-            log_path,
-            config_path,
-            metrics_addr,
-            lb_ns: self.lb.name.clone(),
-        }
+        spawn_agent_in(
+            &self.lb.name,
+            &self.dir,
+            &self.pin_dir,
+            self.agent_starts,
+            wrapper,
+            config_yaml,
+        )
     }
 
     /// Runs `lbctl --pin-dir <pin_dir> --json ARGS` and parses its output.

@@ -13,6 +13,7 @@ use std::{
 
 use ipnet::IpNet;
 
+pub use crate::podnet::PodInterfaces;
 use crate::{
     dataplane::{BackendSpec, ServiceSpec},
     service::{
@@ -36,6 +37,9 @@ pub struct AgentConfig {
     pub metrics_addr: SocketAddr,
     /// XDP attach mode.
     pub xdp_mode: XdpAttachMode,
+    /// The host side of this node's Pods, where the program also runs
+    /// (generic mode) to translate local Pods' replies.
+    pub pod_interfaces: PodInterfaces,
     /// Flow lifetimes after which a reply translation may be reused.
     pub tcp_timeout: Duration,
     pub tcp_closing_timeout: Duration,

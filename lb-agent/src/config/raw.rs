@@ -12,6 +12,7 @@ pub(super) struct RawConfig {
     pub(super) snat_ports: Option<String>,
     pub(super) metrics_addr: Option<String>,
     pub(super) xdp_mode: Option<RawXdpMode>,
+    pub(super) pod_interfaces: Option<RawPodInterfaces>,
     pub(super) timeouts: Option<RawTimeouts>,
     pub(super) maglev_pool_entries: Option<u32>,
     pub(super) flow_table_entries: Option<u32>,
@@ -255,4 +256,12 @@ pub(super) struct RawHealthCheck {
 pub(super) enum RawCheckType {
     Tcp,
     Http,
+}
+
+/// `pod_interfaces`: `auto`, `none`, or a list of names.
+#[derive(Deserialize)]
+#[serde(untagged, expecting = "auto, none, or a list of interface names")]
+pub(super) enum RawPodInterfaces {
+    Word(String),
+    Names(Vec<String>),
 }

@@ -11,6 +11,7 @@ snat_ipv6: fd00::1
 snat_ports: 20000-29999
 metrics_addr: 0.0.0.0:9469
 xdp_mode: generic
+pod_interfaces: [cni0]
 timeouts: { tcp: 15m, tcp_closing: 10s, udp: 60s }
 services:
   - name: web
@@ -105,6 +106,7 @@ fn full_example() {
         snat_ports: (20000, 29999),
         metrics_addr: "0.0.0.0:9469".parse().unwrap(),
         xdp_mode: XdpAttachMode::Generic,
+        pod_interfaces: PodInterfaces::Named(vec!["cni0".into()]),
         tcp_timeout: Duration::from_secs(900),
         tcp_closing_timeout: Duration::from_secs(10),
         udp_timeout: Duration::from_secs(60),
@@ -1442,4 +1444,62 @@ fn new_flow_limit_parses_and_checks() {
             "{bad}: {e}"
         );
     }
+}
+
+#[test]
+fn pod_interfaces_default_to_auto_with_kubernetes_only() {
+    let base = "interfaces: [eth0]\n";
+    assert_eq!(
+        AgentConfig::parse(base).unwrap().pod_interfaces,
+        PodInterfaces::None
+    );
+    let k8s = format!("{base}kubernetes: {{ node_name: n1 }}\n");
+    assert_eq!(
+        AgentConfig::parse(&k8s).unwrap().pod_interfaces,
+        PodInterfaces::Auto
+    );
+    let off = format!("{k8s}pod_interfaces: none\n");
+    assert_eq!(
+        AgentConfig::parse(&off).unwrap().pod_interfaces,
+        PodInterfaces::None
+    );
+    let auto = format!("{base}pod_interfaces: auto\n");
+    assert_eq!(
+        AgentConfig::parse(&auto).unwrap().pod_interfaces,
+        PodInterfaces::Auto
+    );
+    let named = format!("{base}pod_interfaces: [cni0, cbr0]\n");
+    assert_eq!(
+        AgentConfig::parse(&named).unwrap().pod_interfaces,
+        PodInterfaces::Named(vec!["cni0".into(), "cbr0".into()])
+    );
+}
+
+#[test]
+fn pod_interfaces_are_checked() {
+    let base = "interfaces: [eth0]\n";
+    rejects(
+        &format!("{base}pod_interfaces: sometimes\n"),
+        2,
+        "pod_interfaces",
+        "is not auto, none or a list",
+    );
+    rejects(
+        &format!("{base}pod_interfaces: [cni0, eth0]\n"),
+        2,
+        "pod_interfaces[1]",
+        "also in interfaces",
+    );
+    rejects(
+        &format!("{base}pod_interfaces: [cni0, cni0]\n"),
+        2,
+        "pod_interfaces[1]",
+        "listed twice (also pod_interfaces[0])",
+    );
+    rejects(
+        &format!("{base}pod_interfaces: [\"a/b\"]\n"),
+        2,
+        "pod_interfaces[0]",
+        "is not an interface name",
+    );
 }

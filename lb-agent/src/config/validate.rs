@@ -122,6 +122,8 @@ impl Validator<'_> {
             Some(k) => Some(self.kubernetes(k)?),
         };
         let (load_interval, cgroup_root) = self.load_aware(raw.load_aware)?;
+        let pod_interfaces =
+            self.pod_interfaces(raw.pod_interfaces, &interfaces, kubernetes.is_some())?;
         let l2 = match raw.l2 {
             None => None,
             Some(l) => Some(self.l2(l, &interfaces, kubernetes.is_some())?),
@@ -139,6 +141,7 @@ impl Validator<'_> {
             snat_ports,
             metrics_addr,
             xdp_mode,
+            pod_interfaces,
             tcp_timeout,
             tcp_closing_timeout,
             udp_timeout,
@@ -475,6 +478,50 @@ impl Validator<'_> {
         if raw.is_empty() {
             return Err(self.err(path(), "at least one interface is required"));
         }
+        self.interface_names(&raw, "interfaces")?;
+        Ok(raw)
+    }
+
+    /// `pod_interfaces`: by default `auto` with Kubernetes (Pods are
+    /// there), else `none`.
+    fn pod_interfaces(
+        &self,
+        raw: Option<RawPodInterfaces>,
+        uplinks: &[String],
+        kubernetes: bool,
+    ) -> Checked<PodInterfaces> {
+        let path = || root().key("pod_interfaces");
+        match raw {
+            None if kubernetes => Ok(PodInterfaces::Auto),
+            None => Ok(PodInterfaces::None),
+            Some(RawPodInterfaces::Word(w)) => match w.as_str() {
+                "auto" => Ok(PodInterfaces::Auto),
+                "none" => Ok(PodInterfaces::None),
+                _ => Err(self.err(
+                    path(),
+                    format!("{w:?} is not auto, none or a list of interface names"),
+                )),
+            },
+            Some(RawPodInterfaces::Names(names)) => {
+                self.interface_names(&names, "pod_interfaces")?;
+                if let Some((i, name)) = names.iter().enumerate().find(|(_, n)| uplinks.contains(n))
+                {
+                    return Err(self.err(
+                        path().index(i),
+                        format!(
+                            "{name:?} is also in interfaces: an interface is an uplink or \
+                             pod-side, not both"
+                        ),
+                    ));
+                }
+                Ok(PodInterfaces::Named(names))
+            }
+        }
+    }
+
+    /// Each name valid and listed once, in the list at `key`.
+    fn interface_names(&self, raw: &[String], key: &'static str) -> Checked<()> {
+        let path = || root().key(key);
         for (i, name) in raw.iter().enumerate() {
             let valid = !name.is_empty()
                 && name.len() <= MAX_IFNAME
@@ -495,11 +542,11 @@ impl Validator<'_> {
             if let Some(j) = raw[..i].iter().position(|n| n == name) {
                 return Err(self.err(
                     path().index(i),
-                    format!("{name:?} is listed twice (also interfaces[{j}])"),
+                    format!("{name:?} is listed twice (also {key}[{j}])"),
                 ));
             }
         }
-        Ok(raw)
+        Ok(())
     }
 
     fn ip(&self, s: &str, path: impl FnOnce() -> FieldPath) -> Checked<IpAddr> {

@@ -15,6 +15,8 @@ pub(super) struct InterfaceMacs {
     spill: HashMap<MapData, u32, IfaceMac>,
     /// As written: interface name -> (ifindex, MAC).
     known: BTreeMap<String, (u32, [u8; 6])>,
+    /// `IFACE_F_*` per interface name, written with its MAC.
+    flags: BTreeMap<String, u8>,
 }
 
 fn slot_of(ifindex: u32) -> u32 {
@@ -30,6 +32,7 @@ impl InterfaceMacs {
             slots,
             spill,
             known: BTreeMap::new(),
+            flags: BTreeMap::new(),
         }
     }
 
@@ -37,6 +40,18 @@ impl InterfaceMacs {
     /// interface without a MAC (a tunnel) is left unnamed: every frame on
     /// it is taken as for this node.
     pub(super) fn learn(&mut self, iface: &str) -> Result<bool> {
+        let flags = self.flags.get(iface).copied().unwrap_or(0);
+        self.learn_with(iface, flags)
+    }
+
+    /// As [`Self::learn`], with the interface's `IFACE_F_*` flags
+    /// (rewritten when they changed).
+    pub(super) fn learn_with(&mut self, iface: &str, flags: u8) -> Result<bool> {
+        let old_flags = self.flags.insert(iface.to_string(), flags).unwrap_or(0);
+        if old_flags != flags {
+            // Written afresh below, with the new flags.
+            self.forget_written(iface)?;
+        }
         let now = crate::netif::ifindex(iface)
             .and_then(|index| Some((index, crate::netif::interface_mac(iface)?)));
         let before = self.known.get(iface).copied();
@@ -48,7 +63,7 @@ impl InterfaceMacs {
             self.known.remove(iface);
         }
         if let Some((index, mac)) = now {
-            self.write(index, mac)?;
+            self.write(index, mac, flags)?;
             self.known.insert(iface.to_string(), (index, mac));
         }
         Ok(true)
@@ -56,6 +71,11 @@ impl InterfaceMacs {
 
     /// Forgets `iface` (it was detached): no longer re-read, its slot freed.
     pub(super) fn forget(&mut self, iface: &str) -> Result<()> {
+        self.flags.remove(iface);
+        self.forget_written(iface)
+    }
+
+    fn forget_written(&mut self, iface: &str) -> Result<()> {
         if let Some((index, _)) = self.known.get(iface).copied() {
             self.remove(index)?;
             self.known.remove(iface);
@@ -75,11 +95,12 @@ impl InterfaceMacs {
         Ok(changed)
     }
 
-    fn write(&mut self, ifindex: u32, mac: [u8; 6]) -> Result<()> {
+    fn write(&mut self, ifindex: u32, mac: [u8; 6], flags: u8) -> Result<()> {
         let entry = IfaceMac {
             ifindex,
             mac,
-            _pad: [0; 6],
+            flags,
+            _pad: [0; 5],
         };
         let slot = slot_of(ifindex);
         let held = self
@@ -113,21 +134,22 @@ impl InterfaceMacs {
         // never reads empty while one of its interfaces is known.
         let heir = self
             .known
-            .values()
-            .find(|(i, _)| *i != ifindex && slot_of(*i) == slot)
-            .copied();
+            .iter()
+            .find(|(_, (i, _))| *i != ifindex && slot_of(*i) == slot)
+            .map(|(name, &(i, mac))| (i, mac, self.flags.get(name).copied().unwrap_or(0)));
         let value = match heir {
-            Some((i, mac)) => IfaceMac {
+            Some((i, mac, flags)) => IfaceMac {
                 ifindex: i,
                 mac,
-                _pad: [0; 6],
+                flags,
+                _pad: [0; 5],
             },
             None => IfaceMac::default(),
         };
         self.slots
             .set(slot, value, 0)
             .map_err(map_err(names::IFACE_MACS))?;
-        if let Some((i, _)) = heir {
+        if let Some((i, _, _)) = heir {
             match self.spill.remove(&i) {
                 Ok(()) | Err(MapError::KeyNotFound) => {}
                 Err(e) => return Err(map_err(names::IFACE_MACS_SPILL)(e)),

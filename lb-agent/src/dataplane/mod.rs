@@ -277,6 +277,15 @@ fn echo_key(vip: IpAddr) -> ServiceKey {
     )
 }
 
+/// Which side of the node an interface is on (`Dataplane::attach_as`).
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Side {
+    /// Clients and remote backends: takes redirects.
+    Uplink,
+    /// This node's Pods (`IFACE_F_POD`).
+    Pod,
+}
+
 /// What the driver remembers of a service it programmed.
 #[derive(Clone, Debug)]
 struct Programmed {
@@ -536,10 +545,38 @@ impl Dataplane {
     /// to a device without `ndo_xdp_xmit`, so the kernel forwards to it.
     /// Returns the mode it attached in.
     pub fn attach(&mut self, iface: &str, mode: XdpMode) -> Result<XdpMode> {
+        self.attach_as(iface, mode, Side::Uplink)
+    }
+
+    /// Attaches to a pod-side interface (the host side of this node's
+    /// Pods: a CNI bridge, a Pod's veth) in generic mode, marked
+    /// `IFACE_F_POD`, taking no redirects: replies of local Pods are
+    /// translated there and redirected to an uplink, and everything else
+    /// passes to the kernel as before. Generic because a bridge has no
+    /// native XDP, and native XDP on a Pod's veth would take its peer's
+    /// segmentation offloads away and lose the skb's checksum state.
+    pub fn attach_pod_side(&mut self, iface: &str) -> Result<()> {
+        self.attach_as(iface, XdpMode::Skb, Side::Pod).map(|_| ())
+    }
+
+    fn attach_as(&mut self, iface: &str, mode: XdpMode, side: Side) -> Result<XdpMode> {
         let ifindex = crate::netif::ifindex(iface)
             .ok_or_else(|| DataplaneError::NoInterface(iface.to_string()))?;
         // Before the program runs there: it acts only on frames to this MAC.
-        self.learn_interface(iface)?;
+        let flags = match side {
+            Side::Uplink => 0,
+            Side::Pod => lb_common::IFACE_F_POD,
+        };
+        self.maps.iface_macs.learn_with(iface, flags)?;
+        // An uplink takes redirects; a pod-side interface never does (one
+        // that was an uplink before loses them now, before it runs as one).
+        let allow = |dp: &mut Self| match side {
+            Side::Uplink => dp.allow_redirect(ifindex),
+            Side::Pod => dp.forbid_redirect(ifindex),
+        };
+        if side == Side::Pod {
+            allow(self)?;
+        }
         let link_pin = self
             .pin_dir
             .as_ref()
@@ -572,7 +609,7 @@ impl Dataplane {
         if let Some(pin) = link_pin.as_ref().filter(|p| p.exists()) {
             match self.update_pinned_link(iface, pin) {
                 Ok(()) => {
-                    self.allow_redirect(ifindex)?;
+                    allow(self)?;
                     return Ok(mode);
                 }
                 // The interface the link held was deleted (a namespace or
@@ -608,9 +645,20 @@ impl Dataplane {
             }
             Err(e) => Err(e),
             Ok(()) => {
-                self.allow_redirect(ifindex)?;
+                allow(self)?;
                 Ok(mode)
             }
+        }
+    }
+
+    /// Takes `ifindex` out of `TX_PORTS` (absent is fine).
+    fn forbid_redirect(&mut self, ifindex: u32) -> Result<()> {
+        match self.maps.tx_ports.remove(ifindex) {
+            Ok(()) => Ok(()),
+            Err(MapError::SyscallError(e)) if e.io_error.raw_os_error() == Some(libc::ENOENT) => {
+                Ok(())
+            }
+            Err(e) => Err(map_err(names::TX_PORTS)(e)),
         }
     }
 
@@ -629,13 +677,10 @@ impl Dataplane {
         if let Some(id) = self.unpinned_links.remove(iface) {
             self.program_mut().detach(id)?;
         }
+        // An interface that is gone left the devmap with it (the kernel
+        // removes a device's entries when it unregisters).
         if let Some(ifindex) = crate::netif::ifindex(iface) {
-            match self.maps.tx_ports.remove(ifindex) {
-                Ok(()) => {}
-                Err(MapError::SyscallError(e))
-                    if e.io_error.raw_os_error() == Some(libc::ENOENT) => {}
-                Err(e) => return Err(map_err(names::TX_PORTS)(e)),
-            }
+            self.forbid_redirect(ifindex)?;
         }
         self.maps.iface_macs.forget(iface)
     }
