@@ -2,8 +2,8 @@
 
 use aya_ebpf::{
     bindings::{
-        bpf_fib_lookup as FibParams, xdp_action, BPF_FIB_LKUP_RET_NOT_FWDED,
-        BPF_FIB_LKUP_RET_NO_NEIGH, BPF_FIB_LKUP_RET_SUCCESS,
+        bpf_fib_lookup as FibParams, xdp_action, BPF_FIB_LKUP_RET_FRAG_NEEDED,
+        BPF_FIB_LKUP_RET_NOT_FWDED, BPF_FIB_LKUP_RET_NO_NEIGH, BPF_FIB_LKUP_RET_SUCCESS,
     },
     helpers::{bpf_fib_lookup, bpf_redirect},
     programs::XdpContext,
@@ -149,6 +149,19 @@ pub fn leaves_by_uplink(ctx: &XdpContext, h: &Headers, src: &[u32; 4], dst: &[u3
     let rc = fib_lookup_len(ctx, h, src, dst, p, 0);
     (rc == BPF_FIB_LKUP_RET_SUCCESS as i64 || rc == BPF_FIB_LKUP_RET_NO_NEIGH as i64)
         && TX_PORTS.get_ifindex(p.ifindex).is_some()
+}
+
+/// Whether the packet is larger than the route's MTU allows: generic XDP
+/// hands over a Pod's segmentation-offload packets whole (up to 64 KiB),
+/// which a redirect would drop where the kernel segments them. Packets up
+/// to 1280 bytes (IPv6's minimum MTU) fit any route and skip the lookup.
+#[inline(never)]
+pub fn too_big(ctx: &XdpContext, h: &Headers, src: &[u32; 4], dst: &[u32; 4]) -> bool {
+    if (ctx.data_end() - ctx.data()).saturating_sub(h.l3) <= 1280 {
+        return false;
+    }
+    let mut p = MaybeUninit::<FibParams>::uninit();
+    fib_lookup(ctx, h, src, dst, zeroed(&mut p)) == BPF_FIB_LKUP_RET_FRAG_NEEDED as i64
 }
 
 /// Zeroes the FIB lookup's parameter block four bytes at a time (its

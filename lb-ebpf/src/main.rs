@@ -325,13 +325,19 @@ fn from_backend_inner(ctx: &XdpContext, h: &Headers) -> Option<Verdict> {
     };
     // Only on a pod-side interface (generic XDP, the skb kept): there a
     // local Pod's unfinished checksum reaches the NIC as such.
-    let unfinished = mac::pod_side(ctx) && checksum_unfinished(ctx, h);
+    let pod_side = mac::pod_side(ctx);
+    let unfinished = pod_side && checksum_unfinished(ctx, h);
     rewrite(ctx, h, Some((&r.vip, r.vport)), dst)?;
     if unfinished {
         leave_unfinished(ctx, h, &r.vip, &r.client)?;
     }
     let bytes = (ctx.data_end() - ctx.data()) as u64;
     stats::count_traffic(r.service_id, r.backend_id, bytes, false, true);
+    // A Pod's segmentation-offload packet is larger than the uplink's MTU:
+    // a redirect would drop it, the kernel segments it on the way out.
+    if pod_side && forward::too_big(ctx, h, &r.vip, &r.client) {
+        return Some(pass(Reason::PassFibFailed));
+    }
     // The cache lives in the shared entry: any CPU may refresh it.
     Some(forward(ctx, h, &r.vip, &r.client, &mut r.fib))
 }
