@@ -270,6 +270,8 @@ pub struct Cluster {
     etcd: Option<Child>,
     apiserver: Option<Child>,
     controllers: Option<Child>,
+    /// Controllers beyond the EndpointSlice and ServiceAccount ones.
+    extra_controllers: Vec<String>,
     admin_kubeconfig: PathBuf,
     apiserver_starts: usize,
     chart_installed: bool,
@@ -279,6 +281,12 @@ impl Cluster {
     /// etcd, kube-apiserver and the controllers, each waited for through
     /// its own health endpoint. `name` names the working directory.
     pub fn start(name: &str) -> Cluster {
+        Self::start_with_controllers(name, &[])
+    }
+
+    /// [`start`](Self::start), kube-controller-manager also running these
+    /// controllers (e.g. `garbage-collector-controller`).
+    pub fn start_with_controllers(name: &str, extra: &[&str]) -> Cluster {
         let pki = Pki::get();
         let dir = std::env::temp_dir().join(format!("xlb-k8s-{name}"));
         let _ = fs::remove_dir_all(&dir);
@@ -302,6 +310,7 @@ impl Cluster {
             etcd: None,
             apiserver: None,
             controllers: None,
+            extra_controllers: extra.iter().map(|c| c.to_string()).collect(),
             admin_kubeconfig,
             apiserver_starts: 0,
             chart_installed: false,
@@ -441,7 +450,15 @@ impl Cluster {
                 "--requestheader-client-ca-file={}",
                 pki.path("ca.crt").display()
             ),
-            "--controllers=endpointslice-controller,serviceaccount-controller".into(),
+            format!(
+                "--controllers={}",
+                ["endpointslice-controller", "serviceaccount-controller"]
+                    .iter()
+                    .map(|c| c.to_string())
+                    .chain(self.extra_controllers.iter().cloned())
+                    .collect::<Vec<_>>()
+                    .join(",")
+            ),
             "--use-service-account-credentials".into(),
             "--leader-elect=false".into(),
             "--bind-address=127.0.0.1".into(),
@@ -806,6 +823,42 @@ impl Cluster {
             "helm template (cargo xtask setup installs helm)",
         );
         String::from_utf8_lossy(&out).into_owned()
+    }
+
+    /// `helm install xlb charts/xlb -n xlb-system` for real, with extra
+    /// arguments: every object of the chart is created (no kubelet runs
+    /// the DaemonSet's Pods). The chart's identity is then Helm's, not
+    /// [`install_chart_identity`](Self::install_chart_identity)'s.
+    pub fn helm_install(&mut self, extra: &[&str]) {
+        assert!(
+            !self.chart_installed,
+            "the chart's identity is already installed"
+        );
+        let chart = crate::topology::workspace_root().join("charts/xlb");
+        checked(
+            Command::new("helm")
+                .args(["install", "xlb"])
+                .arg(&chart)
+                .args(["-n", AGENT_NAMESPACE, "--create-namespace"])
+                .arg("--kubeconfig")
+                .arg(&self.admin_kubeconfig)
+                .args(extra),
+            "helm install",
+        );
+        self.wait_for_default_service_account(AGENT_NAMESPACE);
+        self.chart_installed = true;
+    }
+
+    /// `helm uninstall xlb -n xlb-system`, as a user runs it (Helm's
+    /// deletion order, background propagation, no waiting).
+    pub fn helm_uninstall(&self) {
+        checked(
+            Command::new("helm")
+                .args(["uninstall", "xlb", "-n", AGENT_NAMESPACE])
+                .arg("--kubeconfig")
+                .arg(&self.admin_kubeconfig),
+            "helm uninstall",
+        );
     }
 
     /// A token for the chart's ServiceAccount: whatever the agent does with
