@@ -89,6 +89,8 @@ pub struct Agent {
     flow_sync: Option<crate::flow_sync::Exchange>,
     /// This agent's flow exchange Lease, when its peers are discovered.
     flow_members: Option<crate::k8s::members::Members>,
+    /// In a Pod: its DaemonSet, which tells an uninstall from a restart.
+    owner: Option<crate::k8s::uninstall::OwnerWatch>,
 }
 
 #[derive(Default)]
@@ -128,6 +130,13 @@ fn release_free_memory() {
     }
 }
 
+/// This agent's Pod (`POD_NAMESPACE`, `POD_NAME`; the chart sets both from
+/// the downward API), when it runs in one.
+fn pod_identity() -> Option<(String, String)> {
+    let var = |name| std::env::var(name).ok().filter(|v| !v.is_empty());
+    Some((var("POD_NAMESPACE")?, var("POD_NAME")?))
+}
+
 fn xdp_mode(m: XdpAttachMode) -> XdpMode {
     match m {
         XdpAttachMode::Native => XdpMode::Driver,
@@ -145,6 +154,12 @@ impl Agent {
             maglev_pool_entries: config.maglev_pool_entries,
             flow_table_entries: config.flow_table_entries,
         };
+        // First, before the pins are touched: on a node the port is held by
+        // one agent at a time, so a new release's agent cannot adopt the
+        // pins while the old one, uninstalled, is still removing them.
+        let listener = tokio::net::TcpListener::bind(config.metrics_addr)
+            .await
+            .with_context(|| format!("binding the metrics endpoint {}", config.metrics_addr))?;
         let mut dp =
             Dataplane::open_with(Some(&opts.pin_dir), sizes).context("loading the XDP program")?;
         let adopted = dp.services().count();
@@ -164,9 +179,6 @@ impl Agent {
             let (dp, labels) = (dp.clone(), labels.clone());
             metrics.set_snapshot_source(move || snapshot(&dp, &labels));
         }
-        let listener = tokio::net::TcpListener::bind(config.metrics_addr)
-            .await
-            .with_context(|| format!("binding the metrics endpoint {}", config.metrics_addr))?;
         {
             let ready = ready.clone();
             let probe: Arc<dyn Fn() -> (bool, bool) + Send + Sync> =
@@ -206,6 +218,7 @@ impl Agent {
             node_leaving: false,
             flow_sync,
             flow_members: None,
+            owner: None,
         };
         let mut kube_client = None;
         if let Some(kcfg) = agent.config.kubernetes.clone() {
@@ -216,6 +229,9 @@ impl Agent {
                 .context("registering the Kubernetes API metrics")?;
             let node_name = crate::k8s::watch::node_name(&kcfg);
             agent.discover_flow_peers(&client, &kcfg, &node_name);
+            agent.owner = pod_identity().map(|(namespace, pod)| {
+                crate::k8s::uninstall::OwnerWatch::start(client.clone(), &namespace, &pod)
+            });
             info!(node = %node_name, class = %kcfg.load_balancer_class, "taking Services from Kubernetes");
             let mut rx = crate::k8s::watch::spawn(
                 client.clone(),
@@ -378,6 +394,7 @@ impl Agent {
         let mut usr2 = signal(SignalKind::user_defined2())?;
         let mut poll = tokio::time::interval(Duration::from_millis(500));
         poll.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut uninstall = false;
         let leaving = loop {
             tokio::select! {
                 _ = hup.recv() => self.reload("SIGHUP"),
@@ -418,7 +435,10 @@ impl Agent {
                         self.load_changed();
                     }
                 }
-                _ = term.recv() => break self.sigterm_means_leaving(),
+                _ = term.recv() => {
+                    uninstall = self.sigterm_means_uninstall(false).await;
+                    break uninstall || self.sigterm_means_leaving();
+                }
                 _ = int.recv() => break true,
                 _ = usr2.recv() => break false,
             }
@@ -487,8 +507,42 @@ impl Agent {
         if let Some(m) = flow_members {
             m.leave().await;
         }
+        if uninstall && self.sigterm_means_uninstall(true).await {
+            // As `lb-agent --cleanup`; under the lock, so that no task of
+            // this agent writes a map meanwhile.
+            let _dp = self.dp.lock().expect("data plane lock");
+            match Dataplane::cleanup(&self.opts.pin_dir) {
+                Ok(removed) => info!(dir = %self.opts.pin_dir.display(), ?removed, "uninstalled: XDP detached and the pins removed"),
+                Err(e) => error!("uninstalled, but removing the pins failed: {e} (lb-agent --cleanup removes them)"),
+            }
+            return Ok(());
+        }
         info!("exiting; the XDP program stays attached and keeps forwarding (lb-agent --cleanup detaches it)");
         Ok(())
+    }
+
+    /// In a Pod of the chart: whether its DaemonSet is gone, so that this
+    /// SIGTERM is `helm uninstall` and not a restart (k8s::uninstall).
+    /// Asked again (`again`) just before the pins go, in case a new
+    /// DaemonSet of the same name appeared during the drain.
+    async fn sigterm_means_uninstall(&self, again: bool) -> bool {
+        use crate::k8s::uninstall::Verdict;
+        let Some(owner) = &self.owner else {
+            return false;
+        };
+        match (owner.verdict().await, again) {
+            (Verdict::Uninstall(why), false) => {
+                info!(
+                    "uninstalling: {why}; XDP is detached and the pins removed after the shutdown"
+                );
+                true
+            }
+            (Verdict::Uninstall(_), true) => true,
+            (Verdict::Keep(why), _) => {
+                info!("not an uninstall: {why}; the pins stay");
+                false
+            }
+        }
     }
 
     /// Says when the Node starts or stops being taken out: what a SIGTERM

@@ -28,6 +28,10 @@ struct Cli {
     /// Detach the program from every interface, unpin everything, and exit.
     #[arg(long)]
     cleanup: bool,
+    /// Serve /metrics, /healthz and /readyz here instead of the file's
+    /// `metrics_addr` (the Helm chart passes the node's address).
+    #[arg(long, value_name = "ADDR:PORT", value_parser = lb_agent::config::parse_listen_addr)]
+    metrics_addr: Option<std::net::SocketAddr>,
     /// Only check the configuration file and exit (0 if valid).
     #[arg(long, value_name = "FILE")]
     check: Option<PathBuf>,
@@ -118,13 +122,16 @@ fn main() -> ExitCode {
     }
     let path = cli.config.expect("clap requires --config");
     // Invalid config at start: say why and exit before touching anything.
-    let config = match AgentConfig::load(&path) {
+    let mut config = match AgentConfig::load(&path) {
         Ok(c) => c,
         Err(e) => {
             eprintln!("lb-agent: {}: {e}", path.display());
             return ExitCode::from(2);
         }
     };
+    if let Some(addr) = cli.metrics_addr {
+        config.metrics_addr = addr;
+    }
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()

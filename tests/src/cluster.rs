@@ -46,6 +46,19 @@ pub const API_HOST: Ipv4Addr = Ipv4Addr::new(10, 255, 255, 1);
 /// The chart's release as the tests install it.
 pub const AGENT_NAMESPACE: &str = "xlb-system";
 pub const AGENT_SERVICE_ACCOUNT: &str = "xlb";
+/// What kubelet-run workloads need beyond the EndpointSlice and
+/// ServiceAccount controllers every test cluster runs.
+const REAL_NODE_CONTROLLERS: &[&str] = &[
+    "daemonset-controller",
+    "deployment-controller",
+    "replicaset-controller",
+    "node-lifecycle-controller",
+    "node-ipam-controller",
+    "root-ca-certificate-publisher-controller",
+    "garbage-collector-controller",
+    "namespace-controller",
+    "serviceaccount-token-controller",
+];
 const READY_TIMEOUT: Duration = Duration::from_secs(60);
 
 /// Where `cargo xtask setup` puts kube-apiserver, kube-controller-manager,
@@ -283,6 +296,8 @@ pub struct Cluster {
     etcd: Option<Child>,
     apiserver: Option<Child>,
     controllers: Option<Child>,
+    /// Controllers beyond the EndpointSlice and ServiceAccount ones.
+    extra_controllers: Vec<String>,
     admin_kubeconfig: PathBuf,
     apiserver_starts: usize,
     chart_installed: bool,
@@ -296,7 +311,13 @@ impl Cluster {
     /// etcd, kube-apiserver and the controllers, each waited for through
     /// its own health endpoint. `name` names the working directory.
     pub fn start(name: &str) -> Cluster {
-        Self::start_with(name, false)
+        Self::start_with(name, false, &[])
+    }
+
+    /// [`start`](Self::start), kube-controller-manager also running these
+    /// controllers (e.g. `garbage-collector-controller`).
+    pub fn start_with_controllers(name: &str, extra: &[&str]) -> Cluster {
+        Self::start_with(name, false, extra)
     }
 
     /// The control plane for real nodes: also kube-scheduler, and the
@@ -304,10 +325,10 @@ impl Cluster {
     /// ReplicaSets, node lifecycle, Pod CIDRs for flannel, the root CA
     /// ConfigMap for projected tokens, garbage collection for uninstall).
     pub fn start_for_nodes(name: &str) -> Cluster {
-        Self::start_with(name, true)
+        Self::start_with(name, true, &[])
     }
 
-    fn start_with(name: &str, real_nodes: bool) -> Cluster {
+    fn start_with(name: &str, real_nodes: bool, extra: &[&str]) -> Cluster {
         let pki = Pki::get();
         let dir = std::env::temp_dir().join(format!("xlb-k8s-{name}"));
         let _ = fs::remove_dir_all(&dir);
@@ -331,6 +352,7 @@ impl Cluster {
             etcd: None,
             apiserver: None,
             controllers: None,
+            extra_controllers: extra.iter().map(|c| c.to_string()).collect(),
             admin_kubeconfig,
             apiserver_starts: 0,
             chart_installed: false,
@@ -487,15 +509,17 @@ impl Cluster {
             ),
             format!(
                 "--controllers={}",
-                if self.real_nodes {
-                    "endpointslice-controller,serviceaccount-controller,daemonset-controller,\
-                     deployment-controller,replicaset-controller,node-lifecycle-controller,\
-                     node-ipam-controller,root-ca-certificate-publisher-controller,\
-                     garbage-collector-controller,namespace-controller,\
-                     serviceaccount-token-controller"
-                } else {
-                    "endpointslice-controller,serviceaccount-controller"
-                }
+                ["endpointslice-controller", "serviceaccount-controller"]
+                    .iter()
+                    .chain(if self.real_nodes {
+                        REAL_NODE_CONTROLLERS
+                    } else {
+                        &[]
+                    })
+                    .map(|c| c.to_string())
+                    .chain(self.extra_controllers.iter().cloned())
+                    .collect::<Vec<_>>()
+                    .join(",")
             ),
             format!("--root-ca-file={}", pki.path("ca.crt").display()),
             format!(
@@ -927,6 +951,42 @@ impl Cluster {
             "helm template (cargo xtask setup installs helm)",
         );
         String::from_utf8_lossy(&out).into_owned()
+    }
+
+    /// `helm install xlb charts/xlb -n xlb-system` for real, with extra
+    /// arguments: every object of the chart is created (no kubelet runs
+    /// the DaemonSet's Pods). The chart's identity is then Helm's, not
+    /// [`install_chart_identity`](Self::install_chart_identity)'s.
+    pub fn helm_install(&mut self, extra: &[&str]) {
+        assert!(
+            !self.chart_installed,
+            "the chart's identity is already installed"
+        );
+        let chart = crate::topology::workspace_root().join("charts/xlb");
+        checked(
+            Command::new("helm")
+                .args(["install", "xlb"])
+                .arg(&chart)
+                .args(["-n", AGENT_NAMESPACE, "--create-namespace"])
+                .arg("--kubeconfig")
+                .arg(&self.admin_kubeconfig)
+                .args(extra),
+            "helm install",
+        );
+        self.wait_for_default_service_account(AGENT_NAMESPACE);
+        self.chart_installed = true;
+    }
+
+    /// `helm uninstall xlb -n xlb-system`, as a user runs it (Helm's
+    /// deletion order, background propagation, no waiting).
+    pub fn helm_uninstall(&self) {
+        checked(
+            Command::new("helm")
+                .args(["uninstall", "xlb", "-n", AGENT_NAMESPACE])
+                .arg("--kubeconfig")
+                .arg(&self.admin_kubeconfig),
+            "helm uninstall",
+        );
     }
 
     /// A token for the chart's ServiceAccount: whatever the agent does with

@@ -39,19 +39,35 @@ app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
 {{- printf "%s:%s" .repository (default .appVersion .tag) -}}
 {{- end -}}
 
-{{/* The port of config.metrics_addr ("0.0.0.0:9469", "[::]:9469"). */}}
+{{/*
+The metrics port: config.metrics_addr's ("0.0.0.0:9469", "[::]:9469") when
+set, else metrics.port.
+*/}}
 {{- define "xlb.metricsPort" -}}
-{{- regexFind "[0-9]+$" .Values.config.metrics_addr -}}
+{{- with .Values.config.metrics_addr -}}{{ regexFind "[0-9]+$" . }}{{- else -}}{{ int .Values.metrics.port }}{{- end -}}
 {{- end -}}
 
 {{/*
-The host the kubelet probes: the pod's (node's) address when the agent
-listens on all addresses, else the address it listens on (the kubelet runs in
-the host's network namespace, as the pod does, so loopback works).
+The host the kubelet probes. Without config.metrics_addr the agent listens
+on the node's address (status.hostIP), which is the pod's IP on the host
+network and so the probes' default: none. With it, the pod's (node's)
+address when it is every address, else the address it names (the kubelet
+runs in the host's network namespace, as the pod does, so loopback works).
 */}}
 {{- define "xlb.probeHost" -}}
-{{- $host := regexReplaceAll ":[0-9]+$" .Values.config.metrics_addr "" | trimPrefix "[" | trimSuffix "]" -}}
+{{- with .Values.config.metrics_addr -}}
+{{- $host := regexReplaceAll ":[0-9]+$" . "" | trimPrefix "[" | trimSuffix "]" -}}
 {{- if not (has $host (list "0.0.0.0" "::")) -}}{{ $host }}{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{/*
+The port of an agent address field ("10.0.0.1:7946", "[fd00::1]:7946") or,
+for an address without one (or none), the default: (list $value $default).
+*/}}
+{{- define "xlb.portOr" -}}
+{{- $v := toString (index . 0 | default "") -}}
+{{- if regexMatch "^([0-9.]+|\\[[0-9a-fA-F:.]+\\]):[0-9]+$" $v -}}{{ regexFind "[0-9]+$" $v }}{{- else -}}{{ index . 1 }}{{- end -}}
 {{- end -}}
 
 {{/*

@@ -343,6 +343,21 @@ mod locate;
 mod raw;
 mod validate;
 
+/// `lb-agent --metrics-addr`: an address:port as in the file, or an IPv6
+/// address without brackets before the last `:PORT`, so that the chart's
+/// `$(HOST_IP):9469` works on an IPv6 node too.
+pub fn parse_listen_addr(s: &str) -> Result<SocketAddr, String> {
+    let s = s.trim();
+    if let Ok(addr) = s.parse() {
+        return Ok(addr);
+    }
+    s.rsplit_once(':')
+        .and_then(|(ip, port)| Some(SocketAddr::new(ip.parse().ok()?, port.parse().ok()?)))
+        .ok_or_else(|| {
+            format!("{s:?} is not an address:port (e.g. 10.0.0.11:9469, \"[::1]:9469\")")
+        })
+}
+
 pub use self::flow_sync::{FlowSyncConfig, FlowSyncReload, DEFAULT_FLOW_SYNC_PORT};
 pub use self::l2::{majority, L2Config, DEFAULT_L2_PORT};
 use self::{locate::yaml_error, raw::RawConfig, validate::Validator};

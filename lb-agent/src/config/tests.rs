@@ -1503,3 +1503,19 @@ fn pod_interfaces_are_checked() {
         "is not an interface name",
     );
 }
+
+#[test]
+fn a_listen_address_from_the_command_line() {
+    for (text, want) in [
+        ("10.0.0.11:9469", "10.0.0.11:9469"),
+        ("[2001:db8::11]:9469", "[2001:db8::11]:9469"),
+        // $(HOST_IP):9469 on an IPv6 node: no brackets.
+        ("2001:db8::11:9469", "[2001:db8::11]:9469"),
+        ("::1:9470", "[::1]:9470"),
+    ] {
+        assert_eq!(parse_listen_addr(text), Ok(want.parse().unwrap()), "{text}");
+    }
+    for bad in ["10.0.0.11", ":9469", "node-1:9469", "10.0.0.11:70000", ""] {
+        assert!(parse_listen_addr(bad).is_err(), "{bad}");
+    }
+}

@@ -11,6 +11,7 @@
 //! - [`members`]: peers from the agents' Leases (L2 mode's membership, the flow exchange).
 //! - [`allocator`]: the controller that writes `status.loadBalancer`.
 //! - [`api_health`]: one view of whether the API answers, logged once per outage.
+//! - [`uninstall`]: whether a SIGTERM means the chart is being uninstalled.
 
 pub mod allocator;
 pub mod api_health;
@@ -20,6 +21,7 @@ pub mod ipam;
 pub mod leader;
 pub mod members;
 pub mod sharing;
+pub mod uninstall;
 pub mod watch;
 
 /// Annotation naming the pool a Service's address comes from.
