@@ -1,6 +1,7 @@
 //! Two Kubernetes-like nodes with their Pods behind a Linux bridge `cni0`
 //! (the bridge CNI, flannel), for the pod-side interface tests
-//! (tests/tests/podnet_e2e.rs) and the Pod egress benchmark:
+//! (tests/tests/podnet_e2e.rs) and the Pod egress benchmark
+//! (`xlb-podnet-bench`, `cargo xtask bench podnet`):
 //!
 //! ```text
 //!  <p>-c client            <p>-r router                  <p>-n1 node 1 (lb-agent)            <p>-p1, <p>-p2
@@ -44,6 +45,73 @@ use crate::{
 pub const CLIENT: Ipv4Addr = Ipv4Addr::new(10, 9, 0, 2);
 pub const HTTP_PORTS: [u16; 2] = [8080, 8081];
 pub const UDP_PORTS: [u16; 2] = [5353, 5354];
+
+/// What the agent logs when it attaches the program to a pod-side interface.
+pub const ATTACHED: &str = "XDP program attached to a pod-side interface";
+/// What the agent logs when it detaches it.
+pub const DETACHED: &str = "XDP program detached from a pod-side interface";
+
+/// Node `node`'s agent config: its uplink only, no pod-side interface
+/// named (`pod_interfaces: auto`), and the services: TCP and UDP to
+/// Pods 1 and 2 in snat and nat on 192.0.2.10 (80 and 53 snat, 81 and 54
+/// nat), and `far-nat`, 192.0.2.11:80 to Pod 3 behind node 2 in nat.
+pub fn config(node: usize) -> String {
+    let mut s = format!(
+        "interfaces: [eth0]\nsnat_ipv4: 10.0.{}.1\npod_interfaces: auto\nservices:\n",
+        node - 1
+    );
+    let svc = |name: &str,
+               vip: &str,
+               port: u16,
+               proto: &str,
+               mode: &str,
+               backends: &[(usize, u16)]| {
+        let mut s = format!(
+            "  - {{ name: {name}, vip: {vip}, port: {port}, protocol: {proto}, mode: {mode}, backends: ["
+        );
+        let list: Vec<String> = backends
+            .iter()
+            .map(|(n, p)| format!("{{ ip: {}, port: {p} }}", pod_ip(*n)))
+            .collect();
+        s.push_str(&list.join(", "));
+        s.push_str("] }\n");
+        s
+    };
+    s += &svc(
+        "web-snat",
+        "192.0.2.10",
+        80,
+        "tcp",
+        "snat",
+        &[(1, 8080), (2, 8080)],
+    );
+    s += &svc(
+        "web-nat",
+        "192.0.2.10",
+        81,
+        "tcp",
+        "nat",
+        &[(1, 8081), (2, 8081)],
+    );
+    s += &svc(
+        "dns-snat",
+        "192.0.2.10",
+        53,
+        "udp",
+        "snat",
+        &[(1, 5353), (2, 5353)],
+    );
+    s += &svc(
+        "dns-nat",
+        "192.0.2.10",
+        54,
+        "udp",
+        "nat",
+        &[(1, 5354), (2, 5354)],
+    );
+    s += &svc("far-nat", "192.0.2.11", 80, "tcp", "nat", &[(3, 8081)]);
+    s
+}
 
 /// Pod `n` (1 and 2 on node 1, 3 on node 2).
 pub fn pod_ip(n: usize) -> Ipv4Addr {

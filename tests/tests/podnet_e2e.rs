@@ -16,75 +16,16 @@ use std::{
 };
 
 use xlb_tests::{
-    podnet_lab::{http_get, pinned_link, pod_ip, udp_echo, PodLab, CLIENT},
+    podnet_lab::{
+        config, http_get, pinned_link, pod_ip, udp_echo, PodLab, ATTACHED, CLIENT, DETACHED,
+    },
     topology::{in_netns, AgentHandle},
     traffic::wait_until,
 };
 
-const ATTACHED: &str = "XDP program attached to a pod-side interface";
-const DETACHED: &str = "XDP program detached from a pod-side interface";
 /// Large enough that the Pod's TCP sends segmentation-offload skbs of
 /// many MTUs through the bridge.
 const LARGE: usize = 2 << 20;
-
-/// Node `node`'s config: its uplink only, no pod-side interface named.
-fn config(node: usize) -> String {
-    let mut s = format!(
-        "interfaces: [eth0]\nsnat_ipv4: 10.0.{}.1\npod_interfaces: auto\nservices:\n",
-        node - 1
-    );
-    let svc = |name: &str,
-               vip: &str,
-               port: u16,
-               proto: &str,
-               mode: &str,
-               backends: &[(usize, u16)]| {
-        let mut s = format!(
-            "  - {{ name: {name}, vip: {vip}, port: {port}, protocol: {proto}, mode: {mode}, backends: ["
-        );
-        let list: Vec<String> = backends
-            .iter()
-            .map(|(n, p)| format!("{{ ip: {}, port: {p} }}", pod_ip(*n)))
-            .collect();
-        s.push_str(&list.join(", "));
-        s.push_str("] }\n");
-        s
-    };
-    s += &svc(
-        "web-snat",
-        "192.0.2.10",
-        80,
-        "tcp",
-        "snat",
-        &[(1, 8080), (2, 8080)],
-    );
-    s += &svc(
-        "web-nat",
-        "192.0.2.10",
-        81,
-        "tcp",
-        "nat",
-        &[(1, 8081), (2, 8081)],
-    );
-    s += &svc(
-        "dns-snat",
-        "192.0.2.10",
-        53,
-        "udp",
-        "snat",
-        &[(1, 5353), (2, 5353)],
-    );
-    s += &svc(
-        "dns-nat",
-        "192.0.2.10",
-        54,
-        "udp",
-        "nat",
-        &[(1, 5354), (2, 5354)],
-    );
-    s += &svc("far-nat", "192.0.2.11", 80, "tcp", "nat", &[(3, 8081)]);
-    s
-}
 
 fn vip(last: u8, port: u16) -> SocketAddr {
     SocketAddr::from(([192, 0, 2, last], port))
@@ -257,91 +198,4 @@ fn ordinary_pod_traffic(lab: &PodLab, pod: usize) {
         "the client saw the Pod's own address"
     );
     assert!(n.unwrap(), "the 4 MB came back as sent");
-}
-
-/// What the generic hook on the bridge costs a Pod's own egress: iperf3
-/// from Pod 1 to the client (through cni0, node 1's stack and its uplink),
-/// with the program on cni0 and without, alternating in one run. Not a
-/// check: run by hand (docs/benchmarks.md, "Pod-side interfaces").
-#[test]
-#[ignore = "a measurement: cargo test -p xlb-tests --test podnet_e2e -- --ignored --nocapture"]
-fn pod_egress_cost_bench_needs_root() {
-    let mut lab = PodLab::new("pnb");
-    lab.bridge(1, "cni0", &[1, 2]);
-    let on = config(1);
-    let off = on.replace("pod_interfaces: auto", "pod_interfaces: none");
-    let a1 = lab.start_agent(1, &on);
-    a1.wait_for_log(ATTACHED, 1, Duration::from_secs(5));
-    let server = lab.client.name.clone();
-    let mut iperf_server = std::process::Command::new("ip")
-        .args(["netns", "exec", &server, "iperf3", "-s", "-B", "10.9.0.2"])
-        .stdout(std::process::Stdio::null())
-        .spawn()
-        .unwrap();
-    let pod = lab.pods[0].name.clone();
-    let run = |args: &[&str]| -> f64 {
-        let r = wait_until("iperf3 run", Duration::from_secs(30), || {
-            let out = std::process::Command::new("ip")
-                .args([
-                    "netns", "exec", &pod, "iperf3", "-c", "10.9.0.2", "-t", "4", "-J",
-                ])
-                .args(args)
-                .output()
-                .ok()?;
-            let v: serde_json::Value = serde_json::from_slice(&out.stdout).ok()?;
-            let end = &v["end"];
-            let sum = if args.contains(&"-u") {
-                end["sum"]["packets"].as_f64()? / end["sum"]["seconds"].as_f64()?
-            } else {
-                end["sum_received"]["bits_per_second"].as_f64()?
-            };
-            Some(sum)
-        });
-        r
-    };
-    let cases: [(&str, &[&str]); 2] = [
-        ("TCP stream (Gbit/s)", &[]),
-        ("UDP 64 B, 1 stream (kpps)", &["-u", "-b", "0", "-l", "64"]),
-    ];
-    let (mut attached, mut detached, mut is_on) = (1, 0, true);
-    let mut results: Vec<(String, Vec<f64>, Vec<f64>)> = cases
-        .iter()
-        .map(|(n, _)| (n.to_string(), Vec::new(), Vec::new()))
-        .collect();
-    for round in 0..4 {
-        for with in [round % 2 == 0, round % 2 != 0] {
-            if with && !is_on {
-                a1.write_config(&on);
-                attached += 1;
-                a1.wait_for_log(ATTACHED, attached, Duration::from_secs(5));
-            } else if !with && is_on {
-                a1.write_config(&off);
-                detached += 1;
-                a1.wait_for_log(DETACHED, detached, Duration::from_secs(5));
-            }
-            is_on = with;
-            for (i, (_, args)) in cases.iter().enumerate() {
-                let v = run(args);
-                let scaled = if i == 0 { v / 1e9 } else { v / 1e3 };
-                if with {
-                    results[i].1.push(scaled);
-                } else {
-                    results[i].2.push(scaled);
-                }
-            }
-        }
-    }
-    let _ = iperf_server.kill();
-    let _ = iperf_server.wait();
-    let median = |v: &mut Vec<f64>| {
-        v.sort_by(|a, b| a.partial_cmp(b).unwrap());
-        (v[v.len() / 2 - 1] + v[v.len() / 2]) / 2.0
-    };
-    println!("| Pod egress | without the program on cni0 | with it (generic) | ratio | runs (with / without) |");
-    println!("|---|---:|---:|---:|---|");
-    for (name, mut with, mut without) in results {
-        let runs = format!("{with:.2?} / {without:.2?}");
-        let (w, wo) = (median(&mut with), median(&mut without));
-        println!("| {name} | {wo:.2} | {w:.2} | {:.2} | {runs} |", w / wo);
-    }
 }

@@ -10,15 +10,16 @@ use crate::{
 /// then the end-to-end one (`xlb-e2e-bench`: wrk and UDP through xlb,
 /// iptables, nftables, nginx and HAProxy; the agent's memory and reload
 /// time), the forwarding rate (`xlb-forwarding-bench`), the Kubernetes,
-/// locality and BGP convergence benchmarks. Arguments go to both (`xlb-bench` takes none and ignores them);
+/// locality, pod-side interface and BGP convergence benchmarks. Arguments go to both (`xlb-bench` takes none and ignores them);
 /// `--e2e-only` / `--per-packet-only` run just one of them;
-/// `load-aware [ARGS]` (after `xlb-dispatch-model`), `l2 [ARGS]` and
-/// `rollout [ARGS]` run only that benchmark.
+/// `load-aware [ARGS]` (after `xlb-dispatch-model`), `l2 [ARGS]`,
+/// `rollout [ARGS]` and `podnet [ARGS]` run only that benchmark.
 pub fn run(args: &[String]) -> Result<()> {
     let only = [
         ("load-aware", "xlb-load-aware-bench"),
         ("l2", "xlb-l2-bench"),
         ("rollout", "xlb-rollout-bench"),
+        ("podnet", "xlb-podnet-bench"),
     ];
     if let Some((_, bin)) = only
         .iter()
@@ -55,6 +56,9 @@ pub fn run(args: &[String]) -> Result<()> {
     run_bench("xlb-k8s-bench", &[])?;
     // What keeping traffic on the node buys (trafficDistribution).
     run_bench("xlb-locality-bench", &[])?;
+    // What the program on a pod-side interface (generic XDP on cni0) costs
+    // a Pod's own egress (16 iperf3 runs of 4 s).
+    run_bench("xlb-podnet-bench", &[])?;
     // Load-aware against static weights, the seed paper's patterns, after
     // the model of its dispatch policies.
     run_bench("xlb-dispatch-model", &[])?;
