@@ -192,12 +192,10 @@ impl Node {
             .unwrap()
     }
 
-    /// The files pinned in this node's bpffs, relative to `/sys/fs/bpf`.
+    /// What the agent pinned in this node's bpffs (under `/sys/fs/bpf/xlb`).
     pub fn pins(&self) -> Vec<String> {
-        let out = self.sh("cd /sys/fs/bpf && find . -mindepth 1 | sort");
-        out.lines()
-            .map(|l| l.trim_start_matches("./").to_string())
-            .collect()
+        let out = self.sh("cd /sys/fs/bpf && find xlb -mindepth 0 2>/dev/null | sort");
+        out.lines().map(String::from).collect()
     }
 
     /// `ip -d link show` in the node: which interfaces carry an XDP program.
@@ -240,6 +238,16 @@ impl Node {
             }
         }
         out
+    }
+
+    /// An interface's MAC address in the node.
+    pub fn mac(&self, iface: &str) -> String {
+        let out = Command::new("ip")
+            .args(["-n", &self.ns.name, "-j", "link", "show", iface])
+            .output()
+            .unwrap();
+        let v: Value = serde_json::from_slice(&out.stdout).unwrap_or(Value::Null);
+        v[0]["address"].as_str().unwrap_or_default().to_string()
     }
 
     pub fn log(&self, what: &str) -> String {
@@ -866,6 +874,32 @@ template bgp node {{
             .collect();
         hops.sort();
         hops
+    }
+
+    /// The node whose MAC the router learned for `vip` (L2 mode's owner).
+    pub fn l2_owner(&self, vip: Ipv4Addr) -> String {
+        let mac = poll_until(Duration::from_secs(30), Duration::from_millis(200), || {
+            // Any datagram makes the router resolve the VIP's MAC.
+            let _ = crate::topology::in_netns(&self.router, move || {
+                std::net::UdpSocket::bind("0.0.0.0:0")
+                    .and_then(|s| s.send_to(b"arp", (vip, 9)))
+                    .ok()
+            })
+            .join();
+            let out = Command::new("ip")
+                .args(["-n", &self.router.name, "-j", "neigh", "show"])
+                .arg(vip.to_string())
+                .output()
+                .unwrap();
+            let v: Value = serde_json::from_slice(&out.stdout).unwrap_or(Value::Null);
+            v[0]["lladdr"].as_str().map(String::from).ok_or(())
+        })
+        .unwrap_or_else(|()| panic!("nobody answers ARP for {vip}"));
+        self.nodes
+            .iter()
+            .find(|n| n.mac("eth0") == mac)
+            .map(|n| n.name.clone())
+            .unwrap_or_else(|| panic!("{mac} is no node's eth0"))
     }
 
     /// `helm ARGS` as the cluster's administrator.
