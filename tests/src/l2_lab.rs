@@ -17,6 +17,7 @@
 //! client and backend have TX checksum offload off (XDP cannot complete
 //! partial checksums).
 
+pub use crate::traffic::ConnectionStream;
 use std::{
     collections::{BTreeMap, BTreeSet},
     fs, io,
@@ -493,32 +494,10 @@ impl L2Lab {
         SynAckWatch { stop, thread }
     }
 
-    /// Opens a new connection to `addr` from the client every `every`, each
-    /// in a thread of its own (one `GET`), whether the ones before it are
-    /// answered or not, until stopped: how many were opened and how many
-    /// failed.
+    /// Opens a new connection to `addr` from the client every `every`
+    /// ([`ConnectionStream`]).
     pub fn connection_stream(&self, addr: SocketAddr, every: Duration) -> ConnectionStream {
-        let stop = Arc::new(AtomicBool::new(false));
-        let s = stop.clone();
-        let thread = in_netns(&self.client, move || {
-            // Threads started here live in the client's namespace too.
-            let mut running = Vec::new();
-            while !s.load(Ordering::Relaxed) {
-                let next = Instant::now() + every;
-                running.push(std::thread::spawn(move || {
-                    matches!(http_get(addr, "/", Duration::from_secs(5)), Ok((200, _)))
-                }));
-                std::thread::sleep(next.saturating_duration_since(Instant::now()));
-            }
-            let opened = running.len();
-            let failed = running
-                .into_iter()
-                .map(|t| t.join().unwrap_or(false))
-                .filter(|ok| !ok)
-                .count();
-            (opened, failed)
-        });
-        ConnectionStream { stop, thread }
+        ConnectionStream::start(&self.client, addr, every)
     }
 }
 
@@ -578,20 +557,6 @@ impl SynAckWatch {
     pub fn stop(self) -> SynAcks {
         self.stop.store(true, Ordering::Relaxed);
         self.thread.join().expect("SYN-ACK watch thread")
-    }
-}
-
-/// A running [`L2Lab::connection_stream`].
-pub struct ConnectionStream {
-    stop: Arc<AtomicBool>,
-    thread: JoinHandle<(usize, usize)>,
-}
-
-impl ConnectionStream {
-    /// Connections opened, and of them failed.
-    pub fn stop(self) -> (usize, usize) {
-        self.stop.store(true, Ordering::Relaxed);
-        self.thread.join().expect("connection stream thread")
     }
 }
 

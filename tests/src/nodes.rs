@@ -902,6 +902,28 @@ template bgp node {{
             .unwrap_or_else(|| panic!("{mac} is no node's eth0"))
     }
 
+    /// The node the router sends the client's packets for `vip` to (its
+    /// ECMP hash is over addresses only, so every flow of the client goes
+    /// one way): `ip route get` on the router.
+    pub fn receiver_of_client(&self, vip: Ipv4Addr) -> String {
+        let out = Command::new("ip")
+            .args(["-n", &self.router.name, "-j", "route", "get"])
+            .arg(vip.to_string())
+            .args(["from", &CLIENT.to_string(), "iif", "cl0"])
+            .output()
+            .unwrap();
+        let v: Value = serde_json::from_slice(&out.stdout).unwrap_or(Value::Null);
+        let hop: Ipv4Addr = v[0]["gateway"]
+            .as_str()
+            .and_then(|g| g.parse().ok())
+            .unwrap_or_else(|| panic!("no route to {vip} from the client: {v}"));
+        self.nodes
+            .iter()
+            .find(|n| n.ip == hop)
+            .map(|n| n.name.clone())
+            .unwrap_or_else(|| panic!("{hop} is no node"))
+    }
+
     /// `helm ARGS` as the cluster's administrator.
     pub fn helm(&self, args: &[&str]) -> Output {
         Command::new("helm")

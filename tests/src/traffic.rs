@@ -97,3 +97,103 @@ pub fn poll_until<T, E>(
         }
     }
 }
+
+/// A stream of new connections from a namespace: one `GET` every `every`,
+/// each in a thread of its own, whether the ones before it are answered or
+/// not, until stopped.
+pub struct ConnectionStream {
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    thread: std::thread::JoinHandle<(usize, usize)>,
+}
+
+impl ConnectionStream {
+    pub fn start(client: &crate::netns::Netns, addr: SocketAddr, every: Duration) -> Self {
+        use std::sync::{atomic::AtomicBool, Arc};
+        let stop = Arc::new(AtomicBool::new(false));
+        let s = stop.clone();
+        let thread = in_netns(client, move || {
+            // Threads started here live in the client's namespace too.
+            let mut running = Vec::new();
+            while !s.load(std::sync::atomic::Ordering::Relaxed) {
+                let next = Instant::now() + every;
+                running.push(std::thread::spawn(move || {
+                    matches!(
+                        crate::topology::http_get(addr, "/", Duration::from_secs(5)),
+                        Ok((200, _))
+                    )
+                }));
+                std::thread::sleep(next.saturating_duration_since(Instant::now()));
+            }
+            let opened = running.len();
+            let failed = running
+                .into_iter()
+                .map(|t| t.join().unwrap_or(false))
+                .filter(|ok| !ok)
+                .count();
+            (opened, failed)
+        });
+        ConnectionStream { stop, thread }
+    }
+
+    /// Connections opened, and of them failed.
+    pub fn stop(self) -> (usize, usize) {
+        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        self.thread.join().expect("connection stream thread")
+    }
+}
+
+/// Keep-alive connections from a namespace, each asking again every
+/// `every` until stopped; a connection that fails once is counted as lost
+/// and not used again.
+pub struct KeepAlive {
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    thread: std::thread::JoinHandle<Vec<(String, Option<String>)>>,
+}
+
+impl KeepAlive {
+    /// Opens `n` connections to `addr`, one request each (all must be
+    /// answered), then keeps asking.
+    pub fn start(
+        client: &crate::netns::Netns,
+        addr: SocketAddr,
+        n: usize,
+        every: Duration,
+    ) -> io::Result<Self> {
+        use std::sync::{atomic::AtomicBool, Arc};
+        let mut conns = Vec::new();
+        for _ in 0..n {
+            let mut c = HttpConn::connect_in(client, addr)?;
+            let first = c.get()?;
+            conns.push((c, first));
+        }
+        let stop = Arc::new(AtomicBool::new(false));
+        let s = stop.clone();
+        let thread = std::thread::spawn(move || {
+            let mut lost: Vec<Option<String>> = vec![None; conns.len()];
+            while !s.load(std::sync::atomic::Ordering::Relaxed) {
+                let next = Instant::now() + every;
+                for (i, (c, _)) in conns.iter_mut().enumerate() {
+                    if lost[i].is_none() {
+                        if let Err(e) = c.get() {
+                            lost[i] = Some(e.to_string());
+                        }
+                    }
+                }
+                std::thread::sleep(next.saturating_duration_since(Instant::now()));
+            }
+            conns
+                .into_iter()
+                .zip(lost)
+                .map(|((_, first), l)| (first, l))
+                .collect()
+        });
+        Ok(KeepAlive { stop, thread })
+    }
+
+    /// Per connection: its first answer (which backend), and why it was
+    /// lost, if it was.
+    pub fn stop(self) -> Vec<(String, Option<String>)> {
+        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        self.thread.join().expect("keep-alive thread")
+    }
+}

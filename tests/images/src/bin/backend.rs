@@ -6,7 +6,7 @@
 //!   `pod=<POD_NAME> client=<address:port>`
 //!
 //! Environment: `PORT` (default 8080), `POD_NAME` (default: the hostname).
-//! SIGTERM closes the listener and ends the process once every open
+//! `Connection: close` is honoured. SIGTERM closes the listener and ends the process once every open
 //! connection has been idle for a second, like a server that drains.
 
 use std::{
@@ -87,6 +87,7 @@ fn serve(stream: TcpStream, pod: &str) -> std::io::Result<()> {
     let mut writer = stream;
     let mut line = String::new();
     let mut in_request = false;
+    let mut close = false;
     loop {
         line.clear();
         match reader.read_line(&mut line) {
@@ -110,11 +111,17 @@ fn serve(stream: TcpStream, pod: &str) -> std::io::Result<()> {
             let body = answer(pod, client);
             write!(
                 writer,
-                "HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nContent-Length: {}\r\n\r\n{body}",
-                body.len()
+                "HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nContent-Length: {}\r\n{}\r\n{body}",
+                body.len(),
+                if close { "Connection: close\r\n" } else { "" }
             )?;
+            if close {
+                return Ok(());
+            }
         } else {
             in_request = true;
+            // HTTP/1.1: the client asks to end the connection after this.
+            close |= line.to_ascii_lowercase().starts_with("connection: close");
         }
     }
 }
