@@ -386,7 +386,7 @@ fn bgp_install_reaches_pods_on_every_node() {
         )
     });
     let receiver = c.receiver_of_client(vip);
-    pods_are_reached_in_snat_and_nat(&c, vip, Some(&[receiver.clone()]), true);
+    pods_are_reached_in_snat_and_nat(&c, vip, Some(std::slice::from_ref(&receiver)), true);
     let routed = || {
         poll_until(Duration::from_secs(90), Duration::from_millis(250), || {
             (c.router_next_hops(vip) == want).then_some(()).ok_or(())
