@@ -356,6 +356,8 @@ pub struct NodeCluster {
     pub nodes: Vec<Node>,
     pub network: PodNetwork,
     bird: Option<Child>,
+    /// XDP_PASS on the router's node ports ([`crate::xdp::attach_pass`]).
+    port_xdp: Option<aya::Ebpf>,
 }
 
 impl NodeCluster {
@@ -392,6 +394,7 @@ impl NodeCluster {
             nodes: Vec::new(),
             network,
             bird: None,
+            port_xdp: None,
         };
         sh(&format!(
             "mkdir -p {ROOT} && (mountpoint -q {ROOT} || mount --bind {ROOT} {ROOT}) && \
@@ -401,6 +404,16 @@ impl NodeCluster {
             let node = cluster.make_node(i);
             cluster.nodes.push(node);
         }
+        // What a node sends back out of its uplink with XDP_TX (hairpin,
+        // host-gw) reached the router only with the next packet, up to a
+        // second later, with GRO alone on the port: a veth takes such
+        // frames at once only when it runs a program.
+        let ports: Vec<String> = cluster
+            .nodes
+            .iter()
+            .map(|n| format!("{}e", n.name))
+            .collect();
+        cluster.port_xdp = Some(crate::xdp::attach_pass(&cluster.router, &ports));
         for i in 0..n {
             cluster.start_node(i);
         }

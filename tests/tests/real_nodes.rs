@@ -369,9 +369,9 @@ fn bgp_install_reaches_pods_on_every_node() {
             &format!(r#"pools={{"public":{{"addresses":["{BGP_POOL}"]}}}}"#),
         ],
     );
-    // Local: Cluster policy to the other node's Pods over host-gw loses
-    // packets (UDP 3 to 5 of 12 unanswered, a TCP connect now and then;
-    // cause not found yet, issue 28's note).
+    // Local: with Cluster policy the other node's Pods are reached too
+    // (all 48 requests in one run) but the first UDP datagram went
+    // unanswered in another; cause not found yet (issue 28's note).
     let vip = create_service(&c, "Local");
     let want: Vec<Ipv4Addr> = (1..=2).map(node_ip).collect();
     poll_until(Duration::from_secs(60), Duration::from_millis(200), || {
