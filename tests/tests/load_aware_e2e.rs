@@ -14,7 +14,7 @@ use std::{
         Arc,
     },
     thread::JoinHandle,
-    time::Duration,
+    time::{Duration, Instant},
 };
 
 use serde_json::Value;
@@ -58,6 +58,12 @@ struct Load {
     stop: Arc<AtomicBool>,
     /// Answers per backend `b1..b3` (index 1..=3); index 0: failures.
     counts: Arc<[AtomicU64; 4]>,
+    /// The same, only for connections opened at or after `mark` (ns since
+    /// `epoch`): a connection opened before a table change and answered
+    /// after it is not a new connection the new table sent there.
+    since_mark: Arc<[AtomicU64; 4]>,
+    mark: Arc<AtomicU64>,
+    epoch: Instant,
     threads: Vec<JoinHandle<Vec<String>>>,
 }
 
@@ -65,16 +71,24 @@ impl Load {
     fn start(t: &Topology, workers: usize) -> Load {
         let stop = Arc::new(AtomicBool::new(false));
         let counts: Arc<[AtomicU64; 4]> = Arc::new(Default::default());
+        let since_mark: Arc<[AtomicU64; 4]> = Arc::new(Default::default());
+        let mark = Arc::new(AtomicU64::new(u64::MAX));
+        let epoch = Instant::now();
         let threads = (0..workers)
             .map(|_| {
                 let (stop, counts) = (stop.clone(), counts.clone());
+                let (since_mark, mark) = (since_mark.clone(), mark.clone());
                 in_netns(&t.client, move || {
                     let mut errors = Vec::new();
                     while !stop.load(Ordering::Relaxed) {
+                        let opened = epoch.elapsed().as_nanos() as u64;
                         match one_request(vip()) {
                             Ok((_, b)) => {
                                 let n: usize = b.trim_start_matches('b').parse().unwrap();
                                 counts[n].fetch_add(1, Ordering::Relaxed);
+                                if opened >= mark.load(Ordering::Relaxed) {
+                                    since_mark[n].fetch_add(1, Ordering::Relaxed);
+                                }
                             }
                             Err(e) => {
                                 counts[0].fetch_add(1, Ordering::Relaxed);
@@ -89,6 +103,9 @@ impl Load {
         Load {
             stop,
             counts,
+            since_mark,
+            mark,
+            epoch,
             threads,
         }
     }
@@ -134,12 +151,18 @@ fn weights(t: &Topology) -> [u64; 3] {
     })
 }
 
-/// The share of answers each backend got during `window`.
+/// The share of the connections opened during `window` (and answered by
+/// its end) each backend got.
 fn shares_during(load: &Load, window: Duration) -> [f64; 3] {
-    let before = load.snapshot();
+    load.mark
+        .store(load.epoch.elapsed().as_nanos() as u64, Ordering::Relaxed);
+    for c in load.since_mark.iter() {
+        c.store(0, Ordering::Relaxed);
+    }
     std::thread::sleep(window);
-    let after = load.snapshot();
-    let d: Vec<u64> = (1..=3).map(|i| after[i] - before[i]).collect();
+    let d: Vec<u64> = (1..=3)
+        .map(|i| load.since_mark[i].load(Ordering::Relaxed))
+        .collect();
     let total = d.iter().sum::<u64>().max(1) as f64;
     std::array::from_fn(|i| d[i] as f64 / total)
 }
