@@ -91,6 +91,16 @@ pub struct Agent {
     flow_members: Option<crate::k8s::members::Members>,
     /// In a Pod: its DaemonSet, which tells an uninstall from a restart.
     owner: Option<crate::k8s::uninstall::OwnerWatch>,
+    /// `snat_ipv4` and `snat_ipv6` as the file sets them; with Kubernetes,
+    /// what is unset follows the node's addresses ([`Agent::node_snat`]).
+    snat_in_file: (Option<IpAddr>, Option<IpAddr>),
+    /// Services in nat mode served in snat because a backend is behind an
+    /// overlay, as last logged.
+    nat_over_overlay: BTreeSet<String>,
+    /// What the `notrack` table last said, when set.
+    notrack: Option<Vec<IpAddr>>,
+    /// The uplinks' gateways the kernel is asked to keep resolved.
+    gateways: BTreeSet<(u32, IpAddr)>,
 }
 
 #[derive(Default)]
@@ -148,6 +158,7 @@ impl Agent {
     /// Loads (or adopts) the data plane, attaches, starts health checks and
     /// the metrics endpoint, and applies the config once.
     pub async fn start(opts: AgentOptions, config: AgentConfig) -> anyhow::Result<Self> {
+        let snat_in_file = snat_in_file(&config);
         let config = with_node_addresses(config);
         let config_bytes = std::fs::read(&opts.config_path).unwrap_or_default();
         let sizes = MapSizes {
@@ -219,6 +230,10 @@ impl Agent {
             flow_sync,
             flow_members: None,
             owner: None,
+            snat_in_file,
+            nat_over_overlay: BTreeSet::new(),
+            notrack: None,
+            gateways: BTreeSet::new(),
         };
         let mut kube_client = None;
         if let Some(kcfg) = agent.config.kubernetes.clone() {
@@ -415,8 +430,14 @@ impl Agent {
                     // A CNI bridge appears with the first Pod, often after
                     // the agent started; Pod veths come and go.
                     self.sync_pod_interfaces();
+                    if self.follow_node_snat() {
+                        if let Err(e) = self.reconcile() {
+                            error!("applying a new SNAT address: {e:#}");
+                        }
+                    }
                 }
                 Some(()) = k8s_changed(&mut self.k8s) => {
+                    self.follow_node_snat();
                     if let Err(e) = self.reconcile() {
                         error!("applying a change from Kubernetes: {e:#}");
                     }
@@ -511,6 +532,12 @@ impl Agent {
             // As `lb-agent --cleanup`; under the lock, so that no task of
             // this agent writes a map meanwhile.
             let _dp = self.dp.lock().expect("data plane lock");
+            if let Err(e) = crate::notrack::remove() {
+                error!(
+                    "uninstalled, but removing the nf_tables table {} failed: {e}",
+                    crate::notrack::TABLE
+                );
+            }
             match Dataplane::cleanup(&self.opts.pin_dir) {
                 Ok(removed) => info!(dir = %self.opts.pin_dir.display(), ?removed, "uninstalled: XDP detached and the pins removed"),
                 Err(e) => error!("uninstalled, but removing the pins failed: {e} (lb-agent --cleanup removes them)"),
@@ -597,7 +624,10 @@ impl Agent {
         let result = AgentConfig::load(&self.opts.config_path)
             .map_err(anyhow::Error::from)
             .and_then(|c| {
-                let old = std::mem::replace(&mut self.config, with_node_addresses(c));
+                self.snat_in_file = snat_in_file(&c);
+                let mut c = with_node_addresses(c);
+                (c.snat_ipv4, c.snat_ipv6) = self.node_snat(&c);
+                let old = std::mem::replace(&mut self.config, c);
                 match self.apply_config() {
                     Ok(()) => {
                         self.reload_flow_sync(old.flow_sync.as_ref());
@@ -715,6 +745,84 @@ impl Agent {
         applied
     }
 
+    /// The SNAT addresses for `config` on this node: the file's, else with
+    /// Kubernetes this node's address inside its Pod CIDRs (the pod network
+    /// routes it back here, through an overlay too, and flannel does not
+    /// masquerade it), else the first interface's as `with_node_addresses`
+    /// found it.
+    fn node_snat(
+        &self,
+        config: &AgentConfig,
+    ) -> (Option<std::net::Ipv4Addr>, Option<std::net::Ipv6Addr>) {
+        let (file4, file6) = self.snat_in_file;
+        let current = (config.snat_ipv4, config.snat_ipv6);
+        let Some(rx) = self.k8s.as_ref() else {
+            return current;
+        };
+        let pod_cidrs = rx
+            .borrow()
+            .as_ref()
+            .map(|d| d.pod_cidrs.clone())
+            .unwrap_or_default();
+        if pod_cidrs.is_empty() {
+            return current;
+        }
+        let local = crate::netif::local_addresses();
+        let first = config
+            .interfaces
+            .first()
+            .map(String::as_str)
+            .unwrap_or_default();
+        let pick = |file: Option<IpAddr>, v4: bool| {
+            file.or_else(|| crate::podnet::pod_network_address(&pod_cidrs, &local, v4))
+                .or_else(|| interface_address(first, v4))
+        };
+        let v4 = match pick(file4, true) {
+            Some(IpAddr::V4(a)) => Some(a),
+            _ => current.0,
+        };
+        let v6 = match pick(file6, false) {
+            Some(IpAddr::V6(a)) => Some(a),
+            _ => current.1,
+        };
+        (v4, v6)
+    }
+
+    /// Moves the SNAT addresses the file leaves unset to [`Agent::node_snat`]'s;
+    /// whether they changed. Flows keep the address they were made with.
+    fn follow_node_snat(&mut self) -> bool {
+        let new = self.node_snat(&self.config);
+        if new == (self.config.snat_ipv4, self.config.snat_ipv6) {
+            return false;
+        }
+        info!(
+            snat_ipv4 = ?new.0,
+            snat_ipv6 = ?new.1,
+            "SNAT source follows this node's address in its Pod CIDR (or its first interface's)"
+        );
+        (self.config.snat_ipv4, self.config.snat_ipv6) = new;
+        true
+    }
+
+    /// Whether a backend address is behind an Ethernet overlay (flannel's
+    /// VXLAN): read once per reconcile, and only with nat services and
+    /// pod-side interfaces found automatically.
+    fn overlay_check(&self, services: &[DesiredService]) -> impl Fn(IpAddr) -> bool {
+        let wanted = self.config.pod_interfaces == crate::podnet::PodInterfaces::Auto
+            && services.iter().any(|s| s.mode == crate::service::Mode::Nat);
+        let routes = if wanted {
+            crate::netif::main_routes().unwrap_or_default()
+        } else {
+            Vec::new()
+        };
+        let sides = crate::podnet::sides(&routes, &self.config.interfaces);
+        move |ip| {
+            crate::podnet::through_overlay(&routes, ip, |i| {
+                sides.get(&i).map_or(crate::podnet::Side::Never, |s| s.1)
+            })
+        }
+    }
+
     /// The pod-side interfaces wanted now (`pod_interfaces`); none when
     /// they cannot be read (logged).
     fn wanted_pod_interfaces(&self, dp: &Dataplane) -> BTreeMap<String, u32> {
@@ -743,10 +851,81 @@ impl Agent {
         }
     }
 
+    /// Keeps conntrack off what the data plane translated and hands to the
+    /// kernel: packets from the SNAT addresses (to Pods) and from the VIPs
+    /// (replies without a neighbour entry yet) ([`crate::notrack`]);
+    /// written only when the addresses change.
+    fn sync_notrack(&mut self) {
+        let snat: Vec<IpAddr> = [
+            self.config.snat_ipv4.map(IpAddr::V4),
+            self.config.snat_ipv6.map(IpAddr::V6),
+        ]
+        .into_iter()
+        .flatten()
+        .collect();
+        let sources: BTreeSet<IpAddr> = snat
+            .iter()
+            .chain(self.announce_by_vip.keys())
+            .copied()
+            .collect();
+        let wanted: Vec<IpAddr> = sources.into_iter().collect();
+        if self.notrack.as_ref() == Some(&wanted) {
+            return;
+        }
+        match crate::notrack::set(&wanted) {
+            Ok(()) => {
+                info!(addresses = ?wanted, "conntrack skips packets from the SNAT addresses and VIPs (nf_tables table {})", crate::notrack::TABLE);
+                self.notrack = Some(wanted);
+            }
+            Err(e) => {
+                warn!("writing the nf_tables table {}: {e}; where INVALID packets are dropped (kube-proxy), snat connections to Pods behind an overlay stall, and so do replies to a client whose next hop has no neighbour entry yet", crate::notrack::TABLE);
+                self.notrack = Some(wanted);
+            }
+        }
+    }
+
+    /// Has the kernel keep the uplinks' gateways resolved (managed
+    /// neighbour entries): the data plane forwards only to a next hop with
+    /// a neighbour entry, and it takes the client packets that would have
+    /// made the kernel resolve the router. Without one, a reply goes
+    /// through the kernel, and one translated on a bridge carries the
+    /// INVALID verdict br_netfilter gave its untranslated form (kube-proxy
+    /// drops it): the first connections after a start timed out. Each
+    /// gateway is asked for once (asking again resets its entry).
+    fn keep_gateways_resolved(&mut self) {
+        let Ok(routes) = crate::netif::main_routes() else {
+            return;
+        };
+        let uplinks: BTreeSet<u32> = self
+            .config
+            .interfaces
+            .iter()
+            .filter_map(|i| crate::netif::ifindex(i))
+            .collect();
+        for r in routes {
+            let (Some(index), Some(via)) = (r.gateway, r.via) else {
+                continue;
+            };
+            if !uplinks.contains(&index) || !self.gateways.insert((index, via)) {
+                continue;
+            }
+            match crate::netif::keep_neighbour_resolved(index, via) {
+                Ok(()) => {
+                    info!(gateway = %via, ifindex = index, "the kernel keeps this gateway's neighbour entry resolved")
+                }
+                Err(e) => {
+                    warn!(gateway = %via, "keeping the gateway's neighbour entry resolved: {e}; replies through it go through the kernel until it is resolved")
+                }
+            }
+        }
+    }
+
     /// Attaches the program to the pod-side interfaces wanted now and
     /// detaches it from those no longer wanted (gone, or made again under
     /// a new index: their link was severed), with the uplinks' detach.
     fn sync_pod_interfaces(&mut self) {
+        self.sync_notrack();
+        self.keep_gateways_resolved();
         let mut dp = self.dp.lock().expect("data plane lock");
         let wanted = self.wanted_pod_interfaces(&dp);
         let (detach, attach) = crate::podnet::changes(&self.pod_attached, &wanted);
@@ -784,8 +963,20 @@ impl Agent {
         self.announce_by_vip = announce_by_vip(&services);
         let load = self.load_rx.borrow_and_update().clone();
         let mut load_targets = Vec::new();
+        let overlay = self.overlay_check(&services);
+        let mut nat_over_overlay = BTreeSet::new();
         for svc in &services {
             let mut spec = self.config.service_spec(svc);
+            if svc.mode == crate::service::Mode::Nat && svc.backends.iter().any(|b| overlay(b.ip)) {
+                // The kernel forwards into the overlay, where the pod
+                // network masquerades a client's address (flannel's
+                // `--ip-masq`): the backend's answer would miss the flow.
+                spec.snat = match svc.vip {
+                    IpAddr::V4(_) => self.config.snat_ipv4.map(IpAddr::V4),
+                    IpAddr::V6(_) => self.config.snat_ipv6.map(IpAddr::V6),
+                };
+                nat_over_overlay.insert(svc.name.clone());
+            }
             let checked = svc.health_check.is_some();
             spec.backends
                 .retain(|b| !(checked && unhealthy.contains(&b.addr)));
@@ -810,6 +1001,10 @@ impl Agent {
             );
         }
         self.load.set_targets(load_targets);
+        for name in nat_over_overlay.difference(&self.nat_over_overlay) {
+            warn!(service = %name, "nat mode, but backends on other nodes are behind the pod network's overlay, which masquerades what the node forwards there: served in snat on this node (externalTrafficPolicy: Local keeps the client's address)");
+        }
+        self.nat_over_overlay = nat_over_overlay;
         let mut dp = self.dp.lock().expect("data plane lock");
         let current: BTreeMap<ServiceKey, ServiceSpec> =
             dp.services().map(|(k, s)| (*k, s.clone())).collect();
@@ -1031,8 +1226,17 @@ async fn k8s_changed(rx: &mut Option<DesiredRx>) -> Option<()> {
     }
 }
 
+/// `snat_ipv4` and `snat_ipv6` as the file sets them.
+fn snat_in_file(config: &AgentConfig) -> (Option<IpAddr>, Option<IpAddr>) {
+    (
+        config.snat_ipv4.map(IpAddr::V4),
+        config.snat_ipv6.map(IpAddr::V6),
+    )
+}
+
 /// With Kubernetes, Services of either family may appear at any time: snat
-/// needs a source address, so default it to the first interface's.
+/// needs a source address, so default it to the first interface's (until
+/// the node's Pod CIDRs are known: `Agent::node_snat`).
 fn with_node_addresses(mut config: AgentConfig) -> AgentConfig {
     if config.kubernetes.is_some() {
         let first = config.interfaces.first().cloned().unwrap_or_default();

@@ -13,5 +13,6 @@ pub mod load;
 pub mod maps;
 pub mod metrics;
 pub mod netif;
+pub mod notrack;
 pub mod podnet;
 pub mod service;

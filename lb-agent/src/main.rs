@@ -109,6 +109,12 @@ fn main() -> ExitCode {
         };
     }
     if cli.cleanup {
+        if let Err(e) = lb_agent::notrack::remove() {
+            error!(
+                "removing the nf_tables table {}: {e}",
+                lb_agent::notrack::TABLE
+            );
+        }
         return match Dataplane::cleanup(&cli.pin_dir) {
             Ok(removed) => {
                 info!(dir = %cli.pin_dir.display(), ?removed, "detached and unpinned");

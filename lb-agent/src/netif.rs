@@ -38,6 +38,16 @@ fn is_link_local(a: IpAddr) -> bool {
 
 /// The addresses on `iface` with their prefixes, in the kernel's order.
 pub fn interface_networks(iface: &str) -> Vec<IpNet> {
+    networks(Some(iface))
+}
+
+/// Every address of this node (all interfaces).
+pub fn local_addresses() -> Vec<IpAddr> {
+    networks(None).into_iter().map(|n| n.addr()).collect()
+}
+
+/// The addresses on `iface`, or on every interface, with their prefixes.
+fn networks(iface: Option<&str>) -> Vec<IpNet> {
     let mut out = Vec::new();
     walk_ifaddrs(iface, |ifa| {
         // SAFETY: getifaddrs gives address and netmask of the same family.
@@ -67,7 +77,7 @@ pub fn interface_networks(iface: &str) -> Vec<IpNet> {
 /// The hardware (MAC) address of `iface`.
 pub fn interface_mac(iface: &str) -> Option<[u8; 6]> {
     let mut out = None;
-    walk_ifaddrs(iface, |ifa| {
+    walk_ifaddrs(Some(iface), |ifa| {
         // SAFETY: an AF_PACKET entry's address is a sockaddr_ll.
         unsafe {
             if (*ifa.ifa_addr).sa_family as i32 == libc::AF_PACKET {
@@ -83,8 +93,9 @@ pub fn interface_mac(iface: &str) -> Option<[u8; 6]> {
     out
 }
 
-/// Calls `f` with each entry of `iface` that has an address (and netmask).
-fn walk_ifaddrs(iface: &str, mut f: impl FnMut(&libc::ifaddrs)) {
+/// Calls `f` with each entry of `iface` (of all interfaces with `None`)
+/// that has an address (and netmask).
+fn walk_ifaddrs(iface: Option<&str>, mut f: impl FnMut(&libc::ifaddrs)) {
     // SAFETY: getifaddrs fills a list we walk read-only and free once.
     unsafe {
         let mut list: *mut libc::ifaddrs = std::ptr::null_mut();
@@ -96,7 +107,7 @@ fn walk_ifaddrs(iface: &str, mut f: impl FnMut(&libc::ifaddrs)) {
             let ifa = &*cur;
             cur = ifa.ifa_next;
             if ifa.ifa_addr.is_null()
-                || std::ffi::CStr::from_ptr(ifa.ifa_name).to_str() != Ok(iface)
+                || iface.is_some_and(|i| std::ffi::CStr::from_ptr(ifa.ifa_name).to_str() != Ok(i))
             {
                 continue;
             }
@@ -108,6 +119,46 @@ fn walk_ifaddrs(iface: &str, mut f: impl FnMut(&libc::ifaddrs)) {
         }
         libc::freeifaddrs(list);
     }
+}
+
+/// linux/neighbour.h: a neighbour's address, its extended flags, and the
+/// one that has the kernel keep it resolved (`managed`, Linux 5.16).
+const NDA_DST: u16 = 1;
+const NDA_FLAGS_EXT: u16 = 15;
+const NTF_EXT_MANAGED: u32 = 1;
+
+/// Has the kernel resolve `addr` on `ifindex` and keep it resolved (a
+/// managed neighbour entry, `ip neigh replace ADDR dev IF managed`): the
+/// data plane forwards only to next hops with a neighbour entry, and it
+/// takes the packets that would make the kernel resolve them.
+pub fn keep_neighbour_resolved(ifindex: u32, addr: IpAddr) -> io::Result<()> {
+    rtnetlink_request(&managed_neighbour_request(ifindex, addr))
+}
+
+fn managed_neighbour_request(ifindex: u32, addr: IpAddr) -> Vec<u8> {
+    let (family, octets) = match addr {
+        IpAddr::V4(a) => (libc::AF_INET, a.octets().to_vec()),
+        IpAddr::V6(a) => (libc::AF_INET6, a.octets().to_vec()),
+    };
+    let mut body = Vec::new();
+    // struct ndmsg: family, pad, pad, ifindex, state (NUD_NONE: the kernel
+    // resolves it), flags, type.
+    body.extend_from_slice(&[family as u8, 0]);
+    body.extend_from_slice(&0u16.to_ne_bytes());
+    body.extend_from_slice(&(ifindex as i32).to_ne_bytes());
+    body.extend_from_slice(&0u16.to_ne_bytes());
+    body.extend_from_slice(&[0, 0]);
+    attr(&mut body, NDA_DST, &octets);
+    attr(&mut body, NDA_FLAGS_EXT, &NTF_EXT_MANAGED.to_ne_bytes());
+    let flags = libc::NLM_F_REQUEST | libc::NLM_F_ACK | libc::NLM_F_CREATE | libc::NLM_F_REPLACE;
+    let mut msg = Vec::with_capacity(16 + body.len());
+    msg.extend_from_slice(&((16 + body.len()) as u32).to_ne_bytes());
+    msg.extend_from_slice(&libc::RTM_NEWNEIGH.to_ne_bytes());
+    msg.extend_from_slice(&(flags as u16).to_ne_bytes());
+    msg.extend_from_slice(&1u32.to_ne_bytes());
+    msg.extend_from_slice(&0u32.to_ne_bytes());
+    msg.extend_from_slice(&body);
+    msg
 }
 
 /// `IPV4_DEVCONF_ACCEPT_LOCAL` in linux/ip.h (the sysctl's index, 1-based).
@@ -219,6 +270,11 @@ pub struct MainRoute {
     /// The interface, when the destination is directly on it: no gateway,
     /// one next hop (`ip route` shows `DST dev IF` with no `via`).
     pub direct: Option<u32>,
+    /// The interface of a route through one gateway (`DST via GW dev IF`,
+    /// flannel's `10.244.2.0/24 via 10.244.2.0 dev flannel.1 onlink`).
+    pub gateway: Option<u32>,
+    /// That gateway's address.
+    pub via: Option<IpAddr>,
 }
 
 /// linux/rtnetlink.h: attributes of a route, its table and type.
@@ -266,13 +322,23 @@ fn parse_main_route(m: &[u8]) -> Option<MainRoute> {
         return None;
     }
     let mut table = u32::from(rtm_table);
-    let (mut dst, mut oif, mut via) = (None, None, false);
+    let (mut dst, mut oif, mut via, mut multipath) = (None, None, false, false);
+    let mut gateway_addr = None;
     for (kind, payload) in attrs(&m[28..]) {
         match kind {
             RTA_DST => dst = Some(payload),
             RTA_OIF => oif = payload.try_into().ok().map(u32::from_ne_bytes),
             RTA_TABLE => table = payload.try_into().ok().map(u32::from_ne_bytes)?,
-            RTA_GATEWAY | RTA_VIA | RTA_MULTIPATH => via = true,
+            RTA_GATEWAY => {
+                via = true;
+                gateway_addr = match payload.len() {
+                    4 => <[u8; 4]>::try_from(payload).ok().map(IpAddr::from),
+                    16 => <[u8; 16]>::try_from(payload).ok().map(IpAddr::from),
+                    _ => None,
+                };
+            }
+            RTA_VIA => via = true,
+            RTA_MULTIPATH => multipath = true,
             _ => {}
         }
     }
@@ -288,7 +354,9 @@ fn parse_main_route(m: &[u8]) -> Option<MainRoute> {
     };
     Some(MainRoute {
         dst: IpNet::new(addr, dst_len).ok()?,
-        direct: oif.filter(|_| !via),
+        direct: oif.filter(|_| !via && !multipath),
+        gateway: oif.filter(|_| via && !multipath),
+        via: gateway_addr.filter(|_| !multipath),
     })
 }
 
@@ -548,6 +616,37 @@ mod tests {
     /// An IPv6-only interface: L2 membership and the flow exchange take
     /// its global IPv6 address; with an IPv4 address too, the IPv4 one.
     /// (Root: a network namespace of the test thread's own.)
+    #[test]
+    fn a_managed_neighbour_is_resolved_and_kept_needs_root() {
+        std::thread::spawn(|| {
+            // SAFETY: unshares this thread's network namespace only.
+            assert_eq!(unsafe { libc::unshare(libc::CLONE_NEWNET) }, 0, "unshare (root needed)");
+            let sh = |cmd: &str| {
+                let out = std::process::Command::new("sh").args(["-c", cmd]).output().unwrap();
+                assert!(out.status.success(), "{cmd}: {out:?}");
+                String::from_utf8_lossy(&out.stdout).into_owned()
+            };
+            // The gateway answers ARP from a namespace of its own.
+            sh("ip link add v0 type veth peer name v1 && ip addr add 10.9.0.1/24 dev v0 && \
+                ip link set v0 up && ip netns add xlb-neigh-gw && ip link set v1 netns xlb-neigh-gw && \
+                ip netns exec xlb-neigh-gw sh -c 'ip addr add 10.9.0.2/24 dev v1 && ip link set v1 up'");
+            let index = ifindex("v0").unwrap();
+            let gw: IpAddr = "10.9.0.2".parse().unwrap();
+            keep_neighbour_resolved(index, gw).unwrap();
+            keep_neighbour_resolved(index, gw).unwrap();
+            let resolved = (0..100).any(|_| {
+                std::thread::sleep(std::time::Duration::from_millis(20));
+                let n = sh("ip -d neigh show 10.9.0.2 dev v0");
+                n.contains("lladdr") && n.contains("managed")
+            });
+            let shown = sh("ip -d neigh show dev v0");
+            sh("ip netns del xlb-neigh-gw");
+            assert!(resolved, "not resolved and managed: {shown}");
+        })
+        .join()
+        .expect("test thread");
+    }
+
     #[test]
     fn an_ipv6_only_interface_is_known_by_its_ipv6_address() {
         std::thread::spawn(|| {

@@ -75,6 +75,9 @@ pub struct Desired {
     /// This node is being taken out ([`node_is_leaving`]): a SIGTERM then
     /// withdraws and drains; otherwise it is a restart (a rollout).
     pub leaving: bool,
+    /// This node's Pod CIDRs (`spec.podCIDRs`): a SNAT address inside them
+    /// is one the pod network routes back to this node unmasqueraded.
+    pub pod_cidrs: Vec<IpNet>,
 }
 
 /// Taints that say a node is going away: the cluster autoscaler's before a
@@ -93,6 +96,20 @@ pub fn node_is_leaving(node: &Node) -> bool {
         || spec
             .and_then(|s| s.taints.as_ref())
             .is_some_and(|t| t.iter().any(|t| LEAVING_TAINTS.contains(&t.key.as_str())))
+}
+
+/// The Node's Pod CIDRs (`spec.podCIDRs`, else `spec.podCIDR`); unparsable
+/// ones are left out.
+fn pod_cidrs(node: &Node) -> Vec<IpNet> {
+    let spec = node.spec.as_ref();
+    let listed = spec.and_then(|s| s.pod_cidrs.clone()).unwrap_or_default();
+    let single = spec.and_then(|s| s.pod_cidr.clone());
+    let cidrs = if listed.is_empty() {
+        Vec::from_iter(single)
+    } else {
+        listed
+    };
+    cidrs.iter().filter_map(|c| c.parse().ok()).collect()
 }
 
 /// Everything the watcher's stores hold, by reference.
@@ -123,6 +140,7 @@ pub fn desired_services(
         .map(String::as_str);
     if let Some(node) = view.node {
         out.leaving = node_is_leaving(node);
+        out.pod_cidrs = pod_cidrs(node);
         let labels = node.metadata.labels.as_ref();
         if labels.is_some_and(|l| l.contains_key(EXCLUDE_LABEL)) {
             out.excluded = true;

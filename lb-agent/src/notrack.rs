@@ -1,0 +1,397 @@
+//! Keeps the kernel's connection tracking off the packets the data plane
+//! translated and hands to the kernel to forward: those to Pods (from the
+//! SNAT address), and replies whose next hop has no neighbour entry yet
+//! (from a VIP).
+//!
+//! Why: such a connection's other direction is translated by XDP and never
+//! reaches conntrack. A tracked SYN then leaves an entry that never sees
+//! its SYN-ACK, so the client's next packets are `INVALID`; a SYN-ACK
+//! tracked first is INVALID itself. kube-proxy drops INVALID packets in
+//! FORWARD: on flannel's VXLAN every connection to another node's Pod
+//! stalled after its handshake, and the first connection after a start
+//! timed out while the node had no neighbour entry for the router. (A
+//! bridge hides the first: br_netfilter shows the reply to conntrack before
+//! XDP on the bridge takes it.) Untracked, they are neither dropped nor
+//! masqueraded.
+//!
+//! The replies to the SNAT address stay tracked: kube-proxy masquerades
+//! in-cluster clients of a LoadBalancer IP to the same address (the
+//! bridge's) on random ports, and those replies need conntrack. So a reply
+//! that br_netfilter tracked before XDP on the bridge translated it, and
+//! that XDP then hands to the kernel (no neighbour entry), keeps an
+//! INVALID verdict: the agent keeps the uplinks' gateways resolved
+//! (`netif::keep_neighbour_resolved`) so that this does not happen.
+//!
+//! How: an nf_tables table `xlb` per family with one chain at the raw
+//! priority of prerouting and a rule per address, `ip saddr ADDR notrack`.
+//! Only packets that arrive with such a source match: the node's own
+//! connections from its addresses leave by output, not prerouting. Written
+//! with hand-made netlink messages (nfnetlink), one atomic batch each time.
+
+use std::{io, net::IpAddr};
+
+/// The table's name, in both families.
+pub const TABLE: &str = "xlb";
+const CHAIN: &str = "snat-notrack";
+
+/// linux/netfilter/nfnetlink.h and nf_tables.h.
+const NETLINK_NETFILTER: i32 = 12;
+const NFNL_SUBSYS_NFTABLES: u16 = 10;
+const NFNL_MSG_BATCH_BEGIN: u16 = 0x10;
+const NFNL_MSG_BATCH_END: u16 = 0x11;
+const NFT_MSG_NEWTABLE: u16 = 0;
+const NFT_MSG_DELTABLE: u16 = 2;
+const NFT_MSG_NEWCHAIN: u16 = 3;
+const NFT_MSG_NEWRULE: u16 = 6;
+const NFPROTO_IPV4: u8 = 2;
+const NFPROTO_IPV6: u8 = 10;
+const NFTA_TABLE_NAME: u16 = 1;
+const NFTA_CHAIN_TABLE: u16 = 1;
+const NFTA_CHAIN_NAME: u16 = 3;
+const NFTA_CHAIN_HOOK: u16 = 4;
+const NFTA_CHAIN_TYPE: u16 = 7;
+const NFTA_HOOK_HOOKNUM: u16 = 1;
+const NFTA_HOOK_PRIORITY: u16 = 2;
+const NFTA_RULE_TABLE: u16 = 1;
+const NFTA_RULE_CHAIN: u16 = 2;
+const NFTA_RULE_EXPRESSIONS: u16 = 4;
+const NFTA_LIST_ELEM: u16 = 1;
+const NFTA_EXPR_NAME: u16 = 1;
+const NFTA_EXPR_DATA: u16 = 2;
+const NFTA_PAYLOAD_DREG: u16 = 1;
+const NFTA_PAYLOAD_BASE: u16 = 2;
+const NFTA_PAYLOAD_OFFSET: u16 = 3;
+const NFTA_PAYLOAD_LEN: u16 = 4;
+const NFTA_CMP_SREG: u16 = 1;
+const NFTA_CMP_OP: u16 = 2;
+const NFTA_CMP_DATA: u16 = 3;
+const NFTA_DATA_VALUE: u16 = 1;
+const NFT_PAYLOAD_NETWORK_HEADER: u32 = 1;
+const NFT_REG_1: u32 = 1;
+const NFT_CMP_EQ: u32 = 0;
+const NF_INET_PRE_ROUTING: u32 = 0;
+/// NF_IP_PRI_RAW: before conntrack (-200).
+const PRIORITY_RAW: i32 = -300;
+const NLA_F_NESTED: u16 = 1 << 15;
+
+/// Makes the tables say exactly `sources` (the SNAT addresses and the
+/// VIPs): a family without an address loses its table. Idempotent.
+pub fn set(sources: &[IpAddr]) -> io::Result<()> {
+    for (family, v4) in [(NFPROTO_IPV4, true), (NFPROTO_IPV6, false)] {
+        let of: Vec<IpAddr> = sources
+            .iter()
+            .copied()
+            .filter(|a| a.is_ipv4() == v4)
+            .collect();
+        exchange(&batch(family, &of))?;
+    }
+    Ok(())
+}
+
+/// Removes both tables (an uninstall); absent ones are fine.
+pub fn remove() -> io::Result<()> {
+    set(&[])
+}
+
+/// One batch: make the table (so that deleting it cannot fail), delete it
+/// with whatever it held, and when there are addresses make it again with
+/// the chain and a rule each.
+fn batch(family: u8, sources: &[IpAddr]) -> Vec<u8> {
+    let mut b = Vec::new();
+    let mut seq = 0;
+    let mut msg = |b: &mut Vec<u8>, kind: u16, flags: u16, family: u8, attrs: &[u8]| {
+        seq += 1;
+        message(b, kind, flags, family, seq, attrs);
+    };
+    let create = (libc::NLM_F_REQUEST | libc::NLM_F_CREATE | libc::NLM_F_ACK) as u16;
+    let request = (libc::NLM_F_REQUEST | libc::NLM_F_ACK) as u16;
+    msg(
+        &mut b,
+        NFNL_MSG_BATCH_BEGIN,
+        libc::NLM_F_REQUEST as u16,
+        0,
+        &[],
+    );
+    let table = attr(NFTA_TABLE_NAME, &cstr(TABLE));
+    msg(&mut b, nft(NFT_MSG_NEWTABLE), create, family, &table);
+    msg(&mut b, nft(NFT_MSG_DELTABLE), request, family, &table);
+    if !sources.is_empty() {
+        msg(&mut b, nft(NFT_MSG_NEWTABLE), create, family, &table);
+        let hook = [
+            attr(NFTA_HOOK_HOOKNUM, &NF_INET_PRE_ROUTING.to_be_bytes()),
+            attr(NFTA_HOOK_PRIORITY, &PRIORITY_RAW.to_be_bytes()),
+        ]
+        .concat();
+        let chain = [
+            attr(NFTA_CHAIN_TABLE, &cstr(TABLE)),
+            attr(NFTA_CHAIN_NAME, &cstr(CHAIN)),
+            attr(NFTA_CHAIN_HOOK | NLA_F_NESTED, &hook),
+            attr(NFTA_CHAIN_TYPE, &cstr("filter")),
+        ]
+        .concat();
+        msg(&mut b, nft(NFT_MSG_NEWCHAIN), create, family, &chain);
+        for exprs in sources.iter().map(|a| source_is(*a)) {
+            let rule = [
+                attr(NFTA_RULE_TABLE, &cstr(TABLE)),
+                attr(NFTA_RULE_CHAIN, &cstr(CHAIN)),
+                attr(NFTA_RULE_EXPRESSIONS | NLA_F_NESTED, &exprs),
+            ]
+            .concat();
+            let append = create | libc::NLM_F_APPEND as u16;
+            msg(&mut b, nft(NFT_MSG_NEWRULE), append, family, &rule);
+        }
+    }
+    msg(
+        &mut b,
+        NFNL_MSG_BATCH_END,
+        libc::NLM_F_REQUEST as u16,
+        0,
+        &[],
+    );
+    b
+}
+
+/// The expressions of `ip saddr ADDR notrack` (`ip6 saddr` for IPv6).
+fn source_is(addr: IpAddr) -> Vec<u8> {
+    let offset = if addr.is_ipv4() { 12 } else { 8 };
+    [
+        load(NFT_PAYLOAD_NETWORK_HEADER, offset, octets(addr).len()),
+        compare(NFT_CMP_EQ, &octets(addr)),
+        expression("notrack", None),
+    ]
+    .concat()
+}
+
+fn octets(addr: IpAddr) -> Vec<u8> {
+    match addr {
+        IpAddr::V4(a) => a.octets().to_vec(),
+        IpAddr::V6(a) => a.octets().to_vec(),
+    }
+}
+
+/// `payload load` of `len` bytes at `offset` of `base` into register 1.
+fn load(base: u32, offset: u32, len: usize) -> Vec<u8> {
+    let payload = [
+        attr(NFTA_PAYLOAD_DREG, &NFT_REG_1.to_be_bytes()),
+        attr(NFTA_PAYLOAD_BASE, &base.to_be_bytes()),
+        attr(NFTA_PAYLOAD_OFFSET, &offset.to_be_bytes()),
+        attr(NFTA_PAYLOAD_LEN, &(len as u32).to_be_bytes()),
+    ]
+    .concat();
+    expression("payload", Some(&payload))
+}
+
+/// `cmp` of register 1 with `data`.
+fn compare(op: u32, data: &[u8]) -> Vec<u8> {
+    let cmp = [
+        attr(NFTA_CMP_SREG, &NFT_REG_1.to_be_bytes()),
+        attr(NFTA_CMP_OP, &op.to_be_bytes()),
+        attr(NFTA_CMP_DATA | NLA_F_NESTED, &attr(NFTA_DATA_VALUE, data)),
+    ]
+    .concat();
+    expression("cmp", Some(&cmp))
+}
+
+fn expression(name: &str, data: Option<&[u8]>) -> Vec<u8> {
+    let mut e = attr(NFTA_EXPR_NAME, &cstr(name));
+    if let Some(d) = data {
+        e.extend(attr(NFTA_EXPR_DATA | NLA_F_NESTED, d));
+    }
+    attr(NFTA_LIST_ELEM | NLA_F_NESTED, &e)
+}
+
+fn nft(msg: u16) -> u16 {
+    (NFNL_SUBSYS_NFTABLES << 8) | msg
+}
+
+fn cstr(s: &str) -> Vec<u8> {
+    let mut v = s.as_bytes().to_vec();
+    v.push(0);
+    v
+}
+
+/// One netlink attribute, padded to 4 bytes.
+fn attr(kind: u16, payload: &[u8]) -> Vec<u8> {
+    let mut a = Vec::with_capacity(4 + payload.len() + 3);
+    a.extend_from_slice(&((4 + payload.len()) as u16).to_ne_bytes());
+    a.extend_from_slice(&kind.to_ne_bytes());
+    a.extend_from_slice(payload);
+    a.resize(a.len().next_multiple_of(4), 0);
+    a
+}
+
+/// One nfnetlink message: header, `nfgenmsg`, attributes.
+fn message(out: &mut Vec<u8>, kind: u16, flags: u16, family: u8, seq: u32, attrs: &[u8]) {
+    let len = 16 + 4 + attrs.len();
+    out.extend_from_slice(&(len as u32).to_ne_bytes());
+    out.extend_from_slice(&kind.to_ne_bytes());
+    out.extend_from_slice(&flags.to_ne_bytes());
+    out.extend_from_slice(&seq.to_ne_bytes());
+    out.extend_from_slice(&0u32.to_ne_bytes());
+    // struct nfgenmsg: family, version, res_id (big-endian): the batch
+    // messages name the subsystem there.
+    let res_id = if kind == NFNL_MSG_BATCH_BEGIN || kind == NFNL_MSG_BATCH_END {
+        NFNL_SUBSYS_NFTABLES
+    } else {
+        0
+    };
+    out.push(family);
+    out.push(0);
+    out.extend_from_slice(&res_id.to_be_bytes());
+    out.extend_from_slice(attrs);
+}
+
+/// Sends the batch and reads one acknowledgement per acknowledged message;
+/// the first error the kernel reports fails the whole (atomic) batch.
+fn exchange(batch: &[u8]) -> io::Result<()> {
+    let acks = count_acks(batch);
+    // SAFETY: plain socket calls on a descriptor owned and closed here;
+    // buffers are valid for the lengths passed.
+    unsafe {
+        let fd = libc::socket(
+            libc::AF_NETLINK,
+            libc::SOCK_RAW | libc::SOCK_CLOEXEC,
+            NETLINK_NETFILTER,
+        );
+        if fd < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        let result = (|| {
+            let mut addr: libc::sockaddr_nl = std::mem::zeroed();
+            addr.nl_family = libc::AF_NETLINK as u16;
+            let sent = libc::sendto(
+                fd,
+                batch.as_ptr().cast(),
+                batch.len(),
+                0,
+                std::ptr::addr_of!(addr).cast(),
+                std::mem::size_of::<libc::sockaddr_nl>() as u32,
+            );
+            if sent < 0 {
+                return Err(io::Error::last_os_error());
+            }
+            let timeout = libc::timeval {
+                tv_sec: 2,
+                tv_usec: 0,
+            };
+            libc::setsockopt(
+                fd,
+                libc::SOL_SOCKET,
+                libc::SO_RCVTIMEO,
+                std::ptr::addr_of!(timeout).cast(),
+                std::mem::size_of::<libc::timeval>() as u32,
+            );
+            let mut seen = 0;
+            let mut buf = vec![0u8; 16384];
+            while seen < acks {
+                let n = libc::recv(fd, buf.as_mut_ptr().cast(), buf.len(), 0);
+                if n < 0 {
+                    return Err(io::Error::last_os_error());
+                }
+                let mut rest = &buf[..n as usize];
+                while rest.len() >= 20 {
+                    let len = u32::from_ne_bytes(rest[0..4].try_into().unwrap()) as usize;
+                    let kind = u16::from_ne_bytes([rest[4], rest[5]]);
+                    if kind == libc::NLMSG_ERROR as u16 {
+                        let code = i32::from_ne_bytes(rest[16..20].try_into().unwrap());
+                        if code != 0 {
+                            return Err(io::Error::from_raw_os_error(-code));
+                        }
+                        seen += 1;
+                    }
+                    if len < 16 || len > rest.len() {
+                        break;
+                    }
+                    rest = &rest[len.next_multiple_of(4).min(rest.len())..];
+                }
+            }
+            Ok(())
+        })();
+        libc::close(fd);
+        result
+    }
+}
+
+/// How many messages of `batch` ask for an acknowledgement.
+fn count_acks(mut batch: &[u8]) -> usize {
+    let mut n = 0;
+    while batch.len() >= 16 {
+        let len = u32::from_ne_bytes(batch[0..4].try_into().unwrap()) as usize;
+        let flags = u16::from_ne_bytes([batch[6], batch[7]]);
+        if flags & libc::NLM_F_ACK as u16 != 0 {
+            n += 1;
+        }
+        batch = &batch[len.max(16).min(batch.len())..];
+    }
+    n
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_message_but_the_batch_frame_is_acknowledged() {
+        let addrs = ["10.244.1.1".parse().unwrap(), "192.0.2.10".parse().unwrap()];
+        // new table, delete it, new table, chain, a rule each.
+        assert_eq!(count_acks(&batch(NFPROTO_IPV4, &addrs)), 6);
+        assert_eq!(count_acks(&batch(NFPROTO_IPV6, &[])), 2);
+    }
+
+    #[test]
+    fn the_rule_compares_the_source_address() {
+        let e = source_is("10.244.1.1".parse().unwrap());
+        let has = |needle: &[u8]| e.windows(needle.len()).any(|w| w == needle);
+        assert!(has(&[10, 244, 1, 1]));
+        assert!(has(b"notrack\0"));
+        assert!(has(&12u32.to_be_bytes()));
+        let e6 = source_is("fd00::1".parse().unwrap());
+        assert!(e6.windows(4).any(|w| w == 16u32.to_be_bytes()));
+    }
+
+    /// In a network namespace of its own: the rules as nft reads them back,
+    /// written twice (one each stays), changed, then removed.
+    #[test]
+    fn the_table_follows_the_snat_addresses_needs_root() {
+        std::thread::spawn(|| {
+            // SAFETY: unshares this thread's network namespace only.
+            assert_eq!(
+                unsafe { libc::unshare(libc::CLONE_NEWNET) },
+                0,
+                "unshare (root needed)"
+            );
+            let nft = |family: &str| {
+                let out = std::process::Command::new("nft")
+                    .args(["list", "table", family, TABLE])
+                    .output()
+                    .expect("running nft");
+                out.status
+                    .success()
+                    .then(|| String::from_utf8_lossy(&out.stdout).into_owned())
+            };
+            let a: IpAddr = "10.244.1.1".parse().unwrap();
+            let a6: IpAddr = "fd00:1::1".parse().unwrap();
+            let vip: IpAddr = "192.0.2.10".parse().unwrap();
+            set(&[a, vip, a6]).unwrap();
+            set(&[a, vip, a6]).unwrap();
+            let v4 = nft("ip").expect("table ip xlb");
+            assert_eq!(v4.matches("ip saddr 10.244.1.1 notrack").count(), 1, "{v4}");
+            assert_eq!(v4.matches("ip saddr 192.0.2.10 notrack").count(), 1, "{v4}");
+            assert!(!v4.contains("daddr"), "replies stay tracked: {v4}");
+            assert!(v4.contains("hook prerouting priority raw"), "{v4}");
+            let v6 = nft("ip6").expect("table ip6 xlb");
+            assert!(v6.contains("ip6 saddr fd00:1::1 notrack"), "{v6}");
+            set(&["10.244.1.9".parse().unwrap()]).unwrap();
+            let v4 = nft("ip").expect("table ip xlb");
+            assert!(
+                v4.contains("ip saddr 10.244.1.9 notrack") && !v4.contains("10.244.1.1"),
+                "{v4}"
+            );
+            assert_eq!(nft("ip6"), None, "no IPv6 address, no table");
+            remove().unwrap();
+            assert_eq!(nft("ip"), None);
+        })
+        .join()
+        .expect("test thread");
+    }
+}
