@@ -52,7 +52,13 @@ impl Netns {
 
     /// Moves the calling thread into the namespace called `name`.
     pub fn enter_by_name(name: &str) {
-        let f = File::open(format!("/var/run/netns/{name}")).expect("open netns");
+        Self::enter_path(&format!("/var/run/netns/{name}"));
+    }
+
+    /// Moves the calling thread into the network namespace at `path`
+    /// (`/proc/PID/ns/net` too).
+    pub fn enter_path(path: &str) {
+        let f = File::open(path).unwrap_or_else(|e| panic!("open {path}: {e}"));
         // SAFETY: setns on a valid namespace fd affects only this thread.
         let rc = unsafe { libc::setns(f.as_raw_fd(), libc::CLONE_NEWNET) };
         assert_eq!(rc, 0, "setns: {}", std::io::Error::last_os_error());

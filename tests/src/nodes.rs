@@ -1071,6 +1071,40 @@ fn network_of(cidr: &str) -> String {
     format!("{}/{len}", Ipv4Addr::from(u32::from(ip) & mask))
 }
 
+/// Runs `f` on a thread inside the network namespace of the Pod `pod`
+/// (found by its backend process, whose host name is the Pod's name): a
+/// client inside the cluster, as a container of that Pod would be.
+pub fn from_pod<T: Send + 'static>(pod: &str, f: impl FnOnce() -> T + Send + 'static) -> T {
+    let pids = Command::new("pgrep")
+        .args(["-x", "backend"])
+        .output()
+        .expect("pgrep");
+    let pid = String::from_utf8_lossy(&pids.stdout)
+        .split_whitespace()
+        .find(|pid| {
+            Command::new("nsenter")
+                .args(["-t", pid, "-u", "hostname"])
+                .output()
+                .is_ok_and(|o| String::from_utf8_lossy(&o.stdout).trim() == pod)
+        })
+        .unwrap_or_else(|| panic!("no backend process of Pod {pod}"))
+        .to_string();
+    std::thread::spawn(move || {
+        crate::netns::Netns::enter_path(&format!("/proc/{pid}/ns/net"));
+        f()
+    })
+    .join()
+    .expect("Pod thread")
+}
+
+/// Runs `f` on a thread inside `node`'s network namespace: a host-network
+/// client (kubelet, a `hostNetwork` Pod).
+pub fn from_node<T: Send + 'static>(node: &Node, f: impl FnOnce() -> T + Send + 'static) -> T {
+    crate::topology::in_netns(&node.ns, f)
+        .join()
+        .expect("node thread")
+}
+
 /// Runs `f` in the client namespace.
 pub fn from_client<T: Send + 'static>(
     cluster: &NodeCluster,

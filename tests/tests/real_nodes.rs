@@ -15,8 +15,8 @@ use serde_json::json;
 use xlb_tests::{
     cluster::AGENT_NAMESPACE,
     nodes::{
-        from_client, image, node_ip, NodeCluster, PodNetwork, CLIENT, CLUSTER_ASN, ROUTER_ASN,
-        ROUTER_LAN,
+        from_client, from_node, from_pod, image, node_ip, NodeCluster, PodNetwork, CLIENT,
+        CLUSTER_ASN, ROUTER_ASN, ROUTER_LAN,
     },
     traffic::{poll_until, ConnectionStream, KeepAlive},
 };
@@ -221,43 +221,30 @@ fn install(c: &NodeCluster, values: &[&str]) {
 
 /// The Pods on `nodes` (all of them when None) are reached over TCP and
 /// UDP, and no other, first in snat (the chart's default: the Pods see a
-/// node's address) then, after the annotation `xlb.dev/mode: nat`, in nat
-/// (they see the client's).
+/// node's address) then after the annotation `xlb.dev/mode: nat`. In nat
+/// they see the client's address where `nat_keeps_client`; otherwise the
+/// Service crosses the overlay, and every agent says it serves it in snat.
 fn pods_are_reached_in_snat_and_nat(
     c: &NodeCluster,
     vip: Ipv4Addr,
     nodes: Option<&[String]>,
-    udp: bool,
+    nat_keeps_client: bool,
 ) {
-    let pods = backend_pods(c);
-    let on: BTreeSet<&str> = pods.iter().map(|(_, n)| n.as_str()).collect();
-    assert_eq!(on.len(), 2, "the backends are not on both nodes: {pods:?}");
-    let all: BTreeSet<&str> = pods
-        .iter()
-        .filter(|(_, n)| nodes.is_none_or(|want| want.contains(n)))
-        .map(|(p, _)| p.as_str())
-        .collect();
-
-    let answers = requests(c, vip, 12, udp);
-    let served: BTreeSet<&str> = answers.iter().map(|(p, _)| p.as_str()).collect();
-    assert_eq!(served, all, "snat: not every Pod was reached");
-    for (pod, client) in &answers {
-        assert_ne!(
-            client,
-            &CLIENT.to_string(),
-            "snat: {pod} saw the client's own address"
-        );
-    }
-
-    c.cp.patch(
-        "service",
-        Some(APP_NS),
-        "web",
-        &json!({"metadata": {"annotations": {"xlb.dev/mode": "nat"}}}),
-        false,
+    let all = pods_on(c, nodes);
+    reached_with_client(c, vip, &all, false, "snat");
+    set_service(
+        c,
+        json!({"metadata": {"annotations": {"xlb.dev/mode": "nat"}}}),
     );
     // The agents apply the annotation; until then answers come from snat.
     poll_until(Duration::from_secs(30), Duration::from_millis(200), || {
+        if !nat_keeps_client {
+            let said = |n: &xlb_tests::nodes::Node| {
+                n.container_logs(AGENT_NAMESPACE)
+                    .contains("served in snat on this node")
+            };
+            return c.nodes.iter().all(said).then_some(()).ok_or(());
+        }
         let target = SocketAddr::from((vip, 80));
         match from_client(c, move || http_once(target)) {
             Ok(a) if parse_answer(&a).1 == CLIENT.to_string() => Ok(()),
@@ -271,23 +258,120 @@ fn pods_are_reached_in_snat_and_nat(
             c.describe_agents()
         )
     });
-    let answers = requests(c, vip, 12, udp);
-    let served: BTreeSet<&str> = answers.iter().map(|(p, _)| p.as_str()).collect();
-    assert_eq!(served, all, "nat: not every Pod was reached");
+    reached_with_client(c, vip, &all, nat_keeps_client, "nat");
+}
+
+/// The backend Pods on `nodes` (all of them when None); the backends must
+/// be on both nodes.
+fn pods_on(c: &NodeCluster, nodes: Option<&[String]>) -> BTreeSet<String> {
+    let pods = backend_pods(c);
+    let on: BTreeSet<&str> = pods.iter().map(|(_, n)| n.as_str()).collect();
+    assert_eq!(on.len(), 2, "the backends are not on both nodes: {pods:?}");
+    pods.iter()
+        .filter(|(_, n)| nodes.is_none_or(|want| want.contains(n)))
+        .map(|(p, _)| p.clone())
+        .collect()
+}
+
+/// 12 TCP and 12 UDP requests reach exactly the Pods `all`, which see the
+/// client's own address if `client_kept`, else another.
+fn reached_with_client(
+    c: &NodeCluster,
+    vip: Ipv4Addr,
+    all: &BTreeSet<String>,
+    client_kept: bool,
+    what: &str,
+) {
+    let answers = requests(c, vip, 12, true);
+    let served: BTreeSet<String> = answers.iter().map(|(p, _)| p.clone()).collect();
+    assert_eq!(&served, all, "{what}: not every Pod was reached");
     for (pod, client) in &answers {
         assert_eq!(
-            client,
-            &CLIENT.to_string(),
-            "nat: {pod} did not see the client's own address"
+            client == &CLIENT.to_string(),
+            client_kept,
+            "{what}: {pod} saw {client} (the client is {CLIENT})"
         );
     }
 }
 
+/// Merge-patches `shop/web`.
+fn set_service(c: &NodeCluster, patch: serde_json::Value) {
+    c.cp.patch("service", Some(APP_NS), "web", &patch, false);
+}
+
+/// With `externalTrafficPolicy: Local` (set here), nat keeps the client's
+/// address even over the overlay: only the Pods on `nodes` are reached, on
+/// the node itself. Waits until no other Pod answers.
+fn local_policy_keeps_the_client(c: &NodeCluster, vip: Ipv4Addr, nodes: &[String]) {
+    set_service(c, json!({"spec": {"externalTrafficPolicy": "Local"}}));
+    let all = pods_on(c, Some(nodes));
+    let target = SocketAddr::from((vip, 80));
+    poll_until(Duration::from_secs(30), Duration::from_millis(200), || {
+        let answers = from_client(c, move || {
+            (0..6).map(|_| http_once(target)).collect::<Vec<_>>()
+        });
+        answers
+            .iter()
+            .all(|a| {
+                a.as_ref().is_ok_and(|a| {
+                    let (pod, client) = parse_answer(a);
+                    all.contains(&pod) && client == CLIENT.to_string()
+                })
+            })
+            .then_some(())
+            .ok_or(())
+    })
+    .unwrap_or_else(|()| panic!("Local policy never took effect:\n{}", c.describe_agents()));
+    reached_with_client(c, vip, &all, true, "nat, Local policy");
+}
+
+/// Clients inside the cluster connect to the LoadBalancer IP: from a Pod
+/// on each node (its network namespace, as its container's) and from each
+/// node itself (host network: kubelet, a `hostNetwork` Pod). Every one of
+/// 6 TCP requests each is answered by a backend; what the backends saw is
+/// printed for docs/kubernetes.md.
+fn in_cluster_clients_reach_the_service(c: &NodeCluster, vip: Ipv4Addr) {
+    let backends = pods_on(c, None);
+    let target = SocketAddr::from((vip, 80));
+    let six = move || (0..6).map(|_| http_once(target)).collect::<Vec<_>>();
+    for n in &c.nodes {
+        let pod = backend_pods(c)
+            .into_iter()
+            .find(|(_, on)| *on == n.name)
+            .map(|(p, _)| p)
+            .unwrap_or_else(|| panic!("no backend Pod on {}", n.name));
+        for (who, answers) in [
+            (format!("Pod {pod}"), from_pod(&pod, six)),
+            (format!("node {}", n.name), from_node(n, six)),
+        ] {
+            let seen: Vec<(String, String)> = answers
+                .iter()
+                .map(|a| match a {
+                    Ok(a) => parse_answer(a),
+                    Err(e) => panic!(
+                        "{who} to {target}: {e}\n{}\n{}",
+                        c.describe_traffic(),
+                        c.describe_agents()
+                    ),
+                })
+                .collect();
+            for (p, _) in &seen {
+                assert!(
+                    backends.contains(p),
+                    "{who}: answered by {p}, not a backend"
+                );
+            }
+            eprintln!("in-cluster client {who} -> {target}: {seen:?}");
+        }
+    }
+}
+
 /// L2 mode with the chart's defaults (no interface named but eth0) and
-/// flannel's VXLAN, for a Service with `externalTrafficPolicy: Local`: the
-/// Pods on the node that answers for the VIP are reached in snat and nat,
-/// over TCP and UDP. (Cluster policy across VXLAN does not work yet: flannel
-/// masquerades what the kernel forwards into the overlay; issue 28's note.)
+/// flannel's VXLAN. With `externalTrafficPolicy: Cluster` every Pod on both
+/// nodes is reached over TCP and UDP: the other node's through the overlay
+/// (the SNAT address is the node's own in its Pod CIDR, and replies are
+/// translated on `flannel.1`), in nat too, which crosses the overlay in
+/// snat. With `Local`, nat keeps the client's address. Then uninstall.
 #[test]
 fn l2_install_reaches_pods_on_every_node() {
     let _one = one_cluster();
@@ -314,9 +398,11 @@ fn l2_install_reaches_pods_on_every_node() {
             &format!(r#"pools={{"lan":{{"addresses":["{L2_POOL}"]}}}}"#),
         ],
     );
-    let vip = create_service(&c, "Local");
+    let vip = create_service(&c, "Cluster");
+    pods_are_reached_in_snat_and_nat(&c, vip, None, false);
+    in_cluster_clients_reach_the_service(&c, vip);
     let owner = c.l2_owner(vip);
-    pods_are_reached_in_snat_and_nat(&c, vip, Some(&[owner]), true);
+    local_policy_keeps_the_client(&c, vip, &[owner]);
     uninstall_leaves_nothing(&c);
 }
 
@@ -343,10 +429,11 @@ fn uninstall_leaves_nothing(c: &NodeCluster) {
 }
 
 /// BGP mode with the chart's gobgpd sidecar, peering with BIRD on the
-/// router, over flannel's host-gw, for a Service with
-/// `externalTrafficPolicy: Local`: both nodes announce the VIP, and the
-/// Pods of the node the router sends the client to are reached in snat and
-/// nat over TCP and UDP. Then the lifecycle, and `helm uninstall`.
+/// router, over flannel's host-gw: both nodes announce the VIP. With
+/// `externalTrafficPolicy: Cluster` every Pod on both nodes is reached in
+/// snat and nat (the client's address kept: XDP forwards to the other
+/// node itself) over TCP and UDP; with `Local` the Pods of the node the
+/// router sends the client to. Then the lifecycle, and `helm uninstall`.
 #[test]
 fn bgp_install_reaches_pods_on_every_node() {
     let _one = one_cluster();
@@ -369,10 +456,7 @@ fn bgp_install_reaches_pods_on_every_node() {
             &format!(r#"pools={{"public":{{"addresses":["{BGP_POOL}"]}}}}"#),
         ],
     );
-    // Local: with Cluster policy the other node's Pods are reached too
-    // (all 48 requests in one run) but the first UDP datagram went
-    // unanswered in another; cause not found yet (issue 28's note).
-    let vip = create_service(&c, "Local");
+    let vip = create_service(&c, "Cluster");
     let want: Vec<Ipv4Addr> = (1..=2).map(node_ip).collect();
     poll_until(Duration::from_secs(60), Duration::from_millis(200), || {
         (c.router_next_hops(vip) == want).then_some(()).ok_or(())
@@ -385,8 +469,9 @@ fn bgp_install_reaches_pods_on_every_node() {
             c.describe_agents()
         )
     });
+    pods_are_reached_in_snat_and_nat(&c, vip, None, true);
     let receiver = c.receiver_of_client(vip);
-    pods_are_reached_in_snat_and_nat(&c, vip, Some(std::slice::from_ref(&receiver)), true);
+    local_policy_keeps_the_client(&c, vip, std::slice::from_ref(&receiver));
     let routed = || {
         poll_until(Duration::from_secs(90), Duration::from_millis(250), || {
             (c.router_next_hops(vip) == want).then_some(()).ok_or(())
