@@ -965,9 +965,20 @@ impl Agent {
         let mut load_targets = Vec::new();
         let overlay = self.overlay_check(&services);
         let mut nat_over_overlay = BTreeSet::new();
+        // The file's services are served as written: their author knows
+        // whether the overlay masquerades.
+        let from_file: BTreeSet<(IpAddr, u16, Protocol)> = self
+            .config
+            .services
+            .iter()
+            .map(|s| (s.vip, s.port, s.protocol))
+            .collect();
         for svc in &services {
             let mut spec = self.config.service_spec(svc);
-            if svc.mode == crate::service::Mode::Nat && svc.backends.iter().any(|b| overlay(b.ip)) {
+            if svc.mode == crate::service::Mode::Nat
+                && !from_file.contains(&(svc.vip, svc.port, svc.protocol))
+                && svc.backends.iter().any(|b| overlay(b.ip))
+            {
                 // The kernel forwards into the overlay, where the pod
                 // network masquerades a client's address (flannel's
                 // `--ip-masq`): the backend's answer would miss the flow.

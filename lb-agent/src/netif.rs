@@ -576,7 +576,19 @@ pub fn driver(iface: &str) -> io::Result<String> {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
+    /// Runs `f` on a thread of its own in a new network namespace (root).
+    pub(crate) fn in_own_netns(f: impl FnOnce() + Send + 'static) {
+        std::thread::spawn(|| {
+            // SAFETY: unshares this thread's network namespace only.
+            let rc = unsafe { libc::unshare(libc::CLONE_NEWNET) };
+            assert_eq!(rc, 0, "unshare (root needed)");
+            f()
+        })
+        .join()
+        .expect("test thread");
+    }
+
     #[test]
     fn loopback_has_an_index_and_an_ipv4_address() {
         assert!(super::ifindex("lo").is_some());
@@ -613,16 +625,16 @@ mod tests {
         msg
     }
 
-    /// An IPv6-only interface: L2 membership and the flow exchange take
-    /// its global IPv6 address; with an IPv4 address too, the IPv4 one.
-    /// (Root: a network namespace of the test thread's own.)
+    /// The kernel resolves a managed neighbour entry by itself, and
+    /// asking twice is fine. (Root: a network namespace of its own.)
     #[test]
     fn a_managed_neighbour_is_resolved_and_kept_needs_root() {
-        std::thread::spawn(|| {
-            // SAFETY: unshares this thread's network namespace only.
-            assert_eq!(unsafe { libc::unshare(libc::CLONE_NEWNET) }, 0, "unshare (root needed)");
+        in_own_netns(|| {
             let sh = |cmd: &str| {
-                let out = std::process::Command::new("sh").args(["-c", cmd]).output().unwrap();
+                let out = std::process::Command::new("sh")
+                    .args(["-c", cmd])
+                    .output()
+                    .unwrap();
                 assert!(out.status.success(), "{cmd}: {out:?}");
                 String::from_utf8_lossy(&out.stdout).into_owned()
             };
@@ -642,20 +654,15 @@ mod tests {
             let shown = sh("ip -d neigh show dev v0");
             sh("ip netns del xlb-neigh-gw");
             assert!(resolved, "not resolved and managed: {shown}");
-        })
-        .join()
-        .expect("test thread");
+        });
     }
 
+    /// An IPv6-only interface: L2 membership and the flow exchange take
+    /// its global IPv6 address; with an IPv4 address too, the IPv4 one.
+    /// (Root: a network namespace of the test thread's own.)
     #[test]
     fn an_ipv6_only_interface_is_known_by_its_ipv6_address() {
-        std::thread::spawn(|| {
-            // SAFETY: unshares this thread's network namespace only.
-            assert_eq!(
-                unsafe { libc::unshare(libc::CLONE_NEWNET) },
-                0,
-                "unshare (root needed)"
-            );
+        in_own_netns(|| {
             let sh = |cmd: &str| {
                 let ok = std::process::Command::new("sh")
                     .args(["-c", cmd])
@@ -671,9 +678,7 @@ mod tests {
             sh("ip addr add 10.0.0.5/24 dev v0");
             assert_eq!(node_address("v0"), Some("10.0.0.5".parse().unwrap()));
             assert_eq!(node_address("v1"), None, "no address at all");
-        })
-        .join()
-        .expect("test thread");
+        });
     }
 
     #[test]

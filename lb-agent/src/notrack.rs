@@ -353,13 +353,7 @@ mod tests {
     /// written twice (one each stays), changed, then removed.
     #[test]
     fn the_table_follows_the_snat_addresses_needs_root() {
-        std::thread::spawn(|| {
-            // SAFETY: unshares this thread's network namespace only.
-            assert_eq!(
-                unsafe { libc::unshare(libc::CLONE_NEWNET) },
-                0,
-                "unshare (root needed)"
-            );
+        crate::netif::tests::in_own_netns(|| {
             let nft = |family: &str| {
                 let out = std::process::Command::new("nft")
                     .args(["list", "table", family, TABLE])
@@ -390,8 +384,6 @@ mod tests {
             assert_eq!(nft("ip6"), None, "no IPv6 address, no table");
             remove().unwrap();
             assert_eq!(nft("ip"), None);
-        })
-        .join()
-        .expect("test thread");
+        });
     }
 }

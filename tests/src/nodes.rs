@@ -198,6 +198,12 @@ impl Node {
         out.lines().map(String::from).collect()
     }
 
+    /// The node's nf_tables tables (`nft list tables`), one per line.
+    pub fn nft_tables(&self) -> Vec<String> {
+        let out = self.sh("nft list tables");
+        out.lines().map(String::from).collect()
+    }
+
     /// `ip -d link show` in the node: which interfaces carry an XDP program.
     pub fn xdp_interfaces(&self) -> Vec<String> {
         let out = Command::new("ip")

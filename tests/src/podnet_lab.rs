@@ -46,10 +46,13 @@ pub const CLIENT: Ipv4Addr = Ipv4Addr::new(10, 9, 0, 2);
 pub const HTTP_PORTS: [u16; 2] = [8080, 8081];
 pub const UDP_PORTS: [u16; 2] = [5353, 5354];
 
-/// What the agent logs when it attaches the program to a pod-side interface.
-pub const ATTACHED: &str = "XDP program attached to a pod-side interface";
-/// What the agent logs when it detaches it.
-pub const DETACHED: &str = "XDP program detached from a pod-side interface";
+/// What the agent logs when it attaches the program to the bridge `cni0`,
+/// and when it detaches it (the lab's overlay `flannel.1` is attached too,
+/// with lines of its own).
+pub const ATTACHED: &str = "replies are translated there interface=cni0";
+pub const DETACHED: &str = "no backend behind it) interface=cni0";
+/// What it logs when it attaches the program to the overlay.
+pub const ATTACHED_OVERLAY: &str = "replies are translated there interface=flannel.1";
 
 /// Node `node`'s agent config: its uplink only, no pod-side interface
 /// named (`pod_interfaces: auto`), and the services: TCP and UDP to
@@ -396,5 +399,7 @@ pub fn udp_echo(addr: SocketAddr, payload: &str) -> io::Result<String> {
 
 /// Whether `dir` holds the pinned XDP link of `iface`.
 pub fn pinned_link(dir: &Path, iface: &str) -> bool {
-    dir.join(format!("link_{iface}")).exists()
+    // bpffs takes no dots: the agent pins `flannel.1` as `link_flannel:1`.
+    dir.join(format!("link_{}", iface.replace('.', ":")))
+        .exists()
 }

@@ -17,7 +17,8 @@ use std::{
 
 use xlb_tests::{
     podnet_lab::{
-        config, http_get, pinned_link, pod_ip, udp_echo, PodLab, ATTACHED, CLIENT, DETACHED,
+        config, http_get, pinned_link, pod_ip, udp_echo, PodLab, ATTACHED, ATTACHED_OVERLAY,
+        CLIENT, DETACHED,
     },
     topology::{in_netns, AgentHandle},
     traffic::wait_until,
@@ -100,18 +101,19 @@ fn pod_side_bridges_are_found_followed_and_translate_replies_needs_root() {
     let mut lab = PodLab::new("pn");
     let a1 = lab.start_agent(1, &config(1));
     let a2 = lab.start_agent(2, &config(2));
-    // Node 2 has its bridge from the start; node 1 none yet.
+    // Node 2 has its bridge from the start; node 1 none yet. Both take
+    // flannel.1: the other node's Pods are backends behind it.
     a2.wait_for_log(ATTACHED, 1, Duration::from_secs(5));
     assert!(pinned_link(&lab.pin_dir(2), "cni0"));
     assert!(!pinned_link(&lab.pin_dir(1), "cni0"));
     for (agent, pins) in [(&a1, lab.pin_dir(1)), (&a2, lab.pin_dir(2))] {
-        for never in ["eth0", "flannel.1", "nn"] {
-            assert!(
-                never == "eth0" || !pinned_link(&pins, never),
-                "{never} taken as pod-side:\n{}",
-                agent.log()
-            );
-        }
+        agent.wait_for_log(ATTACHED_OVERLAY, 1, Duration::from_secs(5));
+        assert!(pinned_link(&pins, "flannel.1"), "{}", agent.log());
+        assert!(
+            !pinned_link(&pins, "nn"),
+            "nn taken as pod-side:\n{}",
+            agent.log()
+        );
     }
 
     // The CNI makes node 1's bridge for its first Pods.
