@@ -5,7 +5,11 @@
 //! one. The kernel takes the same setting as an `IFLA_INET_CONF` attribute
 //! of an RTM_NEWLINK request.
 
-use std::{io, net::IpAddr};
+use std::{
+    io,
+    net::IpAddr,
+    os::fd::{AsRawFd, FromRawFd, OwnedFd},
+};
 
 use ipnet::IpNet;
 
@@ -363,60 +367,69 @@ fn parse_main_route(m: &[u8]) -> Option<MainRoute> {
 /// Sends a dump request on a fresh NETLINK_ROUTE socket; every message of
 /// the answer up to NLMSG_DONE.
 fn rtnetlink_dump(request: &[u8]) -> io::Result<Vec<Vec<u8>>> {
-    // SAFETY: plain socket calls on a descriptor owned by this function;
+    let fd = netlink_send(libc::NETLINK_ROUTE, request)?;
+    let mut out = Vec::new();
+    let mut buf = vec![0u8; 64 * 1024];
+    loop {
+        let n = netlink_recv(&fd, &mut buf)?;
+        let mut rest = &buf[..n];
+        while rest.len() >= 16 {
+            let len = u32::from_ne_bytes([rest[0], rest[1], rest[2], rest[3]]) as usize;
+            if len < 16 || len > rest.len() {
+                return Err(io::Error::other("malformed netlink message"));
+            }
+            let kind = u16::from_ne_bytes([rest[4], rest[5]]);
+            if kind == libc::NLMSG_DONE as u16 {
+                return Ok(out);
+            }
+            if kind == libc::NLMSG_ERROR as u16 {
+                parse_ack(&rest[..len])?;
+            } else {
+                out.push(rest[..len].to_vec());
+            }
+            rest = &rest[len.next_multiple_of(4).min(rest.len())..];
+        }
+    }
+}
+
+/// A fresh netlink socket of `protocol` (`NETLINK_ROUTE`,
+/// `NETLINK_NETFILTER`) with `request` sent to the kernel; closed when
+/// dropped.
+pub(crate) fn netlink_send(protocol: i32, request: &[u8]) -> io::Result<OwnedFd> {
+    // SAFETY: plain socket calls; the descriptor is owned at once, and the
     // buffers are valid for the lengths passed.
     unsafe {
         let fd = libc::socket(
             libc::AF_NETLINK,
             libc::SOCK_RAW | libc::SOCK_CLOEXEC,
-            libc::NETLINK_ROUTE,
+            protocol,
         );
         if fd < 0 {
             return Err(io::Error::last_os_error());
         }
-        let result = (|| {
-            let mut addr: libc::sockaddr_nl = std::mem::zeroed();
-            addr.nl_family = libc::AF_NETLINK as u16;
-            let sent = libc::sendto(
-                fd,
-                request.as_ptr().cast(),
-                request.len(),
-                0,
-                (&addr as *const libc::sockaddr_nl).cast(),
-                std::mem::size_of::<libc::sockaddr_nl>() as u32,
-            );
-            if sent < 0 {
-                return Err(io::Error::last_os_error());
-            }
-            let mut out = Vec::new();
-            let mut buf = vec![0u8; 64 * 1024];
-            loop {
-                let n = libc::recv(fd, buf.as_mut_ptr().cast(), buf.len(), 0);
-                if n < 0 {
-                    return Err(io::Error::last_os_error());
-                }
-                let mut rest = &buf[..n as usize];
-                while rest.len() >= 16 {
-                    let len = u32::from_ne_bytes([rest[0], rest[1], rest[2], rest[3]]) as usize;
-                    if len < 16 || len > rest.len() {
-                        return Err(io::Error::other("malformed netlink message"));
-                    }
-                    let kind = u16::from_ne_bytes([rest[4], rest[5]]);
-                    if kind == libc::NLMSG_DONE as u16 {
-                        return Ok(out);
-                    }
-                    if kind == libc::NLMSG_ERROR as u16 {
-                        parse_ack(&rest[..len])?;
-                    } else {
-                        out.push(rest[..len].to_vec());
-                    }
-                    rest = &rest[len.next_multiple_of(4).min(rest.len())..];
-                }
-            }
-        })();
-        libc::close(fd);
-        result
+        let fd = OwnedFd::from_raw_fd(fd);
+        let mut addr: libc::sockaddr_nl = std::mem::zeroed();
+        addr.nl_family = libc::AF_NETLINK as u16;
+        let sent = libc::sendto(
+            fd.as_raw_fd(),
+            request.as_ptr().cast(),
+            request.len(),
+            0,
+            (&addr as *const libc::sockaddr_nl).cast(),
+            std::mem::size_of::<libc::sockaddr_nl>() as u32,
+        );
+        if sent < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        Ok(fd)
     }
+}
+
+/// One datagram of `fd` into `buf`; its length.
+pub(crate) fn netlink_recv(fd: &OwnedFd, buf: &mut [u8]) -> io::Result<usize> {
+    // SAFETY: `buf` is valid for its length; `fd` is open.
+    let n = unsafe { libc::recv(fd.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len(), 0) };
+    usize::try_from(n).map_err(|_| io::Error::last_os_error())
 }
 
 /// Attributes (kind without flag bits, payload) of a netlink attribute list.
@@ -464,44 +477,12 @@ fn rtnetlink_request(request: &[u8]) -> io::Result<()> {
 
 /// Sends one request on a fresh NETLINK_ROUTE socket; the first reply.
 fn rtnetlink_exchange(request: &[u8]) -> io::Result<Vec<u8>> {
-    // SAFETY: plain socket calls on a descriptor owned by this function;
-    // buffers are valid for the lengths passed.
-    unsafe {
-        let fd = libc::socket(
-            libc::AF_NETLINK,
-            libc::SOCK_RAW | libc::SOCK_CLOEXEC,
-            libc::NETLINK_ROUTE,
-        );
-        if fd < 0 {
-            return Err(io::Error::last_os_error());
-        }
-        let result = (|| {
-            let mut addr: libc::sockaddr_nl = std::mem::zeroed();
-            addr.nl_family = libc::AF_NETLINK as u16;
-            let sent = libc::sendto(
-                fd,
-                request.as_ptr().cast(),
-                request.len(),
-                0,
-                (&addr as *const libc::sockaddr_nl).cast(),
-                std::mem::size_of::<libc::sockaddr_nl>() as u32,
-            );
-            if sent < 0 {
-                return Err(io::Error::last_os_error());
-            }
-            // A link's attributes (statistics, per-family settings) take
-            // a few KiB.
-            let mut reply = vec![0u8; 64 * 1024];
-            let n = libc::recv(fd, reply.as_mut_ptr().cast(), reply.len(), 0);
-            if n < 0 {
-                return Err(io::Error::last_os_error());
-            }
-            reply.truncate(n as usize);
-            Ok(reply)
-        })();
-        libc::close(fd);
-        result
-    }
+    let fd = netlink_send(libc::NETLINK_ROUTE, request)?;
+    // A link's attributes (statistics, per-family settings) take a few KiB.
+    let mut reply = vec![0u8; 64 * 1024];
+    let n = netlink_recv(&fd, &mut reply)?;
+    reply.truncate(n);
+    Ok(reply)
 }
 
 /// An NLMSG_ERROR reply carries 0 for success, else a negated errno.

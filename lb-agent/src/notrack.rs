@@ -244,72 +244,45 @@ fn message(out: &mut Vec<u8>, kind: u16, flags: u16, family: u8, seq: u32, attrs
 /// Sends the batch and reads one acknowledgement per acknowledged message;
 /// the first error the kernel reports fails the whole (atomic) batch.
 fn exchange(batch: &[u8]) -> io::Result<()> {
+    use std::os::fd::AsRawFd;
     let acks = count_acks(batch);
-    // SAFETY: plain socket calls on a descriptor owned and closed here;
-    // buffers are valid for the lengths passed.
+    let fd = crate::netif::netlink_send(NETLINK_NETFILTER, batch)?;
+    let timeout = libc::timeval {
+        tv_sec: 2,
+        tv_usec: 0,
+    };
+    // SAFETY: a valid option of the right size on an open descriptor.
     unsafe {
-        let fd = libc::socket(
-            libc::AF_NETLINK,
-            libc::SOCK_RAW | libc::SOCK_CLOEXEC,
-            NETLINK_NETFILTER,
+        libc::setsockopt(
+            fd.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_RCVTIMEO,
+            std::ptr::addr_of!(timeout).cast(),
+            std::mem::size_of::<libc::timeval>() as u32,
         );
-        if fd < 0 {
-            return Err(io::Error::last_os_error());
-        }
-        let result = (|| {
-            let mut addr: libc::sockaddr_nl = std::mem::zeroed();
-            addr.nl_family = libc::AF_NETLINK as u16;
-            let sent = libc::sendto(
-                fd,
-                batch.as_ptr().cast(),
-                batch.len(),
-                0,
-                std::ptr::addr_of!(addr).cast(),
-                std::mem::size_of::<libc::sockaddr_nl>() as u32,
-            );
-            if sent < 0 {
-                return Err(io::Error::last_os_error());
-            }
-            let timeout = libc::timeval {
-                tv_sec: 2,
-                tv_usec: 0,
-            };
-            libc::setsockopt(
-                fd,
-                libc::SOL_SOCKET,
-                libc::SO_RCVTIMEO,
-                std::ptr::addr_of!(timeout).cast(),
-                std::mem::size_of::<libc::timeval>() as u32,
-            );
-            let mut seen = 0;
-            let mut buf = vec![0u8; 16384];
-            while seen < acks {
-                let n = libc::recv(fd, buf.as_mut_ptr().cast(), buf.len(), 0);
-                if n < 0 {
-                    return Err(io::Error::last_os_error());
-                }
-                let mut rest = &buf[..n as usize];
-                while rest.len() >= 20 {
-                    let len = u32::from_ne_bytes(rest[0..4].try_into().unwrap()) as usize;
-                    let kind = u16::from_ne_bytes([rest[4], rest[5]]);
-                    if kind == libc::NLMSG_ERROR as u16 {
-                        let code = i32::from_ne_bytes(rest[16..20].try_into().unwrap());
-                        if code != 0 {
-                            return Err(io::Error::from_raw_os_error(-code));
-                        }
-                        seen += 1;
-                    }
-                    if len < 16 || len > rest.len() {
-                        break;
-                    }
-                    rest = &rest[len.next_multiple_of(4).min(rest.len())..];
-                }
-            }
-            Ok(())
-        })();
-        libc::close(fd);
-        result
     }
+    let mut seen = 0;
+    let mut buf = vec![0u8; 16384];
+    while seen < acks {
+        let n = crate::netif::netlink_recv(&fd, &mut buf)?;
+        let mut rest = &buf[..n];
+        while rest.len() >= 20 {
+            let len = u32::from_ne_bytes(rest[0..4].try_into().unwrap()) as usize;
+            let kind = u16::from_ne_bytes([rest[4], rest[5]]);
+            if kind == libc::NLMSG_ERROR as u16 {
+                let code = i32::from_ne_bytes(rest[16..20].try_into().unwrap());
+                if code != 0 {
+                    return Err(io::Error::from_raw_os_error(-code));
+                }
+                seen += 1;
+            }
+            if len < 16 || len > rest.len() {
+                break;
+            }
+            rest = &rest[len.next_multiple_of(4).min(rest.len())..];
+        }
+    }
+    Ok(())
 }
 
 /// How many messages of `batch` ask for an acknowledgement.
