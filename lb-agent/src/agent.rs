@@ -98,7 +98,7 @@ pub struct Agent {
     /// overlay, as last logged.
     nat_over_overlay: BTreeSet<String>,
     /// What the `notrack` table last said, when set.
-    notrack: Option<Vec<IpAddr>>,
+    notrack: Option<Vec<crate::notrack::Untracked>>,
     /// The uplinks' gateways the kernel is asked to keep resolved.
     gateways: BTreeSet<(u32, IpAddr)>,
 }
@@ -124,7 +124,7 @@ fn accept_local(iface: &str) {
         .ok_or_else(|| std::io::Error::from(std::io::ErrorKind::NotFound))
         .and_then(|index| crate::netif::set_accept_local(index, true));
     if let Err(e) = set {
-        warn!(interface = %iface, "setting accept_local: {e}; snat flows to backends with no neighbour entry yet will stall");
+        warn!(interface = %iface, "setting accept_local: {e}; packets from this node's own addresses are dropped there (snat flows to backends with no neighbour entry yet, flows handed over by this node) and stall");
     }
 }
 
@@ -277,6 +277,10 @@ impl Agent {
                 .await
                 .context("the Kubernetes watcher stopped")?;
             agent.k8s = Some(rx);
+            // The node's Pod CIDR address before anything is programmed:
+            // the uplink's meanwhile would be written into the services and
+            // the notrack table, then replaced.
+            agent.follow_node_snat();
         }
         agent.announce_with_peers_flows(kube_client).await?;
         agent.ready.store(true, Ordering::Relaxed);
@@ -863,18 +867,35 @@ impl Agent {
         .into_iter()
         .flatten()
         .collect();
-        let sources: BTreeSet<IpAddr> = snat
+        // The peers' too: a flow a peer handed over keeps its SNAT address,
+        // and forwarded by the kernel (through an overlay) it would be
+        // masqueraded there (flannel masquerades another node's Pod
+        // addresses leaving this one) and the backend would reset it.
+        let peers = self
+            .flow_sync
+            .as_ref()
+            .map(|e| e.snat_addresses())
+            .unwrap_or_default();
+        // The replies to a peer's address too: this node forwards those of
+        // its own Pods to the peer (whose program translates them), and a
+        // SYN-ACK seen first by conntrack is INVALID. Not to this node's
+        // own: kube-proxy's masquerade to it needs conntrack.
+        use crate::notrack::Untracked;
+        let own: BTreeSet<IpAddr> = snat.iter().copied().collect();
+        let peers = peers.into_iter().filter(|a| !own.contains(a));
+        let rules: BTreeSet<Untracked> = snat
             .iter()
             .chain(self.announce_by_vip.keys())
-            .copied()
+            .map(|a| Untracked::From(*a))
+            .chain(peers.flat_map(|a| [Untracked::From(a), Untracked::To(a)]))
             .collect();
-        let wanted: Vec<IpAddr> = sources.into_iter().collect();
+        let wanted: Vec<Untracked> = rules.into_iter().collect();
         if self.notrack.as_ref() == Some(&wanted) {
             return;
         }
         match crate::notrack::set(&wanted) {
             Ok(()) => {
-                info!(addresses = ?wanted, "conntrack skips packets from the SNAT addresses and VIPs (nf_tables table {})", crate::notrack::TABLE);
+                info!(rules = ?wanted, "conntrack skips packets from the SNAT addresses and VIPs, and to the peers' SNAT addresses (nf_tables table {})", crate::notrack::TABLE);
                 self.notrack = Some(wanted);
             }
             Err(e) => {
@@ -942,6 +963,15 @@ impl Agent {
             match dp.attach_pod_side(&iface) {
                 Ok(()) => {
                     info!(interface = %iface, "XDP program attached to a pod-side interface (generic mode): local Pods' replies are translated there");
+                    // A flow handed over by this node (L2 failover, a
+                    // drain) keeps this node's SNAT address: the node that
+                    // took it forwards it to this node's Pods through the
+                    // overlay, from an address of this node's own.
+                    if crate::podnet::side(&iface, &self.config.interfaces)
+                        == crate::podnet::Side::Overlay
+                    {
+                        accept_local(&iface);
+                    }
                     self.pod_attached.insert(iface.clone(), wanted[&iface]);
                 }
                 Err(e) => warn!(interface = %iface, "attaching to a pod-side interface: {e:#}"),

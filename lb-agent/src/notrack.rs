@@ -22,8 +22,15 @@
 //! INVALID verdict: the agent keeps the uplinks' gateways resolved
 //! (`netif::keep_neighbour_resolved`) so that this does not happen.
 //!
+//! With a flow exchange, a peer's SNAT address (its flows keep it when
+//! they are handed here) is untracked both ways: from it (else flannel
+//! masquerades the flow as it leaves for the peer's Pods), and to it (this
+//! node's Pods answer it through the kernel, and the peer's program
+//! translates the answer).
+//!
 //! How: an nf_tables table `xlb` per family with one chain at the raw
-//! priority of prerouting and a rule per address, `ip saddr ADDR notrack`.
+//! priority of prerouting and a rule per address, `ip saddr ADDR notrack`
+//! (and `ip daddr PEER notrack`).
 //! Only packets that arrive with such a source match: the node's own
 //! connections from its addresses leave by output, not prerouting. Written
 //! with hand-made netlink messages (nfnetlink), one atomic batch each time.
@@ -74,14 +81,30 @@ const NF_INET_PRE_ROUTING: u32 = 0;
 const PRIORITY_RAW: i32 = -300;
 const NLA_F_NESTED: u16 = 1 << 15;
 
-/// Makes the tables say exactly `sources` (the SNAT addresses and the
-/// VIPs): a family without an address loses its table. Idempotent.
-pub fn set(sources: &[IpAddr]) -> io::Result<()> {
+/// What a rule matches: packets from an address (`ip saddr`) or to one
+/// (`ip daddr`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Untracked {
+    From(IpAddr),
+    To(IpAddr),
+}
+
+impl Untracked {
+    fn addr(self) -> IpAddr {
+        match self {
+            Self::From(a) | Self::To(a) => a,
+        }
+    }
+}
+
+/// Makes the tables say exactly `rules`: a family without a rule loses its
+/// table. Idempotent.
+pub fn set(rules: &[Untracked]) -> io::Result<()> {
     for (family, v4) in [(NFPROTO_IPV4, true), (NFPROTO_IPV6, false)] {
-        let of: Vec<IpAddr> = sources
+        let of: Vec<Untracked> = rules
             .iter()
             .copied()
-            .filter(|a| a.is_ipv4() == v4)
+            .filter(|r| r.addr().is_ipv4() == v4)
             .collect();
         exchange(&batch(family, &of))?;
     }
@@ -96,7 +119,7 @@ pub fn remove() -> io::Result<()> {
 /// One batch: make the table (so that deleting it cannot fail), delete it
 /// with whatever it held, and when there are addresses make it again with
 /// the chain and a rule each.
-fn batch(family: u8, sources: &[IpAddr]) -> Vec<u8> {
+fn batch(family: u8, rules: &[Untracked]) -> Vec<u8> {
     let mut b = Vec::new();
     let mut seq = 0;
     let mut msg = |b: &mut Vec<u8>, kind: u16, flags: u16, family: u8, attrs: &[u8]| {
@@ -115,7 +138,7 @@ fn batch(family: u8, sources: &[IpAddr]) -> Vec<u8> {
     let table = attr(NFTA_TABLE_NAME, &cstr(TABLE));
     msg(&mut b, nft(NFT_MSG_NEWTABLE), create, family, &table);
     msg(&mut b, nft(NFT_MSG_DELTABLE), request, family, &table);
-    if !sources.is_empty() {
+    if !rules.is_empty() {
         msg(&mut b, nft(NFT_MSG_NEWTABLE), create, family, &table);
         let hook = [
             attr(NFTA_HOOK_HOOKNUM, &NF_INET_PRE_ROUTING.to_be_bytes()),
@@ -130,7 +153,7 @@ fn batch(family: u8, sources: &[IpAddr]) -> Vec<u8> {
         ]
         .concat();
         msg(&mut b, nft(NFT_MSG_NEWCHAIN), create, family, &chain);
-        for exprs in sources.iter().map(|a| source_is(*a)) {
+        for exprs in rules.iter().map(|r| untracked(*r)) {
             let rule = [
                 attr(NFTA_RULE_TABLE, &cstr(TABLE)),
                 attr(NFTA_RULE_CHAIN, &cstr(CHAIN)),
@@ -151,9 +174,16 @@ fn batch(family: u8, sources: &[IpAddr]) -> Vec<u8> {
     b
 }
 
-/// The expressions of `ip saddr ADDR notrack` (`ip6 saddr` for IPv6).
-fn source_is(addr: IpAddr) -> Vec<u8> {
-    let offset = if addr.is_ipv4() { 12 } else { 8 };
+/// The expressions of `ip saddr ADDR notrack` or `ip daddr ADDR notrack`
+/// (`ip6` for IPv6).
+fn untracked(rule: Untracked) -> Vec<u8> {
+    let addr = rule.addr();
+    let offset = match (rule, addr.is_ipv4()) {
+        (Untracked::From(_), true) => 12,
+        (Untracked::To(_), true) => 16,
+        (Untracked::From(_), false) => 8,
+        (Untracked::To(_), false) => 24,
+    };
     [
         load(NFT_PAYLOAD_NETWORK_HEADER, offset, octets(addr).len()),
         compare(NFT_CMP_EQ, &octets(addr)),
@@ -305,21 +335,27 @@ mod tests {
 
     #[test]
     fn every_message_but_the_batch_frame_is_acknowledged() {
-        let addrs = ["10.244.1.1".parse().unwrap(), "192.0.2.10".parse().unwrap()];
+        let addrs = [
+            Untracked::From("10.244.1.1".parse().unwrap()),
+            Untracked::To("192.0.2.10".parse().unwrap()),
+        ];
         // new table, delete it, new table, chain, a rule each.
         assert_eq!(count_acks(&batch(NFPROTO_IPV4, &addrs)), 6);
         assert_eq!(count_acks(&batch(NFPROTO_IPV6, &[])), 2);
     }
 
     #[test]
-    fn the_rule_compares_the_source_address() {
-        let e = source_is("10.244.1.1".parse().unwrap());
-        let has = |needle: &[u8]| e.windows(needle.len()).any(|w| w == needle);
-        assert!(has(&[10, 244, 1, 1]));
-        assert!(has(b"notrack\0"));
-        assert!(has(&12u32.to_be_bytes()));
-        let e6 = source_is("fd00::1".parse().unwrap());
-        assert!(e6.windows(4).any(|w| w == 16u32.to_be_bytes()));
+    fn the_rule_compares_the_source_or_destination_address() {
+        let has = |e: &[u8], needle: &[u8]| e.windows(needle.len()).any(|w| w == needle);
+        let a = "10.244.1.1".parse().unwrap();
+        let e = untracked(Untracked::From(a));
+        assert!(has(&e, &[10, 244, 1, 1]));
+        assert!(has(&e, b"notrack\0"));
+        assert!(has(&e, &12u32.to_be_bytes()));
+        assert!(has(&untracked(Untracked::To(a)), &16u32.to_be_bytes()));
+        let a6 = "fd00::1".parse().unwrap();
+        assert!(has(&untracked(Untracked::From(a6)), &8u32.to_be_bytes()));
+        assert!(has(&untracked(Untracked::To(a6)), &24u32.to_be_bytes()));
     }
 
     /// In a network namespace of its own: the rules as nft reads them back,
@@ -339,16 +375,28 @@ mod tests {
             let a: IpAddr = "10.244.1.1".parse().unwrap();
             let a6: IpAddr = "fd00:1::1".parse().unwrap();
             let vip: IpAddr = "192.0.2.10".parse().unwrap();
-            set(&[a, vip, a6]).unwrap();
-            set(&[a, vip, a6]).unwrap();
+            let peer: IpAddr = "10.244.2.1".parse().unwrap();
+            let rules = [
+                Untracked::From(a),
+                Untracked::From(vip),
+                Untracked::From(a6),
+                Untracked::From(peer),
+                Untracked::To(peer),
+            ];
+            set(&rules).unwrap();
+            set(&rules).unwrap();
             let v4 = nft("ip").expect("table ip xlb");
             assert_eq!(v4.matches("ip saddr 10.244.1.1 notrack").count(), 1, "{v4}");
             assert_eq!(v4.matches("ip saddr 192.0.2.10 notrack").count(), 1, "{v4}");
-            assert!(!v4.contains("daddr"), "replies stay tracked: {v4}");
+            assert_eq!(v4.matches("ip daddr 10.244.2.1 notrack").count(), 1, "{v4}");
+            assert!(
+                !v4.contains("daddr 10.244.1.1"),
+                "replies stay tracked: {v4}"
+            );
             assert!(v4.contains("hook prerouting priority raw"), "{v4}");
             let v6 = nft("ip6").expect("table ip6 xlb");
             assert!(v6.contains("ip6 saddr fd00:1::1 notrack"), "{v6}");
-            set(&["10.244.1.9".parse().unwrap()]).unwrap();
+            set(&[Untracked::From("10.244.1.9".parse().unwrap())]).unwrap();
             let v4 = nft("ip").expect("table ip xlb");
             assert!(
                 v4.contains("ip saddr 10.244.1.9 notrack") && !v4.contains("10.244.1.1"),

@@ -169,13 +169,14 @@ impl KeepAlive {
         let stop = Arc::new(AtomicBool::new(false));
         let s = stop.clone();
         let thread = std::thread::spawn(move || {
+            let started = Instant::now();
             let mut lost: Vec<Option<String>> = vec![None; conns.len()];
             while !s.load(std::sync::atomic::Ordering::Relaxed) {
                 let next = Instant::now() + every;
                 for (i, (c, _)) in conns.iter_mut().enumerate() {
                     if lost[i].is_none() {
                         if let Err(e) = c.get() {
-                            lost[i] = Some(e.to_string());
+                            lost[i] = Some(format!("{e} (after {:?})", started.elapsed()));
                         }
                     }
                 }

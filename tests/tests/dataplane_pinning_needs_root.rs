@@ -171,29 +171,48 @@ fn pin_map(dir: &PinDir, name: &str, kind: &str, value: usize) {
     );
 }
 
+/// Pins `web` in a fresh directory named for `what`, as a running agent
+/// of this version leaves it.
+fn pinned_with_a_service(what: &str) -> PinDir {
+    let dir = PinDir(format!("/sys/fs/bpf/xlb-test-{what}-{}", std::process::id()).into());
+    let mut dp = Dataplane::open(Some(&dir.0)).expect("open (root needed)");
+    dp.set_service(&spec(80, None, &[1, 2, 3])).unwrap();
+    dir
+}
+
+/// An upgrade across a change of the flow table's layout: the agent does
+/// not refuse (a DaemonSet would crash-loop), it starts the whole data
+/// plane afresh, counters too, and pins this version's layout.
 #[test]
-fn pinned_maps_of_another_layout_are_refused() {
-    let dir = PinDir(format!("/sys/fs/bpf/xlb-test-layout-{}", std::process::id()).into());
-    std::fs::create_dir_all(&dir.0).unwrap();
-    // A SERVICES map with a layout no xlb version uses.
-    pin_map(&dir, "SERVICES", "hash", 4);
-    let err = match Dataplane::open(Some(&dir.0)) {
-        Ok(_) => panic!("a foreign SERVICES map must not be adopted"),
-        Err(e) => e.to_string(),
-    };
-    assert!(
-        err.contains("SERVICES") && err.contains("--cleanup"),
-        "{err}"
+fn a_state_map_of_another_layout_starts_the_data_plane_afresh() {
+    let dir = pinned_with_a_service("layout");
+    std::fs::remove_file(dir.0.join("FLOWS")).unwrap();
+    // A flow table with a layout no xlb version uses.
+    pin_map(&dir, "FLOWS", "lru_hash", 8);
+    let stats_before = aya::maps::MapInfo::from_pin(dir.0.join("SERVICE_STATS"))
+        .unwrap()
+        .id();
+    let dp = Dataplane::open(Some(&dir.0)).expect("another layout is no reason to refuse");
+    assert_eq!(dp.services().count(), 0, "the old services are not adopted");
+    drop(dp);
+    let maps = lb_agent::maps::PinnedMaps::open(&dir.0).expect("this version's layout pinned");
+    assert_eq!(maps.shared_flows().unwrap().keys().count(), 0);
+    assert_ne!(
+        aya::maps::MapInfo::from_pin(dir.0.join("SERVICE_STATS"))
+            .unwrap()
+            .id(),
+        stats_before,
+        "the counters are started afresh with the state"
     );
 }
 
 /// The load-aware record is the agent's alone (the program never reads it):
 /// one laid out by an older version (smaller) is started afresh, and the
-/// rest is adopted.
+/// rest, services included, is adopted.
 #[test]
-fn an_older_load_record_is_replaced_not_refused() {
-    let dir = PinDir(format!("/sys/fs/bpf/xlb-test-load-{}", std::process::id()).into());
-    std::fs::create_dir_all(&dir.0).unwrap();
+fn a_counter_of_another_layout_is_started_afresh_alone() {
+    let dir = pinned_with_a_service("load");
+    std::fs::remove_file(dir.0.join("BACKEND_LOAD")).unwrap();
     pin_map(
         &dir,
         "BACKEND_LOAD",
@@ -201,6 +220,7 @@ fn an_older_load_record_is_replaced_not_refused() {
         std::mem::size_of::<lb_common::BackendLoad>() - 4,
     );
     let dp = Dataplane::open(Some(&dir.0)).expect("an old load record is no reason to refuse");
+    assert_eq!(dp.services().count(), 1, "the service is adopted");
     drop(dp);
     let maps = lb_agent::maps::PinnedMaps::open(&dir.0).unwrap();
     assert!(

@@ -2307,6 +2307,51 @@ fn a_handed_snat_flow_is_translated_as_its_opening_node_did_needs_root() {
     assert_eq!(mine[0].client, sa(CLIENT, 40302));
 }
 
+/// A node that started afresh (a pinned-map layout change) pulls its own
+/// flows back from the peers it had handed them to: each gets its reply
+/// translation again, so the backend's replies to this node's SNAT address
+/// and port go back to the client instead of to the kernel (which resets
+/// them), while the peer still forwards the client's side.
+#[test]
+fn a_flow_that_comes_home_has_its_replies_translated_needs_root() {
+    let mut bed = FixtureBed::new("xlb-fix-home");
+    let (dp, cl0, be0) = (&mut bed.dp, bed.cl0, bed.be0);
+    for s in base_services() {
+        dp.set_service(&s).unwrap();
+    }
+    let (v, _) = run(dp, cl0, &c4(syn(40500, 443)));
+    assert_eq!(v, XDP_REDIRECT);
+    let p = first_snat_port(CLIENT.into(), VIP.into(), 40500, 443, 6);
+    let handed = dp.snat_flows(Handing::All).unwrap();
+    let reply = from_backend(B3_MAC)
+        .ipv4(ip4(B3, SNAT4, 64))
+        .tcp(ack(8443, p))
+        .build();
+    // Started afresh: no flow, no reply translation; the reply would go to
+    // the kernel.
+    dp.clear_dynamic_state().unwrap();
+    assert_eq!(run(dp, be0, &reply).0, XDP_PASS);
+    assert_eq!(dp.import_flows(&handed).unwrap().added, 1);
+    let (v, out) = run(dp, be0, &reply);
+    assert_eq!(v, XDP_REDIRECT);
+    assert_eq!(
+        out,
+        to_client()
+            .ipv4(ip4(VIP, CLIENT, 63))
+            .tcp(ack(443, 40500))
+            .build()
+    );
+    // Another node's flow (another SNAT address) gets no reply translation
+    // here: its replies go to that node.
+    dp.clear_dynamic_state().unwrap();
+    let other = HandedFlow {
+        snat: SocketAddr::from(([10, 2, 0, 9], p)),
+        ..handed[0]
+    };
+    assert_eq!(dp.import_flows(&[other]).unwrap().added, 1);
+    assert!(dp.reply_entries().unwrap().is_empty());
+}
+
 /// With `flow_sync` (`SERVICE_F_HOLD_UNKNOWN`), a mid-connection TCP
 /// packet of a flow this node does not know is dropped, not translated
 /// afresh (its backend would answer a reset), until the flow exchange

@@ -4,14 +4,14 @@
 //! node through a LoadBalancer Service.
 
 use std::{
-    collections::BTreeSet,
+    collections::{BTreeMap, BTreeSet},
     io::{Read, Write},
     net::{Ipv4Addr, SocketAddr, TcpStream, UdpSocket},
     sync::{Mutex, MutexGuard},
     time::Duration,
 };
 
-use serde_json::json;
+use serde_json::{json, Value};
 use xlb_tests::{
     cluster::AGENT_NAMESPACE,
     nodes::{
@@ -644,6 +644,54 @@ fn upgrade_and_roll_back(
         c.helm_ok(&["rollback", "xlb", "1", "-n", AGENT_NAMESPACE, "--wait"]);
         rollout();
     }));
+    // An older version's pins: every node's flow table replaced by a map
+    // of another layout, which the next agent cannot read.
+    for n in &c.nodes {
+        n.sh(&format!(
+            "rm /sys/fs/bpf/xlb/FLOWS && bpftool map create /sys/fs/bpf/xlb/FLOWS \
+             type lru_hash key 4 value 8 entries 16 name FLOWS"
+        ));
+    }
+    tolls.push(through(
+        c,
+        vip,
+        "helm upgrade across a pinned-map layout change",
+        || {
+            c.helm_ok(&[
+                "upgrade",
+                "xlb",
+                chart,
+                "-n",
+                AGENT_NAMESPACE,
+                "--reuse-values",
+                "--set",
+                &format!("image.tag={next}"),
+            ]);
+            rollout();
+        },
+    ));
+    let restarts = c.cp.kubectl_ok(&[
+        "-n",
+        AGENT_NAMESPACE,
+        "get",
+        "pods",
+        "-o",
+        "jsonpath={.items[*].status.containerStatuses[*].restartCount}",
+    ]);
+    assert!(
+        restarts.split_whitespace().all(|r| r == "0"),
+        "no agent restarts over the other layout: restart counts {restarts}"
+    );
+    for n in &c.nodes {
+        let flows: Value =
+            serde_json::from_str(&n.sh("bpftool -j map show pinned /sys/fs/bpf/xlb/FLOWS"))
+                .unwrap();
+        assert_ne!(
+            flows["bytes_value"], 8,
+            "{}: the other layout's flow table is still pinned",
+            n.name
+        );
+    }
     for t in &tolls {
         let restarts = t.step != "helm upgrade, config only";
         let lost = if restarts && !restarts_keep_connections {
@@ -682,14 +730,24 @@ fn through(c: &NodeCluster, vip: Ipv4Addr, step: &'static str, action: impl FnOn
     let keep = KeepAlive::start(&c.client, addr, 30, Duration::from_millis(200))
         .unwrap_or_else(|e| panic!("{step}: opening 30 keep-alive connections: {e}"));
     let stream = ConnectionStream::start(&c.client, addr, Duration::from_millis(100));
+    let node_of: BTreeMap<String, String> = backend_pods(c).into_iter().collect();
     action();
     let (opened, failed) = stream.stop();
     let conns = keep.stop();
-    let why: Vec<String> = conns.iter().filter_map(|(_, l)| l.clone()).collect();
+    // Each lost connection with the node of its Pod: where to look.
+    let why: Vec<String> = conns
+        .iter()
+        .filter_map(|(first, l)| {
+            let pod = parse_answer(first).0;
+            let node = node_of.get(&pod).map_or("?", String::as_str);
+            l.as_ref().map(|l| format!("{pod} on {node}: {l}"))
+        })
+        .collect();
     eprintln!(
-        "lifecycle {step}: {} of {} keep-alive connections lost, {failed} of {opened} new connections failed",
+        "lifecycle {step}: {} of {} keep-alive connections lost, {failed} of {opened} new connections failed{}",
         why.len(),
-        conns.len()
+        conns.len(),
+        why.iter().map(|w| format!("\n  lost: {w}")).collect::<String>()
     );
     Toll {
         step,

@@ -3,7 +3,7 @@
 //! node's ids), and imported by a node the router may send them to next, so
 //! that it translates them exactly as the node that opened them.
 
-use lb_common::{FLOW_F_CLOSED, FLOW_F_HANDED, SERVICE_F_SNAT};
+use lb_common::{FLOW_F_CLOSED, FLOW_F_HANDED, PROTO_TCP, REPLY_F_CLOSING, SERVICE_F_SNAT};
 
 use super::*;
 
@@ -50,16 +50,38 @@ pub struct Imported {
 }
 
 /// This node's ids of the SNAT services and their backends, by what names
-/// them on every node: what an import needs from the data plane's state.
+/// them on every node, and the reply translations' lifetimes: what an
+/// import needs from the data plane's state.
 #[derive(Clone, Debug, Default)]
-pub struct HandoffIds(BTreeMap<ServiceKey, (u32, Vec<(SocketAddr, u32)>)>);
+pub struct HandoffIds {
+    services: BTreeMap<ServiceKey, HandoffService>,
+    lifetimes: Lifetimes,
+}
+
+#[derive(Clone, Debug, Default)]
+struct HandoffService {
+    id: u32,
+    backends: Vec<(SocketAddr, u32)>,
+    /// This node's SNAT address for the service.
+    snat_addr: [u32; 4],
+}
+
+/// Seconds a reply translation lives without traffic (`Config`).
+#[derive(Clone, Copy, Debug, Default)]
+struct Lifetimes {
+    tcp: u32,
+    tcp_closing: u32,
+    udp: u32,
+}
 
 /// The flow table through handles of its own, so that the flow exchange
 /// walks and writes it without holding the data plane; walked in batches
-/// (`crate::maps::batch`).
+/// (`crate::maps::batch`). With it, the reply translations, for the flows
+/// that come back to the node that opened them.
 pub struct FlowTable {
     data: MapData,
     map: HashMap<MapData, FlowKey, Flow>,
+    replies: HashMap<MapData, FlowKey, ReplyNat>,
 }
 
 impl Dataplane {
@@ -69,26 +91,50 @@ impl Dataplane {
     pub fn flow_table(&self) -> Result<FlowTable> {
         use aya::maps::IterableMap;
         use std::os::fd::AsFd;
-        let fd = self.maps.shared_flows.map().fd().as_fd();
-        let open = || {
-            let dup = fd
+        let open = |map: &MapData, name: &'static str| {
+            let dup = map
+                .fd()
+                .as_fd()
                 .try_clone_to_owned()
-                .map_err(|e| map_err(names::FLOWS)(MapError::IoError(e)))?;
-            MapData::from_fd(dup).map_err(map_err(names::FLOWS))
+                .map_err(|e| map_err(name)(MapError::IoError(e)))?;
+            MapData::from_fd(dup).map_err(map_err(name))
         };
-        let map = HashMap::try_from(Map::LruHashMap(open()?)).map_err(map_err(names::FLOWS))?;
-        Ok(FlowTable { data: open()?, map })
+        let flows = self.maps.shared_flows.map();
+        let map = HashMap::try_from(Map::LruHashMap(open(flows, names::FLOWS)?))
+            .map_err(map_err(names::FLOWS))?;
+        let replies = open(self.maps.reply_nat.map(), names::REPLY_NAT)?;
+        let replies =
+            HashMap::try_from(Map::LruHashMap(replies)).map_err(map_err(names::REPLY_NAT))?;
+        Ok(FlowTable {
+            data: open(flows, names::FLOWS)?,
+            map,
+            replies,
+        })
     }
 
     /// The ids an import needs, as programmed now.
     pub fn handoff_ids(&self) -> HandoffIds {
-        HandoffIds(
-            self.state
+        let cfg = self.maps.config.get(&0, 0).unwrap_or_default();
+        HandoffIds {
+            services: self
+                .state
                 .iter()
                 .filter(|(_, p)| p.info.flags & SERVICE_F_SNAT != 0)
-                .map(|(k, p)| (*k, (p.info.id, p.backend_ids.clone())))
+                .map(|(k, p)| {
+                    let service = HandoffService {
+                        id: p.info.id,
+                        backends: p.backend_ids.clone(),
+                        snat_addr: p.info.snat_addr,
+                    };
+                    (*k, service)
+                })
                 .collect(),
-        )
+            lifetimes: Lifetimes {
+                tcp: cfg.tcp_timeout_s,
+                tcp_closing: cfg.tcp_closing_timeout_s,
+                udp: cfg.udp_timeout_s,
+            },
+        }
     }
 
     /// The SNAT flows in the flow table that `which` names.
@@ -101,7 +147,12 @@ impl Dataplane {
     /// is left as it is: this node's own state wins.
     pub fn import_flows(&mut self, flows: &[HandedFlow]) -> Result<Imported> {
         let ids = self.handoff_ids();
-        import(&mut self.maps.shared_flows, &ids, flows)
+        import(
+            &mut self.maps.shared_flows,
+            &mut self.maps.reply_nat,
+            &ids,
+            flows,
+        )
     }
 }
 
@@ -120,7 +171,7 @@ impl FlowTable {
 
     /// [`Dataplane::import_flows`], with ids taken from it beforehand.
     pub fn import_flows(&mut self, ids: &HandoffIds, flows: &[HandedFlow]) -> Result<Imported> {
-        import(&mut self.map, ids, flows)
+        import(&mut self.map, &mut self.replies, ids, flows)
     }
 }
 
@@ -154,8 +205,15 @@ fn export(entries: Vec<(FlowKey, Flow)>, which: Handing) -> Vec<HandedFlow> {
     out
 }
 
+/// Writes the flows; for one that comes back to the node that opened it
+/// (its SNAT address is this node's: a node that started afresh pulls its
+/// flows back from the peers it handed them to), its reply translation
+/// too, if absent. Without it the backends' replies to this node's address
+/// would reach its kernel, which resets them, and a new flow could take
+/// the port.
 fn import(
     map: &mut HashMap<MapData, FlowKey, Flow>,
+    replies: &mut HashMap<MapData, FlowKey, ReplyNat>,
     ids: &HandoffIds,
     flows: &[HandedFlow],
 ) -> Result<Imported> {
@@ -163,11 +221,12 @@ fn import(
     let mut done = Imported::default();
     for h in flows {
         let skey = service_key(h.vip.ip(), h.vip.port(), h.protocol.number());
-        let Some((service_id, backends)) = ids.0.get(&skey) else {
+        let Some(service) = ids.services.get(&skey) else {
             done.unknown_service += 1;
             continue;
         };
-        let Some(&(_, backend_id)) = backends.iter().find(|(a, _)| *a == h.backend) else {
+        let service_id = &service.id;
+        let Some(&(_, backend_id)) = service.backends.iter().find(|(a, _)| *a == h.backend) else {
             done.unknown_backend += 1;
             continue;
         };
@@ -201,6 +260,56 @@ fn import(
             }
             Err(e) => return Err(map_err(names::FLOWS)(e)),
         }
+        if flow.snat_addr == service.snat_addr {
+            let (reply_key, reply) = reply_of(&key, &flow, h.closed, &ids.lifetimes, now);
+            match replies.insert(reply_key, reply, BPF_NOEXIST) {
+                Err(MapError::SyscallError(e))
+                    if e.io_error.raw_os_error() != Some(libc::EEXIST) =>
+                {
+                    return Err(map_err(names::REPLY_NAT)(MapError::SyscallError(e)))
+                }
+                _ => {}
+            }
+        }
     }
     Ok(done)
+}
+
+/// The reply translation of an SNAT flow, as the program writes it when it
+/// opens one: replies from the backend to the SNAT address and port go
+/// back as from the VIP to the client. Its route is left for the program
+/// to look up (`fib.ifindex` 0).
+fn reply_of(
+    key: &FlowKey,
+    flow: &Flow,
+    closed: bool,
+    lifetimes: &Lifetimes,
+    now: u64,
+) -> (FlowKey, ReplyNat) {
+    let reply_key = FlowKey {
+        src: flow.backend_addr,
+        dst: flow.snat_addr,
+        sport: flow.backend_port,
+        dport: flow.snat_port,
+        proto: key.proto,
+        family: key.family,
+        _pad: [0; 2],
+    };
+    let seconds = match (key.proto, closed) {
+        (PROTO_TCP, false) => lifetimes.tcp,
+        (PROTO_TCP, true) => lifetimes.tcp_closing,
+        _ => lifetimes.udp,
+    };
+    let reply = ReplyNat {
+        vip: key.dst,
+        client: key.src,
+        vport: key.dport,
+        cport: key.sport,
+        service_id: flow.service_id,
+        backend_id: flow.backend_id,
+        flags: if closed { REPLY_F_CLOSING } else { 0 },
+        expires_ns: now + seconds as u64 * 1_000_000_000,
+        fib: Default::default(),
+    };
+    (reply_key, reply)
 }

@@ -49,7 +49,7 @@ pub use self::flow_limit::NewFlowLimit;
 pub use self::handoff::{FlowTable, HandedFlow, Handing, HandoffIds, Imported};
 use self::{
     alloc::{IdPool, RegionPool},
-    pins::{check_bpffs, check_pinned_layout},
+    pins::{check_bpffs, start_afresh_where_layout_changed},
     source_ranges::SourceRanges,
     write::{Ids, Placement, Reservation},
 };
@@ -375,11 +375,9 @@ impl Dataplane {
             for old in RETIRED_PINS {
                 let _ = std::fs::remove_file(dir.join(old));
             }
+            start_afresh_where_layout_changed(dir)?;
         }
         for (name, path) in &paths {
-            if path.exists() {
-                check_pinned_layout(name, path)?;
-            }
             loader.map_pin_path(name, path.as_path());
         }
         let mut ebpf = loader.load(OBJECT)?;

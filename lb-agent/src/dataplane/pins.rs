@@ -36,34 +36,72 @@ pub(super) fn check_bpffs(dir: &Path) -> Result<()> {
     Ok(())
 }
 
-/// Refuses to adopt a pinned map laid out by another xlb version: reusing
-/// it would make the program read garbage.
-pub(super) fn check_pinned_layout(name: &'static str, path: &Path) -> Result<()> {
-    let info = aya::maps::MapInfo::from_pin(path).map_err(map_err(name))?;
-    let mismatch = crate::maps::layout_mismatch(name, &info);
-    // The agent rewrites this record every load-aware step and the program
-    // never reads it: one laid out by another version is replaced.
-    if let (Some(why), names::BACKEND_LOAD) = (&mismatch, name) {
-        log::info!("{} has {why}: starting it afresh", path.display());
-        return std::fs::remove_file(path).map_err(|e| DataplaneError::Pin(path.to_path_buf(), e));
+/// Counters: each one's pin is started afresh alone when its layout
+/// changed. Everything else is the data plane's state, one whole.
+const COUNTERS: [&str; 8] = [
+    names::SERVICE_STATS,
+    names::BACKEND_STATS,
+    names::REASON_STATS,
+    names::FLOW_EVENTS,
+    names::BACKEND_CLOSED,
+    names::BACKEND_ACTIVE,
+    names::BACKEND_LOAD,
+    names::SOURCE_RATES,
+];
+
+/// Removes the pins in `dir` that this build cannot read as it lays them
+/// out (another xlb version's), so that the load creates them afresh; the
+/// program keeps running on the old maps until its links take the new one.
+/// A counter is started afresh alone. A state map (services, tables, flows)
+/// of another layout starts every pin afresh, counters included: they are
+/// indexed by service and backend ids, which are handed out again. Returns
+/// the names started afresh; the agent never refuses to start over a
+/// layout, so that an upgrade cannot crash-loop.
+pub(super) fn start_afresh_where_layout_changed(dir: &Path) -> Result<Vec<&'static str>> {
+    let mut changed = Vec::new();
+    for name in names::ALL {
+        let path = dir.join(name);
+        if !path.exists() {
+            continue;
+        }
+        let info = aya::maps::MapInfo::from_pin(&path).map_err(map_err(name))?;
+        if let Some(why) = crate::maps::layout_mismatch(name, &info) {
+            log::warn!("{} has {why}", path.display());
+            changed.push(name);
+        } else if name == names::REASON_STATS && info.max_entries() < REASON_COUNT {
+            // A version with fewer reasons: the new ones would go uncounted.
+            log::info!(
+                "{} counts {} reasons, this version {REASON_COUNT}",
+                path.display(),
+                info.max_entries()
+            );
+            changed.push(name);
+        }
     }
-    if let Some(why) = mismatch {
-        return Err(DataplaneError::Adopt(format!(
-            "{} has {why}",
-            path.display()
-        )));
+    let state_changed = changed.iter().any(|n| !COUNTERS.contains(n));
+    let afresh: Vec<&'static str> = if state_changed {
+        names::ALL
+            .into_iter()
+            .filter(|n| dir.join(n).exists())
+            .collect()
+    } else {
+        changed
+    };
+    for name in &afresh {
+        let path = dir.join(name);
+        std::fs::remove_file(&path).map_err(|e| DataplaneError::Pin(path, e))?;
     }
-    // Counters only: a table from a version with fewer reasons is replaced
-    // (the new reasons would go uncounted) rather than refused.
-    if name == names::REASON_STATS && info.max_entries() < REASON_COUNT {
-        log::info!(
-            "{} counts {} reasons, this version {REASON_COUNT}: starting the reason counters afresh",
-            path.display(),
-            info.max_entries()
+    if state_changed {
+        log::warn!(
+            "pinned maps of another xlb version: the data plane starts afresh (services are \
+             programmed again; open flows are forgotten: nat flows are picked again by Maglev, \
+             onto the same backends while they are unchanged, snat ones are reset unless \
+             flow_sync hands them back; counters restart)"
         );
-        std::fs::remove_file(path).map_err(|e| DataplaneError::Pin(path.to_path_buf(), e))?;
+    } else if !afresh.is_empty() {
+        log::info!("counters started afresh: {}", afresh.join(", "));
     }
-    Ok(())
+    Ok(afresh)
 }
 
 /// The pin of an interface's XDP link: `link_<iface>`, with each `.` as

@@ -13,7 +13,8 @@
 pub mod wire;
 
 use std::{
-    net::SocketAddr,
+    collections::BTreeSet,
+    net::{IpAddr, SocketAddr},
     sync::{Arc, Mutex},
     time::Duration,
 };
@@ -68,6 +69,12 @@ impl Exchange {
     pub async fn give_to_peers(&self, which: Handing) {
         give_to_peers(&self.peers, &self.local, which).await
     }
+
+    /// The SNAT addresses of every flow taken from a peer so far: the
+    /// sources this node sends from when it forwards a peer's flow.
+    pub fn snat_addresses(&self) -> BTreeSet<IpAddr> {
+        self.local.snat_seen.lock().expect("snat lock").clone()
+    }
 }
 
 /// This node's side: the data plane (for its ids, briefly) and a handle of
@@ -76,6 +83,7 @@ impl Exchange {
 struct Local {
     dp: Arc<Mutex<Dataplane>>,
     table: Arc<Mutex<FlowTable>>,
+    snat_seen: Arc<Mutex<BTreeSet<IpAddr>>>,
 }
 
 impl Local {
@@ -84,6 +92,7 @@ impl Local {
         Ok(Self {
             dp,
             table: Arc::new(Mutex::new(table)),
+            snat_seen: Arc::default(),
         })
     }
 
@@ -96,6 +105,10 @@ impl Local {
     /// Blocks for a system call per flow.
     fn import(&self, flows: &[HandedFlow]) -> Result<Imported, String> {
         let ids = self.dp.lock().expect("data plane lock").handoff_ids();
+        self.snat_seen
+            .lock()
+            .expect("snat lock")
+            .extend(flows.iter().map(|f| f.snat.ip()));
         let mut table = self.table.lock().expect("flow table lock");
         table.import_flows(&ids, flows).map_err(|e| e.to_string())
     }
