@@ -417,17 +417,9 @@ fn l2_install_reaches_pods_on_every_node() {
         &c,
         json!({"metadata": {"annotations": {"xlb.dev/mode": null}}}),
     );
-    // Not yet met: a restart moves the VIP, and about half of the
-    // keep-alive connections are reset (issue 28's note); new connections
-    // and a config-only upgrade lose nothing.
-    upgrade_and_roll_back(
-        &c,
-        vip,
-        &|| {
-            c.l2_owner(vip);
-        },
-        false,
-    );
+    upgrade_and_roll_back(&c, vip, &|| {
+        c.l2_owner(vip);
+    });
     let owner = c.l2_owner(vip);
     local_policy_keeps_the_client(&c, vip, &[owner]);
     uninstall_leaves_nothing(&c);
@@ -519,7 +511,7 @@ fn bgp_install_reaches_pods_on_every_node() {
 
     // The lifecycle, each step under 30 keep-alive connections and a
     // stream of new ones (nat mode, left on by the reachability check).
-    upgrade_and_roll_back(&c, vip, &routed, true);
+    upgrade_and_roll_back(&c, vip, &routed);
 
     // Draining a node ends its backends (a real eviction, their grace
     // period): the connections they held would end with them; none other
@@ -571,15 +563,10 @@ fn bgp_install_reaches_pods_on_every_node() {
 /// `helm upgrade` to a new image, a config-only upgrade and `helm rollback`
 /// (as docs/helm.md says), each under 30 keep-alive connections and a
 /// stream of new ones to `vip`; `settled` waits until the VIP is served
-/// as before. No new connection may fail, and no keep-alive connection
-/// may be lost in a step that restarts no agent, nor in any step where
-/// `restarts_keep_connections`.
-fn upgrade_and_roll_back(
-    c: &NodeCluster,
-    vip: Ipv4Addr,
-    settled: &dyn Fn(),
-    restarts_keep_connections: bool,
-) {
+/// as before. Then an upgrade across a pinned-map layout change (every
+/// node's flow table replaced by another layout's): no agent restarts.
+/// No keep-alive connection may be lost and no new connection fail.
+fn upgrade_and_roll_back(c: &NodeCluster, vip: Ipv4Addr, settled: &dyn Fn()) {
     let next = format!("{}-next", image("xlb-agent").rsplit(':').next().unwrap());
     for n in &c.nodes {
         let out = n.ctr(&[
@@ -693,14 +680,8 @@ fn upgrade_and_roll_back(
         );
     }
     for t in &tolls {
-        let restarts = t.step != "helm upgrade, config only";
-        let lost = if restarts && !restarts_keep_connections {
-            0
-        } else {
-            t.lost
-        };
         assert_eq!(
-            (lost, t.failed),
+            (t.lost, t.failed),
             (0, 0),
             "{}: {} of {} keep-alive connections lost ({:?}), {} of {} new connections failed",
             t.step,
