@@ -634,10 +634,10 @@ fn upgrade_and_roll_back(c: &NodeCluster, vip: Ipv4Addr, settled: &dyn Fn()) {
     // An older version's pins: every node's flow table replaced by a map
     // of another layout, which the next agent cannot read.
     for n in &c.nodes {
-        n.sh(&format!(
+        n.sh(
             "rm /sys/fs/bpf/xlb/FLOWS && bpftool map create /sys/fs/bpf/xlb/FLOWS \
-             type lru_hash key 4 value 8 entries 16 name FLOWS"
-        ));
+             type lru_hash key 4 value 8 entries 16 name FLOWS",
+        );
     }
     tolls.push(through(
         c,
