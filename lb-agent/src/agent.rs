@@ -282,6 +282,16 @@ impl Agent {
             // the notrack table, then replaced.
             agent.follow_node_snat();
         }
+        // Maps started afresh run in no program yet (the links keep the old
+        // one): the services go in first, so that the program taking the
+        // links over finds them. Else the packets of those few
+        // milliseconds reached the kernel, and kube-proxy's rules for the
+        // LoadBalancer IP sent them to a Pod that reset them.
+        if agent.dp.lock().expect("data plane lock").started_afresh() {
+            if let Err(e) = agent.reconcile() {
+                warn!("programming the services before the first attach: {e:#}");
+            }
+        }
         agent.announce_with_peers_flows(kube_client).await?;
         agent.ready.store(true, Ordering::Relaxed);
         agent.metrics.set_ready(true);

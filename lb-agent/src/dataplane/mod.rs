@@ -311,6 +311,8 @@ pub struct Dataplane {
     /// Attachments without a pin directory, by interface (for `detach`).
     unpinned_links: BTreeMap<String, XdpLinkId>,
     logger: Option<aya_log::EbpfLogger<&'static dyn log::Log>>,
+    /// Pins of another layout made this load start the state afresh.
+    started_afresh: bool,
 }
 
 /// The program's maps, as the driver writes them.
@@ -371,11 +373,14 @@ impl Dataplane {
             }
             None => Vec::new(),
         };
+        let mut started_afresh = false;
         if let Some(dir) = pin_dir {
             for old in RETIRED_PINS {
                 let _ = std::fs::remove_file(dir.join(old));
             }
-            start_afresh_where_layout_changed(dir)?;
+            started_afresh = start_afresh_where_layout_changed(dir)?
+                .iter()
+                .any(|n| !pins::COUNTERS.contains(n));
         }
         for (name, path) in &paths {
             loader.map_pin_path(name, path.as_path());
@@ -397,6 +402,7 @@ impl Dataplane {
         load_retrying(xdp)?;
         let mut dp = Self::from_ebpf(ebpf, pin_dir.map(Path::to_path_buf))?;
         dp.logger = logger;
+        dp.started_afresh = started_afresh;
         dp.adopt()?;
         Ok(dp)
     }
@@ -482,6 +488,7 @@ impl Dataplane {
             pin_dir,
             unpinned_links: BTreeMap::new(),
             logger: None,
+            started_afresh: false,
         };
         if dp
             .maps
@@ -789,6 +796,14 @@ impl Dataplane {
             .config
             .set(0, cfg, 0)
             .map_err(map_err(names::CONFIG))
+    }
+
+    /// Whether the load found pins of another layout and started the
+    /// services and flows afresh (`pins::start_afresh_where_layout_changed`):
+    /// until the services are written, the program would pass their packets
+    /// to the kernel, so they are written before it takes the links.
+    pub fn started_afresh(&self) -> bool {
+        self.started_afresh
     }
 
     pub fn services(&self) -> impl Iterator<Item = (&ServiceKey, &ServiceSpec)> {

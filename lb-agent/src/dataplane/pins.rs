@@ -38,7 +38,7 @@ pub(super) fn check_bpffs(dir: &Path) -> Result<()> {
 
 /// Counters: each one's pin is started afresh alone when its layout
 /// changed. Everything else is the data plane's state, one whole.
-const COUNTERS: [&str; 8] = [
+pub(super) const COUNTERS: [&str; 8] = [
     names::SERVICE_STATS,
     names::BACKEND_STATS,
     names::REASON_STATS,
