@@ -13,7 +13,7 @@
 pub mod wire;
 
 use std::{
-    collections::{BTreeMap, BTreeSet},
+    collections::BTreeSet,
     net::{IpAddr, SocketAddr},
     sync::{Arc, Mutex},
     time::Duration,
@@ -180,18 +180,8 @@ impl Peers {
         flows: &[HandedFlow],
         leaving: bool,
     ) -> Vec<(SocketAddr, Result<u32, String>)> {
-        self.push_to(&self.current(), flows, leaving).await
-    }
-
-    /// As [`Peers::push`], to the peers `to` only.
-    async fn push_to(
-        &self,
-        to: &[SocketAddr],
-        flows: &[HandedFlow],
-        leaving: bool,
-    ) -> Vec<(SocketAddr, Result<u32, String>)> {
         let flows = Arc::new(flows.to_vec());
-        let all = to.iter().copied().map(|p| {
+        let all = self.current().into_iter().map(|p| {
             let (key, flows) = (self.key.clone(), flows.clone());
             let t = if leaving {
                 LEAVING_PUSH_TIMEOUT
@@ -426,17 +416,11 @@ async fn give_to_peers(peers: &Peers, local: &Local, which: Handing) {
 
 /// Starts pushing the flows this node opens to every peer, every
 /// `interval` and whenever asked through the returned handle; stops when
-/// the runtime does. Each peer is sent what this node opened since its
-/// last push that peer took: one cut off (a partition) gets the flows it
-/// missed once it answers again, so that connections opened here
-/// meanwhile survive the VIP's moving back to it.
+/// the runtime does.
 fn start_sync(peers: Peers, local: Local, interval: Duration) -> SyncNow {
     let (tx, mut rx) = mpsc::channel::<oneshot::Sender<()>>(16);
     tokio::spawn(async move {
-        let mut previous = crate::maps::coarse_now_ns();
-        // Kept for peers that drop out of the list too: one discovered
-        // again after a partition still gets what it missed.
-        let mut since: BTreeMap<SocketAddr, u64> = BTreeMap::new();
+        let mut since = crate::maps::coarse_now_ns();
         let mut wait = interval;
         loop {
             let done = tokio::select! {
@@ -449,24 +433,8 @@ fn start_sync(peers: Peers, local: Local, interval: Duration) -> SyncNow {
             // Taken before the walk: a flow opened during it goes next time.
             let start = crate::maps::coarse_now_ns();
             let took = std::time::Instant::now();
-            let mut groups: BTreeMap<u64, Vec<SocketAddr>> = BTreeMap::new();
-            for p in peers.current() {
-                groups
-                    .entry(*since.entry(p).or_insert(previous))
-                    .or_default()
-                    .push(p);
-            }
-            let pushes = groups
-                .into_iter()
-                .map(|(t, to)| push_opened_since(&peers, &local, t, to));
-            for peer in futures::future::join_all(pushes)
-                .await
-                .into_iter()
-                .flatten()
-            {
-                since.insert(peer, start);
-            }
-            previous = start;
+            give_to_peers(&peers, &local, Handing::OpenedHereSince(since)).await;
+            since = start;
             // A big table's walk (about 0.3 µs an entry) stretches the
             // interval so that the exchange takes a tenth of a core at most.
             wait = interval.max(took.elapsed() * 9);
@@ -476,36 +444,6 @@ fn start_sync(peers: Peers, local: Local, interval: Duration) -> SyncNow {
         }
     });
     SyncNow(tx)
-}
-
-/// Pushes the flows this node opened at or after `t` to the peers `to`;
-/// the peers that took them.
-async fn push_opened_since(
-    peers: &Peers,
-    local: &Local,
-    t: u64,
-    to: Vec<SocketAddr>,
-) -> Vec<SocketAddr> {
-    let flows = match local.export_async(Handing::OpenedHereSince(t)).await {
-        Ok(f) => f,
-        Err(e) => {
-            warn!("flow exchange: reading this node's flows: {e}");
-            return Vec::new();
-        }
-    };
-    if flows.is_empty() {
-        return to;
-    }
-    let mut took = Vec::new();
-    for (peer, r) in peers.push_to(&to, &flows, false).await {
-        match r {
-            Ok(_) => took.push(peer),
-            Err(e) => {
-                warn!(%peer, sent = flows.len(), "flow exchange: this peer did not take our flows (sent again with the next push): {e}")
-            }
-        }
-    }
-    took
 }
 
 fn add(total: &mut Imported, got: Imported) {
