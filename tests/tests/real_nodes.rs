@@ -592,7 +592,8 @@ fn upgrade_and_roll_back(c: &NodeCluster, vip: Ipv4Addr, settled: &dyn Fn()) {
         c.wait_agents_ready();
         settled();
     };
-    let mut tolls = vec![through(c, vip, "helm upgrade to a new image", || {
+    // The DaemonSet's rolling update to the image tagged `next`.
+    let upgrade_image = || {
         c.helm_ok(&[
             "upgrade",
             "xlb",
@@ -604,7 +605,13 @@ fn upgrade_and_roll_back(c: &NodeCluster, vip: Ipv4Addr, settled: &dyn Fn()) {
             &format!("image.tag={next}"),
         ]);
         rollout();
-    })];
+    };
+    let mut tolls = vec![through(
+        c,
+        vip,
+        "helm upgrade to a new image",
+        upgrade_image,
+    )];
     tolls.push(through(c, vip, "helm upgrade, config only", || {
         c.helm_ok(&[
             "upgrade",
@@ -640,19 +647,7 @@ fn upgrade_and_roll_back(c: &NodeCluster, vip: Ipv4Addr, settled: &dyn Fn()) {
              type lru_hash key 4 value 8 entries 16 name FLOWS",
         );
     }
-    tolls.push(through(c, vip, LAYOUT_CHANGE, || {
-        c.helm_ok(&[
-            "upgrade",
-            "xlb",
-            chart,
-            "-n",
-            AGENT_NAMESPACE,
-            "--reuse-values",
-            "--set",
-            &format!("image.tag={next}"),
-        ]);
-        rollout();
-    }));
+    tolls.push(through(c, vip, LAYOUT_CHANGE, upgrade_image));
     let restarts = c.cp.kubectl_ok(&[
         "-n",
         AGENT_NAMESPACE,
