@@ -13,7 +13,7 @@
 pub mod wire;
 
 use std::{
-    collections::BTreeSet,
+    collections::{BTreeMap, BTreeSet},
     net::{IpAddr, SocketAddr},
     sync::{Arc, Mutex},
     time::Duration,
@@ -180,8 +180,18 @@ impl Peers {
         flows: &[HandedFlow],
         leaving: bool,
     ) -> Vec<(SocketAddr, Result<u32, String>)> {
+        self.push_to(&self.current(), flows, leaving).await
+    }
+
+    /// As [`Peers::push`], to the peers `to` only.
+    async fn push_to(
+        &self,
+        to: &[SocketAddr],
+        flows: &[HandedFlow],
+        leaving: bool,
+    ) -> Vec<(SocketAddr, Result<u32, String>)> {
         let flows = Arc::new(flows.to_vec());
-        let all = self.current().into_iter().map(|p| {
+        let all = to.iter().copied().map(|p| {
             let (key, flows) = (self.key.clone(), flows.clone());
             let t = if leaving {
                 LEAVING_PUSH_TIMEOUT
@@ -416,11 +426,17 @@ async fn give_to_peers(peers: &Peers, local: &Local, which: Handing) {
 
 /// Starts pushing the flows this node opens to every peer, every
 /// `interval` and whenever asked through the returned handle; stops when
-/// the runtime does.
+/// the runtime does. Each peer is sent what this node opened since its
+/// last push that peer took: one cut off (a partition) gets the flows it
+/// missed once it answers again, so that connections opened here
+/// meanwhile survive the VIP's moving back to it.
 fn start_sync(peers: Peers, local: Local, interval: Duration) -> SyncNow {
     let (tx, mut rx) = mpsc::channel::<oneshot::Sender<()>>(16);
     tokio::spawn(async move {
-        let mut since = crate::maps::coarse_now_ns();
+        let mut previous = crate::maps::coarse_now_ns();
+        // Kept for peers that drop out of the list too: one discovered
+        // again after a partition still gets what it missed.
+        let mut since: BTreeMap<SocketAddr, u64> = BTreeMap::new();
         let mut wait = interval;
         loop {
             let done = tokio::select! {
@@ -432,18 +448,62 @@ fn start_sync(peers: Peers, local: Local, interval: Duration) -> SyncNow {
             };
             // Taken before the walk: a flow opened during it goes next time.
             let start = crate::maps::coarse_now_ns();
-            let took = std::time::Instant::now();
-            give_to_peers(&peers, &local, Handing::OpenedHereSince(since)).await;
-            since = start;
+            let mut groups: BTreeMap<u64, Vec<SocketAddr>> = BTreeMap::new();
+            for p in peers.current() {
+                groups
+                    .entry(*since.entry(p).or_insert(previous))
+                    .or_default()
+                    .push(p);
+            }
+            // One walk per distinct watermark, one after the other (they
+            // share the table's lock); then the pushes, all at once.
+            let walking = std::time::Instant::now();
+            let mut batches = Vec::new();
+            for (t, to) in groups {
+                match local.export_async(Handing::OpenedHereSince(t)).await {
+                    Ok(flows) => batches.push((flows, to)),
+                    Err(e) => warn!("flow exchange: reading this node's flows: {e}"),
+                }
+            }
+            let walks = walking.elapsed();
+            let pushes = batches
+                .iter()
+                .map(|(flows, to)| push_flows(&peers, flows, to));
+            for took in futures::future::join_all(pushes).await {
+                for peer in took {
+                    since.insert(peer, start);
+                }
+            }
+            previous = start;
             // A big table's walk (about 0.3 µs an entry) stretches the
             // interval so that the exchange takes a tenth of a core at most.
-            wait = interval.max(took.elapsed() * 9);
+            // The walks only: a peer that does not answer costs a push
+            // timeout, not CPU, and stretching by it would leave the
+            // others' flows late for as long as the peer is away.
+            wait = interval.max(walks * 9);
             if let Some(done) = done {
                 let _ = done.send(());
             }
         }
     });
     SyncNow(tx)
+}
+
+/// Pushes `flows` to the peers `to`; the peers that took them.
+async fn push_flows(peers: &Peers, flows: &[HandedFlow], to: &[SocketAddr]) -> Vec<SocketAddr> {
+    if flows.is_empty() {
+        return to.to_vec();
+    }
+    let mut took = Vec::new();
+    for (peer, r) in peers.push_to(to, flows, false).await {
+        match r {
+            Ok(_) => took.push(peer),
+            Err(e) => {
+                warn!(%peer, sent = flows.len(), "flow exchange: this peer did not take our flows (sent again with the next push): {e}")
+            }
+        }
+    }
+    took
 }
 
 fn add(total: &mut Imported, got: Imported) {
