@@ -192,11 +192,6 @@ pub const SERVICE_F_HOLD_UNKNOWN: u32 = 32;
 /// covers the flow exchange's default push interval (500 ms) and the
 /// client's first retransmissions (200, 600, 1400 ms after).
 pub const HOLD_UNKNOWN_NS: u64 = 2_000_000_000;
-/// A `HELD_FLOWS` entry older than this is from an earlier episode (the
-/// flow was since known, then evicted or handed away again): the flow is
-/// held afresh. Between `HOLD_UNKNOWN_NS` and this the hold has run out
-/// and the flow is picked afresh, which makes it known.
-pub const HOLD_EPISODE_NS: u64 = 2 * HOLD_UNKNOWN_NS;
 /// `HELD_FLOWS`: flows being held, with when their first packet came (LRU).
 pub const HELD_FLOWS_ENTRIES: u32 = 1 << 14;
 

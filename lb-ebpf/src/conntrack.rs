@@ -15,9 +15,9 @@ use lb_common::{
         LEAST_LOADED_CANDIDATES,
     },
     Backend, Config, FibCache, Flow, FlowKey, Reason, ReplyNat, ReverseKey, ServiceInfo, SourceKey,
-    FLOW_EVENT_REPICKED, FLOW_F_CLOSED, FLOW_F_COUNTED, HOLD_EPISODE_NS, HOLD_UNKNOWN_NS,
-    PROTO_TCP, REPLY_F_CLOSING, SERVICE_F_FLOW_LIMIT, SERVICE_F_HOLD_UNKNOWN,
-    SERVICE_F_LEAST_LOADED, SERVICE_F_SNAT, SNAT_PROBES,
+    FLOW_EVENT_REPICKED, FLOW_F_CLOSED, FLOW_F_COUNTED, HOLD_UNKNOWN_NS, PROTO_TCP,
+    REPLY_F_CLOSING, SERVICE_F_FLOW_LIMIT, SERVICE_F_HOLD_UNKNOWN, SERVICE_F_LEAST_LOADED,
+    SERVICE_F_SNAT, SNAT_PROBES,
 };
 
 use crate::{
@@ -235,20 +235,15 @@ fn count_active(backend_id: u32, delta: i64) {
 }
 
 /// Whether to drop a mid-connection packet of a flow this node does not
-/// know: from its first such packet until `HOLD_UNKNOWN_NS` after it. An
-/// entry older than `HOLD_EPISODE_NS` is an earlier episode's: held afresh.
+/// know: from its first such packet until `HOLD_UNKNOWN_NS` after it. The
+/// entry goes once the flow is known (picked afresh here, or imported by
+/// the agent), so an entry that is there is this episode's, however far
+/// apart the client's retransmissions come.
 #[inline(always)]
 fn hold_unknown(key: &FlowKey, t: u64) -> bool {
-    match HELD_FLOWS.get_ptr_mut(key) {
-        Some(first) => {
-            // SAFETY: a map value; racing CPUs write similar times.
-            let first = unsafe { &mut *first };
-            let age = t.saturating_sub(*first);
-            if age > HOLD_EPISODE_NS {
-                *first = t;
-            }
-            !(HOLD_UNKNOWN_NS..=HOLD_EPISODE_NS).contains(&age)
-        }
+    match HELD_FLOWS.get_ptr(key) {
+        // SAFETY: a map value, read once.
+        Some(first) => t.saturating_sub(unsafe { *first }) < HOLD_UNKNOWN_NS,
         None => {
             // A full table evicts its oldest: that flow is then held afresh.
             let _ = HELD_FLOWS.insert(key, &t, 0);
@@ -369,8 +364,12 @@ pub fn lookup_or_create(
             // Mid-connection and not in the table: evicted, older than this
             // node's view of it, or opened by another node whose flows
             // have not come yet (held a while). Maglev picks again.
-            if svc.flags & SERVICE_F_HOLD_UNKNOWN != 0 && hold_unknown(&s.key, t) {
-                return Reason::DropHeldUnknownFlow as u32;
+            if svc.flags & SERVICE_F_HOLD_UNKNOWN != 0 {
+                if hold_unknown(&s.key, t) {
+                    return Reason::DropHeldUnknownFlow as u32;
+                }
+                // Known from now on: a later loss is held afresh.
+                let _ = HELD_FLOWS.remove(&s.key);
             }
             crate::stats::count_flow_event(FLOW_EVENT_REPICKED);
         }

@@ -81,7 +81,8 @@ pub static SOURCE_RATES: LruHashMap<SourceKey, u64, { SOURCE_RATES_ENTRIES as us
 
 /// Flows of `SERVICE_F_HOLD_UNKNOWN` services this node did not know when a
 /// mid-connection packet came, with that packet's time: held until
-/// `HOLD_UNKNOWN_NS` after it (docs/bgp.md).
+/// `HOLD_UNKNOWN_NS` after it (docs/bgp.md). Removed once the flow is
+/// known (picked afresh by the program, or imported by the agent).
 #[btf_map]
 pub static HELD_FLOWS: LruHashMap<FlowKey, u64, { HELD_FLOWS_ENTRIES as usize }> =
     LruHashMap::new();

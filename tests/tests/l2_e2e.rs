@@ -456,6 +456,61 @@ fn keep_alive_connections_survive_a_stop_a_crash_and_a_cut_of_their_owner() {
     );
 }
 
+/// A node gone for good (its agent killed and its link cut, as a power
+/// loss), with the defaults (flows shared): the others hold its
+/// connections while its SNAT address may come back, and forget them once
+/// it has answered nothing for `forget_after` (10 s). A request on each
+/// is then reset by the backend, not left waiting, and the client can
+/// reconnect.
+#[test]
+fn the_connections_of_a_node_gone_for_good_are_reset_not_stranded() {
+    let prefix = format!("l2h{}", std::process::id() % 10000);
+    let mut lab = L2Lab::start(&prefix);
+    lab.start_all();
+    let addr = SocketAddr::from((vip(0), 80));
+    let first = lab.wait_owner(vip(0), Duration::from_secs(10));
+    let mut conns = lab
+        .keepalive(addr, 10, Some(first))
+        .unwrap_or_else(|e| panic!("{e}; logs:\n{}", lab.logs()));
+    lab.node(first).kill_agent();
+    lab.nodes[first - 1].cut(&lab.switch, &prefix);
+    let gone = std::time::Instant::now();
+    poll_until(Duration::from_secs(5), Duration::from_millis(20), || {
+        let o = lab.wait_owner(vip(0), Duration::from_secs(5));
+        (o != first).then_some(()).ok_or(())
+    })
+    .unwrap_or_else(|()| panic!("no takeover; logs:\n{}", lab.logs()));
+    // Without forgetting, every request waits out its timeout.
+    let errors: Vec<Option<std::io::ErrorKind>> = std::thread::scope(|s| {
+        let requests: Vec<_> = conns
+            .iter_mut()
+            .map(|c| {
+                c.stream
+                    .set_read_timeout(Some(Duration::from_secs(60)))
+                    .unwrap();
+                s.spawn(move || c.get().err().map(|e| e.kind()))
+            })
+            .collect();
+        requests.into_iter().map(|r| r.join().unwrap()).collect()
+    });
+    let took = gone.elapsed();
+    println!("requests after the node was gone: {errors:?}, the last after {took:?}");
+    let reset = std::io::ErrorKind::ConnectionReset;
+    assert!(
+        errors.iter().all(|e| *e == Some(reset)),
+        "each request reset, none answered or timed out: {errors:?} after {took:?}; logs:\n{}",
+        lab.logs()
+    );
+    assert!(
+        lab.logs()
+            .contains("the flows translated with it are forgotten"),
+        "the forgetting logged; logs:\n{}",
+        lab.logs()
+    );
+    lab.get(addr, Duration::from_secs(5))
+        .unwrap_or_else(|e| panic!("a new connection: {e}; logs:\n{}", lab.logs()));
+}
+
 #[test]
 fn a_graceful_stop_hands_over_and_no_request_fails() {
     let mut lab = L2Lab::start(&format!("l2d{}", std::process::id() % 10000));

@@ -2411,15 +2411,37 @@ fn an_unknown_snat_flow_is_held_until_the_exchange_brings_it_needs_root() {
     assert_eq!(held(dp), 3);
     // The flow known, then lost again (evicted: here, every flow cleared):
     // a later episode is held afresh, not picked at once on the strength
-    // of the first episode's expired entry.
+    // of the first episode's entry.
     dp.clear_dynamic_state().unwrap();
-    std::thread::sleep(
-        Duration::from_nanos(lb_common::HOLD_EPISODE_NS - lb_common::HOLD_UNKNOWN_NS)
-            + Duration::from_millis(100),
-    );
     let (v, _) = run(dp, cl0, &c4(ack(40402, 443)));
     assert_eq!(v, XDP_DROP, "a later episode of the same flow");
     assert_eq!(held(dp), 1);
+    // Held, then its retransmission comes long after the hold (a client
+    // far into its backoff): picked afresh, not held again.
+    std::thread::sleep(
+        Duration::from_nanos(lb_common::HOLD_UNKNOWN_NS) * 3 + Duration::from_millis(100),
+    );
+    let (v, _) = run(dp, cl0, &c4(ack(40402, 443)));
+    assert_eq!(v, XDP_REDIRECT, "a retransmission long after the hold");
+    // Imported while held: known, so that a later loss is held afresh.
+    let (v, _) = run(dp, cl0, &c4(ack(40404, 443)));
+    assert_eq!(v, XDP_DROP);
+    dp.import_flows(&[HandedFlow {
+        protocol: Protocol::Tcp,
+        client: sa(CLIENT, 40404),
+        vip: sa(VIP, 443),
+        backend: sa(B3, 8443),
+        snat: other,
+        closed: false,
+        idle_ms: 0,
+    }])
+    .unwrap();
+    std::thread::sleep(
+        Duration::from_nanos(lb_common::HOLD_UNKNOWN_NS) + Duration::from_millis(100),
+    );
+    dp.clear_dynamic_state().unwrap();
+    let (v, _) = run(dp, cl0, &c4(ack(40404, 443)));
+    assert_eq!(v, XDP_DROP, "lost again after the import: held afresh");
     // Without the exchange an unknown flow is picked afresh at once.
     dp.set_service(&base_services()[2]).unwrap();
     let (v, _) = run(dp, cl0, &c4(ack(40403, 443)));

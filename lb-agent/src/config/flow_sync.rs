@@ -29,9 +29,14 @@ pub struct FlowSyncConfig {
     /// connection younger than this when the routers' ECMP set changes may
     /// be reset.
     pub interval: Duration,
+    /// How long a peer's SNAT address may answer nothing before the flows
+    /// translated with it are forgotten here (the peer is gone: the
+    /// backends' replies to it are lost).
+    pub forget_after: Duration,
 }
 
 const DEFAULT_INTERVAL: Duration = Duration::from_millis(500);
+const DEFAULT_FORGET_AFTER: Duration = Duration::from_secs(10);
 
 /// Default port of the flow exchange.
 pub const DEFAULT_FLOW_SYNC_PORT: u16 = 7947;
@@ -39,7 +44,7 @@ pub const DEFAULT_FLOW_SYNC_PORT: u16 = 7947;
 #[derive(Deserialize)]
 #[serde(
     deny_unknown_fields,
-    expecting = "a flow_sync mapping (listen, peers, key_file, interval)"
+    expecting = "a flow_sync mapping (listen, peers, key_file, interval, forget_after)"
 )]
 pub(super) struct RawFlowSync {
     listen: Option<String>,
@@ -47,6 +52,7 @@ pub(super) struct RawFlowSync {
     peers: Vec<String>,
     key_file: String,
     interval: Option<String>,
+    forget_after: Option<String>,
 }
 
 impl Validator<'_> {
@@ -82,12 +88,19 @@ impl Validator<'_> {
             ),
             || path().key("interval"),
         )?;
+        let forget_after = self.duration_within(
+            raw.forget_after.as_deref(),
+            DEFAULT_FORGET_AFTER,
+            (Duration::from_secs(1), Duration::from_secs(3600), "1s..=1h"),
+            || path().key("forget_after"),
+        )?;
         Ok(FlowSyncConfig {
             listen,
             discover_peers: peers.is_empty(),
             peers,
             key,
             interval,
+            forget_after,
         })
     }
 }
@@ -117,6 +130,7 @@ impl FlowSyncConfig {
             discover_peers: l2.discover_peers,
             key: l2.key.clone(),
             interval: DEFAULT_INTERVAL,
+            forget_after: DEFAULT_FORGET_AFTER,
         })
     }
 }
@@ -148,6 +162,8 @@ impl FlowSyncConfig {
             FlowSyncReload::NeedsRestart("key_file's key")
         } else if b.interval != a.interval {
             FlowSyncReload::NeedsRestart("interval")
+        } else if b.forget_after != a.forget_after {
+            FlowSyncReload::NeedsRestart("forget_after")
         } else if b.discover_peers != a.discover_peers {
             FlowSyncReload::NeedsRestart("peers listed or discovered")
         } else if b.peers != a.peers {
@@ -169,6 +185,7 @@ mod tests {
             discover_peers: peers.is_empty(),
             key: b"0123456789abcdef".to_vec(),
             interval: DEFAULT_INTERVAL,
+            forget_after: DEFAULT_FORGET_AFTER,
         }
     }
 
@@ -185,10 +202,13 @@ mod tests {
             )
         };
         let parse = |s: &str| crate::config::AgentConfig::parse(s).expect("valid config");
-        assert_eq!(parse(&yaml("")).flow_sync, None, "off by default");
-        let fs = parse(&yaml("  share_flows: true\n"))
-            .flow_sync
-            .expect("shared when asked");
+        assert_eq!(
+            parse(&yaml("  share_flows: false\n")).flow_sync,
+            None,
+            "off when asked"
+        );
+        let fs = parse(&yaml("")).flow_sync.expect("shared by default");
+        assert_eq!(fs.forget_after, DEFAULT_FORGET_AFTER);
         assert_eq!(fs.listen, "10.0.0.11:7947".parse().unwrap());
         assert_eq!(
             fs.peers,

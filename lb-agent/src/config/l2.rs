@@ -42,8 +42,8 @@ pub struct L2Config {
     pub announce_interval: Duration,
     /// Share snat flows with the members (TCP 7947, signed with `key`) when
     /// there is no `flow_sync:` section, so that connections survive a
-    /// failover (docs/l2.md). Off by default: a node that dies for good
-    /// then strands its connections instead of having them reset.
+    /// failover (docs/l2.md). On by default: the others forget a gone
+    /// node's flows once its SNAT address stops answering.
     pub share_flows: bool,
 }
 
@@ -185,7 +185,7 @@ impl Validator<'_> {
             probe_timeout,
             suspect_timeout,
             announce_interval,
-            share_flows: raw.share_flows.unwrap_or(false),
+            share_flows: raw.share_flows.unwrap_or(true),
         })
     }
 

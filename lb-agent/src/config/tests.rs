@@ -1340,10 +1340,12 @@ flow_sync:
     );
     assert_eq!(fs.key, b"0123456789abcdef0123", "trimmed");
     assert_eq!(fs.interval, Duration::from_millis(500));
-    let tuned = format!("{base}  listen: 10.0.0.11:9000\n  interval: 100ms\n");
+    assert_eq!(fs.forget_after, Duration::from_secs(10));
+    let tuned = format!("{base}  listen: 10.0.0.11:9000\n  interval: 100ms\n  forget_after: 1m\n");
     let fs = AgentConfig::parse(&tuned).unwrap().flow_sync.unwrap();
     assert_eq!(fs.listen, "10.0.0.11:9000".parse().unwrap());
     assert_eq!(fs.interval, Duration::from_millis(100));
+    assert_eq!(fs.forget_after, Duration::from_secs(60));
 
     rejects(
         &edit(
@@ -1372,6 +1374,12 @@ flow_sync:
         5,
         "flow_sync.interval",
         "outside 10ms..=60s",
+    );
+    rejects(
+        &format!("{base}  forget_after: 500ms\n"),
+        5,
+        "flow_sync.forget_after",
+        "outside 1s..=1h",
     );
     rejects(
         &format!("{base}  listen: eth0\n"),

@@ -3,7 +3,9 @@
 //! node's ids), and imported by a node the router may send them to next, so
 //! that it translates them exactly as the node that opened them.
 
-use lb_common::{FLOW_F_CLOSED, FLOW_F_HANDED, PROTO_TCP, REPLY_F_CLOSING, SERVICE_F_SNAT};
+use lb_common::{
+    FLOW_F_CLOSED, FLOW_F_HANDED, PROTO_TCP, PROTO_UDP, REPLY_F_CLOSING, SERVICE_F_SNAT,
+};
 
 use super::*;
 
@@ -82,6 +84,7 @@ pub struct FlowTable {
     data: MapData,
     map: HashMap<MapData, FlowKey, Flow>,
     replies: HashMap<MapData, FlowKey, ReplyNat>,
+    held: HashMap<MapData, FlowKey, u64>,
 }
 
 impl Dataplane {
@@ -105,10 +108,13 @@ impl Dataplane {
         let replies = open(self.maps.reply_nat.map(), names::REPLY_NAT)?;
         let replies =
             HashMap::try_from(Map::LruHashMap(replies)).map_err(map_err(names::REPLY_NAT))?;
+        let held = open(self.maps.held_flows.map(), names::HELD_FLOWS)?;
+        let held = HashMap::try_from(Map::LruHashMap(held)).map_err(map_err(names::HELD_FLOWS))?;
         Ok(FlowTable {
             data: open(flows, names::FLOWS)?,
             map,
             replies,
+            held,
         })
     }
 
@@ -150,6 +156,7 @@ impl Dataplane {
         import(
             &mut self.maps.shared_flows,
             &mut self.maps.reply_nat,
+            &mut self.maps.held_flows,
             &ids,
             flows,
         )
@@ -171,7 +178,41 @@ impl FlowTable {
 
     /// [`Dataplane::import_flows`], with ids taken from it beforehand.
     pub fn import_flows(&mut self, ids: &HandoffIds, flows: &[HandedFlow]) -> Result<Imported> {
-        import(&mut self.map, &mut self.replies, ids, flows)
+        import(&mut self.map, &mut self.replies, &mut self.held, ids, flows)
+    }
+
+    /// Removes the flows other nodes handed over that are translated with
+    /// the SNAT address `snat` (with `udp_only`, its UDP ones); how many.
+    /// This node's own flows stay.
+    pub fn forget_handed(&mut self, snat: IpAddr, udp_only: bool) -> Result<usize> {
+        let mut gone = 0;
+        for (k, f) in self.entries()? {
+            let theirs = f.flags & FLOW_F_HANDED != 0 && f.snat_port != 0;
+            if !theirs
+                || words_ip(&f.snat_addr, k.family) != snat
+                || (udp_only && k.proto != PROTO_UDP)
+            {
+                continue;
+            }
+            match self.map.remove(&k) {
+                Ok(()) => gone += 1,
+                // Expired (LRU) since the walk.
+                Err(MapError::SyscallError(e))
+                    if e.io_error.raw_os_error() == Some(libc::ENOENT) => {}
+                Err(e) => return Err(map_err(names::FLOWS)(e)),
+            }
+        }
+        Ok(gone)
+    }
+}
+
+impl HandoffIds {
+    /// The SNAT addresses this node's own services translate with.
+    pub fn own_snat_addresses(&self) -> BTreeSet<IpAddr> {
+        self.services
+            .iter()
+            .map(|(k, s)| words_ip(&s.snat_addr, k.family))
+            .collect()
     }
 }
 
@@ -210,10 +251,12 @@ fn export(entries: Vec<(FlowKey, Flow)>, which: Handing) -> Vec<HandedFlow> {
 /// flows back from the peers it handed them to), its reply translation
 /// too, if absent. Without it the backends' replies to this node's address
 /// would reach its kernel, which resets them, and a new flow could take
-/// the port.
+/// the port. A flow the program holds (`HELD_FLOWS`) is known from now
+/// on: its entry goes, so that a later loss of it is held afresh.
 fn import(
     map: &mut HashMap<MapData, FlowKey, Flow>,
     replies: &mut HashMap<MapData, FlowKey, ReplyNat>,
+    held: &mut HashMap<MapData, FlowKey, u64>,
     ids: &HandoffIds,
     flows: &[HandedFlow],
 ) -> Result<Imported> {
@@ -254,7 +297,11 @@ fn import(
             last_seen_ns: last_seen,
         };
         match map.insert(key, flow, BPF_NOEXIST) {
-            Ok(()) => done.added += 1,
+            Ok(()) => {
+                done.added += 1;
+                // Absent for most (never held): nothing to do then.
+                let _ = held.remove(&key);
+            }
             Err(MapError::SyscallError(e)) if e.io_error.raw_os_error() == Some(libc::EEXIST) => {
                 done.present += 1
             }

@@ -328,6 +328,7 @@ struct Maps {
     /// the size it was created with).
     flow_table_entries: u32,
     reply_nat: HashMap<MapData, FlowKey, ReplyNat>,
+    held_flows: HashMap<MapData, FlowKey, u64>,
     service_stats: PerCpuArray<MapData, TrafficStats>,
     backend_stats: PerCpuArray<MapData, TrafficStats>,
     reason_stats: PerCpuArray<MapData, u64>,
@@ -439,6 +440,8 @@ impl Dataplane {
             flow_table_entries,
             reply_nat: HashMap::try_from(take(&mut ebpf, names::REPLY_NAT)?)
                 .map_err(map_err(names::REPLY_NAT))?,
+            held_flows: HashMap::try_from(take(&mut ebpf, names::HELD_FLOWS)?)
+                .map_err(map_err(names::HELD_FLOWS))?,
             service_stats: PerCpuArray::try_from(take(&mut ebpf, names::SERVICE_STATS)?)
                 .map_err(map_err(names::SERVICE_STATS))?,
             backend_stats: PerCpuArray::try_from(take(&mut ebpf, names::BACKEND_STATS)?)

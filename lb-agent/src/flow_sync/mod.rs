@@ -51,6 +51,7 @@ impl Exchange {
         let listed = (!cfg.discover_peers).then(|| cfg.peers.clone());
         let peers = Peers::new(cfg.key.clone(), listed);
         let sync_now = start_sync(peers.clone(), local.clone(), cfg.interval);
+        start_forgetting(local.clone(), cfg.listen.port(), cfg.forget_after);
         tokio::spawn(serve(
             listener,
             Arc::new(cfg.key.clone()),
@@ -113,6 +114,32 @@ impl Local {
         table.import_flows(&ids, flows).map_err(|e| e.to_string())
     }
 
+    /// The peers' SNAT addresses that came with their flows, not this
+    /// node's own (a flow that comes home has this node's).
+    fn peer_snat_addresses(&self) -> Vec<IpAddr> {
+        let own = self
+            .dp
+            .lock()
+            .expect("data plane lock")
+            .handoff_ids()
+            .own_snat_addresses();
+        let seen = self.snat_seen.lock().expect("snat lock");
+        seen.iter().filter(|a| !own.contains(a)).copied().collect()
+    }
+
+    /// Forgets the flows `which` names translated with a peer's SNAT
+    /// address (all of them: the address too); how many flows. Blocks for
+    /// a walk of the flow table.
+    fn forget(&self, snat: IpAddr, which: Forget) -> Result<usize, String> {
+        if which == Forget::All {
+            self.snat_seen.lock().expect("snat lock").remove(&snat);
+        }
+        let mut table = self.table.lock().expect("flow table lock");
+        table
+            .forget_handed(snat, which == Forget::Udp)
+            .map_err(|e| e.to_string())
+    }
+
     async fn export_async(&self, which: Handing) -> Result<Vec<HandedFlow>, String> {
         let me = self.clone();
         tokio::task::spawn_blocking(move || me.export(which))
@@ -137,8 +164,21 @@ const PUSH_TIMEOUT: Duration = Duration::from_secs(1);
 /// Time a leaving node's push may take (the peer pushes its own first): its
 /// withdrawal waits for it.
 const LEAVING_PUSH_TIMEOUT: Duration = Duration::from_secs(2);
+/// Which of a silent peer's flows to forget.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Forget {
+    Udp,
+    All,
+}
+
 /// Time a pull may take: a starting node's first announcement waits for it.
 const PULL_TIMEOUT: Duration = Duration::from_secs(3);
+/// How often a peer's SNAT address is probed, and how long a probe waits:
+/// a UDP flow of a node that died goes at its first silent probe, so
+/// this bounds its outage beside the VIP's takeover (about 400 ms). A
+/// probe that is only slow costs UDP flows their source port, no more.
+const PROBE_INTERVAL: Duration = Duration::from_millis(200);
+const PROBE_TIMEOUT: Duration = Duration::from_millis(300);
 
 /// This agent's side of the exchange: its key and its peers.
 #[derive(Clone)]
@@ -334,6 +374,13 @@ async fn answer(
     let _ = stream.set_nodelay(true);
     let (r, mut w) = stream.into_split();
     let mut r = BufReader::new(r);
+    // Closed before a byte: a peer's probe (`answers`), not an exchange.
+    if tokio::io::AsyncBufReadExt::fill_buf(&mut r)
+        .await?
+        .is_empty()
+    {
+        return Ok(());
+    }
     let (n, mut first) = wire::read(&mut r, key, None).await?;
     let leaving = first == Frame::Leaving;
     if leaving {
@@ -504,6 +551,86 @@ async fn push_flows(peers: &Peers, flows: &[HandedFlow], to: &[SocketAddr]) -> V
         }
     }
     took
+}
+
+/// Forgets the flows a peer handed over once the address they are
+/// translated with (the peer's SNAT address) answers nothing: the peer is
+/// gone (powered off, or cut off), and the backends' replies to that
+/// address are lost. A UDP flow goes at the first probe that finds the
+/// address silent: picked afresh it loses only its source address and
+/// port. A TCP flow picked afresh is reset by its backend, so it waits
+/// `after` for the peer to come back (a healed cut, a restart) before it
+/// goes and its client reconnects. A node whose agent is down but whose
+/// kernel lives answers the probe (an accept or a refusal on the
+/// exchange's port): its program still translates those replies, so its
+/// flows are kept.
+fn start_forgetting(local: Local, port: u16, after: Duration) {
+    struct Silence {
+        since: std::time::Instant,
+        udp_gone: bool,
+    }
+    tokio::spawn(async move {
+        let mut silent: BTreeMap<IpAddr, Silence> = BTreeMap::new();
+        loop {
+            tokio::time::sleep(PROBE_INTERVAL).await;
+            let local2 = local.clone();
+            let Ok(theirs) =
+                tokio::task::spawn_blocking(move || local2.peer_snat_addresses()).await
+            else {
+                return;
+            };
+            silent.retain(|a, _| theirs.contains(a));
+            let probed = std::time::Instant::now();
+            let probes = theirs
+                .iter()
+                .map(|&a| async move { (a, answers(SocketAddr::new(a, port)).await) });
+            for (addr, answered) in futures::future::join_all(probes).await {
+                if answered {
+                    silent.remove(&addr);
+                    continue;
+                }
+                let s = silent.entry(addr).or_insert(Silence {
+                    since: probed,
+                    udp_gone: false,
+                });
+                let which = if s.since.elapsed() >= after {
+                    silent.remove(&addr);
+                    Forget::All
+                } else if !s.udp_gone {
+                    s.udp_gone = true;
+                    Forget::Udp
+                } else {
+                    continue;
+                };
+                let local = local.clone();
+                match tokio::task::spawn_blocking(move || local.forget(addr, which)).await {
+                    Ok(Ok(0)) => {}
+                    Ok(Ok(n)) if which == Forget::Udp => info!(
+                        %addr, forgotten = n, tcp_kept_for = ?after,
+                        "flow exchange: a peer's SNAT address answered nothing: its UDP flows are picked afresh here"
+                    ),
+                    Ok(Ok(n)) => info!(
+                        %addr, forgotten = n, ?after,
+                        "flow exchange: a peer's SNAT address answered nothing: the flows translated with it are forgotten here"
+                    ),
+                    Ok(Err(e)) => {
+                        warn!(%addr, "flow exchange: forgetting a gone peer's flows: {e}")
+                    }
+                    Err(e) => warn!(%addr, "flow exchange: forgetting a gone peer's flows: {e}"),
+                }
+            }
+        }
+    });
+}
+
+/// Whether anything answers at `addr`: a connection accepted or refused
+/// (the kernel lives), not silence or an unreachable host.
+async fn answers(addr: SocketAddr) -> bool {
+    match tokio::time::timeout(PROBE_TIMEOUT, TcpStream::connect(addr)).await {
+        Ok(Ok(_)) => true,
+        Ok(Err(e)) => e.kind() == std::io::ErrorKind::ConnectionRefused,
+        Err(_) => false,
+    }
 }
 
 fn add(total: &mut Imported, got: Imported) {

@@ -25,7 +25,7 @@
 //!
 //! Before each event 10 keep-alive HTTP connections are opened through the
 //! owner; a request on each across the event tells whether it was reset
-//! (with the defaults the nodes share no flows: `l2.share_flows`).
+//! (the nodes share their flows by default: `l2.share_flows`).
 //!
 //! Prints a table (events, median, p99, max, baseline p99, double owners,
 //! keep-alive connections reset) and the line
