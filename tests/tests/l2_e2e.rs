@@ -12,7 +12,7 @@ use std::{
 use serde_json::json;
 use xlb_tests::{
     cluster::{Cluster, Pod, AGENT_NAMESPACE, API_HOST},
-    l2_lab::{node_of, node_v4, vip, ArpWatch, L2Lab, BACKEND_V4, VIP6, VIPS},
+    l2_lab::{node_of, node_v4, vip, ArpWatch, L2Lab, BACKEND_V4, ECHO_PORT, VIP6, VIPS},
     topology::in_netns,
     traffic::poll_until,
 };
@@ -472,6 +472,39 @@ fn the_connections_of_a_node_gone_for_good_are_reset_not_stranded() {
     let mut conns = lab
         .keepalive(addr, 10, Some(first))
         .unwrap_or_else(|e| panic!("{e}; logs:\n{}", lab.logs()));
+    // A UDP flow through the owner too, held by the others.
+    lab.start_udp_echo();
+    let echo = SocketAddr::from((vip(0), ECHO_PORT));
+    let udp = in_netns(&lab.client, move || {
+        let s = UdpSocket::bind("0.0.0.0:0").unwrap();
+        s.connect(echo).unwrap();
+        s.set_read_timeout(Some(Duration::from_millis(100)))
+            .unwrap();
+        s
+    })
+    .join()
+    .unwrap();
+    let echoed = |udp: &UdpSocket| {
+        let mut buf = [0u8; 16];
+        udp.send(b"ping").is_ok() && udp.recv(&mut buf).is_ok()
+    };
+    poll_until(Duration::from_secs(5), Duration::from_millis(10), || {
+        echoed(&udp).then_some(()).ok_or(())
+    })
+    .unwrap_or_else(|()| panic!("no UDP echo; logs:\n{}", lab.logs()));
+    let client = udp.local_addr().unwrap().to_string();
+    for other in (1..=3).filter(|i| *i != first) {
+        poll_until(Duration::from_secs(10), Duration::from_millis(100), || {
+            let ct = lab.nodes[other - 1].lbctl_json(&["conntrack"]);
+            let entries = ct["entries"].as_array().cloned().unwrap_or_default();
+            entries
+                .iter()
+                .any(|f| f["client"].as_str() == Some(client.as_str()))
+                .then_some(())
+                .ok_or(())
+        })
+        .unwrap_or_else(|()| panic!("node {other} never held the UDP flow"));
+    }
     lab.node(first).kill_agent();
     lab.nodes[first - 1].cut(&lab.switch, &prefix);
     let gone = std::time::Instant::now();
@@ -480,6 +513,18 @@ fn the_connections_of_a_node_gone_for_good_are_reset_not_stranded() {
         (o != first).then_some(()).ok_or(())
     })
     .unwrap_or_else(|()| panic!("no takeover; logs:\n{}", lab.logs()));
+    // The UDP flow goes at the first silent probe, long before the TCP
+    // ones: picked afresh, it only changes its source port.
+    poll_until(Duration::from_secs(15), Duration::from_millis(1), || {
+        echoed(&udp).then_some(()).ok_or(())
+    })
+    .unwrap_or_else(|()| panic!("no UDP echo within 15 s of the node's going"));
+    let udp_back = gone.elapsed();
+    println!("the UDP flow echoed again {udp_back:?} after the node went");
+    assert!(
+        udp_back < Duration::from_secs(3),
+        "the UDP flow waited {udp_back:?}, as long as a TCP one would"
+    );
     // Without forgetting, every request waits out its timeout.
     let errors: Vec<Option<std::io::ErrorKind>> = std::thread::scope(|s| {
         let requests: Vec<_> = conns
