@@ -273,8 +273,11 @@ fn pods_on(c: &NodeCluster, nodes: Option<&[String]>) -> BTreeSet<String> {
         .collect()
 }
 
-/// 12 TCP and 12 UDP requests reach exactly the Pods `all`, which see the
-/// client's own address if `client_kept`, else another.
+/// Rounds of 12 TCP and 12 UDP requests, until every Pod of `all` has
+/// answered (at most 5 rounds: Maglev spreads the clients' ports evenly,
+/// and 24 requests miss one Pod of four about once in 250 runs): all
+/// answered, by exactly the Pods `all`, which see the client's own address
+/// if `client_kept`, else another.
 fn reached_with_client(
     c: &NodeCluster,
     vip: Ipv4Addr,
@@ -282,16 +285,25 @@ fn reached_with_client(
     client_kept: bool,
     what: &str,
 ) {
-    let answers = requests(c, vip, 12, true);
-    let served: BTreeSet<String> = answers.iter().map(|(p, _)| p.clone()).collect();
-    assert_eq!(&served, all, "{what}: not every Pod was reached");
-    for (pod, client) in &answers {
-        assert_eq!(
-            client == &CLIENT.to_string(),
-            client_kept,
-            "{what}: {pod} saw {client} (the client is {CLIENT})"
-        );
+    let mut per_pod: BTreeMap<String, usize> = BTreeMap::new();
+    for _ in 0..5 {
+        for (pod, client) in requests(c, vip, 12, true) {
+            assert_eq!(
+                client == CLIENT.to_string(),
+                client_kept,
+                "{what}: {pod} saw {client} (the client is {CLIENT})"
+            );
+            *per_pod.entry(pod).or_default() += 1;
+        }
+        if per_pod.len() >= all.len() {
+            break;
+        }
     }
+    let served: BTreeSet<String> = per_pod.keys().cloned().collect();
+    assert_eq!(
+        &served, all,
+        "{what}: not every Pod was reached (answers per Pod: {per_pod:?})"
+    );
 }
 
 /// Merge-patches `shop/web`.
