@@ -528,9 +528,11 @@ impl Cluster {
             ),
             // Pod CIDRs per node, which flannel's kube subnet manager uses.
             "--allocate-node-cidrs".into(),
-            "--cluster-cidr=10.244.0.0/16".into(),
-            "--node-cidr-mask-size=24".into(),
-            "--service-cluster-ip-range=10.96.0.0/16".into(),
+            // Dual-stack, as the API server's Service ranges.
+            "--cluster-cidr=10.244.0.0/16,fd00:10:244::/56".into(),
+            "--node-cidr-mask-size-ipv4=24".into(),
+            "--node-cidr-mask-size-ipv6=64".into(),
+            "--service-cluster-ip-range=10.96.0.0/16,fd00:10:96::/112".into(),
             "--use-service-account-credentials".into(),
             "--leader-elect=false".into(),
             "--bind-address=127.0.0.1".into(),

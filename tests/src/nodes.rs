@@ -23,7 +23,10 @@
 //!                                                     ├─ eth0 10.80.0.11  node 1
 //!                                                     └─ eth0 10.80.0.12  node 2
 //! ```
-//! The nodes' Pods get 10.244.N.0/24 from the controller-manager; flanneld
+//! and the same in IPv6 (fd00:81::2, fd00:81::1 and fd00:80::1, the nodes
+//! fd00:80::11 and ::12): the cluster is dual-stack.
+//! The nodes' Pods get 10.244.N.0/24 and fd00:10:244:N::/64 from the
+//! controller-manager; flanneld
 //! (VXLAN, or host-gw) carries Pod traffic between nodes. Pod networking is
 //! the bridge plugin over flannel's subnet, written as the flannel CNI plugin
 //! would delegate it (that plugin is not served as a Go module): bridge
@@ -34,7 +37,7 @@
 
 use std::{
     fs,
-    net::Ipv4Addr,
+    net::{Ipv4Addr, Ipv6Addr},
     path::{Path, PathBuf},
     process::{Child, Command, Output, Stdio},
     time::Duration,
@@ -53,6 +56,10 @@ pub const ROUTER_LAN: Ipv4Addr = Ipv4Addr::new(10, 80, 0, 1);
 pub const ROUTER_CLIENT_SIDE: Ipv4Addr = Ipv4Addr::new(10, 81, 0, 1);
 pub const CLIENT: Ipv4Addr = Ipv4Addr::new(10, 81, 0, 2);
 pub const POD_NETWORK: &str = "10.244.0.0/16";
+pub const POD_NETWORK6: &str = "fd00:10:244::/56";
+pub const ROUTER_LAN6: Ipv6Addr = Ipv6Addr::new(0xfd00, 0x80, 0, 0, 0, 0, 0, 1);
+pub const ROUTER_CLIENT_SIDE6: Ipv6Addr = Ipv6Addr::new(0xfd00, 0x81, 0, 0, 0, 0, 0, 1);
+pub const CLIENT6: Ipv6Addr = Ipv6Addr::new(0xfd00, 0x81, 0, 0, 0, 0, 0, 2);
 /// The router's AS and the cluster's (the chart's `bgpSpeaker.asn`).
 pub const ROUTER_ASN: u32 = 65000;
 pub const CLUSTER_ASN: u32 = 64512;
@@ -64,6 +71,10 @@ const READY: Duration = Duration::from_secs(120);
 
 pub fn node_ip(i: usize) -> Ipv4Addr {
     Ipv4Addr::new(10, 80, 0, 10 + i as u8)
+}
+
+pub fn node_ip6(i: usize) -> Ipv6Addr {
+    Ipv6Addr::new(0xfd00, 0x80, 0, 0, 0, 0, 0, 0x10 + i as u16)
 }
 
 /// flannel's backends the tests run.
@@ -375,7 +386,9 @@ impl NodeCluster {
         let client = Netns::new(&format!("{prefix}-cl"));
         router.run(&format!(
             "ip link add br0 type bridge && ip link set br0 up && \
-             ip addr add {ROUTER_LAN}/24 dev br0 && sysctl -qw net.ipv4.ip_forward=1"
+             ip addr add {ROUTER_LAN}/24 dev br0 && sysctl -qw net.ipv4.ip_forward=1 && \
+             sysctl -qw net.ipv6.conf.all.forwarding=1 && \
+             ip -6 addr add {ROUTER_LAN6}/64 dev br0 nodad"
         ));
         sh(&format!(
             "ip link add {p}-clv type veth peer name eth0 netns {c} && \
@@ -386,11 +399,14 @@ impl NodeCluster {
         ));
         router.run(&format!(
             "ip link set {prefix}-clv name cl0 && ip addr add {ROUTER_CLIENT_SIDE}/24 dev cl0 && \
+             ip -6 addr add {ROUTER_CLIENT_SIDE6}/64 dev cl0 nodad && \
              ip link set cl0 up && ethtool -K cl0 tx off >/dev/null"
         ));
         client.run(&format!(
-            "ip addr add {CLIENT}/24 dev eth0 && ip link set eth0 up && \
-             ethtool -K eth0 tx off >/dev/null && ip route add default via {ROUTER_CLIENT_SIDE}"
+            "ip addr add {CLIENT}/24 dev eth0 && ip -6 addr add {CLIENT6}/64 dev eth0 nodad && \
+             ip link set eth0 up && ethtool -K eth0 tx off >/dev/null && \
+             ip route add default via {ROUTER_CLIENT_SIDE} && \
+             ip -6 route add default via {ROUTER_CLIENT_SIDE6}"
         ));
         let mut cluster = NodeCluster {
             prefix: prefix.to_string(),
@@ -452,9 +468,12 @@ impl NodeCluster {
              ethtool -K {name}e gro on tx off >/dev/null"
         ));
         ns.run(&format!(
-            "ip addr add {ip}/24 dev eth0 && ip link set eth0 up && \
+            "sysctl -qw net.ipv4.ip_forward=1 && sysctl -qw net.ipv6.conf.all.forwarding=1 && \
+             ip addr add {ip}/24 dev eth0 && ip -6 addr add {ip6}/64 dev eth0 nodad && \
+             ip link set eth0 up && \
              ethtool -K eth0 gro on tx off >/dev/null && ip route add default via {ROUTER_LAN} && \
-             sysctl -qw net.ipv4.ip_forward=1"
+             ip -6 route add default via {ROUTER_LAN6}",
+            ip6 = node_ip6(i)
         ));
         // The API server reaches the kubelet too (logs, exec).
         let host_if = self.cp.reach_from(&ns);
@@ -656,7 +675,7 @@ podLogsDir: {logs}
                 ))
                 .arg(format!("--cert-dir={}", node.dir.join("pki").display()))
                 .arg(format!("--hostname-override={}", node.name))
-                .arg(format!("--node-ip={}", node.ip))
+                .arg(format!("--node-ip={},{}", node.ip, node_ip6(i + 1)))
                 .arg("--v=1"),
             &node.dir.join("kubelet.log"),
         );
@@ -669,6 +688,11 @@ podLogsDir: {logs}
         poll_until(READY, Duration::from_millis(200), || {
             self.cp
                 .get("node", None, &node.name)
+                .filter(|n| {
+                    n["spec"]["podCIDRs"]
+                        .as_array()
+                        .is_some_and(|c| c.len() == 2)
+                })
                 .and_then(|n| n["spec"]["podCIDR"].as_str().map(String::from))
                 .ok_or(())
         })
@@ -691,7 +715,7 @@ podLogsDir: {logs}
         fs::write(
             &net_conf,
             format!(
-                r#"{{"Network": "{POD_NETWORK}", "EnableIPv4": true, "Backend": {{"Type": "{}"}}}}"#,
+                r#"{{"Network": "{POD_NETWORK}", "EnableIPv4": true, "IPv6Network": "{POD_NETWORK6}", "EnableIPv6": true, "Backend": {{"Type": "{}"}}}}"#,
                 self.network.backend()
             ),
         )
@@ -738,8 +762,14 @@ podLogsDir: {logs}
                         "type": "host-local",
                         // flannel writes its gateway (10.244.1.1/24); the
                         // plugin wants the network.
-                        "ranges": [[{"subnet": network_of(&var("FLANNEL_SUBNET"))}]],
-                        "routes": [{"dst": var("FLANNEL_NETWORK")}],
+                        "ranges": [
+                            [{"subnet": network_of(&var("FLANNEL_SUBNET"))}],
+                            [{"subnet": network_of(&var("FLANNEL_IPV6_SUBNET"))}],
+                        ],
+                        "routes": [
+                            {"dst": var("FLANNEL_NETWORK")},
+                            {"dst": var("FLANNEL_IPV6_NETWORK")},
+                        ],
                         "dataDir": node.state.join("cni-ipam").display().to_string(),
                     },
                 },
@@ -762,7 +792,7 @@ podLogsDir: {logs}
             r#"apiVersion: kubeproxy.config.k8s.io/v1alpha1
 kind: KubeProxyConfiguration
 mode: iptables
-clusterCIDR: {POD_NETWORK}
+clusterCIDR: {POD_NETWORK},{POD_NETWORK6}
 hostnameOverride: {name}
 clientConnection:
   kubeconfig: {kubeconfig}
@@ -896,11 +926,13 @@ template bgp node {{
     }
 
     /// The node whose MAC the router learned for `vip` (L2 mode's owner).
-    pub fn l2_owner(&self, vip: Ipv4Addr) -> String {
+    pub fn l2_owner(&self, vip: impl Into<std::net::IpAddr>) -> String {
+        let vip: std::net::IpAddr = vip.into();
+        let any = if vip.is_ipv4() { "0.0.0.0:0" } else { "[::]:0" };
         let mac = poll_until(Duration::from_secs(30), Duration::from_millis(200), || {
-            // Any datagram makes the router resolve the VIP's MAC.
+            // Any datagram makes the router resolve the VIP's MAC (ARP, NDP).
             let _ = crate::topology::in_netns(&self.router, move || {
-                std::net::UdpSocket::bind("0.0.0.0:0")
+                std::net::UdpSocket::bind(any)
                     .and_then(|s| s.send_to(b"arp", (vip, 9)))
                     .ok()
             })
@@ -1071,10 +1103,18 @@ impl Drop for NodeCluster {
 /// `10.244.1.1/24` -> `10.244.1.0/24`.
 fn network_of(cidr: &str) -> String {
     let (ip, len) = cidr.split_once('/').expect("address/length");
-    let ip: Ipv4Addr = ip.parse().expect("an IPv4 address");
     let len: u32 = len.parse().expect("a prefix length");
-    let mask = u32::MAX.checked_shl(32 - len).unwrap_or(0);
-    format!("{}/{len}", Ipv4Addr::from(u32::from(ip) & mask))
+    let network = match ip.parse().expect("an address") {
+        std::net::IpAddr::V4(ip) => {
+            let mask = u32::MAX.checked_shl(32 - len).unwrap_or(0);
+            Ipv4Addr::from(u32::from(ip) & mask).to_string()
+        }
+        std::net::IpAddr::V6(ip) => {
+            let mask = u128::MAX.checked_shl(128 - len).unwrap_or(0);
+            Ipv6Addr::from(u128::from(ip) & mask).to_string()
+        }
+    };
+    format!("{network}/{len}")
 }
 
 /// Runs `f` on a thread inside the network namespace of the Pod `pod`

@@ -6,7 +6,7 @@
 use std::{
     collections::{BTreeMap, BTreeSet},
     io::{Read, Write},
-    net::{Ipv4Addr, SocketAddr, TcpStream, UdpSocket},
+    net::{IpAddr, Ipv4Addr, SocketAddr, TcpStream, UdpSocket},
     sync::{Mutex, MutexGuard},
     time::Duration,
 };
@@ -15,7 +15,7 @@ use serde_json::{json, Value};
 use xlb_tests::{
     cluster::AGENT_NAMESPACE,
     nodes::{
-        from_client, from_node, from_pod, image, node_ip, NodeCluster, PodNetwork, CLIENT,
+        from_client, from_node, from_pod, image, node_ip, NodeCluster, PodNetwork, CLIENT, CLIENT6,
         CLUSTER_ASN, ROUTER_ASN, ROUTER_LAN,
     },
     traffic::{poll_until, ConnectionStream, KeepAlive},
@@ -24,6 +24,8 @@ use xlb_tests::{
 const APP_NS: &str = "shop";
 /// The L2 pool: addresses on the nodes' LAN, answered by ARP.
 const L2_POOL: &str = "10.80.0.200/29";
+/// Its IPv6 part, answered by NDP.
+const L2_POOL6: &str = "fd00:80::200/125";
 /// The BGP pool: addresses no network has, routed by the router's BIRD.
 const BGP_POOL: &str = "192.0.2.0/28";
 
@@ -140,7 +142,8 @@ fn http_once(vip: SocketAddr) -> std::io::Result<String> {
 }
 
 fn udp_once(vip: SocketAddr) -> std::io::Result<String> {
-    let s = UdpSocket::bind("0.0.0.0:0")?;
+    let any = if vip.is_ipv4() { "0.0.0.0:0" } else { "[::]:0" };
+    let s = UdpSocket::bind(any)?;
     s.set_read_timeout(Some(Duration::from_secs(2)))?;
     s.send_to(b"ping", vip)?;
     let mut buf = [0u8; 512];
@@ -157,15 +160,16 @@ fn parse_answer(answer: &str) -> (String, String) {
             .unwrap_or_else(|| panic!("no {k} in {answer:?}"))
             .to_string()
     };
-    let client = field("client=");
-    let addr = client.rsplit_once(':').map(|(a, _)| a.to_string()).unwrap();
-    (field("pod="), addr)
+    let client: SocketAddr = field("client=")
+        .parse()
+        .unwrap_or_else(|e| panic!("client= in {answer:?}: {e}"));
+    (field("pod="), client.ip().to_string())
 }
 
 /// `n` requests from the client over TCP and `n` over UDP: every one must
 /// be answered. Returns the answers (pod, client address as the Pod saw it).
-fn requests(c: &NodeCluster, vip: Ipv4Addr, n: usize, udp: bool) -> Vec<(String, String)> {
-    let target = SocketAddr::from((vip, 80));
+fn requests(c: &NodeCluster, vip: impl Into<IpAddr>, n: usize, udp: bool) -> Vec<(String, String)> {
+    let target = SocketAddr::new(vip.into(), 80);
     let answers = from_client(c, move || {
         let mut out = Vec::new();
         for i in 0..n {
@@ -280,18 +284,24 @@ fn pods_on(c: &NodeCluster, nodes: Option<&[String]>) -> BTreeSet<String> {
 /// if `client_kept`, else another.
 fn reached_with_client(
     c: &NodeCluster,
-    vip: Ipv4Addr,
+    vip: impl Into<IpAddr>,
     all: &BTreeSet<String>,
     client_kept: bool,
     what: &str,
-) {
+) -> BTreeMap<String, usize> {
+    let vip: IpAddr = vip.into();
+    let me = if vip.is_ipv4() {
+        IpAddr::from(CLIENT)
+    } else {
+        IpAddr::from(CLIENT6)
+    };
     let mut per_pod: BTreeMap<String, usize> = BTreeMap::new();
     for _ in 0..5 {
         for (pod, client) in requests(c, vip, 12, true) {
             assert_eq!(
-                client == CLIENT.to_string(),
+                client == me.to_string(),
                 client_kept,
-                "{what}: {pod} saw {client} (the client is {CLIENT})"
+                "{what}: {pod} saw {client} (the client is {me})"
             );
             *per_pod.entry(pod).or_default() += 1;
         }
@@ -304,6 +314,7 @@ fn reached_with_client(
         &served, all,
         "{what}: not every Pod was reached (answers per Pod: {per_pod:?})"
     );
+    per_pod
 }
 
 /// Merge-patches `shop/web`.
@@ -314,33 +325,52 @@ fn set_service(c: &NodeCluster, patch: serde_json::Value) {
 /// With `externalTrafficPolicy: Local` and nat (both set here), nat keeps
 /// the client's address even over the overlay: only the Pods on `nodes`
 /// are reached, on the node itself. Waits until no other Pod answers.
-fn local_policy_keeps_the_client(c: &NodeCluster, vip: Ipv4Addr, nodes: &[String]) {
-    set_service(
-        c,
-        json!({
+fn local_policy_keeps_the_client(
+    c: &NodeCluster,
+    service: &str,
+    vip: impl Into<IpAddr>,
+    nodes: &[String],
+) {
+    let vip: IpAddr = vip.into();
+    let me = if vip.is_ipv4() {
+        IpAddr::from(CLIENT)
+    } else {
+        IpAddr::from(CLIENT6)
+    };
+    c.cp.patch(
+        "service",
+        Some(APP_NS),
+        service,
+        &json!({
             "metadata": {"annotations": {"xlb.dev/mode": "nat"}},
             "spec": {"externalTrafficPolicy": "Local"},
         }),
+        false,
     );
     let all = pods_on(c, Some(nodes));
-    let target = SocketAddr::from((vip, 80));
+    let target = SocketAddr::new(vip, 80);
+    let mut last = Vec::new();
     poll_until(Duration::from_secs(30), Duration::from_millis(200), || {
-        let answers = from_client(c, move || {
+        last = from_client(c, move || {
             (0..6).map(|_| http_once(target)).collect::<Vec<_>>()
         });
-        answers
-            .iter()
+        last.iter()
             .all(|a| {
                 a.as_ref().is_ok_and(|a| {
                     let (pod, client) = parse_answer(a);
-                    all.contains(&pod) && client == CLIENT.to_string()
+                    all.contains(&pod) && client == me.to_string()
                 })
             })
             .then_some(())
             .ok_or(())
     })
-    .unwrap_or_else(|()| panic!("Local policy never took effect:\n{}", c.describe_agents()));
-    reached_with_client(c, vip, &all, true, "nat, Local policy");
+    .unwrap_or_else(|()| {
+        panic!(
+            "{service}: Local policy never took effect (the last answers {last:?}, wanted from {all:?}):\n{}",
+            c.describe_agents()
+        )
+    });
+    reached_with_client(c, vip, &all, true, &format!("{service}: nat, Local policy"));
 }
 
 /// Clients inside the cluster connect to the LoadBalancer IP: from a Pod
@@ -389,7 +419,8 @@ fn in_cluster_clients_reach_the_service(c: &NodeCluster, vip: Ipv4Addr) {
 /// nodes is reached over TCP and UDP: the other node's through the overlay
 /// (the SNAT address is the node's own in its Pod CIDR, and replies are
 /// translated on `flannel.1`), in nat too, which crosses the overlay in
-/// snat. Pods and nodes inside the cluster reach the address too. Then the
+/// snat. Pods and nodes inside the cluster reach the address too, and an
+/// IPv6 Service reaches every Pod as well (the cluster is dual-stack). Then the
 /// lifecycle (upgrade, config-only upgrade, rollback) with the members
 /// sharing their flows, `Local` (nat keeps the client's address), and
 /// `helm uninstall`.
@@ -416,12 +447,13 @@ fn l2_install_reaches_pods_on_every_node() {
             "--set-json",
             r#"config.l2={"interfaces":["eth0"],"key_file":"/etc/xlb-l2/key","share_flows":true}"#,
             "--set-json",
-            &format!(r#"pools={{"lan":{{"addresses":["{L2_POOL}"]}}}}"#),
+            &format!(r#"pools={{"lan":{{"addresses":["{L2_POOL}","{L2_POOL6}"]}}}}"#),
         ],
     );
     let vip = create_service(&c, "Cluster");
     pods_are_reached_in_snat_and_nat(&c, vip, None, false);
     in_cluster_clients_reach_the_service(&c, vip);
+    ipv6_reaches_pods_on_every_node(&c);
     // The lifecycle in snat (the chart's default), with the members sharing
     // their flows (`share_flows`): a rolling update moves the VIP away from
     // each restarting agent and back, an L2 failover each time.
@@ -433,8 +465,46 @@ fn l2_install_reaches_pods_on_every_node() {
         c.l2_owner(vip);
     });
     let owner = c.l2_owner(vip);
-    local_policy_keeps_the_client(&c, vip, &[owner]);
+    local_policy_keeps_the_client(&c, "web", vip, &[owner]);
     uninstall_leaves_nothing(&c);
+}
+
+/// An IPv6 Service (`ipFamilies: [IPv6]`, an address of the pool's IPv6
+/// range, answered by NDP from XDP): every Pod on both nodes is reached
+/// over TCP and UDP from the client's IPv6 address, the other node's
+/// through flannel's IPv6 VXLAN device; the Pods see the receiving node's
+/// address in its IPv6 Pod CIDR. Then the Service goes.
+fn ipv6_reaches_pods_on_every_node(c: &NodeCluster) {
+    c.cp.apply(&json!({
+        "apiVersion": "v1", "kind": "Service",
+        "metadata": {"name": "web6", "namespace": APP_NS},
+        "spec": {
+            "type": "LoadBalancer",
+            "ipFamilies": ["IPv6"],
+            "ipFamilyPolicy": "SingleStack",
+            "externalTrafficPolicy": "Cluster",
+            "loadBalancerClass": "xlb.dev/xlb",
+            "selector": {"app": "web"},
+            "ports": [
+                {"name": "http", "port": 80, "targetPort": "http", "protocol": "TCP"},
+                {"name": "echo", "port": 80, "targetPort": "echo", "protocol": "UDP"},
+            ],
+        },
+    }));
+    let vip: IpAddr = poll_until(Duration::from_secs(60), Duration::from_millis(200), || {
+        let svc = c.cp.get("service", Some(APP_NS), "web6").ok_or(())?;
+        svc["status"]["loadBalancer"]["ingress"][0]["ip"]
+            .as_str()
+            .and_then(|s| s.parse().ok())
+            .ok_or(())
+    })
+    .unwrap_or_else(|()| panic!("shop/web6 got no address:\n{}", c.describe_agents()));
+    assert!(vip.is_ipv6(), "shop/web6 got {vip}");
+    let answers = reached_with_client(c, vip, &pods_on(c, None), false, "IPv6, snat");
+    eprintln!("IPv6 {vip}: answers per Pod {answers:?}");
+    let owner = c.l2_owner(vip);
+    local_policy_keeps_the_client(c, "web6", vip, &[owner]);
+    c.cp.kubectl_ok(&["-n", APP_NS, "delete", "service", "web6"]);
 }
 
 /// `helm uninstall` as docs/helm.md says: every agent detaches its program
@@ -448,7 +518,12 @@ fn uninstall_leaves_nothing(c: &NodeCluster) {
             .collect()
     };
     for n in &c.nodes {
-        assert_eq!(ours(n), ["table ip xlb"], "{} before the uninstall", n.name);
+        assert!(
+            ours(n).contains(&"table ip xlb".to_string()),
+            "{} before the uninstall: {:?}",
+            n.name,
+            ours(n)
+        );
     }
     c.helm_ok(&["uninstall", "xlb", "--namespace", AGENT_NAMESPACE, "--wait"]);
     for n in &c.nodes {
@@ -513,7 +588,7 @@ fn bgp_install_reaches_pods_on_every_node() {
     });
     pods_are_reached_in_snat_and_nat(&c, vip, None, true);
     let receiver = c.receiver_of_client(vip);
-    local_policy_keeps_the_client(&c, vip, std::slice::from_ref(&receiver));
+    local_policy_keeps_the_client(&c, "web", vip, std::slice::from_ref(&receiver));
     let routed = || {
         poll_until(Duration::from_secs(90), Duration::from_millis(250), || {
             (c.router_next_hops(vip) == want).then_some(()).ok_or(())
