@@ -291,6 +291,19 @@ impl Agent {
             if let Err(e) = agent.reconcile() {
                 warn!("programming the services before the first attach: {e:#}");
             }
+            // This node's flows too, back from the peers with their reply
+            // translations, while the old program still serves: else the
+            // backends' replies to this node's SNAT address found no
+            // translation until the pull, and reached the kernel.
+            if let Some(exchange) = agent.flow_sync.clone() {
+                if exchange.peers.known(Duration::from_secs(5)).await {
+                    let got = exchange.take_from_peers().await;
+                    info!(
+                        ?got,
+                        "flow exchange: flows taken back before the first attach"
+                    );
+                }
+            }
         }
         agent.announce_with_peers_flows(kube_client).await?;
         agent.ready.store(true, Ordering::Relaxed);

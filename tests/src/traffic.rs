@@ -103,7 +103,7 @@ pub fn poll_until<T, E>(
 /// not, until stopped.
 pub struct ConnectionStream {
     stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
-    thread: std::thread::JoinHandle<(usize, usize)>,
+    thread: std::thread::JoinHandle<(usize, Vec<String>)>,
 }
 
 impl ConnectionStream {
@@ -113,30 +113,32 @@ impl ConnectionStream {
         let s = stop.clone();
         let thread = in_netns(client, move || {
             // Threads started here live in the client's namespace too.
+            let started = Instant::now();
             let mut running = Vec::new();
             while !s.load(std::sync::atomic::Ordering::Relaxed) {
                 let next = Instant::now() + every;
                 running.push(std::thread::spawn(move || {
-                    matches!(
-                        crate::topology::http_get(addr, "/", Duration::from_secs(5)),
-                        Ok((200, _))
-                    )
+                    let at = started.elapsed();
+                    match crate::topology::http_get(addr, "/", Duration::from_secs(5)) {
+                        Ok((200, _)) => None,
+                        Ok((status, _)) => Some(format!("status {status} (opened after {at:?})")),
+                        Err(e) => Some(format!("{e} (opened after {at:?})")),
+                    }
                 }));
                 std::thread::sleep(next.saturating_duration_since(Instant::now()));
             }
             let opened = running.len();
             let failed = running
                 .into_iter()
-                .map(|t| t.join().unwrap_or(false))
-                .filter(|ok| !ok)
-                .count();
+                .filter_map(|t| t.join().unwrap_or_else(|_| Some("panicked".into())))
+                .collect();
             (opened, failed)
         });
         ConnectionStream { stop, thread }
     }
 
-    /// Connections opened, and of them failed.
-    pub fn stop(self) -> (usize, usize) {
+    /// Connections opened, and why each failed one failed.
+    pub fn stop(self) -> (usize, Vec<String>) {
         self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
         self.thread.join().expect("connection stream thread")
     }

@@ -326,7 +326,8 @@ fn through_a_link_cut_no_connection_is_answered_by_two_nodes() {
     lab.nodes[first - 1].heal(&lab.switch, &prefix);
     wait_owner_is(&lab, first, "the VIP back after the heal");
     assert_traffic_resumes(&lab, addr, "after the heal");
-    let (opened, failed) = stream.stop();
+    let (opened, failures) = stream.stop();
+    let failed = failures.len();
     let seen = synacks.stop();
     let doubles: Vec<_> = seen.iter().filter(|(_, s)| s.len() > 1).collect();
     let foreign: f64 = (1..=3)
@@ -335,7 +336,7 @@ fn through_a_link_cut_no_connection_is_answered_by_two_nodes() {
         })
         .sum();
     println!(
-        "{opened} connections through the cut and heal in {:?}, {failed} failed, {} answered by two nodes; {foreign} foreign frames passed",
+        "{opened} connections through the cut and heal in {:?}, {failed} failed {failures:?}, {} answered by two nodes; {foreign} foreign frames passed",
         began.elapsed(),
         doubles.len()
     );

@@ -626,7 +626,8 @@ fn bgp_install_reaches_pods_on_every_node() {
         "--delete-emptydir-data",
         "--timeout=120s",
     ]);
-    let (opened, failed) = stream.stop();
+    let (opened, failures) = stream.stop();
+    let failed = failures.len();
     let conns = keep.stop();
     let lost_elsewhere: Vec<&(String, Option<String>)> = conns
         .iter()
@@ -635,7 +636,7 @@ fn bgp_install_reaches_pods_on_every_node() {
     let lost = conns.iter().filter(|(_, l)| l.is_some()).count();
     eprintln!(
         "lifecycle kubectl drain: {lost} of 30 keep-alive connections lost \
-         (to Pods of the drained node: {}), {failed} of {opened} new connections failed",
+         (to Pods of the drained node: {}), {failed} of {opened} new connections failed {failures:?}",
         lost - lost_elsewhere.len()
     );
     assert!(
@@ -797,7 +798,8 @@ fn through(c: &NodeCluster, vip: Ipv4Addr, step: &'static str, action: impl FnOn
     let stream = ConnectionStream::start(&c.client, addr, Duration::from_millis(100));
     let node_of: BTreeMap<String, String> = backend_pods(c).into_iter().collect();
     action();
-    let (opened, failed) = stream.stop();
+    let (opened, failures) = stream.stop();
+    let failed = failures.len();
     let conns = keep.stop();
     // Each lost connection with the node of its Pod: where to look.
     let why: Vec<String> = conns
@@ -812,7 +814,10 @@ fn through(c: &NodeCluster, vip: Ipv4Addr, step: &'static str, action: impl FnOn
         "lifecycle {step}: {} of {} keep-alive connections lost, {failed} of {opened} new connections failed{}",
         why.len(),
         conns.len(),
-        why.iter().map(|w| format!("\n  lost: {w}")).collect::<String>()
+        why.iter()
+            .map(|w| format!("\n  lost: {w}"))
+            .chain(failures.iter().map(|f| format!("\n  new connection failed: {f}")))
+            .collect::<String>()
     );
     Toll {
         step,
