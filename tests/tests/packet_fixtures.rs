@@ -2377,17 +2377,17 @@ fn an_unknown_snat_flow_is_held_until_the_exchange_brings_it_needs_root() {
     assert_eq!(held(dp), 2);
     // The exchange brings it: it goes as the node that opened it sent it.
     let other = SocketAddr::from(([10, 2, 0, 9], 20001));
-    let got = dp
-        .import_flows(&[HandedFlow {
-            protocol: Protocol::Tcp,
-            client: sa(CLIENT, 40400),
-            vip: sa(VIP, 443),
-            backend: sa(B3, 8443),
-            snat: other,
-            closed: false,
-            idle_ms: 0,
-        }])
-        .unwrap();
+    // Another node's flow from the client's port `cport`, as it hands it.
+    let handed = |cport| HandedFlow {
+        protocol: Protocol::Tcp,
+        client: sa(CLIENT, cport),
+        vip: sa(VIP, 443),
+        backend: sa(B3, 8443),
+        snat: other,
+        closed: false,
+        idle_ms: 0,
+    };
+    let got = dp.import_flows(&[handed(40400)]).unwrap();
     assert_eq!(got.added, 1);
     let (v, out) = run(dp, cl0, &c4(ack(40400, 443)));
     assert_eq!(v, XDP_REDIRECT);
@@ -2426,16 +2426,7 @@ fn an_unknown_snat_flow_is_held_until_the_exchange_brings_it_needs_root() {
     // Imported while held: known, so that a later loss is held afresh.
     let (v, _) = run(dp, cl0, &c4(ack(40404, 443)));
     assert_eq!(v, XDP_DROP);
-    dp.import_flows(&[HandedFlow {
-        protocol: Protocol::Tcp,
-        client: sa(CLIENT, 40404),
-        vip: sa(VIP, 443),
-        backend: sa(B3, 8443),
-        snat: other,
-        closed: false,
-        idle_ms: 0,
-    }])
-    .unwrap();
+    dp.import_flows(&[handed(40404)]).unwrap();
     std::thread::sleep(
         Duration::from_nanos(lb_common::HOLD_UNKNOWN_NS) + Duration::from_millis(100),
     );

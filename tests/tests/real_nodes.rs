@@ -89,11 +89,22 @@ fn backend_pods(c: &NodeCluster) -> Vec<(String, String)> {
 
 /// `shop/web`, TCP and UDP on port 80, with this `externalTrafficPolicy`.
 fn create_service(c: &NodeCluster, traffic_policy: &str) -> Ipv4Addr {
+    match create_service_of(c, "web", traffic_policy, "IPv4") {
+        IpAddr::V4(ip) => ip,
+        other => panic!("shop/web got {other}"),
+    }
+}
+
+/// `shop/NAME`, TCP and UDP on port 80, of the one IP `family`, with this
+/// `externalTrafficPolicy`; its LoadBalancer address.
+fn create_service_of(c: &NodeCluster, name: &str, traffic_policy: &str, family: &str) -> IpAddr {
     c.cp.apply(&json!({
         "apiVersion": "v1", "kind": "Service",
-        "metadata": {"name": "web", "namespace": APP_NS},
+        "metadata": {"name": name, "namespace": APP_NS},
         "spec": {
             "type": "LoadBalancer",
+            "ipFamilies": [family],
+            "ipFamilyPolicy": "SingleStack",
             "externalTrafficPolicy": traffic_policy,
             "loadBalancerClass": "xlb.dev/xlb",
             "selector": {"app": "web"},
@@ -103,15 +114,14 @@ fn create_service(c: &NodeCluster, traffic_policy: &str) -> Ipv4Addr {
             ],
         },
     }));
-    let ip = poll_until(Duration::from_secs(60), Duration::from_millis(200), || {
-        let svc = c.cp.get("service", Some(APP_NS), "web").ok_or(())?;
+    poll_until(Duration::from_secs(60), Duration::from_millis(200), || {
+        let svc = c.cp.get("service", Some(APP_NS), name).ok_or(())?;
         svc["status"]["loadBalancer"]["ingress"][0]["ip"]
             .as_str()
             .and_then(|s| s.parse().ok())
             .ok_or(())
     })
-    .unwrap_or_else(|()| panic!("shop/web got no address:\n{}", c.describe_agents()));
-    ip
+    .unwrap_or_else(|()| panic!("shop/{name} got no address:\n{}", c.describe_agents()))
 }
 
 /// One HTTP request on a new connection; the backend's answer line.
@@ -475,30 +485,7 @@ fn l2_install_reaches_pods_on_every_node() {
 /// through flannel's IPv6 VXLAN device; the Pods see the receiving node's
 /// address in its IPv6 Pod CIDR. Then the Service goes.
 fn ipv6_reaches_pods_on_every_node(c: &NodeCluster) {
-    c.cp.apply(&json!({
-        "apiVersion": "v1", "kind": "Service",
-        "metadata": {"name": "web6", "namespace": APP_NS},
-        "spec": {
-            "type": "LoadBalancer",
-            "ipFamilies": ["IPv6"],
-            "ipFamilyPolicy": "SingleStack",
-            "externalTrafficPolicy": "Cluster",
-            "loadBalancerClass": "xlb.dev/xlb",
-            "selector": {"app": "web"},
-            "ports": [
-                {"name": "http", "port": 80, "targetPort": "http", "protocol": "TCP"},
-                {"name": "echo", "port": 80, "targetPort": "echo", "protocol": "UDP"},
-            ],
-        },
-    }));
-    let vip: IpAddr = poll_until(Duration::from_secs(60), Duration::from_millis(200), || {
-        let svc = c.cp.get("service", Some(APP_NS), "web6").ok_or(())?;
-        svc["status"]["loadBalancer"]["ingress"][0]["ip"]
-            .as_str()
-            .and_then(|s| s.parse().ok())
-            .ok_or(())
-    })
-    .unwrap_or_else(|()| panic!("shop/web6 got no address:\n{}", c.describe_agents()));
+    let vip = create_service_of(c, "web6", "Cluster", "IPv6");
     assert!(vip.is_ipv6(), "shop/web6 got {vip}");
     let answers = reached_with_client(c, vip, &pods_on(c, None), false, "IPv6, snat");
     eprintln!("IPv6 {vip}: answers per Pod {answers:?}");
