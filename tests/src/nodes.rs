@@ -37,7 +37,7 @@
 
 use std::{
     fs,
-    net::{Ipv4Addr, Ipv6Addr},
+    net::{IpAddr, Ipv4Addr, Ipv6Addr},
     path::{Path, PathBuf},
     process::{Child, Command, Output, Stdio},
     time::Duration,
@@ -836,7 +836,8 @@ conntrack:
     }
 
     /// BIRD on the router, peering with every node's speaker (the chart's
-    /// gobgpd sidecar) and installing what they announce as ECMP routes.
+    /// gobgpd sidecar) and installing what they announce as ECMP routes:
+    /// IPv4 and IPv6 VIPs over one IPv4 session per node (MP-BGP).
     pub fn start_bird(&mut self) {
         let dir = Path::new(ROOT).join(format!("{}-router", self.prefix));
         let _ = fs::remove_dir_all(&dir);
@@ -849,6 +850,10 @@ protocol kernel {{
   ipv4 {{ import none; export all; }};
   merge paths on;
 }}
+protocol kernel {{
+  ipv6 {{ import none; export all; }};
+  merge paths on;
+}}
 template bgp node {{
   local {ROUTER_LAN} as {ROUTER_ASN};
   hold time 9;
@@ -857,6 +862,7 @@ template bgp node {{
   error wait time 1, 2;
   graceful restart aware;
   ipv4 {{ import all; export none; }};
+  ipv6 {{ import all; export none; }};
 }}
 "#,
             log = dir.join("bird.log").display()
@@ -901,14 +907,16 @@ template bgp node {{
     }
 
     /// The router's next hops for `ip` (the nodes that announce it).
-    pub fn router_next_hops(&self, ip: Ipv4Addr) -> Vec<Ipv4Addr> {
+    pub fn router_next_hops(&self, ip: impl Into<IpAddr>) -> Vec<IpAddr> {
+        let ip: IpAddr = ip.into();
+        let family = if ip.is_ipv4() { "-4" } else { "-6" };
         let out = Command::new("ip")
-            .args(["-n", &self.router.name, "-j", "-4", "route", "show"])
+            .args(["-n", &self.router.name, "-j", family, "route", "show"])
             .arg(ip.to_string())
             .output()
             .unwrap();
         let routes: Value = serde_json::from_slice(&out.stdout).unwrap_or(Value::Null);
-        let mut hops: Vec<Ipv4Addr> = routes
+        let mut hops: Vec<IpAddr> = routes
             .as_array()
             .into_iter()
             .flatten()
@@ -926,8 +934,8 @@ template bgp node {{
     }
 
     /// The node whose MAC the router learned for `vip` (L2 mode's owner).
-    pub fn l2_owner(&self, vip: impl Into<std::net::IpAddr>) -> String {
-        let vip: std::net::IpAddr = vip.into();
+    pub fn l2_owner(&self, vip: impl Into<IpAddr>) -> String {
+        let vip: IpAddr = vip.into();
         let any = if vip.is_ipv4() { "0.0.0.0:0" } else { "[::]:0" };
         let mac = poll_until(Duration::from_secs(30), Duration::from_millis(200), || {
             // Any datagram makes the router resolve the VIP's MAC (ARP, NDP).
@@ -1105,11 +1113,11 @@ fn network_of(cidr: &str) -> String {
     let (ip, len) = cidr.split_once('/').expect("address/length");
     let len: u32 = len.parse().expect("a prefix length");
     let network = match ip.parse().expect("an address") {
-        std::net::IpAddr::V4(ip) => {
+        IpAddr::V4(ip) => {
             let mask = u32::MAX.checked_shl(32 - len).unwrap_or(0);
             Ipv4Addr::from(u32::from(ip) & mask).to_string()
         }
-        std::net::IpAddr::V6(ip) => {
+        IpAddr::V6(ip) => {
             let mask = u128::MAX.checked_shl(128 - len).unwrap_or(0);
             Ipv6Addr::from(u128::from(ip) & mask).to_string()
         }

@@ -15,8 +15,8 @@ use serde_json::{json, Value};
 use xlb_tests::{
     cluster::AGENT_NAMESPACE,
     nodes::{
-        from_client, from_node, from_pod, image, node_ip, NodeCluster, PodNetwork, CLIENT, CLIENT6,
-        CLUSTER_ASN, ROUTER_ASN, ROUTER_LAN,
+        from_client, from_node, from_pod, image, node_ip, node_ip6, NodeCluster, PodNetwork,
+        CLIENT, CLIENT6, CLUSTER_ASN, ROUTER_ASN, ROUTER_LAN,
     },
     traffic::{poll_until, ConnectionStream, KeepAlive},
 };
@@ -28,6 +28,8 @@ const L2_POOL: &str = "10.80.0.200/29";
 const L2_POOL6: &str = "fd00:80::200/125";
 /// The BGP pool: addresses no network has, routed by the router's BIRD.
 const BGP_POOL: &str = "192.0.2.0/28";
+/// Its IPv6 part.
+const BGP_POOL6: &str = "2001:db8:80::/124";
 
 /// The backend Deployment: `replicas` Pods spread over the nodes.
 fn deploy_backend(c: &NodeCluster, replicas: usize) {
@@ -240,15 +242,21 @@ fn install(c: &NodeCluster, values: &[&str]) {
 /// Service crosses the overlay, and every agent says it serves it in snat.
 fn pods_are_reached_in_snat_and_nat(
     c: &NodeCluster,
-    vip: Ipv4Addr,
+    service: &str,
+    vip: impl Into<IpAddr>,
     nodes: Option<&[String]>,
     nat_keeps_client: bool,
 ) {
+    let vip: IpAddr = vip.into();
+    let me = client_of(vip);
     let all = pods_on(c, nodes);
-    reached_with_client(c, vip, &all, false, "snat");
-    set_service(
-        c,
-        json!({"metadata": {"annotations": {"xlb.dev/mode": "nat"}}}),
+    reached_with_client(c, vip, &all, false, &format!("{service}: snat"));
+    c.cp.patch(
+        "service",
+        Some(APP_NS),
+        service,
+        &json!({"metadata": {"annotations": {"xlb.dev/mode": "nat"}}}),
+        false,
     );
     // The agents apply the annotation; until then answers come from snat.
     poll_until(Duration::from_secs(30), Duration::from_millis(200), || {
@@ -259,20 +267,20 @@ fn pods_are_reached_in_snat_and_nat(
             };
             return c.nodes.iter().all(said).then_some(()).ok_or(());
         }
-        let target = SocketAddr::from((vip, 80));
+        let target = SocketAddr::new(vip, 80);
         match from_client(c, move || http_once(target)) {
-            Ok(a) if parse_answer(&a).1 == CLIENT.to_string() => Ok(()),
+            Ok(a) if parse_answer(&a).1 == me.to_string() => Ok(()),
             _ => Err(()),
         }
     })
     .unwrap_or_else(|()| {
         panic!(
-            "nat never took effect:\n{}\n{}",
+            "{service}: nat never took effect:\n{}\n{}",
             c.describe_traffic(),
             c.describe_agents()
         )
     });
-    reached_with_client(c, vip, &all, nat_keeps_client, "nat");
+    reached_with_client(c, vip, &all, nat_keeps_client, &format!("{service}: nat"));
 }
 
 /// The backend Pods on `nodes` (all of them when None); the backends must
@@ -300,11 +308,7 @@ fn reached_with_client(
     what: &str,
 ) -> BTreeMap<String, usize> {
     let vip: IpAddr = vip.into();
-    let me = if vip.is_ipv4() {
-        IpAddr::from(CLIENT)
-    } else {
-        IpAddr::from(CLIENT6)
-    };
+    let me = client_of(vip);
     let mut per_pod: BTreeMap<String, usize> = BTreeMap::new();
     for _ in 0..5 {
         for (pod, client) in requests(c, vip, 12, true) {
@@ -327,6 +331,15 @@ fn reached_with_client(
     per_pod
 }
 
+/// The client's address of `vip`'s family.
+fn client_of(vip: IpAddr) -> IpAddr {
+    if vip.is_ipv4() {
+        CLIENT.into()
+    } else {
+        CLIENT6.into()
+    }
+}
+
 /// Merge-patches `shop/web`.
 fn set_service(c: &NodeCluster, patch: serde_json::Value) {
     c.cp.patch("service", Some(APP_NS), "web", &patch, false);
@@ -342,11 +355,7 @@ fn local_policy_keeps_the_client(
     nodes: &[String],
 ) {
     let vip: IpAddr = vip.into();
-    let me = if vip.is_ipv4() {
-        IpAddr::from(CLIENT)
-    } else {
-        IpAddr::from(CLIENT6)
-    };
+    let me = client_of(vip);
     c.cp.patch(
         "service",
         Some(APP_NS),
@@ -461,7 +470,7 @@ fn l2_install_reaches_pods_on_every_node() {
         ],
     );
     let vip = create_service(&c, "Cluster");
-    pods_are_reached_in_snat_and_nat(&c, vip, None, false);
+    pods_are_reached_in_snat_and_nat(&c, "web", vip, None, false);
     in_cluster_clients_reach_the_service(&c, vip);
     ipv6_reaches_pods_on_every_node(&c);
     // The lifecycle in snat (the chart's default), with the members sharing
@@ -557,11 +566,11 @@ fn bgp_install_reaches_pods_on_every_node() {
             "--set-json",
             &peers,
             "--set-json",
-            &format!(r#"pools={{"public":{{"addresses":["{BGP_POOL}"]}}}}"#),
+            &format!(r#"pools={{"public":{{"addresses":["{BGP_POOL}","{BGP_POOL6}"]}}}}"#),
         ],
     );
     let vip = create_service(&c, "Cluster");
-    let want: Vec<Ipv4Addr> = (1..=2).map(node_ip).collect();
+    let want: Vec<IpAddr> = (1..=2).map(|i| node_ip(i).into()).collect();
     poll_until(Duration::from_secs(60), Duration::from_millis(200), || {
         (c.router_next_hops(vip) == want).then_some(()).ok_or(())
     })
@@ -573,7 +582,8 @@ fn bgp_install_reaches_pods_on_every_node() {
             c.describe_agents()
         )
     });
-    pods_are_reached_in_snat_and_nat(&c, vip, None, true);
+    pods_are_reached_in_snat_and_nat(&c, "web", vip, None, true);
+    bgp_ipv6_reaches_pods_on_every_node(&c);
     let receiver = c.receiver_of_client(vip);
     local_policy_keeps_the_client(&c, "web", vip, std::slice::from_ref(&receiver));
     let routed = || {
@@ -633,6 +643,34 @@ fn bgp_install_reaches_pods_on_every_node() {
     );
     c.cp.kubectl_ok(&["uncordon", &drained]);
     uninstall_leaves_nothing(&c);
+}
+
+/// BGP mode's IPv6: an IPv6 Service's address is announced over the same
+/// sessions (MP-BGP) with each node's IPv6 address as the next hop, and
+/// every Pod on both nodes is reached from the client's IPv6 address in
+/// snat and in nat (which keeps it), the other node's through flannel's
+/// IPv6 host-gw route. Then the Service goes, and its route with it.
+fn bgp_ipv6_reaches_pods_on_every_node(c: &NodeCluster) {
+    let vip = create_service_of(c, "web6", "Cluster", "IPv6");
+    assert!(vip.is_ipv6(), "shop/web6 got {vip}");
+    let want: Vec<IpAddr> = (1..=2).map(|i| node_ip6(i).into()).collect();
+    poll_until(Duration::from_secs(60), Duration::from_millis(200), || {
+        (c.router_next_hops(vip) == want).then_some(()).ok_or(())
+    })
+    .unwrap_or_else(|()| {
+        panic!(
+            "the router's route to {vip} is not through both nodes: {:?}\n{}\n{}",
+            c.router_next_hops(vip),
+            c.birdc(&["show", "route", "all"]),
+            c.describe_agents()
+        )
+    });
+    pods_are_reached_in_snat_and_nat(c, "web6", vip, None, true);
+    c.cp.kubectl_ok(&["-n", APP_NS, "delete", "service", "web6"]);
+    poll_until(Duration::from_secs(30), Duration::from_millis(200), || {
+        c.router_next_hops(vip).is_empty().then_some(()).ok_or(())
+    })
+    .unwrap_or_else(|()| panic!("{vip} is still routed after its Service went"));
 }
 
 /// `helm upgrade` to a new image, a config-only upgrade and `helm rollback`
