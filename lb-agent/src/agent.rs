@@ -197,7 +197,14 @@ impl Agent {
             tokio::spawn(crate::http::serve(listener, metrics.clone(), probe));
         }
         let flow_sync = match &config.flow_sync {
-            Some(fs) => Some(crate::flow_sync::Exchange::start(fs, dp.clone()).await?),
+            Some(fs) => {
+                let exchange = crate::flow_sync::Exchange::start(fs, dp.clone()).await?;
+                exchange
+                    .peers
+                    .register_metrics(metrics.registry())
+                    .context("registering the flow exchange's metrics")?;
+                Some(exchange)
+            }
             None => None,
         };
         let (health, health_rx) = HealthChecker::new();

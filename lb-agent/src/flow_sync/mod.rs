@@ -19,6 +19,7 @@ use std::{
     time::Duration,
 };
 
+use prometheus::{GaugeVec, IntCounterVec, Opts, Registry};
 use rand::TryRngCore;
 use tokio::{
     io::BufReader,
@@ -186,6 +187,53 @@ pub struct Peers {
     key: Arc<Vec<u8>>,
     /// `None` until discovered peers are first known.
     list: Arc<watch::Sender<Option<Vec<SocketAddr>>>>,
+    stats: PeerStats,
+}
+
+/// What became of this agent's pushes and pulls, per peer (`/metrics`,
+/// `lbctl status`).
+#[derive(Clone)]
+struct PeerStats {
+    last_ok: GaugeVec,
+    exchanges: IntCounterVec,
+}
+
+impl PeerStats {
+    fn new() -> Self {
+        let last_ok = GaugeVec::new(
+            Opts::new(
+                "xlb_flow_sync_last_exchange_timestamp_seconds",
+                "When a push to or a pull from the peer last succeeded (Unix time)",
+            ),
+            &["peer"],
+        )
+        .expect("metric");
+        let exchanges = IntCounterVec::new(
+            Opts::new(
+                "xlb_flow_sync_exchanges_total",
+                "Pushes to and pulls from the peer, by result (ok or error)",
+            ),
+            &["peer", "result"],
+        )
+        .expect("metric");
+        Self { last_ok, exchanges }
+    }
+
+    fn record<T>(&self, results: &[(SocketAddr, Result<T, String>)]) {
+        for (peer, r) in results {
+            let peer = peer.to_string();
+            let result = if r.is_ok() { "ok" } else { "error" };
+            self.exchanges.with_label_values(&[&peer, result]).inc();
+            if r.is_ok() {
+                let now = std::time::SystemTime::now()
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .unwrap_or_default();
+                self.last_ok
+                    .with_label_values(&[&peer])
+                    .set(now.as_secs_f64());
+            }
+        }
+    }
 }
 
 impl Peers {
@@ -194,7 +242,14 @@ impl Peers {
         Self {
             key: Arc::new(key),
             list: Arc::new(watch::Sender::new(peers)),
+            stats: PeerStats::new(),
         }
+    }
+
+    /// Adds the exchange's per-peer series to `registry`.
+    pub fn register_metrics(&self, registry: &Registry) -> prometheus::Result<()> {
+        registry.register(Box::new(self.stats.last_ok.clone()))?;
+        registry.register(Box::new(self.stats.exchanges.clone()))
     }
 
     /// The peers, as discovered now.
@@ -243,7 +298,9 @@ impl Peers {
                 (p, flatten(r, t))
             }
         });
-        futures::future::join_all(all).await
+        let results = futures::future::join_all(all).await;
+        self.stats.record(&results);
+        results
     }
 
     /// Asks every peer for its SNAT flows at once.
@@ -256,7 +313,9 @@ impl Peers {
                 (p, flatten(r, t))
             }
         });
-        futures::future::join_all(all).await
+        let results = futures::future::join_all(all).await;
+        self.stats.record(&results);
+        results
     }
 }
 

@@ -37,7 +37,7 @@ use kube::runtime::reflector::{self, Store};
 use kube::runtime::watcher::{self, watcher};
 use kube::runtime::WatchStreamExt;
 use kube::{Api, Client, Resource, ResourceExt};
-use prometheus::{IntGaugeVec, Opts, Registry};
+use prometheus::{IntGauge, IntGaugeVec, Opts, Registry};
 use serde_json::{json, Value};
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
@@ -108,6 +108,7 @@ impl AllocatorConfig {
 /// The allocator's metrics, registered once.
 #[derive(Clone)]
 struct Metrics {
+    leader: IntGauge,
     pool_addresses: IntGaugeVec,
     pool_in_use: IntGaugeVec,
     without_address: IntGaugeVec,
@@ -136,10 +137,16 @@ impl Metrics {
             ),
             &["reason"],
         )?;
+        let leader = IntGauge::new(
+            "xlb_allocator_leader",
+            "1 while this agent holds the allocator's Lease and hands out LoadBalancer addresses",
+        )?;
+        registry.register(Box::new(leader.clone()))?;
         registry.register(Box::new(pool_addresses.clone()))?;
         registry.register(Box::new(pool_in_use.clone()))?;
         registry.register(Box::new(without_address.clone()))?;
         Ok(Metrics {
+            leader,
             pool_addresses,
             pool_in_use,
             without_address,
@@ -213,9 +220,11 @@ impl Allocator {
                 return;
             }
             info!("leading: handing out LoadBalancer addresses");
+            self.metrics.leader.set(1);
             let mut term = Term::new(&self);
             term.run(&mut leader).await;
             self.metrics.clear();
+            self.metrics.leader.set(0);
             info!("not leading: stopped handing out LoadBalancer addresses");
             // The elector is gone (the agent is stopping). Its last value
             // may still be `true`, which `wait_for` would take at once,

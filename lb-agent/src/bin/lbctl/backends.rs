@@ -78,6 +78,8 @@ impl LoadRow {
 
 #[derive(Serialize)]
 pub struct ServiceBackends {
+    /// The agent's name of the service; `None` when it did not answer.
+    pub name: Option<String>,
     pub service: String,
     pub service_id: u32,
     pub mode: String,
@@ -90,7 +92,7 @@ pub struct BackendsReport {
     pub services: Vec<ServiceBackends>,
 }
 
-pub fn run(maps: &PinnedMaps, args: &Args) -> Result<BackendsReport> {
+pub fn run(maps: &PinnedMaps, args: &Args, names: &services::Names) -> Result<BackendsReport> {
     let services_map = maps.services()?;
     let list = match &args.service {
         Some(a) => {
@@ -145,6 +147,7 @@ pub fn run(maps: &PinnedMaps, args: &Args) -> Result<BackendsReport> {
         }
         rows.sort_by_key(|r| r.address);
         out.push(ServiceBackends {
+            name: services::name_of(names, &key),
             service: services::service_name(&key),
             service_id: info.id,
             mode: services::mode(&key, &info),
@@ -164,6 +167,9 @@ impl Render for BackendsReport {
         for (i, svc) in self.services.iter().enumerate() {
             if i > 0 {
                 s.push('\n');
+            }
+            if let Some(name) = &svc.name {
+                s.push_str(&format!("{name} "));
             }
             s.push_str(&format!(
                 "{} (id {}, {}, table {})\n",

@@ -1,16 +1,20 @@
 //! lbctl: inspects the xlb data plane through the maps lb-agent pins under
 //! /sys/fs/bpf/xlb. It only reads them, and works while the agent is down.
+//! What only the agent knows (`status`, service names) it reads from the
+//! agent's metrics endpoint.
 
+mod agent;
 mod backends;
 mod conntrack;
 mod l2;
 mod maglev;
 mod services;
 mod stats;
+mod status;
 mod table;
 mod trace;
 
-use std::{io::Write, path::PathBuf, process::ExitCode};
+use std::{collections::BTreeMap, io::Write, net::SocketAddr, path::PathBuf, process::ExitCode};
 
 use anyhow::Result;
 use clap::{Parser, Subcommand};
@@ -22,9 +26,12 @@ use serde::Serialize;
     version,
     about = "Inspect the xlb XDP load balancer through its pinned BPF maps",
     long_about = "Inspect the xlb XDP load balancer through its pinned BPF maps. \
-                  lbctl only reads the maps, and works while lb-agent is down. Needs root.\n\n\
-                  Exit codes: 0 success, 1 error (no pinned maps, unknown service, ...), \
-                  2 usage error, or `trace` found no service for the flow."
+                  lbctl only reads the maps, and works while lb-agent is down. Needs root. \
+                  `status` and the service names come from the agent's metrics endpoint \
+                  (--agent).\n\n\
+                  Exit codes: 0 success, 1 error (no pinned maps, unknown service, agent \
+                  unreachable for `status`, ...), 2 usage error, 3 `trace` found no service \
+                  for the flow, 4 `status`: the agent is not ready."
 )]
 struct Cli {
     /// Directory where lb-agent pins the XDP program's maps.
@@ -38,13 +45,27 @@ struct Cli {
     /// Machine-readable output: one JSON document on stdout.
     #[arg(long, global = true)]
     json: bool,
+    /// The agent's metrics address (its `metrics_addr` or `--metrics-addr`),
+    /// ADDR:PORT with or without http://. The chart sets XLB_AGENT in the
+    /// agent's container.
+    #[arg(
+        long,
+        global = true,
+        value_name = "ADDR:PORT",
+        env = "XLB_AGENT",
+        default_value = "127.0.0.1:9469",
+        value_parser = agent::parse_agent
+    )]
+    agent: SocketAddr,
     #[command(subcommand)]
     command: Command,
 }
 
 #[derive(Subcommand)]
 enum Command {
-    /// Services: VIP, port, protocol, mode, table size, backends, traffic.
+    /// The agent: ready, Kubernetes API, allocator Lease, BGP sessions, L2 VIPs, flow-sync peers.
+    Status,
+    /// Services: name, VIP, port, protocol, mode, table size, backends, traffic.
     Services,
     /// Backends of each service's live Maglev table, with share and traffic.
     Backends(backends::Args),
@@ -79,12 +100,28 @@ fn emit<R: Render>(report: R, json: bool) -> Result<ExitCode> {
     Ok(ExitCode::from(report.exit_code()))
 }
 
+/// Service names by `(VIP, port, protocol)` from the agent; empty (and
+/// said on stderr) when it does not answer: the maps are read anyway.
+fn service_names(agent: SocketAddr) -> BTreeMap<(std::net::IpAddr, u16, String), String> {
+    match agent::scrape(agent) {
+        Ok(all) => agent::service_names(&all),
+        Err(e) => {
+            eprintln!("lbctl: service names unknown: {e:#}");
+            BTreeMap::new()
+        }
+    }
+}
+
 fn run(cli: &Cli) -> Result<ExitCode> {
-    let maps = lb_agent::maps::PinnedMaps::open(&cli.pin_dir)?;
     let json = cli.json;
+    if let Command::Status = cli.command {
+        return emit(status::run(cli.agent)?, json);
+    }
+    let maps = lb_agent::maps::PinnedMaps::open(&cli.pin_dir)?;
     match &cli.command {
-        Command::Services => emit(services::run(&maps)?, json),
-        Command::Backends(a) => emit(backends::run(&maps, a)?, json),
+        Command::Status => unreachable!("answered above"),
+        Command::Services => emit(services::run(&maps, &service_names(cli.agent))?, json),
+        Command::Backends(a) => emit(backends::run(&maps, a, &service_names(cli.agent))?, json),
         Command::Conntrack(a) => emit(conntrack::run(&maps, a)?, json),
         Command::Stats => emit(stats::run(&maps)?, json),
         Command::Maglev(a) => emit(maglev::run(&maps, a)?, json),

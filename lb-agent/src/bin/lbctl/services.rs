@@ -2,6 +2,7 @@
 //! `VIP:PORT/PROTO` (`192.0.2.10:80/tcp`, `[2001:db8::10]:80/udp`).
 
 use std::{
+    collections::BTreeMap,
     fmt,
     net::{IpAddr, SocketAddr},
     str::FromStr,
@@ -130,8 +131,20 @@ pub fn mode(key: &ServiceKey, info: &ServiceInfo) -> String {
     }
 }
 
+/// Service names from the agent, by `(VIP, port, protocol)`.
+pub type Names = BTreeMap<(IpAddr, u16, String), String>;
+
+/// The agent's name of the service, if it gave one.
+pub fn name_of(names: &Names, key: &ServiceKey) -> Option<String> {
+    let a = service_arg(key);
+    names.get(&(a.vip, a.port, protocol_name(a.proto))).cloned()
+}
+
 #[derive(Serialize)]
 pub struct ServiceRow {
+    /// The agent's name (`namespace/name:port` in Kubernetes); `None`
+    /// when the agent did not answer.
+    pub name: Option<String>,
     pub service: String,
     pub vip: IpAddr,
     pub port: u16,
@@ -188,7 +201,7 @@ pub struct ServicesReport {
     pub services: Vec<ServiceRow>,
 }
 
-pub fn run(maps: &PinnedMaps) -> Result<ServicesReport> {
+pub fn run(maps: &PinnedMaps, names: &Names) -> Result<ServicesReport> {
     let services = maps.services()?;
     let stats = maps.service_stats()?;
     let mut rows = Vec::new();
@@ -197,6 +210,7 @@ pub fn run(maps: &PinnedMaps) -> Result<ServicesReport> {
         let t = maps::traffic(&stats, info.id)
             .with_context(|| format!("reading {}[{}]", names::SERVICE_STATS, info.id))?;
         rows.push(ServiceRow {
+            name: name_of(names, &key),
             service: a.to_string(),
             vip: a.vip,
             port: a.port,
@@ -225,6 +239,7 @@ impl Render for ServicesReport {
             return "no services\n".into();
         }
         let mut t = Table::new(&[
+            ("NAME", Align::Left),
             ("VIP", Align::Left),
             ("PORT", Align::Right),
             ("PROTO", Align::Left),
@@ -246,6 +261,7 @@ impl Render for ServicesReport {
                 None => "nat".into(),
             };
             t.row(vec![
+                s.name.clone().unwrap_or_else(|| "-".into()),
                 s.vip.to_string(),
                 s.port.to_string(),
                 s.protocol.clone(),
