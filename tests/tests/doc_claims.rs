@@ -430,6 +430,61 @@ fn every_metric_and_annotation_the_docs_name_exists() {
     bad.assert_none("metrics and annotations");
 }
 
+/// The metric families the agent registers: the names given to prometheus'
+/// constructors (`Opts::new("xlb_...", ...)`, `IntGauge::new(...)`) and to
+/// the data plane's family table (`counter("xlb_...", ...)`).
+fn registered_metrics(code: &str) -> BTreeSet<String> {
+    let makers = [
+        "Opts::new(",
+        "IntGauge::new(",
+        "Gauge::new(",
+        "counter(",
+        "gauge(",
+    ];
+    let mut out = BTreeSet::new();
+    for m in makers {
+        for (at, _) in code.match_indices(m) {
+            let after = code[at + m.len()..].trim_start();
+            if let Some(name) = after.strip_prefix("\"xlb_") {
+                let end = name.find('"').unwrap();
+                out.insert(format!("xlb_{}", &name[..end]));
+            }
+        }
+    }
+    out
+}
+
+#[test]
+fn every_metric_the_agent_exports_is_in_docs_metrics_md() {
+    let root = workspace_root();
+    let exported = registered_metrics(&source(&root.join("lb-agent/src")));
+    assert!(
+        exported.len() > 40,
+        "only {} metric families found: {exported:?}",
+        exported.len()
+    );
+    let doc = fs::read_to_string(root.join("docs/metrics.md")).unwrap();
+    let missing: Vec<&String> = exported
+        .iter()
+        .filter(|m| !doc.contains(&format!("| `{m}` |")))
+        .collect();
+    assert!(
+        missing.is_empty(),
+        "exported but not in docs/metrics.md's tables: {missing:?}"
+    );
+    // And the reverse: a row there names a family the agent registers.
+    let listed = words_after(&doc, "| `xlb_", &[]);
+    let stale: Vec<String> = listed
+        .keys()
+        .map(|k| k.trim_start_matches("| `").to_string())
+        .filter(|m| !exported.contains(m))
+        .collect();
+    assert!(
+        stale.is_empty(),
+        "docs/metrics.md lists families the agent does not export: {stale:?}"
+    );
+}
+
 // ---- command lines ----
 
 /// `PROGRAM ARGS... --help`'s output, if it succeeds.

@@ -125,6 +125,50 @@ fn one_node_answers_each_vip_and_traffic_flows() {
         assert_eq!(n.metric("xlb_l2_members"), Some(3.0));
     }
 
+    // lbctl status on each node: ready, three members, the VIP answered by
+    // its owner only; the owner pushed the flow it opened to both peers.
+    for n in &lab.nodes {
+        let (code, status) = n.lbctl_with_agent(&["status"]);
+        assert_eq!((code, &status["ready"]), (0, &json!(true)), "{status}");
+        assert_eq!(status["l2"]["members"], 3, "{status}");
+        let owns = status["l2"]["owned"]
+            .as_array()
+            .unwrap()
+            .contains(&json!(vip(0).to_string()));
+        assert_eq!(owns, n.index == o, "node {}: {status}", n.index);
+    }
+    let owner = &lab.nodes[o - 1];
+    let status = poll_until(Duration::from_secs(5), Duration::from_millis(100), || {
+        let (_, status) = owner.lbctl_with_agent(&["status"]);
+        let peers = status["flow_sync"].as_array().cloned().unwrap_or_default();
+        let took = |p: &serde_json::Value| {
+            p["ok"].as_u64() >= Some(1) && p["last_exchange_seconds_ago"].as_f64() < Some(5.0)
+        };
+        (peers.len() == 2 && peers.iter().all(took))
+            .then_some(status.clone())
+            .ok_or(status)
+    })
+    .unwrap_or_else(|s| panic!("the owner's flow-sync peers: {s}"));
+    eprintln!("lbctl status on the owner: {status}");
+    // Service names come from the agent.
+    let (_, services) = owner.lbctl_with_agent(&["services"]);
+    let named: Vec<(String, String)> = services["services"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| {
+            (
+                s["service"].as_str().unwrap().to_string(),
+                s["name"].as_str().unwrap_or("").to_string(),
+            )
+        })
+        .collect();
+    assert!(
+        named.contains(&(format!("{}:80/tcp", vip(0)), "web0".to_string()))
+            && named.contains(&(format!("[{VIP6}]:80/tcp"), "web6".to_string())),
+        "{named:?}"
+    );
+
     // A datagram signed with another key is refused and counted; the
     // membership stays as it was.
     let target = SocketAddr::from((node_v4(1), 7946));

@@ -60,7 +60,7 @@ pub fn scrape(addr: SocketAddr) -> Result<Vec<Sample>> {
         .split_once("\r\n\r\n")
         .with_context(|| format!("{addr}/metrics: not an HTTP answer"))?;
     let status = head.lines().next().unwrap_or_default();
-    if !status.split_whitespace().nth(1).is_some_and(|c| c == "200") {
+    if status.split_whitespace().nth(1) != Some("200") {
         bail!("{addr}/metrics answered {status:?}");
     }
     if head.lines().any(|l| {

@@ -32,8 +32,9 @@ pub struct StatusReport {
     pub flow_sync: Vec<FlowSyncPeer>,
     pub conntrack_entries: Option<u64>,
     pub conntrack_capacity: Option<u64>,
-    /// Seconds since the config was last applied.
-    pub config_applied_seconds_ago: Option<f64>,
+    /// Seconds since the config was last reloaded; `None`: not since the
+    /// agent started.
+    pub config_reloaded_seconds_ago: Option<f64>,
     pub config_reload_errors: u64,
 }
 
@@ -121,7 +122,9 @@ fn report(agent: SocketAddr, all: &[Sample]) -> StatusReport {
         flow_sync: peers.into_values().collect(),
         conntrack_entries: count("xlb_conntrack_entries"),
         conntrack_capacity: count("xlb_conntrack_capacity"),
-        config_applied_seconds_ago: value(all, "xlb_config_last_reload_success_timestamp_seconds")
+        // 0: not reloaded since the agent started.
+        config_reloaded_seconds_ago: value(all, "xlb_config_last_reload_success_timestamp_seconds")
+            .filter(|t| *t > 0.0)
             .map(age),
         config_reload_errors: family(all, "xlb_config_reloads_total")
             .filter(|s| s.label("result") == "error")
@@ -192,16 +195,15 @@ impl Render for StatusReport {
         if let (Some(n), Some(cap)) = (self.conntrack_entries, self.conntrack_capacity) {
             line("flows", format!("{n} of {cap}"));
         }
-        if let Some(ago) = self.config_applied_seconds_ago {
-            line(
-                "config",
-                format!(
-                    "applied {}, {} reload errors",
-                    seconds(ago),
-                    self.config_reload_errors
-                ),
-            );
-        }
+        let reloaded = self
+            .config_reloaded_seconds_ago
+            .map_or("not reloaded since the start".into(), |ago| {
+                format!("reloaded {}", seconds(ago))
+            });
+        line(
+            "config",
+            format!("{reloaded}, {} reload errors", self.config_reload_errors),
+        );
         if let Some(b) = self.bgp.as_ref().filter(|b| !b.peers.is_empty()) {
             let mut t = Table::new(&[("BGP PEER", Align::Left), ("SESSION", Align::Left)]);
             for p in &b.peers {
