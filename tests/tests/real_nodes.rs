@@ -472,6 +472,7 @@ fn l2_install_reaches_pods_on_every_node() {
     let vip = create_service(&c, "Cluster");
     pods_are_reached_in_snat_and_nat(&c, "web", vip, None, false);
     in_cluster_clients_reach_the_service(&c, vip);
+    operator_sees_the_agents(&c, vip, true);
     ipv6_reaches_pods_on_every_node(&c);
     // The lifecycle in snat (the chart's default), with the members sharing
     // their flows (`share_flows`): a rolling update moves the VIP away from
@@ -501,6 +502,101 @@ fn ipv6_reaches_pods_on_every_node(c: &NodeCluster) {
     let owner = c.l2_owner(vip);
     local_policy_keeps_the_client(c, "web6", vip, &[owner]);
     c.cp.kubectl_ok(&["-n", APP_NS, "delete", "service", "web6"]);
+}
+
+/// `lbctl --json ARGS` in each agent Pod, as an operator runs it
+/// (`kubectl exec`; the chart points lbctl at its agent with `XLB_AGENT`):
+/// per Pod, its exit code and output.
+fn lbctl_in_agents(c: &NodeCluster, args: &[&str]) -> Vec<(String, Value)> {
+    let pods = c.cp.kubectl_ok(&[
+        "-n",
+        AGENT_NAMESPACE,
+        "get",
+        "pods",
+        "-l",
+        "app.kubernetes.io/name=xlb",
+        "-o",
+        "jsonpath={.items[*].metadata.name}",
+    ]);
+    pods.split_whitespace()
+        .map(|pod| {
+            let mut argv = vec![
+                "-n",
+                AGENT_NAMESPACE,
+                "exec",
+                pod,
+                "-c",
+                "agent",
+                "--",
+                "lbctl",
+                "--json",
+            ];
+            argv.extend_from_slice(args);
+            let out = c.cp.kubectl(&argv);
+            let json = serde_json::from_slice(&out.stdout).unwrap_or_else(|e| {
+                panic!(
+                    "kubectl exec {pod} -- lbctl {args:?}: not JSON ({e}): {}{}",
+                    String::from_utf8_lossy(&out.stdout),
+                    String::from_utf8_lossy(&out.stderr)
+                )
+            });
+            (pod.to_string(), json)
+        })
+        .collect()
+}
+
+/// What an operator sees with `lbctl status` and `lbctl services` in the
+/// agent Pods: every agent ready, one of them leading the allocator, in
+/// L2 mode the VIP owned by exactly one and both members seen, in BGP mode
+/// every session up; `services` names the Service `shop/web`.
+fn operator_sees_the_agents(c: &NodeCluster, vip: Ipv4Addr, l2: bool) {
+    let statuses = lbctl_in_agents(c, &["status"]);
+    assert_eq!(statuses.len(), c.nodes.len(), "{statuses:?}");
+    let mut leaders = 0;
+    let mut owners = 0;
+    for (pod, s) in &statuses {
+        eprintln!("lbctl status in {pod}: {s}");
+        assert_eq!(s["ready"], json!(true), "{pod}: {s}");
+        assert_eq!(s["kubernetes_api_up"], json!(true), "{pod}: {s}");
+        leaders += usize::from(s["allocator_leader"] == json!(true));
+        if l2 {
+            assert_eq!(s["l2"]["members"], json!(c.nodes.len()), "{pod}: {s}");
+            owners += usize::from(
+                s["l2"]["owned"]
+                    .as_array()
+                    .unwrap()
+                    .contains(&json!(vip.to_string())),
+            );
+        } else {
+            let peers = s["bgp"]["peers"].as_array().unwrap();
+            assert!(
+                !peers.is_empty() && peers.iter().all(|p| p["up"] == json!(true)),
+                "{pod}: {s}"
+            );
+        }
+    }
+    assert_eq!(leaders, 1, "allocator leaders: {statuses:?}");
+    assert_eq!(owners, usize::from(l2), "owners of {vip}: {statuses:?}");
+    for (pod, services) in lbctl_in_agents(c, &["services"]) {
+        let names: Vec<(&str, &str)> = services["services"]
+            .as_array()
+            .unwrap_or_else(|| panic!("{pod}: {services}"))
+            .iter()
+            .map(|s| {
+                (
+                    s["service"].as_str().unwrap_or(""),
+                    s["name"].as_str().unwrap_or(""),
+                )
+            })
+            .collect();
+        let want = format!("{vip}:80/tcp");
+        assert!(
+            names
+                .iter()
+                .any(|(svc, name)| *svc == want && name.starts_with("shop/web")),
+            "{pod}: {names:?}"
+        );
+    }
 }
 
 /// `helm uninstall` as docs/helm.md says: every agent detaches its program
@@ -583,6 +679,7 @@ fn bgp_install_reaches_pods_on_every_node() {
         )
     });
     pods_are_reached_in_snat_and_nat(&c, "web", vip, None, true);
+    operator_sees_the_agents(&c, vip, false);
     bgp_ipv6_reaches_pods_on_every_node(&c);
     let receiver = c.receiver_of_client(vip);
     local_policy_keeps_the_client(&c, "web", vip, std::slice::from_ref(&receiver));
