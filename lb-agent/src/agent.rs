@@ -111,6 +111,8 @@ struct Labels {
     configured: BTreeMap<ServiceKey, Vec<SocketAddr>>,
     health: HealthSnapshot,
     load: LoadWeights,
+    /// `backend_metrics: false` leaves the per-backend series out.
+    no_backend_series: bool,
 }
 
 /// When the FIB has no neighbour entry for a backend yet, the data plane
@@ -1123,6 +1125,7 @@ impl Agent {
         }
         drop(dp);
         let mut labels = self.labels.lock().expect("labels lock");
+        labels.no_backend_series = !self.config.backend_metrics;
         labels.names = desired
             .iter()
             .map(|(k, (_, _, n))| (*k, n.clone()))
@@ -1395,6 +1398,13 @@ fn snapshot(dp: &Mutex<Dataplane>, labels: &Mutex<Labels>) -> DataplaneSnapshot 
     snap.conntrack_entries = dp.shared_flows().map(|c| c.len() as u64).unwrap_or(0);
     snap.flows_repicked = dp.flows_repicked().unwrap_or(0);
     snap.load = load_samples(&labels.load);
+    if labels.no_backend_series {
+        snap.backends.clear();
+        snap.load = LoadSamples {
+            all_draining: std::mem::take(&mut snap.load.all_draining),
+            ..Default::default()
+        };
+    }
     snap
 }
 
@@ -1427,8 +1437,8 @@ fn load_samples(load: &LoadWeights) -> LoadSamples {
                 out.cpu.push(v(cpu));
             }
             match sig.report {
-                Some(Report::Percent(p)) => out.reported_percent.push(v(p as f64)),
-                Some(Report::Drain) => out.reported_percent.push(v(0.0)),
+                Some(Report::Percent(p)) => out.reported_ratio.push(v(p as f64 / 100.0)),
+                Some(Report::Drain) => out.reported_ratio.push(v(0.0)),
                 Some(Report::Down) | None => {}
             }
         }

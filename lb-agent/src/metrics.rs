@@ -22,7 +22,8 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use lb_common::{Reason, TrafficStats, REASON_COUNT};
 use prometheus::proto::{self, LabelPair, MetricFamily, MetricType};
 use prometheus::{
-    Gauge, Histogram, HistogramOpts, IntCounterVec, IntGauge, Opts, Registry, TextEncoder,
+    Gauge, Histogram, HistogramOpts, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry,
+    TextEncoder,
 };
 
 // ---------------------------------------------------------------------------
@@ -73,7 +74,7 @@ pub struct LoadSamples {
     /// Only backends with enough new flows in the step to time them.
     pub flow_time: Vec<BackendValue>,
     /// Only backends whose agent check answered a percentage (drain: 0).
-    pub reported_percent: Vec<BackendValue>,
+    pub reported_ratio: Vec<BackendValue>,
     /// Only local backends whose cgroup was read.
     pub cpu: Vec<BackendValue>,
     /// Per service (`backend` empty): 1 when every backend reports drain.
@@ -258,7 +259,7 @@ const DP_FAMILIES: &[DpFamily] = &[
         Source::Load(|l| &l.open_flows),
     ),
     gauge(
-        "xlb_backend_load_factor",
+        "xlb_backend_load_factor_ratio",
         "Load-aware: the factor (0.05 to 1) the configured weight is scaled by.",
         Source::Load(|l| &l.factor),
     ),
@@ -278,9 +279,9 @@ const DP_FAMILIES: &[DpFamily] = &[
         Source::Load(|l| &l.flow_time),
     ),
     gauge(
-        "xlb_backend_reported_load_percent",
-        "Load-aware: the weight percentage the backend's agent check reported (drain: 0).",
-        Source::Load(|l| &l.reported_percent),
+        "xlb_backend_reported_load_ratio",
+        "Load-aware: the weight the backend's agent check reported, as a share of the configured one (75%: 0.75; drain: 0).",
+        Source::Load(|l| &l.reported_ratio),
     ),
     gauge(
         "xlb_backend_cpu_load",
@@ -517,6 +518,19 @@ impl Metrics {
             "Whether the agent is ready to serve traffic (1) or not (0).",
         )?;
 
+        let build = IntGaugeVec::new(
+            Opts::new(
+                "xlb_build_info",
+                "Always 1; the agent's version in its label.",
+            ),
+            &["version"],
+        )?;
+        build.with_label_values(&[env!("CARGO_PKG_VERSION")]).set(1);
+        registry.register(Box::new(build))?;
+        // process_cpu_seconds_total, process_resident_memory_bytes, ...
+        registry.register(Box::new(
+            prometheus::process_collector::ProcessCollector::for_self(),
+        ))?;
         registry.register(Box::new(reloads.clone()))?;
         registry.register(Box::new(reload_duration.clone()))?;
         registry.register(Box::new(last_reload_success.clone()))?;
@@ -686,7 +700,7 @@ mod tests {
                 pressure: vec![value("10.1.0.1:8080", 1.25)],
                 probe_latency: vec![value("10.1.0.1:8080", 0.003)],
                 flow_time: vec![value("10.1.0.1:8080", 0.25)],
-                reported_percent: vec![value("10.1.0.2:8080", 40.0)],
+                reported_ratio: vec![value("10.1.0.2:8080", 0.4)],
                 cpu: vec![value("10.1.0.1:8080", 1.5)],
                 all_draining: vec![value("", 0.0)],
             },
@@ -754,7 +768,7 @@ mod tests {
         has_line(t, &format!("xlb_backend_healthy{{{b2}}} 0"));
         has_line(t, &format!("xlb_backend_weight{{{b1}}} 1"));
         has_line(t, &format!("xlb_backend_open_flows{{{b1}}} 12"));
-        has_line(t, &format!("xlb_backend_load_factor{{{b1}}} 0.5"));
+        has_line(t, &format!("xlb_backend_load_factor_ratio{{{b1}}} 0.5"));
         has_line(t, &format!("xlb_backend_load_pressure{{{b1}}} 1.25"));
         has_line(
             t,
@@ -815,7 +829,7 @@ mod tests {
         m.set_snapshot_source(|| fake_snapshot(1));
         m.record_reload(true, Duration::from_millis(1));
         let text = m.render();
-        let types = types(&text);
+        let mut types = types(&text);
         let expected = [
             "xlb_service_packets_total",
             "xlb_service_bytes_total",
@@ -830,11 +844,11 @@ mod tests {
             "xlb_backend_healthy",
             "xlb_backend_weight",
             "xlb_backend_open_flows",
-            "xlb_backend_load_factor",
+            "xlb_backend_load_factor_ratio",
             "xlb_backend_load_pressure",
             "xlb_backend_probe_latency_seconds",
             "xlb_backend_flow_time_seconds",
-            "xlb_backend_reported_load_percent",
+            "xlb_backend_reported_load_ratio",
             "xlb_backend_cpu_load",
             "xlb_service_all_backends_draining",
             "xlb_datapath_packets_total",
@@ -845,7 +859,18 @@ mod tests {
             "xlb_config_reload_duration_seconds",
             "xlb_config_last_reload_success_timestamp_seconds",
             "xlb_agent_ready",
+            "xlb_build_info",
         ];
+        // The client library's process families keep their standard names.
+        let process: Vec<String> = types
+            .keys()
+            .filter(|n| n.starts_with("process_"))
+            .cloned()
+            .collect();
+        assert!(process.len() >= 6, "{process:?}");
+        for n in &process {
+            types.remove(n);
+        }
         for name in expected {
             assert!(types.contains_key(name), "family {name} missing:\n{text}");
         }

@@ -536,6 +536,24 @@ fn metrics_report_unhealthy_backend() {
         Some(0.0),
         "b2 failed its health checks; xlb_backend_healthy series: {series:#?}"
     );
+    // The agent's version and its process.
+    let version = format!(
+        "xlb_build_info{{version=\"{}\"}} 1",
+        env!("CARGO_PKG_VERSION")
+    );
+    assert!(page.lines().any(|l| l == version), "no {version:?}");
+    let rss = metric(&page, "process_resident_memory_bytes", "").unwrap_or(0.0);
+    assert!(rss > 1e6, "process_resident_memory_bytes {rss}");
+
+    // `backend_metrics: false` (a reload): the per-backend series go, the
+    // per-service ones stay.
+    let off = config(&[web("nat", &[(1, 1), (2, 1), (3, 1)], hc)]);
+    agent.write_config(&format!("backend_metrics: false\n{off}"));
+    wait_until("the backend series gone", Duration::from_secs(10), || {
+        let page = agent.metrics();
+        (!page.contains("\nxlb_backend_") && page.contains("\nxlb_service_packets_total{"))
+            .then_some(())
+    });
 }
 
 // ---------------------------------------------------------------------------

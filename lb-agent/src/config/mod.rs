@@ -35,6 +35,9 @@ pub struct AgentConfig {
     pub snat_ports: (u16, u16),
     /// Where /metrics, /healthz and /readyz are served.
     pub metrics_addr: SocketAddr,
+    /// Per-backend series in `/metrics` (off on big clusters: six or more
+    /// series per backend add up).
+    pub backend_metrics: bool,
     /// XDP attach mode.
     pub xdp_mode: XdpAttachMode,
     /// The host side of this node's Pods, where the program also runs

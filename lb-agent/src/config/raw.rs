@@ -11,6 +11,7 @@ pub(super) struct RawConfig {
     pub(super) snat_ipv6: Option<String>,
     pub(super) snat_ports: Option<String>,
     pub(super) metrics_addr: Option<String>,
+    pub(super) backend_metrics: Option<bool>,
     pub(super) xdp_mode: Option<RawXdpMode>,
     pub(super) pod_interfaces: Option<RawPodInterfaces>,
     pub(super) timeouts: Option<RawTimeouts>,

@@ -100,6 +100,7 @@ fn rejects(text: &str, line: usize, field: &str, needle: &str) -> String {
 fn full_example() {
     let c = AgentConfig::parse(FULL).unwrap();
     let expected = AgentConfig {
+        backend_metrics: true,
         interfaces: vec!["eth0".into(), "eth1".into()],
         snat_ipv4: Some("10.0.0.1".parse().unwrap()),
         snat_ipv6: Some("fd00::1".parse().unwrap()),
@@ -1526,4 +1527,18 @@ fn a_listen_address_from_the_command_line() {
     for bad in ["10.0.0.11", ":9469", "node-1:9469", "10.0.0.11:70000", ""] {
         assert!(parse_listen_addr(bad).is_err(), "{bad}");
     }
+}
+
+#[test]
+fn backend_metrics_can_be_turned_off() {
+    let on = AgentConfig::parse("interfaces: [eth0]\n").unwrap();
+    assert!(on.backend_metrics);
+    let off = AgentConfig::parse("interfaces: [eth0]\nbackend_metrics: false\n").unwrap();
+    assert!(!off.backend_metrics);
+    rejects(
+        "interfaces: [eth0]\nbackend_metrics: sometimes\n",
+        2,
+        "backend_metrics",
+        "boolean",
+    );
 }

@@ -140,6 +140,7 @@ impl Validator<'_> {
             snat_ipv6,
             snat_ports,
             metrics_addr,
+            backend_metrics: raw.backend_metrics.unwrap_or(true),
             xdp_mode,
             pod_interfaces,
             tcp_timeout,
