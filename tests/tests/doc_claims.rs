@@ -485,6 +485,51 @@ fn every_metric_the_agent_exports_is_in_docs_metrics_md() {
     );
 }
 
+/// The process families the Prometheus client library adds.
+const PROCESS_METRICS: &[&str] = &[
+    "process_cpu_seconds_total",
+    "process_resident_memory_bytes",
+    "process_virtual_memory_bytes",
+    "process_open_fds",
+    "process_max_fds",
+    "process_start_time_seconds",
+    "process_threads",
+];
+
+/// Every query of the chart's Grafana dashboard names a family the agent
+/// exports, and only such families.
+#[test]
+fn every_dashboard_query_names_metrics_the_agent_exports() {
+    let root = workspace_root();
+    let exported = registered_metrics(&source(&root.join("lb-agent/src")));
+    let text = fs::read_to_string(root.join("charts/xlb/dashboards/xlb.json")).unwrap();
+    let dashboard: serde_json::Value = serde_json::from_str(&text).unwrap();
+    let mut queries = 0;
+    for panel in dashboard["panels"].as_array().unwrap() {
+        for target in panel["targets"].as_array().unwrap() {
+            let expr = target["expr"].as_str().unwrap();
+            queries += 1;
+            let named: Vec<String> = words_after(expr, "xlb_", &[])
+                .into_keys()
+                .chain(words_after(expr, "process_", &[]).into_keys())
+                .collect();
+            assert!(
+                !named.is_empty(),
+                "{:?}: {expr} names no metric",
+                panel["title"]
+            );
+            for m in named {
+                assert!(
+                    exported.contains(&m) || PROCESS_METRICS.contains(&m.as_str()),
+                    "{:?}: {expr}: the agent exports no {m}",
+                    panel["title"]
+                );
+            }
+        }
+    }
+    assert!(queries >= 15, "{queries} queries");
+}
+
 // ---- command lines ----
 
 /// `PROGRAM ARGS... --help`'s output, if it succeeds.
