@@ -20,7 +20,7 @@ use std::{
     time::{Duration, Instant},
 };
 
-use serde_json::Value;
+use serde_json::{json, Value};
 use xlb_tests::topology::{
     agent_bin, allowed_cpus, backend_ip, in_netns, set_affinity, set_rcvbuf, HttpConn, Topology,
     BACKEND_PORT, CLIENT_IP, LB_CLIENT_SIDE, VIP,
@@ -670,6 +670,78 @@ impl UdpStream {
             .expect("UDP client thread")
             .expect("UDP client")
     }
+}
+
+/// `lbctl --watch`: under a steady stream of 500 UDP datagrams a second,
+/// `services`, `backends` and `stats` print one JSON document per
+/// interval, `--count` of them; from the second on they carry rates, and
+/// the dns service's packets a second are the stream's (each datagram
+/// crosses once each way: its echo is a reply packet).
+#[test]
+fn lbctl_watch_shows_rates_per_second() {
+    let mut t = Topology::new("e2wt", 3);
+    t.start_udp_echo(UDP_BACKEND_PORT);
+    let _agent = t.start_agent(&config(&[dns("nat")]));
+    let stream = UdpStream::start(&t, 500, 0);
+    wait_until("UDP echoes flowing", Duration::from_secs(10), || {
+        (stream.echoed.load(Ordering::Relaxed) >= 100).then_some(())
+    });
+    let watch = |args: &[&str]| -> Vec<serde_json::Value> {
+        let out = std::process::Command::new(xlb_tests::topology::lbctl_bin())
+            .arg("--pin-dir")
+            .arg(&t.pin_dir)
+            .args(["--json", "--watch", "1", "--count", "3"])
+            .args(args)
+            .output()
+            .expect("run lbctl");
+        assert!(out.status.success(), "lbctl {args:?}: {out:?}");
+        let docs: Vec<serde_json::Value> = String::from_utf8_lossy(&out.stdout)
+            .lines()
+            .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("{e}: {l}")))
+            .collect();
+        assert_eq!(docs.len(), 3, "lbctl {args:?} --count 3: {docs:?}");
+        docs
+    };
+    let near = |rate: &serde_json::Value, what: &str| {
+        let r = rate.as_f64().unwrap_or_else(|| panic!("{what}: no rate"));
+        assert!(
+            (350.0..=650.0).contains(&r),
+            "{what}: {r} a second, the stream sends 500"
+        );
+    };
+    let services = watch(&["services"]);
+    let dns_row = |doc: &serde_json::Value| doc["services"][0].clone();
+    assert!(
+        dns_row(&services[0]).get("rates").is_none(),
+        "{}",
+        services[0]
+    );
+    for doc in &services[1..] {
+        let row = dns_row(doc);
+        assert_eq!(row["service"], UDP_SVC, "{doc}");
+        near(&row["rates"]["packets_per_second"], "service packets");
+        near(
+            &row["rates"]["reply_packets_per_second"],
+            "service reply packets",
+        );
+    }
+    let backends = watch(&["backends", UDP_SVC]);
+    for doc in &backends[1..] {
+        let sum: f64 = doc["services"][0]["backends"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|b| b["rates"]["packets_per_second"].as_f64().unwrap())
+            .sum();
+        near(&json!(sum), "backends' packets together");
+    }
+    let stats = watch(&["stats"]);
+    for doc in &stats[1..] {
+        // Datagrams and echoes, each forwarded: at least the stream's rate.
+        let all = doc["packets_per_second"].as_f64().unwrap();
+        assert!(all >= 700.0, "stats: {all} packets a second: {doc}");
+    }
+    stream.finish();
 }
 
 #[test]

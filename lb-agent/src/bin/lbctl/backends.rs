@@ -12,6 +12,7 @@ use crate::{
     maglev::shares,
     services::{self, ServiceArg},
     table::{self, Align, Table},
+    watch::{Rates, Watched},
     Render,
 };
 
@@ -37,6 +38,30 @@ pub struct BackendRow {
     pub open_flows: u64,
     /// Load-aware services: the controller's decision and its signals.
     pub load: Option<LoadRow>,
+    /// With `--watch`: growth per second since the previous report.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub rates: Option<Rates>,
+}
+
+impl BackendRow {
+    fn counters(&self) -> [u64; 4] {
+        [self.packets, self.bytes, self.new_flows, self.reply_packets]
+    }
+}
+
+impl Watched for BackendsReport {
+    fn set_rates(&mut self, earlier: &Self, seconds: f64) {
+        for svc in &mut self.services {
+            let Some(e) = earlier.services.iter().find(|e| e.service == svc.service) else {
+                continue;
+            };
+            for b in &mut svc.backends {
+                if let Some(eb) = e.backends.iter().find(|eb| eb.address == b.address) {
+                    b.rates = Some(Rates::between(b.counters(), eb.counters(), seconds));
+                }
+            }
+        }
+    }
 }
 
 #[derive(Serialize)]
@@ -143,6 +168,7 @@ pub fn run(maps: &PinnedMaps, args: &Args, names: &services::Names) -> Result<Ba
                 reply_bytes: t.reply_bytes,
                 open_flows: t.new_flows.saturating_sub(closed),
                 load,
+                rates: None,
             });
         }
         rows.sort_by_key(|r| r.address);
@@ -200,6 +226,14 @@ impl Render for BackendsReport {
                     ("REPORT", Align::Left),
                 ]);
             }
+            let watched = svc.backends.iter().any(|b| b.rates.is_some());
+            if watched {
+                columns.extend([
+                    ("PKT/S", Align::Right),
+                    ("NEW/S", Align::Right),
+                    ("BYTES/S", Align::Right),
+                ]);
+            }
             let mut t = Table::new(&columns);
             for b in &svc.backends {
                 let mut row = vec![
@@ -214,6 +248,9 @@ impl Render for BackendsReport {
                 ];
                 if load_aware {
                     row.extend(load_cells(b.load.as_ref()));
+                }
+                if watched {
+                    row.extend(Rates::cells(b.rates.as_ref()));
                 }
                 t.row(row);
             }

@@ -13,8 +13,12 @@ mod stats;
 mod status;
 mod table;
 mod trace;
+mod watch;
 
-use std::{collections::BTreeMap, io::Write, net::SocketAddr, path::PathBuf, process::ExitCode};
+use std::{
+    collections::BTreeMap, io::Write, net::SocketAddr, path::PathBuf, process::ExitCode,
+    time::Duration,
+};
 
 use anyhow::Result;
 use clap::{Parser, Subcommand};
@@ -57,6 +61,13 @@ struct Cli {
         value_parser = agent::parse_agent
     )]
     agent: SocketAddr,
+    /// `services`, `backends` and `stats`: again every SECONDS, with rates
+    /// per second (text redraws a terminal; --json: one document a line).
+    #[arg(long, global = true, value_name = "SECONDS", value_parser = watch_interval)]
+    watch: Option<Duration>,
+    /// With --watch: stop after this many reports.
+    #[arg(long, global = true, value_name = "N", requires = "watch")]
+    count: Option<u64>,
     #[command(subcommand)]
     command: Command,
 }
@@ -112,8 +123,31 @@ fn service_names(agent: SocketAddr) -> BTreeMap<(std::net::IpAddr, u16, String),
     }
 }
 
+fn watch_interval(s: &str) -> Result<Duration, String> {
+    match s.parse::<f64>() {
+        Ok(secs) if (0.1..=3600.0).contains(&secs) => Ok(Duration::from_secs_f64(secs)),
+        _ => Err(format!("{s:?}: seconds from 0.1 to 3600")),
+    }
+}
+
 fn run(cli: &Cli) -> Result<ExitCode> {
     let json = cli.json;
+    if let Some(every) = cli.watch {
+        let maps = lb_agent::maps::PinnedMaps::open(&cli.pin_dir)?;
+        let n = cli.count;
+        return match &cli.command {
+            Command::Services => {
+                let names = service_names(cli.agent);
+                watch::run(json, every, n, || services::run(&maps, &names))
+            }
+            Command::Backends(a) => {
+                let names = service_names(cli.agent);
+                watch::run(json, every, n, || backends::run(&maps, a, &names))
+            }
+            Command::Stats => watch::run(json, every, n, || stats::run(&maps)),
+            _ => anyhow::bail!("--watch works with services, backends and stats"),
+        };
+    }
     if let Command::Status = cli.command {
         return emit(status::run(cli.agent)?, json);
     }

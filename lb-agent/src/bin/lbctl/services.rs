@@ -20,6 +20,7 @@ use serde::Serialize;
 
 use crate::{
     table::{self, Align, Table},
+    watch::{Rates, Watched},
     Render,
 };
 
@@ -167,6 +168,25 @@ pub struct ServiceRow {
     pub new_flows: u64,
     pub reply_packets: u64,
     pub reply_bytes: u64,
+    /// With `--watch`: growth per second since the previous report.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub rates: Option<Rates>,
+}
+
+impl ServiceRow {
+    fn counters(&self) -> [u64; 4] {
+        [self.packets, self.bytes, self.new_flows, self.reply_packets]
+    }
+}
+
+impl Watched for ServicesReport {
+    fn set_rates(&mut self, earlier: &Self, seconds: f64) {
+        for row in &mut self.services {
+            if let Some(e) = earlier.services.iter().find(|e| e.service == row.service) {
+                row.rates = Some(Rates::between(row.counters(), e.counters(), seconds));
+            }
+        }
+    }
 }
 
 #[derive(Serialize)]
@@ -228,6 +248,7 @@ pub fn run(maps: &PinnedMaps, names: &Names) -> Result<ServicesReport> {
             new_flows: t.new_flows,
             reply_packets: t.reply_packets,
             reply_bytes: t.reply_bytes,
+            rates: None,
         });
     }
     Ok(ServicesReport { services: rows })
@@ -255,12 +276,20 @@ impl Render for ServicesReport {
             ("NEW FLOWS", Align::Right),
             ("REPLY PKTS", Align::Right),
         ]);
+        let watched = self.services.iter().any(|s| s.rates.is_some());
+        if watched {
+            t = t.with_more(&[
+                ("PKT/S", Align::Right),
+                ("NEW/S", Align::Right),
+                ("BYTES/S", Align::Right),
+            ]);
+        }
         for s in &self.services {
             let mode = match s.snat_addr {
                 Some(a) => format!("snat {a}"),
                 None => "nat".into(),
             };
-            t.row(vec![
+            let mut row = vec![
                 s.name.clone().unwrap_or_else(|| "-".into()),
                 s.vip.to_string(),
                 s.port.to_string(),
@@ -291,7 +320,11 @@ impl Render for ServicesReport {
                 table::bytes(s.bytes),
                 s.new_flows.to_string(),
                 s.reply_packets.to_string(),
-            ]);
+            ];
+            if watched {
+                row.extend(Rates::cells(s.rates.as_ref()));
+            }
+            t.row(row);
         }
         t.render()
     }

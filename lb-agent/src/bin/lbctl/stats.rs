@@ -8,6 +8,7 @@ use serde::Serialize;
 
 use crate::{
     table::{self, Align, Table},
+    watch::Watched,
     Render,
 };
 
@@ -55,6 +56,9 @@ pub struct ReasonRow {
     /// Aligned with `StatsReport::cpus`.
     pub per_cpu: Vec<u64>,
     pub total: u64,
+    /// With `--watch`: packets a second since the previous report.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub per_second: Option<f64>,
 }
 
 #[derive(Serialize)]
@@ -75,6 +79,9 @@ pub struct StatsReport {
     /// Maglev; `None` when the pinned maps predate the counter.
     pub flows_repicked: Option<u64>,
     pub cpu_shares: Vec<CpuShare>,
+    /// With `--watch`: all packets a second since the previous report.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub packets_per_second: Option<f64>,
     /// The CPU that took most of the packets, when it took over 80% of them.
     pub skew: Option<Skew>,
     pub warning: Option<String>,
@@ -96,6 +103,7 @@ pub fn report(
                 reason: r.name(),
                 total: counts.iter().map(|c| c[r as usize]).sum(),
                 per_cpu,
+                per_second: None,
             }
         })
         .collect();
@@ -118,6 +126,7 @@ pub fn report(
         total_packets: total,
         flows_repicked: None,
         cpu_shares,
+        packets_per_second: None,
         warning: skew.as_ref().map(skew_warning),
         skew,
     }
@@ -138,16 +147,35 @@ pub fn run(maps: &PinnedMaps) -> Result<StatsReport> {
     Ok(r)
 }
 
+impl Watched for StatsReport {
+    fn set_rates(&mut self, earlier: &Self, seconds: f64) {
+        let rate = |now: u64, before: u64| now.checked_sub(before).unwrap_or(now) as f64 / seconds;
+        for r in &mut self.reasons {
+            if let Some(e) = earlier.reasons.iter().find(|e| e.reason == r.reason) {
+                r.per_second = Some(rate(r.total, e.total));
+            }
+        }
+        self.packets_per_second = Some(rate(self.total_packets, earlier.total_packets));
+    }
+}
+
 impl Render for StatsReport {
     fn human(&self) -> String {
         let mut headers = vec![("REASON".to_string(), Align::Left)];
         headers.extend(self.cpus.iter().map(|c| (format!("CPU{c}"), Align::Right)));
         headers.push(("TOTAL".into(), Align::Right));
+        let watched = self.packets_per_second.is_some();
+        if watched {
+            headers.push(("PER S".into(), Align::Right));
+        }
         let mut t = Table::with_columns(headers);
         for r in &self.reasons {
             let mut row = vec![r.reason.to_string()];
             row.extend(r.per_cpu.iter().map(u64::to_string));
             row.push(r.total.to_string());
+            if watched {
+                row.push(r.per_second.map_or("-".into(), |p| format!("{p:.0}")));
+            }
             t.row(row);
         }
         let mut s = t.render();
@@ -165,7 +193,11 @@ impl Render for StatsReport {
             ]);
         }
         s.push_str(&t.render());
-        s.push_str(&format!("total packets: {}\n", self.total_packets));
+        s.push_str(&format!("total packets: {}", self.total_packets));
+        match self.packets_per_second {
+            Some(p) => s.push_str(&format!(" ({p:.0} a second)\n")),
+            None => s.push('\n'),
+        }
         if let Some(n) = self.flows_repicked {
             s.push_str(&format!(
                 "flows re-picked (TCP mid-connection, not in the flow table): {n}\n"

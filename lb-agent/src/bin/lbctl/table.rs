@@ -29,6 +29,14 @@ impl Table {
         }
     }
 
+    /// The same table with more columns at the end (before any row).
+    pub fn with_more(mut self, headers: &[(&str, Align)]) -> Self {
+        debug_assert!(self.rows.is_empty());
+        self.headers
+            .extend(headers.iter().map(|(h, a)| (h.to_string(), *a)));
+        self
+    }
+
     pub fn row(&mut self, cells: Vec<String>) {
         debug_assert_eq!(cells.len(), self.headers.len());
         self.rows.push(cells);
