@@ -1336,13 +1336,6 @@ fn with_node_addresses(mut config: AgentConfig) -> AgentConfig {
     config
 }
 
-fn protocol_name(p: Protocol) -> &'static str {
-    match p {
-        Protocol::Tcp => "tcp",
-        Protocol::Udp => "udp",
-    }
-}
-
 /// What /metrics shows, read from the maps at scrape time.
 fn snapshot(dp: &Mutex<Dataplane>, labels: &Mutex<Labels>) -> DataplaneSnapshot {
     let dp = dp.lock().expect("data plane lock");
@@ -1364,7 +1357,7 @@ fn snapshot(dp: &Mutex<Dataplane>, labels: &Mutex<Labels>) -> DataplaneSnapshot 
             name: name.clone(),
             vip: spec.vip,
             port: spec.port,
-            protocol: protocol_name(spec.protocol).into(),
+            protocol: spec.protocol.name().into(),
             stats: dp.service_stats(id).unwrap_or_default(),
         });
         for b in &spec.backends {

@@ -191,7 +191,7 @@ impl Validator<'_> {
                     format!(
                         "duplicate VIP {}/{} (also in service {:?} at line {other})",
                         SocketAddr::new(s.vip, s.port),
-                        protocol_name(s.protocol),
+                        s.protocol.name(),
                         services[j].name,
                     ),
                 ));
@@ -1027,13 +1027,6 @@ pub(super) fn parse_port_range(s: &str) -> Result<(u16, u16), String> {
         return Err(bad());
     }
     Ok((lo, hi))
-}
-
-pub(super) fn protocol_name(p: Protocol) -> &'static str {
-    match p {
-        Protocol::Tcp => "tcp",
-        Protocol::Udp => "udp",
-    }
 }
 
 pub(super) fn family_name(ip: IpAddr) -> &'static str {

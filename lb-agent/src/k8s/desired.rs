@@ -215,7 +215,7 @@ pub fn desired_services(
                     "Service {k}: {}:{}/{} is already served for Service {owner}",
                     c.vip,
                     c.port,
-                    protocol_name(c.protocol)
+                    c.protocol.name()
                 )),
                 None => {
                     taken.insert((c.vip, c.port, c.protocol), k.clone());
@@ -227,13 +227,6 @@ pub fn desired_services(
         out.by_service.insert(k, accepted);
     }
     out
-}
-
-fn protocol_name(p: Protocol) -> &'static str {
-    match p {
-        Protocol::Tcp => "tcp",
-        Protocol::Udp => "udp",
-    }
 }
 
 fn parse_protocol(p: Option<&str>) -> Result<Protocol, String> {
