@@ -1,6 +1,6 @@
 // Builds the XDP object (lb-ebpf) with nightly through aya-build; the agent
 // embeds it with `include_bytes_aligned!`. Also compiles the GoBGP gRPC API
-// subset in proto/ (used by src/announce/gobgp.rs) with protoc.
+// subset in proto/ (used by src/bgp/gobgp.rs) with protoc.
 fn main() -> anyhow::Result<()> {
     compile_protos()?;
 

@@ -25,12 +25,12 @@ use tokio::{
 use tracing::{error, info, warn};
 
 use crate::{
-    announce::{task::AnnounceTask, Route},
+    bgp::{task::AnnounceTask, Route},
     config::{AgentConfig, XdpAttachMode},
     dataplane::{Dataplane, Handing, MapSizes, Protocol, ServiceSpec},
     health::{HealthChecker, HealthSnapshot},
     k8s::{desired::SourceOptions, watch::DesiredRx},
-    load::{
+    load_aware::{
         controller::{Report, SCALE},
         LoadTarget, LoadTask, LoadWeights,
     },
@@ -407,7 +407,7 @@ impl Agent {
     /// driver and L2 mode, as configured.
     async fn start_announcing(&mut self, kube: Option<kube::Client>) -> anyhow::Result<()> {
         if let Some(bgp) = &self.config.bgp {
-            let announcer = crate::announce::from_config(bgp).map_err(anyhow::Error::msg)?;
+            let announcer = crate::bgp::from_config(bgp).map_err(anyhow::Error::msg)?;
             info!(speaker = announcer.name(), "announcing VIPs through BGP");
             self.announce = Some(AnnounceTask::start(
                 announcer,
@@ -642,7 +642,7 @@ impl Agent {
     fn load_changed(&mut self) {
         let new = self.load_rx.borrow_and_update().clone();
         let mut labels = self.labels.lock().expect("labels lock");
-        let differ = crate::load::weights_differ(&labels.load, &new);
+        let differ = crate::load_aware::weights_differ(&labels.load, &new);
         labels.load = new;
         drop(labels);
         if differ {
@@ -1258,7 +1258,7 @@ fn start_load(
     health: &watch::Receiver<HealthSnapshot>,
     (interval, cgroup_root): &(Duration, PathBuf),
 ) -> (LoadTask, watch::Receiver<LoadWeights>) {
-    let cgroups = crate::load::cgroup::Hierarchies::at(cgroup_root);
+    let cgroups = crate::load_aware::cgroup::Hierarchies::at(cgroup_root);
     LoadTask::start(dp.clone(), health.clone(), *interval, cgroups)
 }
 
@@ -1280,7 +1280,7 @@ fn apply_load(spec: &mut ServiceSpec, load: &LoadWeights) {
     let Some(l) = load.get(&spec.key()) else {
         return;
     };
-    let ramp = crate::load::controller::Params::for_service(spec.least_loaded).ramp_start;
+    let ramp = crate::load_aware::controller::Params::for_service(spec.least_loaded).ramp_start;
     spec.backends
         .retain(|b| !l.backends.get(&b.addr).is_some_and(|d| d.decision.down));
     for b in &mut spec.backends {

@@ -1,7 +1,7 @@
 //! lb-agent's library: the data-plane driver, the configuration, health
 //! checks and metrics, shared by the daemon, lbctl, the tests and the benchmarks.
 pub mod agent;
-pub mod announce;
+pub mod bgp;
 pub mod config;
 pub mod dataplane;
 pub mod flow_sync;
@@ -9,7 +9,7 @@ pub mod health;
 pub mod http;
 pub mod k8s;
 pub mod l2;
-pub mod load;
+pub mod load_aware;
 pub mod maps;
 pub mod metrics;
 pub mod netif;

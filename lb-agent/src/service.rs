@@ -112,7 +112,7 @@ impl Balance {
 }
 
 /// HAProxy's agent check: a TCP port on the backend's address that answers
-/// one line such as `75%`, `drain`, `down` or `up` (`crate::load::agent`).
+/// one line such as `75%`, `drain`, `down` or `up` (`crate::load_aware::agent`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct AgentCheck {
     pub port: u16,

@@ -27,7 +27,7 @@
 //!   config holds the session to the router and the two static protocols
 //!   `xlb_vips4`/`xlb_vips6` that include the agent's routes files
 //!   (`xlb-vips4`/`xlb-vips6`, created empty before BIRD starts), as
-//!   `lb_agent::announce::bird` documents.
+//!   `lb_agent::bgp::bird` documents.
 //! * ExaBGP: `exabgp` with `--root` the node's directory (its API pipes
 //!   `<p>-nI.in`/`.out`, made with mkfifo before it starts, in `run/`) and
 //!   `exabgp.env` (`[exabgp.api] cli, ack, pipename`); its config holds the

@@ -1,6 +1,6 @@
 //! Test support for xlb: packet fixtures, checkers and helpers shared by the integration tests.
 
-pub mod announce_lab;
+pub mod bgp_lab;
 pub mod cgroup;
 pub mod cluster;
 pub mod ecmp;

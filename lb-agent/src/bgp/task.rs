@@ -205,7 +205,7 @@ mod tests {
     use std::sync::{Arc, Mutex};
 
     use super::*;
-    use crate::announce::{AnnounceError, AnnounceResult, BoxFuture};
+    use crate::bgp::{AnnounceError, AnnounceResult, BoxFuture};
 
     /// A speaker that keeps what it was told in memory, and can be made to
     /// fail: the task's logic (retry, resync, withdraw on shutdown) is what

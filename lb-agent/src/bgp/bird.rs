@@ -129,7 +129,7 @@ pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(10);
 /// ```
 ///
 /// ```no_run
-/// # use lb_agent::announce::bird::BirdAnnouncer;
+/// # use lb_agent::bgp::bird::BirdAnnouncer;
 /// let bird = BirdAnnouncer::new("/etc/bird/xlb-vips", "/run/bird/bird.ctl");
 /// bird.ensure_files()?;
 /// print!("{}", bird.static_protocols_config());

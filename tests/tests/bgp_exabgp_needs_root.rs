@@ -14,12 +14,8 @@ use std::{
     time::Duration,
 };
 
-use lb_agent::announce::{
-    exabgp::ExaBgpAnnouncer, task::AnnounceTask, AnnounceError, Announcer, Route,
-};
-use xlb_tests::announce_lab::{
-    ip, kernel_route, route, run, wait_metrics, wait_until_blocking, WAIT,
-};
+use lb_agent::bgp::{exabgp::ExaBgpAnnouncer, task::AnnounceTask, AnnounceError, Announcer, Route};
+use xlb_tests::bgp_lab::{ip, kernel_route, route, run, wait_metrics, wait_until_blocking, WAIT};
 
 const NODE_V4: &str = "10.200.0.2";
 const ROUTER_V4: &str = "10.200.0.1";
@@ -66,12 +62,7 @@ impl Lab {
             "link", "add", vn, "netns", n, "type", "veth", "peer", "name", vr, "netns", r,
         ]);
         for (ns, dev, v4, v6) in [(n, vn, NODE_V4, NODE_V6), (r, vr, ROUTER_V4, ROUTER_V6)] {
-            xlb_tests::announce_lab::set_up_veth_end(
-                ns,
-                dev,
-                &format!("{v4}/24"),
-                &format!("{v6}/64"),
-            );
+            xlb_tests::bgp_lab::set_up_veth_end(ns, dev, &format!("{v4}/24"), &format!("{v6}/64"));
         }
 
         // The API pipes, where ExaBGP looks for them under --root.

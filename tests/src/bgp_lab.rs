@@ -7,7 +7,7 @@ use std::{
     time::{Duration, Instant},
 };
 
-use lb_agent::announce::Route;
+use lb_agent::bgp::Route;
 
 /// The longest any one wait of these tests may take.
 pub const WAIT: Duration = Duration::from_secs(30);

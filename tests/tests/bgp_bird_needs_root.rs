@@ -27,10 +27,8 @@ use std::{
     time::Duration,
 };
 
-use lb_agent::announce::{
-    bird::BirdAnnouncer, task::AnnounceTask, AnnounceError, Announcer, Route,
-};
-use xlb_tests::announce_lab::{
+use lb_agent::bgp::{bird::BirdAnnouncer, task::AnnounceTask, AnnounceError, Announcer, Route};
+use xlb_tests::bgp_lab::{
     ip, kernel_route, route, wait_metrics, wait_until, wait_until_blocking, WAIT,
 };
 
@@ -200,8 +198,8 @@ impl Topology {
         ip(&[
             "-n", n, "link", "add", "veth0", "type", "veth", "peer", "name", "veth0", "netns", r,
         ]);
-        xlb_tests::announce_lab::set_up_veth_end(n, "veth0", "10.99.0.1/24", "fd99::1/64");
-        xlb_tests::announce_lab::set_up_veth_end(r, "veth0", "10.99.0.2/24", "fd99::2/64");
+        xlb_tests::bgp_lab::set_up_veth_end(n, "veth0", "10.99.0.1/24", "fd99::1/64");
+        xlb_tests::bgp_lab::set_up_veth_end(r, "veth0", "10.99.0.2/24", "fd99::2/64");
         topo
     }
 

@@ -19,13 +19,13 @@ use std::{
     time::Duration,
 };
 
-use lb_agent::announce::{
+use lb_agent::bgp::{
     gobgp::{
         AddressFamily, GoBgpAnnouncer, GoBgpConfig, Ownership, PeerConfig, PeerEvents, SessionState,
     },
     AnnounceError, Announcer, Route,
 };
-use xlb_tests::announce_lab::{ip, kernel_route, run, wait_until, WAIT};
+use xlb_tests::bgp_lab::{ip, kernel_route, run, wait_until, WAIT};
 
 const NODE_V4: &str = "10.201.0.1";
 const ROUTER_V4: &str = "10.201.0.2";
@@ -86,12 +86,7 @@ impl Lab {
             (&lab.node, &vn, NODE_V4, NODE_V6),
             (&lab.router, &vr, ROUTER_V4, ROUTER_V6),
         ] {
-            xlb_tests::announce_lab::set_up_veth_end(
-                ns,
-                dev,
-                &format!("{v4}/24"),
-                &format!("{v6}/64"),
-            );
+            xlb_tests::bgp_lab::set_up_veth_end(ns, dev, &format!("{v4}/24"), &format!("{v6}/64"));
         }
         std::fs::write(
             lab.dir.join("gobgpd.toml"),
