@@ -667,17 +667,7 @@ fn bgp_install_reaches_pods_on_every_node() {
     );
     let vip = create_service(&c, "Cluster");
     let want: Vec<IpAddr> = (1..=2).map(|i| node_ip(i).into()).collect();
-    poll_until(Duration::from_secs(60), Duration::from_millis(200), || {
-        (c.router_next_hops(vip) == want).then_some(()).ok_or(())
-    })
-    .unwrap_or_else(|()| {
-        panic!(
-            "the router's route to {vip} is not through both nodes: {:?}\n{}\n{}",
-            c.router_next_hops(vip),
-            c.birdc(&["show", "protocols", "all"]),
-            c.describe_agents()
-        )
-    });
+    routed_through(&c, vip, &want);
     pods_are_reached_in_snat_and_nat(&c, "web", vip, None, true);
     operator_sees_the_agents(&c, vip, false);
     bgp_ipv6_reaches_pods_on_every_node(&c);
@@ -742,6 +732,23 @@ fn bgp_install_reaches_pods_on_every_node() {
     uninstall_leaves_nothing(&c);
 }
 
+/// Waits until the router's route to `vip` goes through the next hops `want`.
+fn routed_through(c: &NodeCluster, vip: impl Into<IpAddr>, want: &[IpAddr]) {
+    let vip: IpAddr = vip.into();
+    poll_until(Duration::from_secs(60), Duration::from_millis(200), || {
+        (c.router_next_hops(vip) == want).then_some(()).ok_or(())
+    })
+    .unwrap_or_else(|()| {
+        panic!(
+            "the router's route to {vip} is not through {want:?}: {:?}\n{}\n{}\n{}",
+            c.router_next_hops(vip),
+            c.birdc(&["show", "protocols", "all"]),
+            c.birdc(&["show", "route", "all"]),
+            c.describe_agents()
+        )
+    });
+}
+
 /// BGP mode's IPv6: an IPv6 Service's address is announced over the same
 /// sessions (MP-BGP) with each node's IPv6 address as the next hop, and
 /// every Pod on both nodes is reached from the client's IPv6 address in
@@ -751,17 +758,7 @@ fn bgp_ipv6_reaches_pods_on_every_node(c: &NodeCluster) {
     let vip = create_service_of(c, "web6", "Cluster", "IPv6");
     assert!(vip.is_ipv6(), "shop/web6 got {vip}");
     let want: Vec<IpAddr> = (1..=2).map(|i| node_ip6(i).into()).collect();
-    poll_until(Duration::from_secs(60), Duration::from_millis(200), || {
-        (c.router_next_hops(vip) == want).then_some(()).ok_or(())
-    })
-    .unwrap_or_else(|()| {
-        panic!(
-            "the router's route to {vip} is not through both nodes: {:?}\n{}\n{}",
-            c.router_next_hops(vip),
-            c.birdc(&["show", "route", "all"]),
-            c.describe_agents()
-        )
-    });
+    routed_through(c, vip, &want);
     pods_are_reached_in_snat_and_nat(c, "web6", vip, None, true);
     c.cp.kubectl_ok(&["-n", APP_NS, "delete", "service", "web6"]);
     poll_until(Duration::from_secs(30), Duration::from_millis(200), || {
