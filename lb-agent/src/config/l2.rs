@@ -109,7 +109,7 @@ impl Validator<'_> {
                 ))
             }
             // As the Kubernetes node name: the chart sets $NODE_NAME.
-            None => node_name_from_env().or_else(hostname).ok_or_else(|| {
+            None => super::this_node().ok_or_else(|| {
                 self.err(
                     path().key("node_name"),
                     "no node_name and the host name is unknown",
@@ -242,20 +242,4 @@ impl Validator<'_> {
             )),
         }
     }
-}
-
-fn node_name_from_env() -> Option<String> {
-    std::env::var("NODE_NAME")
-        .ok()
-        .filter(|n| !n.trim().is_empty())
-}
-
-fn hostname() -> Option<String> {
-    let mut buf = [0u8; 256];
-    // SAFETY: the buffer's length is passed with it.
-    if unsafe { libc::gethostname(buf.as_mut_ptr().cast(), buf.len()) } != 0 {
-        return None;
-    }
-    let end = buf.iter().position(|b| *b == 0)?;
-    String::from_utf8(buf[..end].to_vec()).ok()
 }

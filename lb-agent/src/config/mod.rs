@@ -346,6 +346,18 @@ mod locate;
 mod raw;
 mod validate;
 
+/// This node's name when the file gives none: `$NODE_NAME` (the Helm chart
+/// sets it from the downward API: the Kubernetes Node's name), else the
+/// host name.
+pub fn this_node() -> Option<String> {
+    let env = std::env::var("NODE_NAME").ok();
+    let host = || std::fs::read_to_string("/proc/sys/kernel/hostname").ok();
+    env.filter(|n| !n.trim().is_empty())
+        .or_else(host)
+        .map(|n| n.trim().to_string())
+        .filter(|n| !n.is_empty())
+}
+
 /// `lb-agent --metrics-addr`: an address:port as in the file, or an IPv6
 /// address without brackets before the last `:PORT`, so that the chart's
 /// `$(HOST_IP):9469` works on an IPv6 node too.

@@ -55,16 +55,9 @@ pub async fn client(cfg: &KubernetesConfig) -> anyhow::Result<Client> {
 /// This node's name: the config's, else $NODE_NAME (the Helm chart sets it
 /// from the downward API), else the host name.
 pub fn node_name(cfg: &KubernetesConfig) -> String {
-    if let Some(n) = &cfg.node_name {
-        return n.clone();
-    }
-    if let Ok(n) = std::env::var("NODE_NAME") {
-        if !n.is_empty() {
-            return n;
-        }
-    }
-    std::fs::read_to_string("/proc/sys/kernel/hostname")
-        .map(|s| s.trim().to_string())
+    cfg.node_name
+        .clone()
+        .or_else(crate::config::this_node)
         .unwrap_or_default()
 }
 
