@@ -280,4 +280,19 @@ mod tests {
         assert!(human.contains("answers for 10.0.0.200\n"), "{human}");
         assert!(human.contains("never"), "{human}");
     }
+
+    #[test]
+    fn an_agent_not_ready_exits_4_and_says_so() {
+        let r = report(
+            "10.0.0.11:9469".parse().unwrap(),
+            &parse("xlb_agent_ready 0\nxlb_kubernetes_api_up 0\n"),
+        );
+        assert_eq!((r.ready, r.kubernetes_api_up), (false, Some(false)));
+        assert_eq!(r.exit_code(), 4);
+        let human = r.human();
+        assert!(
+            human.contains("NOT READY") && human.contains("API UNREACHABLE"),
+            "{human}"
+        );
+    }
 }
