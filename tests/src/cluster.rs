@@ -98,11 +98,33 @@ struct Pki {
     dir: PathBuf,
 }
 
+/// The PKI directories of test processes that have ended: a static has
+/// no drop, so each process clears those its predecessors left.
+fn remove_stale_pki() {
+    let Ok(entries) = fs::read_dir(std::env::temp_dir()) else {
+        return;
+    };
+    for entry in entries.flatten() {
+        let name = entry.file_name();
+        let Some(pid) = name
+            .to_str()
+            .and_then(|n| n.strip_prefix("xlb-k8s-pki-"))
+            .and_then(|p| p.parse::<u32>().ok())
+        else {
+            continue;
+        };
+        if !Path::new(&format!("/proc/{pid}")).exists() {
+            let _ = fs::remove_dir_all(entry.path());
+        }
+    }
+}
+
 impl Pki {
     fn get() -> &'static Pki {
         static PKI: OnceLock<Pki> = OnceLock::new();
         PKI.get_or_init(|| {
             let dir = std::env::temp_dir().join(format!("xlb-k8s-pki-{}", std::process::id()));
+            remove_stale_pki();
             let _ = fs::remove_dir_all(&dir);
             fs::create_dir_all(&dir).unwrap();
             let pki = Pki { dir };
@@ -1070,6 +1092,10 @@ impl Drop for Cluster {
         stop(&mut self.controllers);
         stop(&mut self.apiserver);
         stop(&mut self.etcd);
+        // A failed test keeps its logs; a passed one leaves nothing in /tmp.
+        if !std::thread::panicking() {
+            let _ = std::fs::remove_dir_all(&self.dir);
+        }
     }
 }
 

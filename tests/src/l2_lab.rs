@@ -610,6 +610,10 @@ impl Drop for L2Lab {
             stop.store(true, Ordering::Relaxed);
             let _ = thread.join();
         }
+        // A failed test keeps its logs; a passed one leaves nothing in /tmp.
+        if !std::thread::panicking() {
+            let _ = std::fs::remove_dir_all(&self.dir);
+        }
     }
 }
 

@@ -329,6 +329,10 @@ impl Drop for PodLab {
         for node in 1..=2 {
             cleanup_pins(&self.pin_dir(node));
         }
+        // A failed test keeps its logs; a passed one leaves nothing in /tmp.
+        if !std::thread::panicking() {
+            let _ = std::fs::remove_dir_all(&self.dir);
+        }
     }
 }
 

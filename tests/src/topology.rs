@@ -204,6 +204,10 @@ impl Drop for Topology {
             let _ = t.join();
         }
         cleanup_pins(&self.pin_dir);
+        // A failed test keeps its logs; a passed one leaves nothing in /tmp.
+        if !std::thread::panicking() {
+            let _ = std::fs::remove_dir_all(&self.dir);
+        }
         // Netns drops delete the namespaces (and with them the veths).
     }
 }
