@@ -1,12 +1,14 @@
 //! The standalone agent: config file -> desired state -> data plane, with
 //! health checks, metrics, reload on SIGHUP or file change.
 //!
-//! Reconciling always computes the full desired state and applies only the
-//! difference; a config that does not validate changes nothing.
+//! This is the event loop: it gathers what the decisions need (the config,
+//! Kubernetes' desired state, health, load, the node's routes), has the
+//! pure core in `crate::desired` compute the desired state and the plan,
+//! and applies them. A config that does not validate changes nothing.
 
 use std::{
     collections::{BTreeMap, BTreeSet},
-    net::{IpAddr, SocketAddr},
+    net::IpAddr,
     path::PathBuf,
     sync::{
         atomic::{AtomicBool, Ordering},
@@ -17,7 +19,6 @@ use std::{
 
 use anyhow::Context as _;
 use aya::programs::XdpMode;
-use lb_common::ServiceKey;
 use tokio::{
     signal::unix::{signal, SignalKind},
     sync::watch,
@@ -27,18 +28,16 @@ use tracing::{error, info, warn};
 use crate::{
     bgp::{task::AnnounceTask, Route},
     config::{AgentConfig, XdpAttachMode},
-    dataplane::{Dataplane, Handing, MapSizes, Protocol, ServiceSpec},
+    dataplane::{Dataplane, Handing, MapSizes},
+    desired,
     health::{HealthChecker, HealthSnapshot},
     k8s::{desired::SourceOptions, watch::DesiredRx},
-    load_aware::{
-        controller::{Report, SCALE},
-        LoadTarget, LoadTask, LoadWeights,
-    },
+    load_aware::{controller::Report, LoadTask, LoadWeights},
     metrics::{
         BackendSample, BackendValue, DataplaneSnapshot, LoadSamples, Metrics, ServiceSample,
     },
     netif::interface_address,
-    service::{Announce, Balance, DesiredService, RemovedBackendFlows},
+    service::{Announce, DesiredService},
 };
 
 pub struct AgentOptions {
@@ -79,10 +78,19 @@ pub struct Agent {
     k8s: Option<DesiredRx>,
     /// This agent's candidacy for handing out LoadBalancer addresses.
     allocator: Option<crate::k8s::allocator::Running>,
-    /// VIPs both the file and Kubernetes define (the file wins), logged once.
-    shadowed: BTreeSet<(IpAddr, u16, Protocol)>,
-    /// How each VIP is announced (its services' `announce`, together).
-    announce_by_vip: BTreeMap<IpAddr, Announce>,
+    /// The desired state last applied.
+    state: Arc<desired::State>,
+    /// The config file's services, shared with the desired state.
+    file_services: Vec<Arc<DesiredService>>,
+    /// Bumped when the config or the overlay's routes change
+    /// ([`desired::Context::generation`]).
+    generation: u64,
+    /// The main table's routes and the interfaces' sides, when nat services
+    /// need them to find backends behind an overlay.
+    overlay: (
+        Vec<crate::netif::MainRoute>,
+        BTreeMap<u32, (String, crate::podnet::Side)>,
+    ),
     /// Whether the Node is being taken out, as last logged (Kubernetes).
     node_leaving: bool,
     /// SNAT flows shared with the other agents (`flow_sync:`).
@@ -94,9 +102,6 @@ pub struct Agent {
     /// `snat_ipv4` and `snat_ipv6` as the file sets them; with Kubernetes,
     /// what is unset follows the node's addresses ([`Agent::node_snat`]).
     snat_in_file: (Option<IpAddr>, Option<IpAddr>),
-    /// Services in nat mode served in snat because a backend is behind an
-    /// overlay, as last logged.
-    nat_over_overlay: BTreeSet<String>,
     /// What the `notrack` table last said, when set.
     notrack: Option<Vec<crate::notrack::Untracked>>,
     /// The uplinks' gateways the kernel is asked to keep resolved.
@@ -105,10 +110,10 @@ pub struct Agent {
 
 #[derive(Default)]
 struct Labels {
-    names: BTreeMap<ServiceKey, String>,
-    /// Every configured backend, also those health checks took out of the
-    /// data plane: their `xlb_backend_healthy` must read 0, not vanish.
-    configured: BTreeMap<ServiceKey, Vec<SocketAddr>>,
+    /// Names, and every configured backend, also those health checks took
+    /// out of the data plane: their `xlb_backend_healthy` must read 0, not
+    /// vanish.
+    state: Arc<desired::State>,
     health: HealthSnapshot,
     load: LoadWeights,
     /// `backend_metrics: false` leaves the per-backend series out.
@@ -233,17 +238,19 @@ impl Agent {
             l2_members: None,
             k8s: None,
             allocator: None,
-            shadowed: BTreeSet::new(),
-            announce_by_vip: BTreeMap::new(),
+            state: Arc::default(),
+            file_services: Vec::new(),
+            generation: 0,
+            overlay: Default::default(),
             node_leaving: false,
             flow_sync,
             flow_members: None,
             owner: None,
             snat_in_file,
-            nat_over_overlay: BTreeSet::new(),
             notrack: None,
             gateways: BTreeSet::new(),
         };
+        agent.config_changed();
         let mut kube_client = None;
         if let Some(kcfg) = agent.config.kubernetes.clone() {
             let client = crate::k8s::watch::client(&kcfg).await?;
@@ -671,6 +678,7 @@ impl Agent {
                     }
                     Err(e) => {
                         self.config = old;
+                        self.config_changed();
                         Err(e)
                     }
                 }
@@ -707,6 +715,7 @@ impl Agent {
 
     /// Interfaces, data-plane settings, health targets, then services.
     fn apply_config(&mut self) -> anyhow::Result<()> {
+        self.config_changed();
         {
             let mut dp = self.dp.lock().expect("data plane lock");
             // A changed mode re-attaches every interface (`attach` replaces
@@ -837,26 +846,8 @@ impl Agent {
             "SNAT source follows this node's address in its Pod CIDR (or its first interface's)"
         );
         (self.config.snat_ipv4, self.config.snat_ipv6) = new;
+        self.config_changed();
         true
-    }
-
-    /// Whether a backend address is behind an Ethernet overlay (flannel's
-    /// VXLAN): read once per reconcile, and only with nat services and
-    /// pod-side interfaces found automatically.
-    fn overlay_check(&self, services: &[DesiredService]) -> impl Fn(IpAddr) -> bool {
-        let wanted = self.config.pod_interfaces == crate::podnet::PodInterfaces::Auto
-            && services.iter().any(|s| s.mode == crate::service::Mode::Nat);
-        let routes = if wanted {
-            crate::netif::main_routes().unwrap_or_default()
-        } else {
-            Vec::new()
-        };
-        let sides = crate::podnet::sides(&routes, &self.config.interfaces);
-        move |ip| {
-            crate::podnet::through_overlay(&routes, ip, |i| {
-                sides.get(&i).map_or(crate::podnet::Side::Never, |s| s.1)
-            })
-        }
     }
 
     /// The pod-side interfaces wanted now (`pod_interfaces`); none when
@@ -917,7 +908,7 @@ impl Agent {
         let peers = peers.into_iter().filter(|a| !own.contains(a));
         let rules: BTreeSet<Untracked> = snat
             .iter()
-            .chain(self.announce_by_vip.keys())
+            .chain(self.state.announce_by_vip.keys())
             .map(|a| Untracked::From(*a))
             .chain(peers.flat_map(|a| [Untracked::From(a), Untracked::To(a)]))
             .collect();
@@ -1012,144 +1003,83 @@ impl Agent {
     }
 
     /// Desired = config services minus unhealthy backends; apply the difference.
+    /// Computes the desired state ([`crate::desired`]) and applies it: the
+    /// data plane's writes, the load controller's targets, the routes and
+    /// the L2 VIPs. A service the data plane refuses is retried next time;
+    /// the others are applied.
     fn reconcile(&mut self) -> anyhow::Result<()> {
-        let health = self.health_rx.borrow().clone();
-        let unhealthy: BTreeSet<SocketAddr> = health
-            .iter()
-            .filter(|(_, h)| !h.healthy)
-            .map(|(a, _)| *a)
-            .collect();
-        let mut desired: BTreeMap<ServiceKey, (ServiceSpec, RemovedBackendFlows, String)> =
-            BTreeMap::new();
-        let services = self.all_services();
-        self.announce_by_vip = announce_by_vip(&services);
-        let load = self.load_rx.borrow_and_update().clone();
-        let mut load_targets = Vec::new();
-        let overlay = self.overlay_check(&services);
-        let mut nat_over_overlay = BTreeSet::new();
-        // The file's services are served as written: their author knows
-        // whether the overlay masquerades.
-        let from_file: BTreeSet<(IpAddr, u16, Protocol)> = self
-            .config
-            .services
-            .iter()
-            .map(|s| (s.vip, s.port, s.protocol))
-            .collect();
-        for svc in &services {
-            let mut spec = self.config.service_spec(svc);
-            if svc.mode == crate::service::Mode::Nat
-                && !from_file.contains(&(svc.vip, svc.port, svc.protocol))
-                && svc.backends.iter().any(|b| overlay(b.ip))
-            {
-                // The kernel forwards into the overlay, where the pod
-                // network masquerades a client's address (flannel's
-                // `--ip-masq`): the backend's answer would miss the flow.
-                spec.snat = match svc.vip {
-                    IpAddr::V4(_) => self.config.snat_ipv4.map(IpAddr::V4),
-                    IpAddr::V6(_) => self.config.snat_ipv6.map(IpAddr::V6),
-                };
-                nat_over_overlay.insert(svc.name.clone());
-            }
-            let checked = svc.health_check.is_some();
-            spec.backends
-                .retain(|b| !(checked && unhealthy.contains(&b.addr)));
-            if let Balance::LoadAware { agent_check } = &svc.balance {
-                load_targets.push(LoadTarget {
-                    key: spec.key(),
-                    name: svc.name.clone(),
-                    backends: spec.backends.iter().map(|b| (b.addr, b.weight)).collect(),
-                    agent_check: *agent_check,
-                    cgroups: svc
-                        .backends
-                        .iter()
-                        .filter_map(|b| Some((b.addr(), b.cgroup.clone()?)))
-                        .collect(),
-                    least_loaded: spec.least_loaded,
-                });
-                apply_load(&mut spec, &load);
-            }
-            desired.insert(
-                spec.key(),
-                (spec, svc.removed_backend_flows, svc.name.clone()),
-            );
-        }
-        self.load.set_targets(load_targets);
-        for name in nat_over_overlay.difference(&self.nat_over_overlay) {
-            warn!(service = %name, "nat mode, but backends on other nodes are behind the pod network's overlay, which masquerades what the node forwards there: served in snat on this node (externalTrafficPolicy: Local keeps the client's address)");
-        }
-        self.nat_over_overlay = nat_over_overlay;
+        let cluster = self.k8s.as_ref().and_then(|rx| rx.borrow().clone());
+        self.follow_overlay(cluster.as_deref());
+        let context = desired::Context {
+            generation: self.generation,
+            health: self.health_rx.borrow().clone(),
+            load: self.load_rx.borrow_and_update().clone(),
+        };
+        let (routes, sides) = &self.overlay;
+        let overlay = |ip| {
+            crate::podnet::through_overlay(routes, ip, |i| {
+                sides.get(&i).map_or(crate::podnet::Side::Never, |s| s.1)
+            })
+        };
+        let mut state = desired::compute(
+            &desired::Inputs {
+                file: &self.file_services,
+                cluster: cluster.as_deref(),
+                config: &self.config,
+                context,
+                overlay: &overlay,
+            },
+            &self.state,
+        );
+        self.log_new_decisions(&state);
+        self.load.set_targets(state.load_targets());
+
         let mut dp = self.dp.lock().expect("data plane lock");
-        let current: BTreeMap<ServiceKey, ServiceSpec> =
-            dp.services().map(|(k, s)| (*k, s.clone())).collect();
+        let plan = desired::plan(dp.services(), &state);
         let mut errors = Vec::new();
-        for (key, (spec, removed_flows, name)) in &desired {
-            if current.get(key) == Some(spec) {
-                continue;
-            }
-            let gone: Vec<SocketAddr> = current
-                .get(key)
-                .map(|old| {
-                    old.backends
-                        .iter()
-                        .filter(|b| !spec.backends.iter().any(|n| n.addr == b.addr))
-                        .map(|b| b.addr)
-                        .collect()
-                })
-                .unwrap_or_default();
-            match dp.set_service(spec) {
+        for (key, reset) in &plan.set {
+            let want = &state.services[key];
+            let name = &want.service.name;
+            match dp.set_service(&want.spec) {
                 Ok(()) => {
-                    info!(service = %name, backends = spec.backends.len(), "service programmed");
-                    if *removed_flows == RemovedBackendFlows::Reset {
-                        for b in gone {
-                            match dp.reset_flows_to(b) {
-                                Ok(n) => {
-                                    info!(service = %name, backend = %b, flows = n, "flows reset")
-                                }
-                                Err(e) => {
-                                    warn!(service = %name, backend = %b, "resetting flows: {e}")
-                                }
-                            }
+                    info!(service = %name, backends = want.spec.backends.len(), "service programmed");
+                    for &b in reset {
+                        match dp.reset_flows_to(b) {
+                            Ok(n) => info!(service = %name, backend = %b, flows = n, "flows reset"),
+                            Err(e) => warn!(service = %name, backend = %b, "resetting flows: {e}"),
                         }
                     }
                 }
-                Err(e) => errors.push(format!("{name}: {e}")),
-            }
-        }
-        let held = self.held_services();
-        for key in current.keys() {
-            if !desired.contains_key(key) && !held.contains(key) {
-                if let Err(e) = dp.remove_service(key) {
-                    errors.push(format!("removing a service: {e}"));
+                Err(e) => {
+                    errors.push(format!("{name}: {e}"));
+                    state.retry(*key);
                 }
             }
         }
+        for key in &plan.remove {
+            if let Err(e) = dp.remove_service(key) {
+                errors.push(format!("removing a service: {e}"));
+            }
+        }
+        let programmed = || dp.services().map(|(_, spec)| spec);
+        let bgp_vips =
+            desired::servable_vips(programmed(), &state.announce_by_vip, Announce::by_bgp);
+        let l2_vips = desired::servable_vips(programmed(), &state.announce_by_vip, Announce::by_l2);
         drop(dp);
+
+        let state = Arc::new(state);
+        self.state = state.clone();
         let mut labels = self.labels.lock().expect("labels lock");
         labels.no_backend_series = !self.config.backend_metrics;
-        labels.names = desired
-            .iter()
-            .map(|(k, (_, _, n))| (*k, n.clone()))
-            .collect();
-        labels.configured = services
-            .iter()
-            .map(|s| {
-                let spec = self.config.service_spec(s);
-                (spec.key(), spec.backends.iter().map(|b| b.addr).collect())
-            })
-            .collect();
-        labels.health = health;
-        labels.load = load;
+        labels.health = state.context().health.clone();
+        labels.load = state.context().load.clone();
+        labels.state = state;
         drop(labels);
         if let Some(task) = &self.announce {
-            task.apply(self.desired_routes());
+            task.apply(self.routes(&bgp_vips));
         }
         if let Some(l2) = &self.l2 {
-            l2.set_vips(
-                self.servable_vips(Announce::by_l2)
-                    .into_iter()
-                    .map(|v| (v, None))
-                    .collect(),
-            );
+            l2.set_vips(l2_vips.into_iter().map(|v| (v, None)).collect());
         }
         if errors.is_empty() {
             Ok(())
@@ -1157,63 +1087,54 @@ impl Agent {
             anyhow::bail!("{}", errors.join("; "))
         }
     }
-}
 
-impl Agent {
-    /// The file's services, then those from Kubernetes on VIPs the file does
-    /// not use.
-    fn all_services(&mut self) -> Vec<DesiredService> {
-        let mut all = self.config.services.clone();
-        let Some(rx) = &self.k8s else {
-            return all;
-        };
-        let desired = rx.borrow().clone();
-        let in_file: BTreeSet<(IpAddr, u16, Protocol)> =
-            all.iter().map(|s| (s.vip, s.port, s.protocol)).collect();
-        let mut shadowed = BTreeSet::new();
-        for s in desired.iter().flat_map(|d| &d.services) {
-            let key = (s.vip, s.port, s.protocol);
-            if in_file.contains(&key) {
-                if !self.shadowed.contains(&key) {
-                    warn!(service = %s.name, vip = %s.vip, port = s.port, "the config file already defines this VIP; the Kubernetes Service is not applied");
-                }
-                shadowed.insert(key);
-                continue;
+    /// Logs what a new desired state decided that the last did not:
+    /// Kubernetes Services the file shadows, nat services served in snat.
+    fn log_new_decisions(&self, state: &desired::State) {
+        for (address, name) in &state.shadowed {
+            let (vip, port, _) = address;
+            if !self.state.shadowed.contains_key(address) {
+                warn!(service = %name, vip = %vip, port = port, "the config file already defines this VIP; the Kubernetes Service is not applied");
             }
-            all.push(s.clone());
         }
-        self.shadowed = shadowed;
-        all
+        let before = self.state.nat_over_overlay();
+        for name in state.nat_over_overlay().difference(&before) {
+            warn!(service = %name, "nat mode, but backends on other nodes are behind the pod network's overlay, which masquerades what the node forwards there: served in snat on this node (externalTrafficPolicy: Local keeps the client's address)");
+        }
     }
 
-    /// Kubernetes Services broken since before this agent started: their
-    /// data-plane entries stay as they are (`Desired::held`).
-    fn held_services(&self) -> BTreeSet<ServiceKey> {
-        let Some(rx) = &self.k8s else {
-            return BTreeSet::new();
+    /// Reads the routes that tell whether a backend is behind an Ethernet
+    /// overlay (flannel's VXLAN), when it matters: with nat services and
+    /// pod-side interfaces found automatically. Changed routes compute
+    /// every service afresh.
+    fn follow_overlay(&mut self, cluster: Option<&crate::k8s::desired::Desired>) {
+        let nat = |s: &Arc<DesiredService>| s.mode == crate::service::Mode::Nat;
+        let wanted = self.config.pod_interfaces == crate::podnet::PodInterfaces::Auto
+            && (self.file_services.iter().any(nat)
+                || cluster.is_some_and(|d| d.services.iter().any(nat)));
+        let routes = if wanted {
+            crate::netif::main_routes().unwrap_or_default()
+        } else {
+            Vec::new()
         };
-        let desired = rx.borrow();
-        desired
-            .iter()
-            .flat_map(|d| &d.held)
-            .map(|&(vip, port, proto)| lb_common::net::service_key(vip, port, proto.number()))
-            .collect()
+        let sides = crate::podnet::sides(&routes, &self.config.interfaces);
+        let overlay = (routes, sides);
+        if overlay != self.overlay {
+            self.overlay = overlay;
+            self.generation += 1;
+        }
     }
 
-    /// The VIPs this node can serve now (the program is attached and a
-    /// service on the VIP has a backend with weight) that are announced
-    /// the way `by` asks.
-    fn servable_vips(&self, by: fn(Announce) -> bool) -> BTreeSet<IpAddr> {
-        let dp = self.dp.lock().expect("data plane lock");
-        dp.services()
-            .filter(|(_, spec)| spec.backends.iter().any(|b| b.weight > 0))
-            .map(|(_, spec)| spec.vip)
-            .filter(|vip| by(self.announce_by_vip.get(vip).copied().unwrap_or_default()))
-            .collect()
+    /// The config changed (a reload, a new SNAT address): every service is
+    /// computed afresh.
+    fn config_changed(&mut self) {
+        self.file_services = self.config.services.iter().cloned().map(Arc::new).collect();
+        self.generation += 1;
     }
 
-    /// One host route per servable VIP, with this node as next hop.
-    fn desired_routes(&self) -> BTreeSet<Route> {
+    /// The BGP routes for `vips`: this node as next hop, the configured
+    /// one or the first interface's address of the VIP's family.
+    fn routes(&self, vips: &BTreeSet<IpAddr>) -> BTreeSet<Route> {
         let Some(bgp) = &self.config.bgp else {
             return BTreeSet::new();
         };
@@ -1231,22 +1152,9 @@ impl Agent {
             .next_hop_ipv6
             .map(IpAddr::V6)
             .or_else(|| interface_address(first_iface, false));
-        let mut routes = BTreeSet::new();
-        for vip in self.servable_vips(Announce::by_bgp) {
-            let hop = if vip.is_ipv4() { hop4 } else { hop6 };
-            match hop {
-                Some(next_hop) => {
-                    routes.insert(Route {
-                        vip,
-                        next_hop,
-                        communities: bgp.communities.clone(),
-                        local_pref: bgp.local_pref,
-                    });
-                }
-                None => {
-                    warn!(vip = %vip, "no next hop of this family: set bgp.next_hop_ipv4/6")
-                }
-            }
+        let (routes, no_hop) = desired::routes(vips, bgp, hop4, hop6);
+        for vip in no_hop {
+            warn!(vip = %vip, "no next hop of this family: set bgp.next_hop_ipv4/6");
         }
         routes
     }
@@ -1260,36 +1168,6 @@ fn start_load(
 ) -> (LoadTask, watch::Receiver<LoadWeights>) {
     let cgroups = crate::load_aware::cgroup::Hierarchies::at(cgroup_root);
     LoadTask::start(dp.clone(), health.clone(), *interval, cgroups)
-}
-
-/// Each VIP's announcement: a way any of its services asks for.
-fn announce_by_vip(services: &[DesiredService]) -> BTreeMap<IpAddr, Announce> {
-    let mut out: BTreeMap<IpAddr, Announce> = BTreeMap::new();
-    for s in services {
-        out.entry(s.vip)
-            .and_modify(|a| *a = a.union(s.announce))
-            .or_insert(s.announce);
-    }
-    out
-}
-
-/// A load-aware service's weights: the controller's where it decided,
-/// else the configured weights on its scale (a backend it has not seen yet
-/// starts at the ramp, as it would there). Backends that reported `down` are out.
-fn apply_load(spec: &mut ServiceSpec, load: &LoadWeights) {
-    let Some(l) = load.get(&spec.key()) else {
-        return;
-    };
-    let ramp = crate::load_aware::controller::Params::for_service(spec.least_loaded).ramp_start;
-    spec.backends
-        .retain(|b| !l.backends.get(&b.addr).is_some_and(|d| d.decision.down));
-    for b in &mut spec.backends {
-        b.weight = match l.backends.get(&b.addr) {
-            Some(d) => d.decision.weight,
-            None if b.weight == 0 => 0,
-            None => ((b.weight as f64 * SCALE * ramp).round() as u32).max(1),
-        };
-    }
 }
 
 /// Resolves when the Kubernetes desired state changed; never without Kubernetes.
@@ -1345,11 +1223,8 @@ fn snapshot(dp: &Mutex<Dataplane>, labels: &Mutex<Labels>) -> DataplaneSnapshot 
         ..Default::default()
     };
     for (key, spec) in dp.services() {
-        let name = labels
-            .names
-            .get(key)
-            .cloned()
-            .unwrap_or_else(|| "(adopted)".into());
+        let wanted = labels.state.services.get(key);
+        let name = wanted.map_or_else(|| "(adopted)".into(), |w| w.service.name.clone());
         let Some(id) = dp.service_id(key) else {
             continue;
         };
@@ -1373,12 +1248,12 @@ fn snapshot(dp: &Mutex<Dataplane>, labels: &Mutex<Labels>) -> DataplaneSnapshot 
             });
         }
         // Configured but out of the data plane (failing its checks).
-        for addr in labels.configured.get(key).into_iter().flatten() {
-            if !spec.backends.iter().any(|b| b.addr == *addr) {
+        for addr in wanted.into_iter().flat_map(|w| w.configured()) {
+            if !spec.backends.iter().any(|b| b.addr == addr) {
                 snap.backends.push(BackendSample {
                     service: name.clone(),
                     backend: addr.to_string(),
-                    healthy: labels.health.get(addr).is_none_or(|h| h.healthy),
+                    healthy: labels.health.get(&addr).is_none_or(|h| h.healthy),
                     weight: 0,
                     stats: Default::default(),
                 });

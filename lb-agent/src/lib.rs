@@ -4,6 +4,7 @@ pub mod agent;
 pub mod bgp;
 pub mod config;
 pub mod dataplane;
+pub mod desired;
 pub mod flow_sync;
 pub mod health;
 pub mod http;

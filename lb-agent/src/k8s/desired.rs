@@ -2,7 +2,10 @@
 //!
 //! Pure functions over API objects, so the rules are unit-tested with the
 //! JSON real clusters serve (testdata/). The watcher calls
-//! [`desired_services`] with whatever its stores hold.
+//! [`desired_services`] with whatever its stores hold, after every change:
+//! a Service whose object, slices and node zone are the versions the last
+//! result was made from keeps that result, so one change among thousands
+//! of Services costs one Service's work.
 //!
 //! The rules:
 //! - every port of a Service xlb serves becomes one data-plane service per
@@ -25,6 +28,7 @@
 use std::{
     collections::{BTreeMap, BTreeSet},
     net::IpAddr,
+    sync::Arc,
 };
 
 use ipnet::IpNet;
@@ -58,10 +62,12 @@ pub struct SourceOptions {
 /// The desired state from the cluster, with the reasons anything was left out.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Desired {
-    pub services: Vec<DesiredService>,
+    pub services: Vec<Arc<DesiredService>>,
     /// `namespace/name` → the data-plane services made from it: the last good
     /// result, reused when a later version of the object is unusable.
-    pub by_service: BTreeMap<String, Vec<DesiredService>>,
+    pub by_service: BTreeMap<String, Vec<Arc<DesiredService>>>,
+    /// `namespace/name` → the versions its last good result was made from.
+    made_from: BTreeMap<String, Made>,
     /// Human-readable, one per problem (logged by the watcher).
     pub problems: Vec<String>,
     /// The addresses of Services that are unusable with no last good state
@@ -78,6 +84,38 @@ pub struct Desired {
     /// This node's Pod CIDRs (`spec.podCIDRs`): a SNAT address inside them
     /// is one the pod network routes back to this node unmasqueraded.
     pub pod_cidrs: Vec<IpNet>,
+}
+
+/// A Service's result, and the versions of what it was made from.
+#[derive(Clone, Debug, PartialEq, Eq)]
+struct Made {
+    versions: Versions,
+    services: Vec<Arc<DesiredService>>,
+    notes: Vec<String>,
+}
+
+/// The resourceVersions of a Service and of its slices, and the node's
+/// zone: all a Service's result depends on (the options are fixed).
+#[derive(Clone, Debug, PartialEq, Eq)]
+struct Versions {
+    service: String,
+    slices: Vec<String>,
+    zone: Option<String>,
+}
+
+impl Versions {
+    /// `None` when an object has no resourceVersion (one not from the
+    /// API server): its result is never reused.
+    fn of(svc: &Service, slices: &[&EndpointSlice], zone: Option<&str>) -> Option<Versions> {
+        Some(Versions {
+            service: svc.metadata.resource_version.clone()?,
+            slices: slices
+                .iter()
+                .map(|s| s.metadata.resource_version.clone())
+                .collect::<Option<_>>()?,
+            zone: zone.map(str::to_owned),
+        })
+    }
 }
 
 /// Taints that say a node is going away: the cluster autoscaler's before a
@@ -185,7 +223,31 @@ pub fn desired_services(
         let name = svc.metadata.name.as_deref().unwrap_or("");
         let k = key(ns, name);
         let own_slices = slices.get(&(ns, name)).map(Vec::as_slice).unwrap_or(&[]);
-        let result = service_configs(svc, own_slices, opts, zone);
+        let versions = Versions::of(svc, own_slices, zone);
+        let made = previous
+            .made_from
+            .get(&k)
+            .filter(|m| versions.as_ref() == Some(&m.versions));
+        let result = match made {
+            Some(m) => Ok((m.services.clone(), m.notes.clone())),
+            None => service_configs(svc, own_slices, opts, zone).map(|(configs, notes)| {
+                let configs: Vec<_> = configs.into_iter().map(Arc::new).collect();
+                if let Some(versions) = versions {
+                    out.made_from.insert(
+                        k.clone(),
+                        Made {
+                            versions,
+                            services: configs.clone(),
+                            notes: notes.clone(),
+                        },
+                    );
+                }
+                (configs, notes)
+            }),
+        };
+        if let Some(m) = made {
+            out.made_from.insert(k.clone(), m.clone());
+        }
         let configs = match result {
             Ok((configs, mut notes)) => {
                 out.problems.append(&mut notes);

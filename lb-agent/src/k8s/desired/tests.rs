@@ -46,9 +46,27 @@ fn opts(node: &str) -> SourceOptions {
     }
 }
 
+/// What the API server does on every write: a new resourceVersion for an
+/// object that changed, the same for one that did not.
+fn versioned<K: kube::Resource + serde::Serialize + Clone>(objects: &[K]) -> Vec<K> {
+    use std::hash::{Hash, Hasher};
+    objects
+        .iter()
+        .map(|o| {
+            let mut o = o.clone();
+            o.meta_mut().resource_version = None;
+            let mut h = std::collections::hash_map::DefaultHasher::new();
+            serde_json::to_string(&o).unwrap().hash(&mut h);
+            o.meta_mut().resource_version = Some(h.finish().to_string());
+            o
+        })
+        .collect()
+}
+
 fn compute(o: &Objects, opts: &SourceOptions, previous: &Desired) -> Desired {
-    let services: Vec<&Service> = o.services.iter().collect();
-    let slices: Vec<&EndpointSlice> = o.slices.iter().collect();
+    let (services, slices) = (versioned(&o.services), versioned(&o.slices));
+    let services: Vec<&Service> = services.iter().collect();
+    let slices: Vec<&EndpointSlice> = slices.iter().collect();
     let node = o
         .nodes
         .iter()
@@ -644,4 +662,39 @@ fn a_pod_on_this_node_is_known_by_its_uid() {
             ("10.244.3.4:8080".into(), None),
         ]
     );
+}
+
+#[test]
+fn an_unchanged_service_keeps_its_result_and_a_changed_one_is_made_afresh() {
+    let mut o = load(WEB);
+    let dns = load(DNS);
+    o.services.extend(dns.services);
+    o.slices.extend(dns.slices);
+    o.nodes.extend(dns.nodes);
+    let first = compute(&o, &opts("worker-1"), &Desired::default());
+    assert!(first
+        .services
+        .iter()
+        .any(|s| s.name.starts_with("shop/web:")));
+    assert!(first
+        .services
+        .iter()
+        .any(|s| !s.name.starts_with("shop/web:")));
+    let again = compute(&o, &opts("worker-1"), &first);
+    assert!(!first.services.is_empty());
+    for (a, b) in first.services.iter().zip(&again.services) {
+        assert!(Arc::ptr_eq(a, b), "{} made afresh", a.name);
+    }
+    // A slice changes: its Service is made afresh, with the new endpoint state.
+    let slice = &mut o.slices[0];
+    let service = slice.metadata.labels.as_ref().unwrap()[SERVICE_NAME_LABEL].clone();
+    let endpoint = &mut slice.endpoints[0];
+    endpoint.conditions.get_or_insert_default().ready = Some(false);
+    endpoint.conditions.get_or_insert_default().serving = Some(false);
+    let changed = compute(&o, &opts("worker-1"), &again);
+    assert_ne!(changed.services, again.services);
+    for (a, b) in again.services.iter().zip(&changed.services) {
+        let ours = a.name.starts_with(&format!("shop/{service}:"));
+        assert_eq!(!Arc::ptr_eq(a, b), ours, "{}", a.name);
+    }
 }
