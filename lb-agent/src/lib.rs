@@ -16,3 +16,4 @@ pub mod netif;
 pub mod notrack;
 pub mod podnet;
 pub mod service;
+pub mod sign;
