@@ -17,3 +17,4 @@ pub mod notrack;
 pub mod podnet;
 pub mod service;
 pub mod sign;
+pub mod sys;
