@@ -140,11 +140,7 @@ fn accept_local(iface: &str) {
 /// glibc keeps the freed pages of such a peak unless asked to return them.
 /// (musl, the image's libc, returns them by itself.)
 fn release_free_memory() {
-    #[cfg(target_env = "gnu")]
-    // SAFETY: malloc_trim only walks the allocator's own free lists.
-    unsafe {
-        libc::malloc_trim(0);
-    }
+    crate::sys::malloc_trim();
 }
 
 /// This agent's Pod (`POD_NAMESPACE`, `POD_NAME`; the chart sets both from

@@ -17,3 +17,5 @@ pub mod netif;
 pub mod notrack;
 pub mod podnet;
 pub mod service;
+pub mod sign;
+pub mod sys;

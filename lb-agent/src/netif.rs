@@ -8,17 +8,16 @@
 use std::{
     io,
     net::IpAddr,
-    os::fd::{AsRawFd, FromRawFd, OwnedFd},
+    os::fd::{AsFd, OwnedFd},
 };
 
 use ipnet::IpNet;
 
+use crate::sys::{self, IfAddress};
+
 /// Index of a network interface in the caller's network namespace.
 pub fn ifindex(name: &str) -> Option<u32> {
-    let c = std::ffi::CString::new(name).ok()?;
-    // SAFETY: valid NUL-terminated string.
-    let i = unsafe { libc::if_nametoindex(c.as_ptr()) };
-    (i != 0).then_some(i)
+    sys::if_nametoindex(&std::ffi::CString::new(name).ok()?)
 }
 
 /// The first address of `family` (v4 when `v4`) on interface `iface`:
@@ -52,77 +51,28 @@ pub fn local_addresses() -> Vec<IpAddr> {
 
 /// The addresses on `iface`, or on every interface, with their prefixes.
 fn networks(iface: Option<&str>) -> Vec<IpNet> {
-    let mut out = Vec::new();
-    walk_ifaddrs(iface, |ifa| {
-        // SAFETY: getifaddrs gives address and netmask of the same family.
-        unsafe {
-            match (*ifa.ifa_addr).sa_family as i32 {
-                libc::AF_INET => {
-                    let a = &*(ifa.ifa_addr as *const libc::sockaddr_in);
-                    let m = &*(ifa.ifa_netmask as *const libc::sockaddr_in);
-                    let ip = std::net::Ipv4Addr::from(u32::from_be(a.sin_addr.s_addr));
-                    let len = u32::from_be(m.sin_addr.s_addr).count_ones() as u8;
-                    out.extend(IpNet::new(ip.into(), len).ok());
-                }
-                libc::AF_INET6 => {
-                    let a = &*(ifa.ifa_addr as *const libc::sockaddr_in6);
-                    let m = &*(ifa.ifa_netmask as *const libc::sockaddr_in6);
-                    let ip = std::net::Ipv6Addr::from(a.sin6_addr.s6_addr);
-                    let len = u128::from_be_bytes(m.sin6_addr.s6_addr).count_ones() as u8;
-                    out.extend(IpNet::new(ip.into(), len).ok());
-                }
-                _ => {}
-            }
-        }
-    });
-    out
+    addresses_of(iface)
+        .filter_map(|a| match a {
+            IfAddress::Ip(ip, len) => IpNet::new(ip, len).ok(),
+            IfAddress::Mac(_) => None,
+        })
+        .collect()
 }
 
 /// The hardware (MAC) address of `iface`.
 pub fn interface_mac(iface: &str) -> Option<[u8; 6]> {
-    let mut out = None;
-    walk_ifaddrs(Some(iface), |ifa| {
-        // SAFETY: an AF_PACKET entry's address is a sockaddr_ll.
-        unsafe {
-            if (*ifa.ifa_addr).sa_family as i32 == libc::AF_PACKET {
-                let ll = &*(ifa.ifa_addr as *const libc::sockaddr_ll);
-                if ll.sll_halen == 6 && out.is_none() {
-                    let mut mac = [0u8; 6];
-                    mac.copy_from_slice(&ll.sll_addr[..6]);
-                    out = Some(mac);
-                }
-            }
-        }
-    });
-    out
+    addresses_of(Some(iface)).find_map(|a| match a {
+        IfAddress::Mac(mac) => Some(mac),
+        IfAddress::Ip(..) => None,
+    })
 }
 
-/// Calls `f` with each entry of `iface` (of all interfaces with `None`)
-/// that has an address (and netmask).
-fn walk_ifaddrs(iface: Option<&str>, mut f: impl FnMut(&libc::ifaddrs)) {
-    // SAFETY: getifaddrs fills a list we walk read-only and free once.
-    unsafe {
-        let mut list: *mut libc::ifaddrs = std::ptr::null_mut();
-        if libc::getifaddrs(&mut list) != 0 {
-            return;
-        }
-        let mut cur = list;
-        while !cur.is_null() {
-            let ifa = &*cur;
-            cur = ifa.ifa_next;
-            if ifa.ifa_addr.is_null()
-                || iface.is_some_and(|i| std::ffi::CStr::from_ptr(ifa.ifa_name).to_str() != Ok(i))
-            {
-                continue;
-            }
-            let fam = (*ifa.ifa_addr).sa_family as i32;
-            if fam != libc::AF_PACKET && ifa.ifa_netmask.is_null() {
-                continue;
-            }
-            f(ifa);
-        }
-        libc::freeifaddrs(list);
-    }
+/// The addresses of `iface` (of all interfaces with `None`).
+fn addresses_of(iface: Option<&str>) -> impl Iterator<Item = IfAddress> + use<'_> {
+    sys::interface_addresses()
+        .into_iter()
+        .filter(move |e| iface.is_none_or(|i| e.interface.as_bytes() == i.as_bytes()))
+        .map(|e| e.address)
 }
 
 /// linux/neighbour.h: a neighbour's address, its extended flags, and the
@@ -256,15 +206,7 @@ pub fn xdp_attached(ifindex: u32) -> io::Result<XdpAttached> {
 
 /// Name of the interface with index `ifindex` in the caller's network namespace.
 pub fn ifname(ifindex: u32) -> Option<String> {
-    let mut buf = [0 as libc::c_char; libc::IF_NAMESIZE];
-    // SAFETY: the buffer holds IF_NAMESIZE bytes, as if_indextoname requires.
-    let p = unsafe { libc::if_indextoname(ifindex, buf.as_mut_ptr()) };
-    if p.is_null() {
-        return None;
-    }
-    // SAFETY: if_indextoname wrote a NUL-terminated name into `buf`.
-    let name = unsafe { std::ffi::CStr::from_ptr(buf.as_ptr()) };
-    name.to_str().ok().map(str::to_string)
+    String::from_utf8(sys::if_indextoname(ifindex)?).ok()
 }
 
 /// A unicast route of the main table.
@@ -396,40 +338,14 @@ fn rtnetlink_dump(request: &[u8]) -> io::Result<Vec<Vec<u8>>> {
 /// `NETLINK_NETFILTER`) with `request` sent to the kernel; closed when
 /// dropped.
 pub(crate) fn netlink_send(protocol: i32, request: &[u8]) -> io::Result<OwnedFd> {
-    // SAFETY: plain socket calls; the descriptor is owned at once, and the
-    // buffers are valid for the lengths passed.
-    unsafe {
-        let fd = libc::socket(
-            libc::AF_NETLINK,
-            libc::SOCK_RAW | libc::SOCK_CLOEXEC,
-            protocol,
-        );
-        if fd < 0 {
-            return Err(io::Error::last_os_error());
-        }
-        let fd = OwnedFd::from_raw_fd(fd);
-        let mut addr: libc::sockaddr_nl = std::mem::zeroed();
-        addr.nl_family = libc::AF_NETLINK as u16;
-        let sent = libc::sendto(
-            fd.as_raw_fd(),
-            request.as_ptr().cast(),
-            request.len(),
-            0,
-            (&addr as *const libc::sockaddr_nl).cast(),
-            std::mem::size_of::<libc::sockaddr_nl>() as u32,
-        );
-        if sent < 0 {
-            return Err(io::Error::last_os_error());
-        }
-        Ok(fd)
-    }
+    let fd = sys::netlink_socket(protocol)?;
+    sys::send_to_kernel(fd.as_fd(), request)?;
+    Ok(fd)
 }
 
 /// One datagram of `fd` into `buf`; its length.
 pub(crate) fn netlink_recv(fd: &OwnedFd, buf: &mut [u8]) -> io::Result<usize> {
-    // SAFETY: `buf` is valid for its length; `fd` is open.
-    let n = unsafe { libc::recv(fd.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len(), 0) };
-    usize::try_from(n).map_err(|_| io::Error::last_os_error())
+    sys::recv(fd.as_fd(), buf)
 }
 
 /// Attributes (kind without flag bits, payload) of a netlink attribute list.
@@ -503,57 +419,10 @@ fn parse_ack(reply: &[u8]) -> io::Result<()> {
     }
 }
 
-/// `SIOCETHTOOL` and `ETHTOOL_GDRVINFO` (linux/sockios.h, linux/ethtool.h).
-const SIOCETHTOOL: libc::c_ulong = 0x8946;
-const ETHTOOL_GDRVINFO: u32 = 0x3;
-
-/// `struct ethtool_drvinfo`.
-#[repr(C)]
-struct DrvInfo {
-    cmd: u32,
-    driver: [u8; 32],
-    version: [u8; 32],
-    fw_version: [u8; 32],
-    bus_info: [u8; 32],
-    erom_version: [u8; 32],
-    reserved2: [u8; 12],
-    n_priv_flags: u32,
-    n_stats: u32,
-    testinfo_len: u32,
-    eedump_len: u32,
-    regdump_len: u32,
-}
-
 /// The driver of `iface` in the caller's network namespace (`veth`,
 /// `virtio_net`, ...), as `ethtool -i` reports it.
 pub fn driver(iface: &str) -> io::Result<String> {
-    if iface.len() >= libc::IFNAMSIZ {
-        return Err(io::Error::from(io::ErrorKind::InvalidInput));
-    }
-    // SAFETY: zeroed plain-data structs; the ioctl writes at most
-    // size_of::<DrvInfo>() bytes to the pointer it is given; the socket is
-    // closed on every path.
-    unsafe {
-        let mut info: DrvInfo = std::mem::zeroed();
-        info.cmd = ETHTOOL_GDRVINFO;
-        let mut req: libc::ifreq = std::mem::zeroed();
-        for (dst, src) in req.ifr_name.iter_mut().zip(iface.bytes()) {
-            *dst = src as libc::c_char;
-        }
-        req.ifr_ifru.ifru_data = (&mut info as *mut DrvInfo).cast();
-        let fd = libc::socket(libc::AF_INET, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 0);
-        if fd < 0 {
-            return Err(io::Error::last_os_error());
-        }
-        let rc = libc::ioctl(fd, SIOCETHTOOL as _, &mut req);
-        let err = io::Error::last_os_error();
-        libc::close(fd);
-        if rc < 0 {
-            return Err(err);
-        }
-        let end = info.driver.iter().position(|&b| b == 0).unwrap_or(32);
-        Ok(String::from_utf8_lossy(&info.driver[..end]).into_owned())
-    }
+    sys::ethtool_driver(iface)
 }
 
 #[cfg(test)]
@@ -561,9 +430,7 @@ pub(crate) mod tests {
     /// Runs `f` on a thread of its own in a new network namespace (root).
     pub(crate) fn in_own_netns(f: impl FnOnce() + Send + 'static) {
         std::thread::spawn(|| {
-            // SAFETY: unshares this thread's network namespace only.
-            let rc = unsafe { libc::unshare(libc::CLONE_NEWNET) };
-            assert_eq!(rc, 0, "unshare (root needed)");
+            crate::sys::unshare_network_namespace().expect("unshare (root needed)");
             f()
         })
         .join()

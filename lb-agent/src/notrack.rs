@@ -274,23 +274,12 @@ fn message(out: &mut Vec<u8>, kind: u16, flags: u16, family: u8, seq: u32, attrs
 /// Sends the batch and reads one acknowledgement per acknowledged message;
 /// the first error the kernel reports fails the whole (atomic) batch.
 fn exchange(batch: &[u8]) -> io::Result<()> {
-    use std::os::fd::AsRawFd;
+    use std::os::fd::AsFd;
     let acks = count_acks(batch);
     let fd = crate::netif::netlink_send(NETLINK_NETFILTER, batch)?;
-    let timeout = libc::timeval {
-        tv_sec: 2,
-        tv_usec: 0,
-    };
-    // SAFETY: a valid option of the right size on an open descriptor.
-    unsafe {
-        libc::setsockopt(
-            fd.as_raw_fd(),
-            libc::SOL_SOCKET,
-            libc::SO_RCVTIMEO,
-            std::ptr::addr_of!(timeout).cast(),
-            std::mem::size_of::<libc::timeval>() as u32,
-        );
-    }
+    // Ignored on failure, as it always was: the exchange works without it,
+    // only a lost ack would then be waited for without end.
+    let _ = crate::sys::set_recv_timeout(fd.as_fd(), std::time::Duration::from_secs(2));
     let mut seen = 0;
     let mut buf = vec![0u8; 16384];
     while seen < acks {

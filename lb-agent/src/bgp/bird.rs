@@ -98,6 +98,7 @@ use std::{
     time::Duration,
 };
 
+use ipnet::IpNet;
 use lb_common::net::Family;
 use tokio::process::Command;
 
@@ -547,8 +548,7 @@ impl Reply {
 
 /// One route of `show route ... all` being read.
 struct Parsed {
-    vip: IpAddr,
-    len: u8,
+    prefix: IpNet,
     bgp_next_hop: Option<IpAddr>,
     gateway: Option<IpAddr>,
     communities: Vec<(u16, u16)>,
@@ -557,9 +557,10 @@ struct Parsed {
 
 impl Parsed {
     fn into_route(self, family: Family) -> Option<Route> {
-        if Family::of(self.vip) != family || u32::from(self.len) != family.bits() {
+        let vip = self.prefix.addr();
+        if Family::of(vip) != family || self.prefix.prefix_len() != self.prefix.max_prefix_len() {
             tracing::warn!(
-                prefix = %format_args!("{}/{}", self.vip, self.len),
+                prefix = %self.prefix,
                 "bird: ignoring a route that is not a VIP host route"
             );
             return None;
@@ -568,7 +569,7 @@ impl Parsed {
         communities.sort_unstable();
         communities.dedup();
         Some(Route {
-            vip: self.vip,
+            vip,
             next_hop: self
                 .bgp_next_hop
                 .or(self.gateway)
@@ -600,7 +601,7 @@ impl Parsed {
 fn parse_routes(reply: &Reply, family: Family) -> Vec<Route> {
     let mut routes = Vec::new();
     let mut cur: Option<Parsed> = None;
-    let mut prefix: Option<(IpAddr, u8)> = None;
+    let mut prefix: Option<IpNet> = None;
     let mut last_attr = String::new();
     let finish = |cur: &mut Option<Parsed>, routes: &mut Vec<Route>| {
         if let Some(p) = cur.take() {
@@ -652,22 +653,19 @@ fn parse_routes(reply: &Reply, family: Family) -> Vec<Route> {
         last_attr.clear();
         if !text.starts_with(char::is_whitespace) {
             let first = text.split_whitespace().next().unwrap_or_default();
-            prefix = first
-                .split_once('/')
-                .and_then(|(a, l)| Some((a.parse().ok()?, l.parse().ok()?)));
+            prefix = first.parse().ok();
             if prefix.is_none() {
                 tracing::debug!(line = %text, "bird: unexpected route line");
             }
         }
-        if let Some((vip, len)) = prefix {
+        if let Some(prefix) = prefix {
             // Older releases print a single next hop on the route line.
             let mut words = text.split_whitespace().take_while(|w| !w.starts_with('['));
             let gateway = words
                 .find(|w| *w == "via")
                 .and_then(|_| words.next()?.parse().ok());
             cur = Some(Parsed {
-                vip,
-                len,
+                prefix,
                 bgp_next_hop: None,
                 gateway,
                 communities: Vec::new(),

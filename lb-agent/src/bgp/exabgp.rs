@@ -133,6 +133,7 @@ use std::{
     time::Duration,
 };
 
+use ipnet::IpNet;
 use tokio::{
     io::{AsyncReadExt, AsyncWriteExt},
     net::unix::pipe,
@@ -410,12 +411,12 @@ fn parse_route_line(line: &str) -> Option<(String, Route)> {
         .find(|&i| matches!(tokens[i], "ipv4" | "ipv6") && tokens[i + 1] == "unicast")?;
     let neighbor = tokens[..family].join(" ");
 
-    let (addr, len) = tokens[family + 2].split_once('/')?;
-    let vip: IpAddr = addr.parse().ok()?;
-    let len: u8 = len.parse().ok()?;
-    if (vip.is_ipv4() && len != 32) || (vip.is_ipv6() && len != 128) {
+    // Only host routes are the agent's.
+    let prefix: IpNet = tokens[family + 2].parse().ok()?;
+    if prefix.prefix_len() != prefix.max_prefix_len() {
         return None;
     }
+    let vip = prefix.addr();
 
     let mut next_hop = None;
     let mut local_pref = None;

@@ -70,16 +70,7 @@ pub fn decide(release: &str, has_bpf_loop: impl FnOnce() -> bool) -> Verdict {
 
 /// The running kernel's release (`uname -r`).
 pub fn running_release() -> String {
-    // SAFETY: uname fills the zeroed struct; its fields are NUL-terminated.
-    unsafe {
-        let mut u: libc::utsname = std::mem::zeroed();
-        if libc::uname(&mut u) != 0 {
-            return String::new();
-        }
-        std::ffi::CStr::from_ptr(u.release.as_ptr())
-            .to_string_lossy()
-            .into_owned()
-    }
+    crate::sys::kernel_release()
 }
 
 /// Whether the kernel lets an XDP program call `bpf_loop`.

@@ -22,15 +22,9 @@ pub(super) fn check_bpffs(dir: &Path) -> Result<()> {
         .unwrap_or(Path::new("/"));
     let c_path = std::ffi::CString::new(existing.as_os_str().as_encoded_bytes())
         .map_err(|_| DataplaneError::NoBpffs(dir.to_path_buf()))?;
-    // SAFETY: a valid NUL-terminated path and a zeroed statfs to fill.
-    let mut st: libc::statfs = unsafe { std::mem::zeroed() };
-    if unsafe { libc::statfs(c_path.as_ptr(), &mut st) } != 0 {
-        return Err(DataplaneError::Pin(
-            existing.to_path_buf(),
-            std::io::Error::last_os_error(),
-        ));
-    }
-    if st.f_type as i64 != BPF_FS_MAGIC {
+    let fs_type = crate::sys::filesystem_type(&c_path)
+        .map_err(|e| DataplaneError::Pin(existing.to_path_buf(), e))?;
+    if fs_type != BPF_FS_MAGIC {
         return Err(DataplaneError::NoBpffs(dir.to_path_buf()));
     }
     Ok(())

@@ -14,16 +14,16 @@ use std::{
     time::{Duration, SystemTime, UNIX_EPOCH},
 };
 
-use hmac::{Hmac, Mac};
 use lb_common::net::Protocol;
-use sha2::Sha256;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
-use crate::dataplane::HandedFlow;
+use crate::{
+    dataplane::HandedFlow,
+    sign::{self, TAG_LEN},
+};
 
 const MAGIC: &[u8; 4] = b"XLF\x01";
 const HEADER_LEN: usize = 4 + 4 + 16 + 8 + 4;
-const TAG_LEN: usize = 32;
 /// One flow: family, protocol, closed, a zero byte, idle ms (4), then
 /// client, VIP, backend and SNAT address (16 each, IPv4 in the first 4)
 /// and port (2 each).
@@ -77,10 +77,6 @@ fn unix_ms() -> u64 {
         .map_or(0, |d| d.as_millis() as u64)
 }
 
-fn mac(key: &[u8]) -> Hmac<Sha256> {
-    <Hmac<Sha256> as Mac>::new_from_slice(key).expect("HMAC takes any key length")
-}
-
 /// A frame as bytes, signed.
 pub fn seal(key: &[u8], nonce: &Nonce, frame: &Frame) -> Vec<u8> {
     seal_at(key, nonce, frame, unix_ms())
@@ -100,9 +96,8 @@ fn seal_at(key: &[u8], nonce: &Nonce, frame: &Frame, ms: u64) -> Vec<u8> {
     out.extend_from_slice(&ms.to_be_bytes());
     out.extend_from_slice(&(payload.len() as u32).to_be_bytes());
     out.extend_from_slice(&payload);
-    let mut m = mac(key);
-    m.update(&out);
-    out.extend_from_slice(&m.finalize().into_bytes());
+    let tag = sign::sign(key, &[&out]);
+    out.extend_from_slice(&tag);
     out
 }
 
@@ -135,10 +130,9 @@ pub async fn read<R: AsyncRead + Unpin>(
     let mut rest = vec![0u8; len + TAG_LEN];
     r.read_exact(&mut rest).await?;
     let (payload, tag) = rest.split_at(len);
-    let mut m = mac(key);
-    m.update(&header);
-    m.update(payload);
-    m.verify_slice(tag).map_err(|_| WireError::BadKey)?;
+    if !sign::verify(key, &[&header, payload], tag) {
+        return Err(WireError::BadKey);
+    }
     let nonce: Nonce = header[8..24].try_into().expect("16 bytes");
     if expect.is_some_and(|n| *n != nonce) {
         return Err(WireError::WrongNonce);

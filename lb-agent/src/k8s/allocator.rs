@@ -34,6 +34,7 @@ use k8s_openapi::jiff::Timestamp;
 use kube::api::{Patch, PatchParams};
 use kube::runtime::events::{Event as KubeEvent, EventType, Recorder, Reporter};
 use kube::runtime::reflector::{self, Store};
+use kube::runtime::utils::Backoff;
 use kube::runtime::watcher::{self, watcher};
 use kube::runtime::WatchStreamExt;
 use kube::{Api, Client, Resource, ResourceExt};
@@ -60,7 +61,6 @@ const ALLOCATED_REASON: &str = "Allocated";
 const INVALID_POOL_REASON: &str = "InvalidPool";
 /// Event reason for a Service field the data plane cannot use.
 const INVALID_SERVICE_REASON: &str = "InvalidService";
-/// Changes arriving within this window are handled together.
 /// Where a watcher event leaves its (re-)list: `Init` is sent before any
 /// request is answered, `InitDone` once the list is complete.
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -80,8 +80,9 @@ impl ListProgress {
     }
 }
 
+/// Changes arriving within this window are handled together.
 const DEBOUNCE: Duration = Duration::from_millis(50);
-const RETRY_MIN: Duration = Duration::from_millis(200);
+/// The longest wait before writing again after a failed write.
 const RETRY_MAX: Duration = Duration::from_secs(30);
 /// How long a status we wrote stands in for the watch's older copy.
 const WRITTEN_TTL: Duration = Duration::from_secs(30);
@@ -384,7 +385,7 @@ impl<'a> Term<'a> {
         let (mut services_listed, mut pools_listed, mut namespaces_listed) = (false, false, false);
         let mut dirty = true;
         let mut next_attempt = Instant::now();
-        let mut retry = RETRY_MIN;
+        let mut retry = QuickRetry::up_to(RETRY_MAX);
         loop {
             let ready = services_listed && pools_listed && namespaces_listed && dirty;
             tokio::select! {
@@ -419,11 +420,11 @@ impl<'a> Term<'a> {
                     };
                     if outcome {
                         dirty = false;
-                        retry = RETRY_MIN;
+                        retry.reset();
                     } else {
-                        debug!(?retry, "some writes failed; retrying");
-                        next_attempt = Instant::now() + retry;
-                        retry = (retry * 2).min(RETRY_MAX);
+                        let delay = retry.next().unwrap_or(RETRY_MAX);
+                        debug!(?delay, "some writes failed; retrying");
+                        next_attempt = Instant::now() + delay;
                     }
                 }
             }

@@ -107,11 +107,13 @@ const RETRY_MIN: Duration = Duration::from_millis(200);
 #[derive(Debug)]
 pub struct QuickRetry {
     next: Duration,
+    max: Duration,
     seed: u64,
 }
 
-impl Default for QuickRetry {
-    fn default() -> Self {
+impl QuickRetry {
+    /// The same delays, doubling up to `max` instead of [`RETRY_MAX`].
+    pub fn up_to(max: Duration) -> Self {
         let seed = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map(|d| d.as_nanos() as u64)
@@ -119,8 +121,15 @@ impl Default for QuickRetry {
             | 1;
         QuickRetry {
             next: RETRY_MIN,
+            max,
             seed,
         }
+    }
+}
+
+impl Default for QuickRetry {
+    fn default() -> Self {
+        Self::up_to(RETRY_MAX)
     }
 }
 
@@ -134,7 +143,7 @@ impl Iterator for QuickRetry {
         self.seed ^= self.seed << 17;
         let jitter = 0.8 + (self.seed % 1000) as f64 / 2500.0;
         let delay = self.next.mul_f64(jitter);
-        self.next = (self.next * 2).min(RETRY_MAX);
+        self.next = (self.next * 2).min(self.max);
         Some(delay)
     }
 }
@@ -162,6 +171,21 @@ mod tests {
         }
         b.reset();
         assert!(b.next().unwrap() <= Duration::from_millis(240));
+    }
+
+    #[test]
+    fn a_longer_cap_keeps_doubling() {
+        let delays: Vec<Duration> = QuickRetry::up_to(Duration::from_secs(30)).take(9).collect();
+        for (d, base) in delays
+            .iter()
+            .zip([200, 400, 800, 1600, 3200, 6400, 12800, 25600, 30000])
+        {
+            let base = Duration::from_millis(base);
+            assert!(
+                *d >= base.mul_f64(0.8) && *d <= base.mul_f64(1.2),
+                "{delays:?}"
+            );
+        }
     }
 
     #[test]

@@ -6,8 +6,10 @@
 use std::{
     io,
     net::{IpAddr, Ipv4Addr, Ipv6Addr, UdpSocket},
-    os::fd::{AsRawFd, FromRawFd, OwnedFd},
+    os::fd::{AsFd, OwnedFd},
 };
+
+use crate::sys;
 
 const BROADCAST: [u8; 6] = [0xff; 6];
 /// 33:33 + the low 32 bits of ff02::1.
@@ -83,39 +85,13 @@ pub struct Sender {
 
 impl Sender {
     pub fn new() -> io::Result<Self> {
-        // SAFETY: plain socket(2); protocol 0 receives nothing.
-        let fd = unsafe { libc::socket(libc::AF_PACKET, libc::SOCK_RAW | libc::SOCK_CLOEXEC, 0) };
-        if fd < 0 {
-            return Err(io::Error::last_os_error());
-        }
-        // SAFETY: a descriptor we just opened and own.
         Ok(Self {
-            fd: unsafe { OwnedFd::from_raw_fd(fd) },
+            fd: sys::packet_socket()?,
         })
     }
 
     pub fn send(&self, ifindex: u32, dst: [u8; 6], frame: &[u8]) -> io::Result<()> {
-        // SAFETY: zeroed sockaddr_ll is valid; we fill the fields sendto reads.
-        let mut sa: libc::sockaddr_ll = unsafe { std::mem::zeroed() };
-        sa.sll_family = libc::AF_PACKET as u16;
-        sa.sll_ifindex = ifindex as i32;
-        sa.sll_halen = 6;
-        sa.sll_addr[..6].copy_from_slice(&dst);
-        // SAFETY: buffer and address with their lengths.
-        let n = unsafe {
-            libc::sendto(
-                self.fd.as_raw_fd(),
-                frame.as_ptr().cast(),
-                frame.len(),
-                0,
-                (&sa as *const libc::sockaddr_ll).cast(),
-                std::mem::size_of::<libc::sockaddr_ll>() as u32,
-            )
-        };
-        if n < 0 {
-            return Err(io::Error::last_os_error());
-        }
-        Ok(())
+        sys::send_frame(self.fd.as_fd(), ifindex, dst, frame)
     }
 }
 

@@ -5,11 +5,12 @@
 
 use std::{net::SocketAddr, num::NonZeroUsize, time::Duration};
 
-use hmac::{Hmac, Mac};
 use serde::{Deserialize, Serialize};
-use sha2::Sha256;
 
-use crate::config::L2Config;
+use crate::{
+    config::L2Config,
+    sign::{self, TAG_LEN},
+};
 
 /// A member: its node name, where it listens, and a generation bumped when
 /// it rejoins after being declared down (the newer one wins).
@@ -71,7 +72,6 @@ pub fn swim_config(cfg: &L2Config) -> foca::Config {
 /// Datagram header: a magic and a version, covered by the signature, then
 /// the kind of datagram.
 const MAGIC: &[u8; 4] = b"XLB\x02";
-const TAG_LEN: usize = 32;
 
 /// What a datagram carries.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -117,7 +117,7 @@ pub fn seal(key: &[u8], kind: Kind, payload: &[u8]) -> Vec<u8> {
     out.extend_from_slice(MAGIC);
     out.push(kind as u8);
     out.extend_from_slice(payload);
-    let tag = mac(key, &out).finalize().into_bytes();
+    let tag = sign::sign(key, &[&out]);
     out.extend_from_slice(&tag);
     out
 }
@@ -128,21 +128,15 @@ pub fn open<'d>(key: &[u8], datagram: &'d [u8]) -> Result<(Kind, &'d [u8]), Refu
         return Err(Refused::Malformed);
     }
     let (signed, tag) = datagram.split_at(datagram.len() - TAG_LEN);
-    mac(key, signed)
-        .verify_slice(tag)
-        .map_err(|_| Refused::BadKey)?;
+    if !sign::verify(key, &[signed], tag) {
+        return Err(Refused::BadKey);
+    }
     let kind = match signed[MAGIC.len()] {
         0 => Kind::Swim,
         1 => Kind::Heartbeat,
         _ => return Err(Refused::Malformed),
     };
     Ok((kind, &signed[MAGIC.len() + 1..]))
-}
-
-fn mac(key: &[u8], data: &[u8]) -> Hmac<Sha256> {
-    let mut m = <Hmac<Sha256> as Mac>::new_from_slice(key).expect("HMAC takes any key length");
-    m.update(data);
-    m
 }
 
 #[cfg(test)]

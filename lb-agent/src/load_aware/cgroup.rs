@@ -213,9 +213,7 @@ fn quota_cpus(quota: &str, period: &str) -> Option<f64> {
 }
 
 fn online_cpus() -> f64 {
-    // SAFETY: sysconf reads a value and has no other effect.
-    let n = unsafe { libc::sysconf(libc::_SC_NPROCESSORS_ONLN) };
-    n.max(1) as f64
+    crate::sys::online_cpus() as f64
 }
 
 #[cfg(test)]

@@ -11,13 +11,12 @@
 //! The kernel lays array elements out 8 bytes apart (`round_up(value_size,
 //! 8)`), so entry i of our u32 values sits at byte 8 * i of the map.
 
-use std::{
-    io,
-    os::fd::{AsFd, AsRawFd},
-};
+use std::{io, os::fd::AsFd};
 
 use aya::maps::MapData;
 use lb_common::ServiceInfo;
+
+use crate::sys::SharedMapping;
 
 /// Bytes between two array elements in the mapping.
 const STRIDE: usize = 8;
@@ -31,25 +30,20 @@ pub struct MaglevPool {
 
 /// A mapping of part of the pool, unmapped on drop.
 struct Window {
-    base: *mut u8,
-    len: usize,
-    /// Byte offset in the map of `base`.
+    mapping: SharedMapping,
+    /// Byte offset in the map of the mapping's start.
     offset: usize,
 }
 
 impl Window {
     fn slot(&self, entry: usize) -> *mut u32 {
         let at = entry * STRIDE - self.offset;
-        assert!(at + 4 <= self.len, "Maglev entry outside its window");
-        // SAFETY: within the mapping (asserted above).
-        unsafe { self.base.add(at).cast::<u32>() }
-    }
-}
-
-impl Drop for Window {
-    fn drop(&mut self) {
-        // SAFETY: unmapping exactly what `MaglevPool::window` mapped.
-        unsafe { libc::munmap(self.base.cast(), self.len) };
+        assert!(
+            at + 4 <= self.mapping.size(),
+            "Maglev entry outside its window"
+        );
+        // Within the mapping (asserted above), so a valid pointer.
+        self.mapping.base().wrapping_add(at).cast::<u32>()
     }
 }
 
@@ -97,29 +91,9 @@ impl MaglevPool {
         let end = (start as usize + len as usize) * STRIDE;
         let offset = first / PAGE * PAGE;
         let map_len = (end - offset).div_ceil(PAGE) * PAGE;
-        // SAFETY: mapping a page-aligned range of a BPF array map fd.
-        let p = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                map_len,
-                if self.writable {
-                    libc::PROT_READ | libc::PROT_WRITE
-                } else {
-                    libc::PROT_READ
-                },
-                libc::MAP_SHARED,
-                self.map.fd().as_fd().as_raw_fd(),
-                offset as libc::off_t,
-            )
-        };
-        if p == libc::MAP_FAILED {
-            return Err(io::Error::last_os_error());
-        }
-        Ok(Window {
-            base: p.cast(),
-            len: map_len,
-            offset,
-        })
+        // A page-aligned range of a BPF array map's descriptor.
+        let mapping = SharedMapping::new(self.map.fd().as_fd(), offset, map_len, self.writable)?;
+        Ok(Window { mapping, offset })
     }
 
     /// Writes `values` starting at entry `start`.

@@ -370,17 +370,7 @@ pub fn online_cpus() -> Option<Vec<usize>> {
 /// `CLOCK_MONOTONIC` now, in nanoseconds: the clock of `bpf_ktime_get_ns`,
 /// which L2 mode's deadlines (`L2Iface::valid_until_ns`) are compared with.
 pub fn monotonic_now_ns() -> u64 {
-    clock_ns(libc::CLOCK_MONOTONIC)
-}
-
-fn clock_ns(clock: libc::clockid_t) -> u64 {
-    let mut ts = libc::timespec {
-        tv_sec: 0,
-        tv_nsec: 0,
-    };
-    // SAFETY: valid pointer to a timespec.
-    unsafe { libc::clock_gettime(clock, &mut ts) };
-    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
+    crate::sys::clock_ns(libc::CLOCK_MONOTONIC)
 }
 
 /// The VIPs this node answers for in L2 mode: (VIP, ifindex).
@@ -397,5 +387,5 @@ pub fn l2_vips(map: &L2VipsMap) -> Result<Vec<(std::net::IpAddr, u32)>, MapError
 /// `CLOCK_MONOTONIC_COARSE` now, in nanoseconds: the clock of the data
 /// plane's `bpf_ktime_get_coarse_ns` timestamps.
 pub fn coarse_now_ns() -> u64 {
-    clock_ns(libc::CLOCK_MONOTONIC_COARSE)
+    crate::sys::clock_ns(libc::CLOCK_MONOTONIC_COARSE)
 }

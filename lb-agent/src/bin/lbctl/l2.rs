@@ -35,14 +35,10 @@ pub struct L2Report {
 }
 
 fn ifname(index: u32) -> String {
-    let mut buf = [0u8; libc::IF_NAMESIZE];
-    // SAFETY: the buffer holds IF_NAMESIZE bytes, as if_indextoname needs.
-    let p = unsafe { libc::if_indextoname(index, buf.as_mut_ptr().cast()) };
-    if p.is_null() {
-        return format!("#{index}");
+    match lb_agent::sys::if_indextoname(index) {
+        Some(name) => String::from_utf8_lossy(&name).into_owned(),
+        None => format!("#{index}"),
     }
-    let end = buf.iter().position(|b| *b == 0).unwrap_or(buf.len());
-    String::from_utf8_lossy(&buf[..end]).into_owned()
 }
 
 pub fn run(pins: &PinnedMaps) -> Result<L2Report> {

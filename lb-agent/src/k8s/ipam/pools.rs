@@ -6,6 +6,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 
+use ipnet::IpNet;
 use k8s_openapi::jiff::Timestamp;
 use kube::core::{Selector, SelectorExt};
 
@@ -88,29 +89,25 @@ impl AddressRange {
                 .trim()
                 .parse()
                 .map_err(|_| format!("{entry:?}: prefix length {prefix:?} is not a number"))?;
-            if prefix > family.bits() {
+            let net = u8::try_from(prefix)
+                .ok()
+                .and_then(|p| IpNet::new(ip, p).ok())
+                .ok_or_else(|| {
+                    format!(
+                        "{entry:?}: prefix length {prefix} is longer than {} bits",
+                        family.bits()
+                    )
+                })?;
+            if net.trunc() != net {
                 return Err(format!(
-                    "{entry:?}: prefix length {prefix} is longer than {} bits",
-                    family.bits()
-                ));
-            }
-            let host_bits = family.bits() - prefix;
-            let host_mask = if host_bits == 128 {
-                u128::MAX
-            } else {
-                (1u128 << host_bits) - 1
-            };
-            let first = to_u128(ip);
-            if first & host_mask != 0 {
-                let network = from_u128(family, first & !host_mask);
-                return Err(format!(
-                    "{entry:?}: host bits are set (the network is {network}/{prefix})"
+                    "{entry:?}: host bits are set (the network is {})",
+                    net.trunc()
                 ));
             }
             return Ok(AddressRange {
                 family,
-                first,
-                last: first | host_mask,
+                first: to_u128(net.network()),
+                last: to_u128(net.broadcast()),
                 edges_reserved: family == Family::V4 && prefix <= EDGES_RESERVED_UP_TO,
             });
         }
