@@ -8,7 +8,7 @@
 
 use std::{
     collections::{BTreeMap, BTreeSet},
-    net::IpAddr,
+    net::{IpAddr, SocketAddr},
     path::PathBuf,
     sync::{
         atomic::{AtomicBool, Ordering},
@@ -34,7 +34,8 @@ use crate::{
     k8s::{desired::SourceOptions, watch::DesiredRx},
     load_aware::{controller::Report, LoadTask, LoadWeights},
     metrics::{
-        BackendSample, BackendValue, DataplaneSnapshot, LoadSamples, Metrics, ServiceSample,
+        BackendSample, BackendState, BackendValue, DataplaneSnapshot, LoadSamples, Metrics,
+        ServiceSample,
     },
     netif::interface_address,
     service::{Announce, DesiredService},
@@ -1231,27 +1232,43 @@ fn snapshot(dp: &Mutex<Dataplane>, labels: &Mutex<Labels>) -> DataplaneSnapshot 
             protocol: spec.protocol.name().into(),
             stats: dp.service_stats(id).unwrap_or_default(),
         });
+        // Few or none: a Service's endpoints terminate a few at a time.
+        let terminating: Vec<SocketAddr> = wanted
+            .into_iter()
+            .flat_map(|w| &w.service.backends)
+            .filter(|b| b.terminating)
+            .map(|b| b.addr())
+            .collect();
+        let healthy = |addr: &SocketAddr| labels.health.get(addr).is_none_or(|h| h.healthy);
         for b in &spec.backends {
-            let stats = dp
-                .backend_id(key, b.addr)
-                .and_then(|bid| dp.backend_stats(bid).ok());
+            let id = dp.backend_id(key, b.addr);
+            let stats = id.and_then(|bid| dp.backend_stats(bid).ok());
+            let closed_flows = id
+                .and_then(|bid| dp.backend_flows(bid).ok())
+                .map_or(0, |(_, closed)| closed);
+            let healthy = healthy(&b.addr);
             snap.backends.push(BackendSample {
                 service: name.clone(),
                 backend: b.addr.to_string(),
-                healthy: labels.health.get(&b.addr).is_none_or(|h| h.healthy),
+                healthy,
                 weight: b.weight,
+                state: BackendState::of(healthy, terminating.contains(&b.addr), b.weight),
                 stats: stats.unwrap_or_default(),
+                closed_flows,
             });
         }
         // Configured but out of the data plane (failing its checks).
         for addr in wanted.into_iter().flat_map(|w| w.configured()) {
             if !spec.backends.iter().any(|b| b.addr == addr) {
+                let healthy = healthy(&addr);
                 snap.backends.push(BackendSample {
                     service: name.clone(),
                     backend: addr.to_string(),
-                    healthy: labels.health.get(&addr).is_none_or(|h| h.healthy),
+                    healthy,
                     weight: 0,
+                    state: BackendState::of(healthy, terminating.contains(&addr), 0),
                     stats: Default::default(),
+                    closed_flows: 0,
                 });
             }
         }

@@ -297,6 +297,8 @@ mod tests {
                     backend: format!("10.1.{}.{}:80", i / 256, i % 256),
                     healthy: true,
                     weight: 1,
+                    state: Default::default(),
+                    closed_flows: 0,
                     stats: Default::default(),
                 })
                 .collect(),

@@ -52,7 +52,51 @@ pub struct BackendSample {
     pub healthy: bool,
     /// The weight in the data plane now (load-aware: the controller's).
     pub weight: u32,
+    pub state: BackendState,
     pub stats: TrafficStats,
+    /// Flows its clients closed (FIN or RST), summed over CPUs.
+    pub closed_flows: u64,
+}
+
+/// What a backend is doing now (`xlb_backend_state`, `lbctl backends`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum BackendState {
+    /// Takes new flows.
+    #[default]
+    Active,
+    /// Weight 0 (configured, or the load controller's): keeps its flows,
+    /// takes no new ones.
+    Draining,
+    /// A Kubernetes endpoint that is terminating but still serving: keeps
+    /// its flows, takes no new ones.
+    Terminating,
+    /// Fails its health checks: out of the table, its flows kept.
+    Unhealthy,
+}
+
+impl BackendState {
+    pub fn name(self) -> &'static str {
+        match self {
+            BackendState::Active => "active",
+            BackendState::Draining => "draining",
+            BackendState::Terminating => "terminating",
+            BackendState::Unhealthy => "unhealthy",
+        }
+    }
+
+    /// The state of a backend with `weight` in the data plane: failing
+    /// checks first, then terminating, then a weight of 0.
+    pub fn of(healthy: bool, terminating: bool, weight: u32) -> BackendState {
+        if !healthy {
+            BackendState::Unhealthy
+        } else if terminating {
+            BackendState::Terminating
+        } else if weight == 0 {
+            BackendState::Draining
+        } else {
+            BackendState::Active
+        }
+    }
 }
 
 /// One value of one backend of one service.
@@ -118,6 +162,7 @@ type SourceSlot = Arc<RwLock<Option<Arc<SnapshotFn>>>>;
 
 const SERVICE_LABELS: &[&str] = &["service", "vip", "port", "protocol"];
 const BACKEND_LABELS: &[&str] = &["service", "backend"];
+const BACKEND_STATE_LABELS: &[&str] = &["service", "backend", "state"];
 const REASON_LABELS: &[&str] = &["reason"];
 const SERVICE_NAME_LABELS: &[&str] = &["service"];
 
@@ -128,6 +173,8 @@ enum Source {
     Backend(fn(&TrafficStats) -> u64),
     BackendHealthy,
     BackendWeight,
+    BackendState,
+    BackendClosed,
     Load(fn(&LoadSamples) -> &Vec<BackendValue>),
     AllDraining,
     Reason,
@@ -143,7 +190,9 @@ impl Source {
             Source::Backend(_)
             | Source::BackendHealthy
             | Source::BackendWeight
+            | Source::BackendClosed
             | Source::Load(_) => BACKEND_LABELS,
+            Source::BackendState => BACKEND_STATE_LABELS,
             Source::AllDraining => SERVICE_NAME_LABELS,
             Source::Reason => REASON_LABELS,
             Source::ConntrackEntries | Source::ConntrackCapacity | Source::FlowsRepicked => &[],
@@ -243,6 +292,11 @@ const DP_FAMILIES: &[DpFamily] = &[
         "Reply bytes from the backend translated back to clients, summed over CPUs.",
         Source::Backend(reply_bytes),
     ),
+    counter(
+        "xlb_backend_closed_flows_total",
+        "Flows to the backend its clients closed (FIN or RST), summed over CPUs; new flows minus these are its open flows, less those that ended without a FIN.",
+        Source::BackendClosed,
+    ),
     gauge(
         "xlb_backend_healthy",
         "Whether the backend passes its health checks (1) or not (0).",
@@ -252,6 +306,11 @@ const DP_FAMILIES: &[DpFamily] = &[
         "xlb_backend_weight",
         "The backend's weight in the data plane now (load-aware services: the controller's, on a scale of 100 per configured unit).",
         Source::BackendWeight,
+    ),
+    gauge(
+        "xlb_backend_state",
+        "1 for the backend's state now: active (takes new flows), draining (weight 0), terminating (a Kubernetes endpoint shutting down) or unhealthy (failing its checks); the last three keep their flows.",
+        Source::BackendState,
     ),
     gauge(
         "xlb_backend_open_flows",
@@ -343,7 +402,11 @@ fn sample(kind: MetricType, labels: &[&str], values: &[&str], value: f64) -> pro
 fn series_count(source: Source, snap: &DataplaneSnapshot) -> usize {
     match source {
         Source::Service(_) => snap.services.len(),
-        Source::Backend(_) | Source::BackendHealthy | Source::BackendWeight => snap.backends.len(),
+        Source::Backend(_)
+        | Source::BackendHealthy
+        | Source::BackendWeight
+        | Source::BackendState
+        | Source::BackendClosed => snap.backends.len(),
         Source::Load(values) => values(&snap.load).len(),
         Source::AllDraining => snap.load.all_draining.len(),
         Source::Reason => snap.reasons.len(),
@@ -375,6 +438,16 @@ fn series(f: &DpFamily, snap: &DataplaneSnapshot, i: usize) -> proto::Metric {
             let b = &snap.backends[i];
             let values = [b.service.as_str(), &b.backend];
             sample(f.kind, labels, &values, b.weight as f64)
+        }
+        Source::BackendClosed => {
+            let b = &snap.backends[i];
+            let values = [b.service.as_str(), &b.backend];
+            sample(f.kind, labels, &values, b.closed_flows as f64)
+        }
+        Source::BackendState => {
+            let b = &snap.backends[i];
+            let values = [b.service.as_str(), &b.backend, b.state.name()];
+            sample(f.kind, labels, &values, 1.0)
         }
         Source::Load(values) => {
             let v = &values(&snap.load)[i];
@@ -680,6 +753,8 @@ mod tests {
                     backend: "10.1.0.1:8080".into(),
                     healthy: true,
                     weight: 1,
+                    state: Default::default(),
+                    closed_flows: 0,
                     stats: stats(30),
                 },
                 BackendSample {
@@ -687,6 +762,8 @@ mod tests {
                     backend: "10.1.0.2:8080".into(),
                     healthy: false,
                     weight: 1,
+                    state: BackendState::Unhealthy,
+                    closed_flows: 0,
                     stats: stats(0),
                 },
             ],
@@ -705,6 +782,16 @@ mod tests {
                 all_draining: vec![value("", 0.0)],
             },
         }
+    }
+
+    #[test]
+    fn a_backend_state_is_its_most_telling_one() {
+        use BackendState::*;
+        assert_eq!(BackendState::of(true, false, 1), Active);
+        assert_eq!(BackendState::of(true, false, 0), Draining);
+        assert_eq!(BackendState::of(true, true, 0), Terminating);
+        assert_eq!(BackendState::of(false, true, 0), Unhealthy);
+        assert_eq!(BackendState::of(false, false, 1), Unhealthy);
     }
 
     fn value(backend: &str, value: f64) -> BackendValue {
@@ -767,6 +854,11 @@ mod tests {
         has_line(t, &format!("xlb_backend_healthy{{{b1}}} 1"));
         has_line(t, &format!("xlb_backend_healthy{{{b2}}} 0"));
         has_line(t, &format!("xlb_backend_weight{{{b1}}} 1"));
+        has_line(t, &format!("xlb_backend_state{{{b1},state=\"active\"}} 1"));
+        has_line(
+            t,
+            &format!("xlb_backend_state{{{b2},state=\"unhealthy\"}} 1"),
+        );
         has_line(t, &format!("xlb_backend_open_flows{{{b1}}} 12"));
         has_line(t, &format!("xlb_backend_load_factor_ratio{{{b1}}} 0.5"));
         has_line(t, &format!("xlb_backend_load_pressure{{{b1}}} 1.25"));
@@ -841,8 +933,10 @@ mod tests {
             "xlb_backend_new_flows_total",
             "xlb_backend_reply_packets_total",
             "xlb_backend_reply_bytes_total",
+            "xlb_backend_closed_flows_total",
             "xlb_backend_healthy",
             "xlb_backend_weight",
+            "xlb_backend_state",
             "xlb_backend_open_flows",
             "xlb_backend_load_factor_ratio",
             "xlb_backend_load_pressure",
@@ -913,6 +1007,8 @@ mod tests {
                 backend: "[2001:db8::1]:443".into(),
                 healthy: true,
                 weight: 1,
+                state: Default::default(),
+                closed_flows: 0,
                 stats: TrafficStats::default(),
             }],
             ..Default::default()
@@ -934,6 +1030,8 @@ mod tests {
                     backend: format!("10.1.{}.{}:80", i / 256, i % 256),
                     healthy: i % 2 == 0,
                     weight: 1,
+                    state: Default::default(),
+                    closed_flows: 0,
                     stats: stats(i as u64),
                 })
                 .collect(),

@@ -173,6 +173,9 @@ pub struct DesiredBackend {
     /// Where its CPU use can be read on this node (load-aware balancing);
     /// `None`: not local, or not said.
     pub cgroup: Option<BackendCgroup>,
+    /// A Kubernetes endpoint that is terminating but still serving: it
+    /// keeps its flows and takes no new ones (weight 0).
+    pub terminating: bool,
 }
 
 /// A local backend's cgroup.

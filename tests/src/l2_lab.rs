@@ -143,27 +143,9 @@ impl L2Node {
 
     /// `lbctl --json ARGS` in the node's network namespace, where the
     /// agent's metrics address (lbctl's default, 127.0.0.1:9469) is: its
-    /// exit code and output. Through nsenter, not `ip netns exec`, which
-    /// mounts a /sys without the pins' bpffs.
+    /// exit code and output.
     pub fn lbctl_with_agent(&self, args: &[&str]) -> (i32, serde_json::Value) {
-        let out = std::process::Command::new("nsenter")
-            .arg(format!("--net=/run/netns/{}", self.ns.name))
-            .arg("--")
-            .arg(crate::topology::lbctl_bin())
-            .arg("--pin-dir")
-            .arg(&self.pin_dir)
-            .arg("--json")
-            .args(args)
-            .output()
-            .expect("run lbctl");
-        let json = serde_json::from_slice(&out.stdout).unwrap_or_else(|e| {
-            panic!(
-                "lbctl {args:?}: not JSON ({e}): {}{}",
-                String::from_utf8_lossy(&out.stdout),
-                String::from_utf8_lossy(&out.stderr)
-            )
-        });
-        (out.status.code().unwrap_or(-1), json)
+        crate::topology::lbctl_json_in(&self.ns.name, &self.pin_dir, args)
     }
 
     /// Cuts the node off the switch (its port goes down).

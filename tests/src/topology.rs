@@ -401,6 +401,30 @@ pub fn lbctl_json_at(pin_dir: &Path, args: &[&str]) -> serde_json::Value {
     })
 }
 
+/// `lbctl --pin-dir PIN_DIR --json ARGS` in the network namespace `ns`,
+/// where an agent's metrics address is: its exit code and output. Through
+/// nsenter, not `ip netns exec`, which mounts a /sys without the pins' bpffs.
+pub fn lbctl_json_in(ns: &str, pin_dir: &Path, args: &[&str]) -> (i32, serde_json::Value) {
+    let out = Command::new("nsenter")
+        .arg(format!("--net=/run/netns/{ns}"))
+        .arg("--")
+        .arg(lbctl_bin())
+        .arg("--pin-dir")
+        .arg(pin_dir)
+        .arg("--json")
+        .args(args)
+        .output()
+        .expect("run lbctl");
+    let json = serde_json::from_slice(&out.stdout).unwrap_or_else(|e| {
+        panic!(
+            "lbctl {args:?}: not JSON ({e}): {}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        )
+    });
+    (out.status.code().unwrap_or(-1), json)
+}
+
 /// The `lbctl` binary (built if needed).
 pub fn lbctl_bin() -> PathBuf {
     bin_dir().join("lbctl")
@@ -651,6 +675,16 @@ impl Topology {
     /// Runs `lbctl --pin-dir <pin_dir> --json ARGS` and parses its output.
     pub fn lbctl_json(&self, args: &[&str]) -> serde_json::Value {
         lbctl_json_at(&self.pin_dir, args)
+    }
+
+    /// `lbctl --json ARGS` asking `agent` too (service names, backend states).
+    pub fn lbctl_json_with(&self, agent: &AgentHandle, args: &[&str]) -> serde_json::Value {
+        let addr = agent.metrics_addr.to_string();
+        let all: Vec<&str> = ["--agent", addr.as_str()]
+            .into_iter()
+            .chain(args.iter().copied())
+            .collect();
+        lbctl_json_in(&agent.lb_ns, &self.pin_dir, &all).1
     }
 
     /// Starts a UDP echo server on `port` of every backend (a thread in each

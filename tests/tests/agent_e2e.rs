@@ -503,6 +503,51 @@ fn health_check_removes_killed_backend() {
     }
 }
 
+/// `lbctl backends` lists every backend with its state and open flows:
+/// one drained to weight 0 still carrying a connection, and one its health
+/// checks took out, beside those in the table.
+#[test]
+fn lbctl_backends_shows_every_state_and_open_flows() {
+    let mut t = Topology::new("e2bs", 3);
+    let hc = "    health_check: { type: tcp, interval: 500ms, timeout: 300ms, rise: 2, fall: 2 }\n";
+    let agent = t.start_agent(&config(&[web("nat", &[(1, 1), (2, 1), (3, 1)], hc)]));
+    let mut on_b1 = keepalive_to(&t, 1);
+    assert_sticky(&mut on_b1, "b1", 2, "before the drain");
+
+    agent.write_config(&config(&[web("nat", &[(1, 0), (2, 1), (3, 1)], hc)]));
+    wait_until("b1 out of the Maglev table", Duration::from_secs(5), || {
+        (!table_backends(&t, SVC).contains(&backend_addr(1))).then_some(())
+    });
+    t.kill_backend(3);
+    wait_until(
+        "b3 out of the Maglev table",
+        Duration::from_secs(10),
+        || (!table_backends(&t, SVC).contains(&backend_addr(3))).then_some(()),
+    );
+
+    let v = t.lbctl_json_with(&agent, &["backends", SVC]);
+    let rows: BTreeMap<String, &Value> = v["services"][0]["backends"]
+        .as_array()
+        .unwrap_or_else(|| panic!("{v}"))
+        .iter()
+        .map(|b| (b["address"].as_str().unwrap().to_string(), b))
+        .collect();
+    let state = |n| rows.get(&backend_addr(n)).map(|b| b["state"].clone());
+    assert_eq!(v["services"][0]["name"], "web", "{v}");
+    assert_eq!(state(1), Some(json!("draining")), "{v}");
+    assert_eq!(state(2), Some(json!("active")), "{v}");
+    assert_eq!(state(3), Some(json!("unhealthy")), "{v}");
+    let b1 = rows[&backend_addr(1)];
+    assert_eq!(b1["backend_id"], Value::Null, "out of the table: {v}");
+    assert!(
+        b1["open_flows"].as_u64().unwrap() >= 1,
+        "the drained backend's connection is open: {v}"
+    );
+    assert!(rows[&backend_addr(2)]["backend_id"].is_u64(), "{v}");
+    // Its connection goes on.
+    assert_sticky(&mut on_b1, "b1", 2, "after the drain");
+}
+
 /// `xlb_backend_healthy` is documented as 1 or 0 by the backend's health
 /// checks: a backend its checks took out must be reported with 0 (not
 /// disappear from the metrics, which would leave no series to alert on).

@@ -132,12 +132,14 @@ fn full_example() {
                         port: 8080,
                         weight: 1,
                         cgroup: None,
+                        terminating: false,
                     },
                     DesiredBackend {
                         ip: v4("10.2.0.3"),
                         port: 8080,
                         weight: 0,
                         cgroup: None,
+                        terminating: false,
                     },
                 ],
                 health_check: Some(HealthCheck {
@@ -166,6 +168,7 @@ fn full_example() {
                     port: 53,
                     weight: 1000,
                     cgroup: None,
+                    terminating: false,
                 }],
                 health_check: Some(HealthCheck {
                     kind: CheckKind::Http {

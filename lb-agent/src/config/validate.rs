@@ -657,6 +657,7 @@ impl Validator<'_> {
                 port: bport,
                 weight,
                 cgroup,
+                terminating: false,
             });
         }
         let table_size = self.table_size(rs.table_size, backends.len(), path)?;

@@ -38,6 +38,7 @@ fn service(name: &str, vip: &str, mode: Mode, backends: &[u8]) -> DesiredService
                 port: 8080,
                 weight: 1,
                 cgroup: None,
+                terminating: false,
             })
             .collect(),
         health_check: None,

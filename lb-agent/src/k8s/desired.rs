@@ -696,6 +696,8 @@ fn backends_for(
             port,
             weight,
             cgroup: pod.map(|uid| BackendCgroup::Pod(uid.clone())),
+            // Weight 0 only comes from a terminating endpoint.
+            terminating: weight == 0,
         })
         .collect()
 }

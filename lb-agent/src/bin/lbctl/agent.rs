@@ -163,6 +163,48 @@ pub fn service_names(all: &[Sample]) -> BTreeMap<(IpAddr, u16, String), String> 
         .collect()
 }
 
+/// What the agent says of one backend of one service.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct AgentBackend {
+    /// `active`, `draining`, `terminating` or `unhealthy`.
+    pub state: String,
+    pub weight: u32,
+    pub packets: u64,
+    pub bytes: u64,
+    pub new_flows: u64,
+    pub reply_packets: u64,
+    pub reply_bytes: u64,
+    pub closed_flows: u64,
+}
+
+/// Every backend the agent has, those out of the Maglev table included, by
+/// service name and address.
+pub fn backends(all: &[Sample]) -> BTreeMap<(String, SocketAddr), AgentBackend> {
+    let mut out: BTreeMap<(String, SocketAddr), AgentBackend> = BTreeMap::new();
+    for s in all.iter().filter(|s| s.name.starts_with("xlb_backend_")) {
+        let Ok(addr) = s.label("backend").parse::<SocketAddr>() else {
+            continue;
+        };
+        let b = out
+            .entry((s.label("service").to_owned(), addr))
+            .or_default();
+        let n = s.value as u64;
+        match s.name.as_str() {
+            "xlb_backend_state" if s.value == 1.0 => b.state = s.label("state").to_owned(),
+            "xlb_backend_weight" => b.weight = n as u32,
+            "xlb_backend_packets_total" => b.packets = n,
+            "xlb_backend_bytes_total" => b.bytes = n,
+            "xlb_backend_new_flows_total" => b.new_flows = n,
+            "xlb_backend_reply_packets_total" => b.reply_packets = n,
+            "xlb_backend_reply_bytes_total" => b.reply_bytes = n,
+            "xlb_backend_closed_flows_total" => b.closed_flows = n,
+            _ => {}
+        }
+    }
+    out.retain(|_, b| !b.state.is_empty());
+    out
+}
+
 /// Seconds since the Unix time `t` (0 if `t` is in the future).
 pub fn age(t: f64) -> f64 {
     let now = SystemTime::now()
@@ -191,6 +233,26 @@ mod tests {
         assert_eq!(odd.label("a"), "x\"y,z}");
         assert_eq!(odd.label("b"), "");
         assert_eq!(odd.value, 1500.0);
+    }
+
+    #[test]
+    fn backends_gather_their_series_and_state() {
+        let text =
+            "xlb_backend_state{service=\"web\",backend=\"10.0.0.2:80\",state=\"draining\"} 1\n\
+                    xlb_backend_weight{service=\"web\",backend=\"10.0.0.2:80\"} 0\n\
+                    xlb_backend_new_flows_total{service=\"web\",backend=\"10.0.0.2:80\"} 12\n\
+                    xlb_backend_closed_flows_total{service=\"web\",backend=\"10.0.0.2:80\"} 9\n\
+                    xlb_backend_open_flows{service=\"web\",backend=\"10.0.0.3:80\"} 4\n";
+        let got = backends(&parse(text));
+        let addr: SocketAddr = "10.0.0.2:80".parse().unwrap();
+        let b = &got[&("web".to_owned(), addr)];
+        assert_eq!((b.state.as_str(), b.weight), ("draining", 0));
+        assert_eq!((b.new_flows, b.closed_flows), (12, 9));
+        assert_eq!(
+            got.len(),
+            1,
+            "a backend with no state is not listed: {got:?}"
+        );
     }
 
     #[test]

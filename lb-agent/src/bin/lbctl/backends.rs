@@ -1,7 +1,9 @@
-//! `lbctl backends [SERVICE]`: the backends of each service's live table,
-//! with their table share and traffic.
+//! `lbctl backends [SERVICE]`: every backend of each service with its
+//! state, table share, open flows and traffic: those of the live Maglev
+//! table from the maps, and those out of it that still carry flows
+//! (draining, terminating, unhealthy) from the agent.
 
-use std::net::SocketAddr;
+use std::{collections::BTreeMap, net::SocketAddr};
 
 use anyhow::{anyhow, Context, Result};
 use lb_agent::maps::{self, PinnedMaps};
@@ -9,6 +11,7 @@ use lb_common::{map_names as names, net::words_socket};
 use serde::Serialize;
 
 use crate::{
+    agent::AgentBackend,
     maglev::shares,
     services::{self, ServiceArg},
     table::{self, Align, Table},
@@ -25,7 +28,12 @@ pub struct Args {
 #[derive(Serialize)]
 pub struct BackendRow {
     pub address: SocketAddr,
-    pub backend_id: u32,
+    /// `active`, `draining` (weight 0), `terminating` (a Kubernetes
+    /// endpoint shutting down) or `unhealthy` (failing its checks), as the
+    /// agent says; `None` when it did not answer.
+    pub state: Option<String>,
+    /// `None`: out of the live table (no new flows), as the agent reports it.
+    pub backend_id: Option<u32>,
     pub entries: u32,
     pub share_pct: f64,
     pub packets: u64,
@@ -117,7 +125,14 @@ pub struct BackendsReport {
     pub services: Vec<ServiceBackends>,
 }
 
-pub fn run(maps: &PinnedMaps, args: &Args, names: &services::Names) -> Result<BackendsReport> {
+/// The backends of `args`' service (or every service) from the maps, and
+/// from `agent` those out of the table.
+pub fn run(
+    maps: &PinnedMaps,
+    args: &Args,
+    names: &services::Names,
+    agent: &BTreeMap<(String, SocketAddr), AgentBackend>,
+) -> Result<BackendsReport> {
     let services_map = maps.services()?;
     let list = match &args.service {
         Some(a) => {
@@ -156,9 +171,11 @@ pub fn run(maps: &PinnedMaps, args: &Args, names: &services::Names) -> Result<Ba
                 })?),
                 None => None,
             };
+            let address = words_socket(&b.addr, b.port, b.family);
             rows.push(BackendRow {
-                address: words_socket(&b.addr, b.port, b.family),
-                backend_id: s.backend_id,
+                address,
+                state: None,
+                backend_id: Some(s.backend_id),
                 entries: s.entries,
                 share_pct: s.share_pct,
                 packets: t.packets,
@@ -171,9 +188,13 @@ pub fn run(maps: &PinnedMaps, args: &Args, names: &services::Names) -> Result<Ba
                 rates: None,
             });
         }
+        let name = services::name_of(names, &key);
+        if let Some(name) = &name {
+            add_from_agent(&mut rows, name, agent);
+        }
         rows.sort_by_key(|r| r.address);
         out.push(ServiceBackends {
-            name: services::name_of(names, &key),
+            name,
             service: services::service_name(&key),
             service_id: info.id,
             mode: services::mode(&key, &info),
@@ -182,6 +203,38 @@ pub fn run(maps: &PinnedMaps, args: &Args, names: &services::Names) -> Result<Ba
         });
     }
     Ok(BackendsReport { services: out })
+}
+
+/// The agent's states for the table's backends, and rows for those it has
+/// out of the table: they take no new flows, their open ones go on.
+fn add_from_agent(
+    rows: &mut Vec<BackendRow>,
+    service: &str,
+    agent: &BTreeMap<(String, SocketAddr), AgentBackend>,
+) {
+    let range = (service.to_owned(), SocketAddr::from(([0; 4], 0)))..;
+    let ours = agent.range(range).take_while(|((s, _), _)| s == service);
+    for ((_, address), b) in ours {
+        if let Some(row) = rows.iter_mut().find(|r| r.address == *address) {
+            row.state = Some(b.state.clone());
+            continue;
+        }
+        rows.push(BackendRow {
+            address: *address,
+            state: Some(b.state.clone()),
+            backend_id: None,
+            entries: 0,
+            share_pct: 0.0,
+            packets: b.packets,
+            bytes: b.bytes,
+            new_flows: b.new_flows,
+            reply_packets: b.reply_packets,
+            reply_bytes: b.reply_bytes,
+            open_flows: b.new_flows.saturating_sub(b.closed_flows),
+            load: None,
+            rates: None,
+        });
+    }
 }
 
 impl Render for BackendsReport {
@@ -201,13 +254,16 @@ impl Render for BackendsReport {
                 "{} (id {}, {}, table {})\n",
                 svc.service, svc.service_id, svc.mode, svc.table_size
             ));
-            if svc.backends.is_empty() {
+            if svc.backends.iter().all(|b| b.backend_id.is_none()) {
                 s.push_str("  no backends in the table: new flows are dropped\n");
-                continue;
+                if svc.backends.is_empty() {
+                    continue;
+                }
             }
             let load_aware = svc.backends.iter().any(|b| b.load.is_some());
             let mut columns = vec![
                 ("BACKEND", Align::Left),
+                ("STATE", Align::Left),
                 ("ID", Align::Right),
                 ("SHARE", Align::Right),
                 ("PACKETS", Align::Right),
@@ -238,7 +294,8 @@ impl Render for BackendsReport {
             for b in &svc.backends {
                 let mut row = vec![
                     b.address.to_string(),
-                    b.backend_id.to_string(),
+                    b.state.clone().unwrap_or_else(|| "-".into()),
+                    b.backend_id.map_or("-".into(), |id| id.to_string()),
                     table::pct(b.share_pct),
                     b.packets.to_string(),
                     table::bytes(b.bytes),

@@ -111,16 +111,29 @@ fn emit<R: Render>(report: R, json: bool) -> Result<ExitCode> {
     Ok(ExitCode::from(report.exit_code()))
 }
 
-/// Service names by `(VIP, port, protocol)` from the agent; empty (and
-/// said on stderr) when it does not answer: the maps are read anyway.
+/// The agent's series; none (said on stderr) when it does not answer:
+/// the maps are read anyway.
+fn from_agent(agent: SocketAddr) -> Vec<agent::Sample> {
+    agent::scrape(agent).unwrap_or_else(|e| {
+        eprintln!("lbctl: service names and backend states unknown: {e:#}");
+        Vec::new()
+    })
+}
+
+/// Service names by `(VIP, port, protocol)` from the agent.
 fn service_names(agent: SocketAddr) -> BTreeMap<(std::net::IpAddr, u16, String), String> {
-    match agent::scrape(agent) {
-        Ok(all) => agent::service_names(&all),
-        Err(e) => {
-            eprintln!("lbctl: service names unknown: {e:#}");
-            BTreeMap::new()
-        }
-    }
+    agent::service_names(&from_agent(agent))
+}
+
+/// `lbctl backends`, with names and states from the agent read afresh.
+fn backends(
+    maps: &lb_agent::maps::PinnedMaps,
+    args: &backends::Args,
+    agent: SocketAddr,
+) -> Result<backends::BackendsReport> {
+    let all = from_agent(agent);
+    let names = agent::service_names(&all);
+    backends::run(maps, args, &names, &agent::backends(&all))
 }
 
 fn watch_interval(s: &str) -> Result<Duration, String> {
@@ -140,10 +153,7 @@ fn run(cli: &Cli) -> Result<ExitCode> {
                 let names = service_names(cli.agent);
                 watch::run(json, every, n, || services::run(&maps, &names))
             }
-            Command::Backends(a) => {
-                let names = service_names(cli.agent);
-                watch::run(json, every, n, || backends::run(&maps, a, &names))
-            }
+            Command::Backends(a) => watch::run(json, every, n, || backends(&maps, a, cli.agent)),
             Command::Stats => watch::run(json, every, n, || stats::run(&maps)),
             _ => anyhow::bail!("--watch works with services, backends and stats"),
         };
@@ -155,7 +165,7 @@ fn run(cli: &Cli) -> Result<ExitCode> {
     match &cli.command {
         Command::Status => unreachable!("answered above"),
         Command::Services => emit(services::run(&maps, &service_names(cli.agent))?, json),
-        Command::Backends(a) => emit(backends::run(&maps, a, &service_names(cli.agent))?, json),
+        Command::Backends(a) => emit(backends(&maps, a, cli.agent)?, json),
         Command::Conntrack(a) => emit(conntrack::run(&maps, a)?, json),
         Command::Stats => emit(stats::run(&maps)?, json),
         Command::Maglev(a) => emit(maglev::run(&maps, a)?, json),

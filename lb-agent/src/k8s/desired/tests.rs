@@ -124,6 +124,17 @@ fn named_target_ports_resolve_through_each_slice() {
         ]
     );
     let web = &d.services[0];
+    let terminating: Vec<String> = web
+        .backends
+        .iter()
+        .filter(|b| b.terminating)
+        .map(|b| b.addr().to_string())
+        .collect();
+    assert_eq!(
+        terminating,
+        ["10.244.2.7:8080"],
+        "lbctl shows it terminating"
+    );
     assert_eq!(
         (web.port, web.protocol, web.mode),
         (80, Protocol::Tcp, Mode::Snat)
