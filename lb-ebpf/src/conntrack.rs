@@ -4,29 +4,27 @@
 
 use core::ffi::c_void;
 
-use aya_ebpf::{
-    bindings::BPF_NOEXIST,
-    helpers::{bpf_jiffies64, bpf_ktime_get_coarse_ns, bpf_loop},
-    programs::XdpContext,
-};
+use aya_ebpf::{bindings::BPF_NOEXIST, helpers::bpf_loop, programs::XdpContext};
 use lb_common::{
     hash::{
         flow_hash, maglev_hash, next_candidate, snat_port_candidate, CANDIDATE_DRAWS,
         LEAST_LOADED_CANDIDATES,
     },
-    Backend, Config, FibCache, Flow, FlowKey, Reason, ReplyNat, ReverseKey, ServiceInfo, SourceKey,
-    FLOW_EVENT_REPICKED, FLOW_F_CLOSED, FLOW_F_COUNTED, HOLD_UNKNOWN_NS, PROTO_TCP,
-    REPLY_F_CLOSING, SERVICE_F_FLOW_LIMIT, SERVICE_F_HOLD_UNKNOWN, SERVICE_F_LEAST_LOADED,
-    SERVICE_F_SNAT, SNAT_PROBES,
+    Backend, Config, Flow, FlowKey, Reason, ReplyNat, ServiceInfo, FLOW_EVENT_REPICKED,
+    FLOW_F_CLOSED, FLOW_F_COUNTED, HOLD_UNKNOWN_NS, PROTO_TCP, REPLY_F_CLOSING,
+    SERVICE_F_FLOW_LIMIT, SERVICE_F_HOLD_UNKNOWN, SERVICE_F_LEAST_LOADED, SERVICE_F_SNAT,
+    SNAT_PROBES,
 };
 
 use crate::{
     maps::{
-        BACKENDS, BACKEND_ACTIVE, BACKEND_REVERSE, CLOCK, CONFIG, FLOWS, HELD_FLOWS, MAGLEV,
-        REPLY_NAT,
+        BACKENDS, BACKEND_ACTIVE, BACKEND_REVERSE, CONFIG, FLOWS, HELD_FLOWS, MAGLEV, REPLY_NAT,
     },
     parse::Headers,
+    scratch::{Scratch, NEW_FLOW},
 };
+
+use crate::clock::now;
 
 const NS: u64 = 1_000_000_000;
 /// Flow timestamps and reply-entry lifetimes are refreshed at most this often,
@@ -42,56 +40,8 @@ pub fn copy_addr(dst: &mut [u32; 4], src: &[u32; 4]) {
     unsafe { core::ptr::copy_nonoverlapping(src, dst, 1) }
 }
 
-/// Where a client flow goes.
-#[derive(Clone, Copy, Default)]
-#[repr(C)]
-pub struct Target {
-    pub backend: Backend,
-    pub backend_id: u32,
-    /// Network order; 0 in NAT mode. The address is `Scratch::flow`'s.
-    pub snat_port: u16,
-    /// [`NEW_FLOW`] when this packet created the flow, else 0. (Not a
-    /// bool: a bool's niche would put `Result<Target, _>`'s tag mid-struct,
-    /// which kernel BTF rejects.)
-    pub new_flow: u16,
-}
-
-/// `Target::new_flow`: a new flow, counted and written to the flow table.
-pub const NEW_FLOW: u16 = 1;
-
 /// `lookup_or_create`'s "no error" return.
 pub const FOUND: u32 = u32::MAX;
-
-/// The coarse monotonic clock (ns), as `bpf_ktime_get_coarse_ns` gives it.
-/// That clock moves only at the timer tick, so it is read once per tick on
-/// each CPU and kept in a per-CPU map (`CLOCK`), keyed by `bpf_jiffies64` (which
-/// the verifier turns into a plain load): the helper call cost 20 ns a
-/// packet on this project's machine (`xlb-bench`'s "clock read"). A tick's
-/// first reader may see the new jiffies before the clock's update and keep
-/// the previous tick's time for this one: a lag of one tick at most.
-#[inline(always)]
-pub fn now() -> u64 {
-    // SAFETY: helpers without arguments.
-    let jiffies = unsafe { bpf_jiffies64() };
-    let Some(c) = CLOCK.get_ptr_mut(0) else {
-        return unsafe { bpf_ktime_get_coarse_ns() };
-    };
-    // SAFETY: a per-CPU value, only this program run uses it.
-    let c = unsafe { &mut *c };
-    if c.jiffies != jiffies || c.ns == 0 {
-        c.jiffies = jiffies;
-        c.ns = unsafe { bpf_ktime_get_coarse_ns() };
-    }
-    c.ns
-}
-
-/// A CPU's last clock read and the tick it was made in (`now`).
-#[derive(Clone, Copy, Default)]
-#[repr(C)]
-pub struct Clock {
-    jiffies: u64,
-    ns: u64,
-}
 
 #[inline(always)]
 pub fn config() -> Config {
@@ -264,25 +214,6 @@ pub fn close_flow(flow: &mut Flow) {
     if flow.flags & FLOW_F_COUNTED != 0 {
         count_active(flow.backend_id, -1);
     }
-}
-
-/// Per-CPU scratch space for the new-flow path: these values would not
-/// fit the verifier's 512-byte stack limit across the call chain.
-#[repr(C)]
-pub struct Scratch {
-    /// The packet's flow (client -> VIP, or backend -> client for replies).
-    pub key: FlowKey,
-    /// The flow's cached FIB answer, handed to `forward`.
-    pub fib: FibCache,
-    pub target: Target,
-    pub reply_key: FlowKey,
-    pub reply: ReplyNat,
-    /// A new flow as it will be written; for any flow, its SNAT address.
-    pub flow: Flow,
-    pub reverse_key: ReverseKey,
-    pub source_key: SourceKey,
-    /// The SNAT port search under way (`claim_snat_port`).
-    pub probe: SnatProbe,
 }
 
 /// Points `s.target` at a remembered flow's backend.
@@ -520,20 +451,6 @@ fn claim_snat_port(svc: &ServiceInfo, backend: &Backend, cfg: &Config, s: &mut S
         )
     };
     s.probe.port
-}
-
-/// What one SNAT port probe needs besides the flow in the per-CPU scratch,
-/// where it lives too: a larger context on the caller's stack would cost
-/// stack that the verifier's 512-byte limit leaves none of.
-#[derive(Clone, Copy, Default)]
-#[repr(C)]
-pub struct SnatProbe {
-    h: u32,
-    service_id: u32,
-    min: u16,
-    max: u16,
-    /// The claimed port (network order); 0 until one is.
-    port: u16,
 }
 
 /// Probe number `probe`: 1 (stop) once the port is claimed.

@@ -18,7 +18,7 @@ use lb_common::{FibCache, Reason};
 const FIB_REFRESH_NS: u64 = 1_000_000_000;
 
 use crate::{
-    conntrack::now,
+    clock::now,
     csum::Delta,
     maps::TX_PORTS,
     parse::{load16, load8, ptr_at, store16, store32, store8, Headers},

@@ -9,11 +9,12 @@ use crate::{
     conntrack,
     csum::Delta,
     forward::forward,
-    maps::{SCRATCH, SERVICES},
+    maps::SERVICES,
     parse::{
         addr_offsets, load16, load8, ptr_at, rd16, rd8, rd_addr, store16, wr16, wr8, wr_addr,
         Headers,
     },
+    scratch::SCRATCH,
     Verdict,
 };
 

@@ -7,8 +7,9 @@
 use lb_common::{ServiceInfo, FAMILY_V4};
 
 use crate::{
-    conntrack::{now, Scratch},
+    clock::now,
     maps::{FLOW_LIMITS, SOURCE_RATES},
+    scratch::Scratch,
 };
 
 /// `bits` leading one bits of a 32-bit word, in network order.

@@ -11,6 +11,7 @@
 #![allow(clippy::needless_borrows_for_generic_args)]
 
 mod bench;
+mod clock;
 mod conntrack;
 mod csum;
 mod forward;
@@ -22,6 +23,7 @@ mod maps;
 mod nat;
 mod parse;
 mod policy;
+mod scratch;
 mod stats;
 mod steps;
 
@@ -33,9 +35,10 @@ use lb_common::{
 
 use crate::{
     forward::{forward, ttl},
-    maps::{BACKENDS, FLOWS, PORT_FLAGS, SCRATCH, SERVICES},
+    maps::{BACKENDS, FLOWS, PORT_FLAGS, SERVICES},
     nat::{checksum_unfinished, l4_min_len, leave_unfinished, rewrite},
     parse::{load8, parse, ports, ptr_at, Headers, ParseError},
+    scratch::SCRATCH,
 };
 
 const TCP_FIN: u8 = 0x01;
@@ -231,7 +234,7 @@ fn to_backend(ctx: &XdpContext, h: &Headers, svc: &lb_common::ServiceInfo) -> Ve
     scratch.key.dport = dport;
     scratch.key.proto = h.proto;
     scratch.key.family = h.family;
-    let found = conntrack::lookup_or_create(svc, closing, syn, conntrack::now(), scratch);
+    let found = conntrack::lookup_or_create(svc, closing, syn, clock::now(), scratch);
     if found != conntrack::FOUND {
         return Verdict::new_raw(xdp_action::XDP_DROP, found);
     }
@@ -250,7 +253,7 @@ fn to_backend(ctx: &XdpContext, h: &Headers, svc: &lb_common::ServiceInfo) -> Ve
         svc.id,
         t.backend_id,
         bytes,
-        t.new_flow == conntrack::NEW_FLOW,
+        t.new_flow == scratch::NEW_FLOW,
         false,
     );
     // The route to a backend is cached in its BACKENDS entry, shared by
@@ -280,7 +283,7 @@ fn to_backend(ctx: &XdpContext, h: &Headers, svc: &lb_common::ServiceInfo) -> Ve
         &scratch.target.backend.addr,
         cache,
     );
-    if scratch.target.new_flow == conntrack::NEW_FLOW {
+    if scratch.target.new_flow == scratch::NEW_FLOW {
         // A full LRU evicts its oldest entry; failure only costs a re-pick later.
         let _ = FLOWS.insert(&scratch.key, &scratch.flow, 0);
     }
@@ -307,7 +310,7 @@ fn from_backend_inner(ctx: &XdpContext, h: &Headers) -> Option<Verdict> {
     s.key.proto = h.proto;
     s.key.family = h.family;
     let closing = flags & (TCP_FIN | TCP_RST) != 0;
-    let r = match conntrack::reply_lookup(&s.key, closing, conntrack::now()) {
+    let r = match conntrack::reply_lookup(&s.key, closing, clock::now()) {
         Some(r) => r,
         None => conntrack::reply_from_reverse(ctx, h, s, closing)?,
     };

@@ -154,13 +154,3 @@ pub static IFACE_MACS: Array<IfaceMac, { IFACE_SLOTS as usize }> = Array::new();
 /// interface holds.
 #[btf_map]
 pub static IFACE_MACS_SPILL: HashMap<u32, IfaceMac, { MAX_IFACE_SPILL as usize }> = HashMap::new();
-
-/// Per-CPU scratch space for large temporaries (see `conntrack::Scratch`).
-#[btf_map]
-pub static SCRATCH: PerCpuArray<crate::conntrack::Scratch, 1> = PerCpuArray::new();
-
-/// Per CPU: the last clock read and its tick (`conntrack::now`). A map of
-/// its own, not a field of `SCRATCH`: the clock is read while a caller
-/// holds the scratch.
-#[btf_map]
-pub static CLOCK: PerCpuArray<crate::conntrack::Clock, 1> = PerCpuArray::new();

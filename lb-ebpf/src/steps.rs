@@ -8,15 +8,17 @@ use aya_ebpf::{bindings::xdp_action, macros::xdp, programs::XdpContext};
 use lb_common::{ServiceKey, FAMILY_V4};
 
 use crate::{
-    conntrack::{now, Scratch},
-    maps::{FLOWS, SCRATCH, SERVICES},
+    clock::now,
+    maps::{FLOWS, SERVICES},
     parse::{load16, load32, load8, ptr_at},
+    scratch::Scratch,
+    scratch::SCRATCH,
 };
 
 const IP: usize = 14;
 const L4: usize = 14 + 20;
 
-/// The clock read, as the data path reads it (`conntrack::now`).
+/// The clock read, as the data path reads it (`clock::now`).
 #[xdp]
 pub fn xlb_step_clock(_ctx: XdpContext) -> u32 {
     if now() == 0 {

@@ -6,8 +6,7 @@ use std::{
     time::Duration,
 };
 
-use serde::Deserialize;
-
+use super::raw::RawFlowSync;
 use super::validate::{root, Checked, Validator};
 use super::L2Config;
 
@@ -40,20 +39,6 @@ const DEFAULT_FORGET_AFTER: Duration = Duration::from_secs(10);
 
 /// Default port of the flow exchange.
 pub const DEFAULT_FLOW_SYNC_PORT: u16 = 7947;
-
-#[derive(Deserialize)]
-#[serde(
-    deny_unknown_fields,
-    expecting = "a flow_sync mapping (listen, peers, key_file, interval, forget_after)"
-)]
-pub(super) struct RawFlowSync {
-    listen: Option<String>,
-    #[serde(default)]
-    peers: Vec<String>,
-    key_file: String,
-    interval: Option<String>,
-    forget_after: Option<String>,
-}
 
 impl Validator<'_> {
     pub(super) fn flow_sync(&self, raw: RawFlowSync, kubernetes: bool) -> Checked<FlowSyncConfig> {

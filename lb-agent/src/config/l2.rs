@@ -3,9 +3,8 @@
 
 use std::{net::SocketAddr, path::PathBuf, time::Duration};
 
-use serde::Deserialize;
-
 use super::locate::FieldPath;
+use super::raw::RawL2;
 use super::validate::{root, Checked, Validator};
 
 /// L2 mode, validated.
@@ -57,26 +56,6 @@ pub fn majority(peers: usize) -> usize {
 pub const DEFAULT_L2_PORT: u16 = 7946;
 /// A key shorter than this is refused: the HMAC is only as strong as it.
 const MIN_KEY_BYTES: usize = 16;
-
-#[derive(Deserialize)]
-#[serde(
-    deny_unknown_fields,
-    expecting = "an l2 mapping (interfaces, bind, peers, key_file, share_flows, ...)"
-)]
-pub(super) struct RawL2 {
-    interfaces: Vec<String>,
-    node_name: Option<String>,
-    bind: Option<String>,
-    #[serde(default)]
-    peers: Vec<String>,
-    key_file: String,
-    quorum: Option<i64>,
-    probe_interval: Option<String>,
-    probe_timeout: Option<String>,
-    suspect_timeout: Option<String>,
-    announce_interval: Option<String>,
-    share_flows: Option<bool>,
-}
 
 impl Validator<'_> {
     pub(super) fn l2(

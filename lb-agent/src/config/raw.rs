@@ -20,8 +20,8 @@ pub(super) struct RawConfig {
     pub(super) bgp: Option<RawBgp>,
     pub(super) kubernetes: Option<RawKubernetes>,
     pub(super) load_aware: Option<RawLoadAware>,
-    pub(super) l2: Option<super::l2::RawL2>,
-    pub(super) flow_sync: Option<super::flow_sync::RawFlowSync>,
+    pub(super) l2: Option<RawL2>,
+    pub(super) flow_sync: Option<RawFlowSync>,
     #[serde(default)]
     pub(super) services: Vec<RawService>,
 }
@@ -265,4 +265,38 @@ pub(super) enum RawCheckType {
 pub(super) enum RawPodInterfaces {
     Word(String),
     Names(Vec<String>),
+}
+
+#[derive(Deserialize)]
+#[serde(
+    deny_unknown_fields,
+    expecting = "an l2 mapping (interfaces, bind, peers, key_file, share_flows, ...)"
+)]
+pub(super) struct RawL2 {
+    pub(super) interfaces: Vec<String>,
+    pub(super) node_name: Option<String>,
+    pub(super) bind: Option<String>,
+    #[serde(default)]
+    pub(super) peers: Vec<String>,
+    pub(super) key_file: String,
+    pub(super) quorum: Option<i64>,
+    pub(super) probe_interval: Option<String>,
+    pub(super) probe_timeout: Option<String>,
+    pub(super) suspect_timeout: Option<String>,
+    pub(super) announce_interval: Option<String>,
+    pub(super) share_flows: Option<bool>,
+}
+
+#[derive(Deserialize)]
+#[serde(
+    deny_unknown_fields,
+    expecting = "a flow_sync mapping (listen, peers, key_file, interval, forget_after)"
+)]
+pub(super) struct RawFlowSync {
+    pub(super) listen: Option<String>,
+    #[serde(default)]
+    pub(super) peers: Vec<String>,
+    pub(super) key_file: String,
+    pub(super) interval: Option<String>,
+    pub(super) forget_after: Option<String>,
 }
