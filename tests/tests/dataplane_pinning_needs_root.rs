@@ -3,7 +3,7 @@
 
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 
-use lb_agent::dataplane::{BackendSpec, Dataplane, MapSizes, Protocol, ServiceSpec};
+use lb_agent::dataplane::{Dataplane, MapSizes, Protocol, ServiceSpec};
 
 struct PinDir(std::path::PathBuf);
 
@@ -14,24 +14,13 @@ impl Drop for PinDir {
 }
 
 fn spec(port: u16, snat: Option<IpAddr>, backends: &[u8]) -> ServiceSpec {
+    let vip = Ipv4Addr::new(192, 0, 2, 50).into();
+    let addrs = backends
+        .iter()
+        .map(|&n| SocketAddr::new(Ipv4Addr::new(10, 9, 0, n).into(), 8080));
     ServiceSpec {
-        vip: Ipv4Addr::new(192, 0, 2, 50).into(),
-        port,
-        protocol: Protocol::Tcp,
         snat,
-        table_size: None,
-        source_ranges: None,
-        client_affinity: false,
-        least_loaded: false,
-        hold_unknown_flows: false,
-        new_flow_limit: None,
-        backends: backends
-            .iter()
-            .map(|&n| BackendSpec {
-                addr: SocketAddr::new(Ipv4Addr::new(10, 9, 0, n).into(), 8080),
-                weight: 1,
-            })
-            .collect(),
+        ..ServiceSpec::new(vip, port, Protocol::Tcp, addrs)
     }
 }
 
@@ -237,11 +226,6 @@ fn quarantined_regions_do_not_make_the_pool_look_full() {
     let m = 211; // prime, room for 2 backends
     let sized = |port: u16, backends: &[u8]| ServiceSpec {
         table_size: Some(m),
-        source_ranges: None,
-        client_affinity: false,
-        least_loaded: false,
-        hold_unknown_flows: false,
-        new_flow_limit: None,
         ..spec(port, None, backends)
     };
     // Room for exactly two services (two tables of M each).

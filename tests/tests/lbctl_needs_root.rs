@@ -11,7 +11,7 @@ use std::{
 
 use aya::maps::{Map, MapData, PerCpuArray, PerCpuValues};
 use lb_agent::{
-    dataplane::{BackendSpec, Dataplane, Protocol, ServiceSpec},
+    dataplane::{Dataplane, Protocol, ServiceSpec},
     maps::possible_cpus,
 };
 use lb_common::{
@@ -61,24 +61,10 @@ fn lbctl_json(pin_dir: &Path, args: &[&str], code: i32) -> Value {
 }
 
 fn spec(vip: &str, port: u16, snat: Option<&str>, backends: &[&str]) -> ServiceSpec {
+    let addrs = backends.iter().map(|b| b.parse().unwrap());
     ServiceSpec {
-        vip: vip.parse().unwrap(),
-        port,
-        protocol: Protocol::Tcp,
         snat: snat.map(|s| s.parse().unwrap()),
-        table_size: None,
-        source_ranges: None,
-        client_affinity: false,
-        least_loaded: false,
-        hold_unknown_flows: false,
-        new_flow_limit: None,
-        backends: backends
-            .iter()
-            .map(|b| BackendSpec {
-                addr: b.parse().unwrap(),
-                weight: 1,
-            })
-            .collect(),
+        ..ServiceSpec::new(vip.parse().unwrap(), port, Protocol::Tcp, addrs)
     }
 }
 

@@ -89,17 +89,9 @@ fn svc(
     b: &[(IpAddr, u16)],
 ) -> ServiceSpec {
     ServiceSpec {
-        vip,
-        port,
-        protocol,
         snat,
-        table_size: None,
-        source_ranges: None,
-        client_affinity: false,
-        least_loaded: false,
-        hold_unknown_flows: false,
-        new_flow_limit: None,
         backends: backends(b),
+        ..ServiceSpec::new(vip, port, protocol, [])
     }
 }
 

@@ -50,17 +50,9 @@ fn backends(list: &[&str]) -> Vec<BackendSpec> {
 
 fn service(vip: IpAddr, port: u16, snat: Option<&str>, list: &[&str]) -> ServiceSpec {
     ServiceSpec {
-        vip,
-        port,
-        protocol: Protocol::Tcp,
         snat: snat.map(|s| s.parse().unwrap()),
-        table_size: None,
-        source_ranges: None,
-        client_affinity: false,
-        least_loaded: false,
-        hold_unknown_flows: false,
-        new_flow_limit: None,
         backends: backends(list),
+        ..ServiceSpec::new(vip, port, Protocol::Tcp, [])
     }
 }
 

@@ -212,6 +212,33 @@ pub struct BackendSpec {
 }
 
 impl ServiceSpec {
+    /// A nat service on `vip:port/protocol` over `backends`, each of weight
+    /// 1, with nothing else set: the start of a spec that sets the rest by
+    /// struct update (`ServiceSpec { snat, ..ServiceSpec::new(..) }`).
+    pub fn new(
+        vip: IpAddr,
+        port: u16,
+        protocol: Protocol,
+        backends: impl IntoIterator<Item = SocketAddr>,
+    ) -> ServiceSpec {
+        ServiceSpec {
+            vip,
+            port,
+            protocol,
+            snat: None,
+            table_size: None,
+            backends: backends
+                .into_iter()
+                .map(|addr| BackendSpec { addr, weight: 1 })
+                .collect(),
+            source_ranges: None,
+            client_affinity: false,
+            least_loaded: false,
+            hold_unknown_flows: false,
+            new_flow_limit: None,
+        }
+    }
+
     pub fn key(&self) -> ServiceKey {
         service_key(self.vip, self.port, self.protocol.number())
     }

@@ -90,7 +90,8 @@ impl Wanted {
 /// The desired state of this node.
 #[derive(Clone, Debug, Default)]
 pub struct State {
-    pub services: BTreeMap<ServiceKey, Wanted>,
+    /// Shared with the states before and after while unchanged.
+    pub services: BTreeMap<ServiceKey, Arc<Wanted>>,
     /// Kubernetes Services broken since before this agent started: what the
     /// data plane has for them stays as it is.
     pub held: BTreeSet<ServiceKey>,
@@ -177,7 +178,7 @@ pub fn compute(inputs: &Inputs<'_>, previous: &State) -> State {
             Some(w) if unchanged(w, svc) && !previous.retry.contains(&key) => w.clone(),
             _ => {
                 out.changed.insert(key);
-                wanted(svc, from_file, inputs)
+                Arc::new(wanted(svc, from_file, inputs))
             }
         };
         out.services.insert(key, wanted);

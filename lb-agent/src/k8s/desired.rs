@@ -67,7 +67,7 @@ pub struct Desired {
     /// result, reused when a later version of the object is unusable.
     pub by_service: BTreeMap<String, Vec<Arc<DesiredService>>>,
     /// `namespace/name` → the versions its last good result was made from.
-    made_from: BTreeMap<String, Made>,
+    made_from: BTreeMap<String, Arc<Made>>,
     /// Human-readable, one per problem (logged by the watcher).
     pub problems: Vec<String>,
     /// The addresses of Services that are unusable with no last good state
@@ -104,8 +104,24 @@ struct Versions {
 }
 
 impl Versions {
-    /// `None` when an object has no resourceVersion (one not from the
-    /// API server): its result is never reused.
+    /// Whether these are the versions of `svc`, `slices` and `zone`; an
+    /// object without a resourceVersion (one not from the API server)
+    /// never matches. Compared in place: this runs for every Service on
+    /// every change.
+    fn are_of(&self, svc: &Service, slices: &[&EndpointSlice], zone: Option<&str>) -> bool {
+        let same = |mine: &str, theirs: &Option<String>| theirs.as_deref() == Some(mine);
+        same(&self.service, &svc.metadata.resource_version)
+            && self.slices.len() == slices.len()
+            && self
+                .slices
+                .iter()
+                .zip(slices)
+                .all(|(v, s)| same(v, &s.metadata.resource_version))
+            && self.zone.as_deref() == zone
+    }
+
+    /// `None` when an object has no resourceVersion: its result is never
+    /// reused.
     fn of(svc: &Service, slices: &[&EndpointSlice], zone: Option<&str>) -> Option<Versions> {
         Some(Versions {
             service: svc.metadata.resource_version.clone()?,
@@ -210,44 +226,35 @@ pub fn desired_services(
         .copied()
         .filter(|s| serves(s, &opts.load_balancer_class, opts.default_class))
         .collect();
-    services.sort_by_key(|s| {
-        (
-            s.metadata.creation_timestamp.as_ref().map(|t| t.0),
-            s.metadata.namespace.clone(),
-            s.metadata.name.clone(),
-        )
-    });
+    services.sort_by(|a, b| age(a).cmp(&age(b)));
     let mut taken: BTreeMap<(IpAddr, u16, Protocol), String> = BTreeMap::new();
     for svc in services {
         let ns = svc.metadata.namespace.as_deref().unwrap_or("");
         let name = svc.metadata.name.as_deref().unwrap_or("");
         let k = key(ns, name);
         let own_slices = slices.get(&(ns, name)).map(Vec::as_slice).unwrap_or(&[]);
-        let versions = Versions::of(svc, own_slices, zone);
         let made = previous
             .made_from
             .get(&k)
-            .filter(|m| versions.as_ref() == Some(&m.versions));
+            .filter(|m| m.versions.are_of(svc, own_slices, zone));
         let result = match made {
-            Some(m) => Ok((m.services.clone(), m.notes.clone())),
+            Some(m) => {
+                out.made_from.insert(k.clone(), m.clone());
+                Ok((m.services.clone(), m.notes.clone()))
+            }
             None => service_configs(svc, own_slices, opts, zone).map(|(configs, notes)| {
                 let configs: Vec<_> = configs.into_iter().map(Arc::new).collect();
-                if let Some(versions) = versions {
-                    out.made_from.insert(
-                        k.clone(),
-                        Made {
-                            versions,
-                            services: configs.clone(),
-                            notes: notes.clone(),
-                        },
-                    );
+                if let Some(versions) = Versions::of(svc, own_slices, zone) {
+                    let made = Made {
+                        versions,
+                        services: configs.clone(),
+                        notes: notes.clone(),
+                    };
+                    out.made_from.insert(k.clone(), Arc::new(made));
                 }
                 (configs, notes)
             }),
         };
-        if let Some(m) = made {
-            out.made_from.insert(k.clone(), m.clone());
-        }
         let configs = match result {
             Ok((configs, mut notes)) => {
                 out.problems.append(&mut notes);
@@ -289,6 +296,21 @@ pub fn desired_services(
         out.by_service.insert(k, accepted);
     }
     out
+}
+
+/// What orders Services oldest first: creation time, then namespace and name.
+fn age(
+    s: &Service,
+) -> (
+    Option<k8s_openapi::jiff::Timestamp>,
+    Option<&str>,
+    Option<&str>,
+) {
+    (
+        s.metadata.creation_timestamp.as_ref().map(|t| t.0),
+        s.metadata.namespace.as_deref(),
+        s.metadata.name.as_deref(),
+    )
 }
 
 fn parse_protocol(p: Option<&str>) -> Result<Protocol, String> {

@@ -121,7 +121,7 @@ pub fn spawn(client: Client, opts: SourceOptions) -> DesiredRx {
             return;
         }
         info!(took = ?started.elapsed(), "Kubernetes stores synced");
-        let mut last = Desired::default();
+        let mut last = Arc::new(Desired::default());
         let mut logged: BTreeSet<String> = BTreeSet::new();
         loop {
             let svc_state = services.state();
@@ -148,20 +148,18 @@ pub fn spawn(client: Client, opts: SourceOptions) -> DesiredRx {
                 warn!("{p}");
             }
             logged = now;
-            if tx.borrow().is_none()
+            let publish = tx.borrow().is_none()
                 || desired.services != last.services
-                || desired.leaving != last.leaving
-            {
+                || desired.leaving != last.leaving;
+            last = Arc::new(desired);
+            if publish {
                 debug!(
-                    services = desired.services.len(),
+                    services = last.services.len(),
                     "desired state from Kubernetes"
                 );
-                last = desired.clone();
-                if tx.send(Some(Arc::new(desired))).is_err() {
+                if tx.send(Some(last.clone())).is_err() {
                     return;
                 }
-            } else {
-                last = desired;
             }
             changed.notified().await;
         }

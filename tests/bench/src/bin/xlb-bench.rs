@@ -9,8 +9,7 @@ use std::net::{Ipv4Addr, SocketAddr};
 
 use aya::programs::Xdp;
 use lb_agent::dataplane::{
-    BackendSpec, Dataplane, HandedFlow, Handing, Protocol, ServiceSpec, FLOOR_PROGRAM, PROGRAM,
-    STEP_PROGRAMS,
+    Dataplane, HandedFlow, Handing, Protocol, ServiceSpec, FLOOR_PROGRAM, PROGRAM, STEP_PROGRAMS,
 };
 use lb_common::{Config, FLOWS_ENTRIES};
 use xlb_tests::{
@@ -79,44 +78,20 @@ fn main() {
         (83, Protocol::Tcp, (B3, 8080), None),
         (84, Protocol::Tcp, (B3, 8080), None),
     ] {
+        let backend = SocketAddr::new(backend.0.into(), backend.1);
         dp.set_service(&ServiceSpec {
-            vip: VIP.into(),
-            port,
-            protocol,
-            snat: None,
-            table_size: None,
             source_ranges: ranges,
-            client_affinity: false,
-            least_loaded: false,
-            hold_unknown_flows: false,
-            new_flow_limit: None,
-            backends: vec![BackendSpec {
-                addr: SocketAddr::new(backend.0.into(), backend.1),
-                weight: 1,
-            }],
+            ..ServiceSpec::new(VIP.into(), port, protocol, [backend])
         })
         .unwrap();
     }
     // Port 86: snat mode, 8 backend ports on B2 (each its own space of
     // source ports) and the whole port range, so that 100 000 new flows
     // fill a fifth of it and find a free port in one probe or two.
+    let backends = (9001..=9008).map(|port| SocketAddr::new(B2.into(), port));
     dp.set_service(&ServiceSpec {
-        vip: VIP.into(),
-        port: 86,
-        protocol: Protocol::Tcp,
         snat: Some(SNAT.into()),
-        table_size: None,
-        source_ranges: None,
-        client_affinity: false,
-        least_loaded: false,
-        hold_unknown_flows: false,
-        new_flow_limit: None,
-        backends: (9001..=9008)
-            .map(|port| BackendSpec {
-                addr: SocketAddr::new(B2.into(), port),
-                weight: 1,
-            })
-            .collect(),
+        ..ServiceSpec::new(VIP.into(), 86, Protocol::Tcp, backends)
     })
     .unwrap();
     dp.set_config(Config {
