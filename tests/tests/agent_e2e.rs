@@ -525,7 +525,8 @@ fn lbctl_backends_shows_every_state_and_open_flows() {
         || (!table_backends(&t, SVC).contains(&backend_addr(3))).then_some(()),
     );
 
-    let v = t.lbctl_json_with(&agent, &["backends", SVC]);
+    // The service by its name, as the agent gives it.
+    let v = t.lbctl_json_with(&agent, &["backends", "web"]);
     let rows: BTreeMap<String, &Value> = v["services"][0]["backends"]
         .as_array()
         .unwrap_or_else(|| panic!("{v}"))
@@ -534,6 +535,7 @@ fn lbctl_backends_shows_every_state_and_open_flows() {
         .collect();
     let state = |n| rows.get(&backend_addr(n)).map(|b| b["state"].clone());
     assert_eq!(v["services"][0]["name"], "web", "{v}");
+    assert_eq!(v["services"][0]["service"], SVC, "{v}");
     assert_eq!(state(1), Some(json!("draining")), "{v}");
     assert_eq!(state(2), Some(json!("active")), "{v}");
     assert_eq!(state(3), Some(json!("unhealthy")), "{v}");

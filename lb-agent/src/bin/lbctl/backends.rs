@@ -13,7 +13,7 @@ use serde::Serialize;
 use crate::{
     agent::AgentBackend,
     maglev::shares,
-    services::{self, ServiceArg},
+    services::{self, ServiceRef},
     table::{self, Align, Table},
     watch::{Rates, Watched},
     Render,
@@ -21,8 +21,9 @@ use crate::{
 
 #[derive(clap::Args)]
 pub struct Args {
-    /// Only this service, as VIP:PORT/PROTO (e.g. 192.0.2.10:80/tcp).
-    pub service: Option<ServiceArg>,
+    /// Only this service: VIP:PORT/PROTO (e.g. 192.0.2.10:80/tcp), or its
+    /// name (e.g. shop/web:http).
+    pub service: Option<ServiceRef>,
 }
 
 #[derive(Serialize)]
@@ -134,7 +135,12 @@ pub fn run(
     agent: &BTreeMap<(String, SocketAddr), AgentBackend>,
 ) -> Result<BackendsReport> {
     let services_map = maps.services()?;
-    let list = match &args.service {
+    let service = args
+        .service
+        .as_ref()
+        .map(|s| s.resolve(names))
+        .transpose()?;
+    let list = match &service {
         Some(a) => {
             let info = maps::service(&services_map, &a.key())
                 .context("reading SERVICES")?

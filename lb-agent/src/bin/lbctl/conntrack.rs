@@ -12,16 +12,16 @@ use lb_common::{
 use serde::Serialize;
 
 use crate::{
-    services::{self, ServiceArg},
+    services::{self, Names, ServiceRef},
     table::{self, Align, Table},
     Render,
 };
 
 #[derive(clap::Args)]
 pub struct Args {
-    /// Only flows to this service, as VIP:PORT/PROTO.
-    #[arg(long, value_name = "VIP:PORT/PROTO")]
-    pub service: Option<ServiceArg>,
+    /// Only flows to this service: VIP:PORT/PROTO, or its name.
+    #[arg(long, value_name = "VIP:PORT/PROTO|NAME")]
+    pub service: Option<ServiceRef>,
     /// Only flows sent to this backend, as IP:PORT ([IPv6]:PORT).
     #[arg(long, value_name = "IP:PORT")]
     pub backend: Option<SocketAddr>,
@@ -43,9 +43,14 @@ pub struct Filter {
 }
 
 impl Filter {
-    pub fn from_args(args: &Args) -> Self {
-        Self {
-            service: args.service.map(|s| s.key()),
+    pub fn from_args(args: &Args, names: &Names) -> Result<Self> {
+        let service = args
+            .service
+            .as_ref()
+            .map(|s| s.resolve(names))
+            .transpose()?;
+        Ok(Self {
+            service: service.map(|s| s.key()),
             backend: args.backend.map(|b| {
                 (
                     ip_words(b.ip()),
@@ -54,7 +59,7 @@ impl Filter {
                 )
             }),
             client: args.client.map(|c| (ip_words(c), Family::of(c).number())),
-        }
+        })
     }
 
     pub fn matches(&self, key: &FlowKey, flow: &Flow) -> bool {
@@ -132,9 +137,9 @@ pub struct ConntrackReport {
     pub entries: Vec<Entry>,
 }
 
-pub fn run(maps: &PinnedMaps, args: &Args) -> Result<ConntrackReport> {
+pub fn run(maps: &PinnedMaps, args: &Args, names: &Names) -> Result<ConntrackReport> {
     let map = maps.shared_flows()?;
-    let filter = Filter::from_args(args);
+    let filter = Filter::from_args(args, names)?;
     let now = maps::coarse_now_ns();
     let limit = args.limit.unwrap_or(usize::MAX);
     // Service id -> its affinity, from the live services.
@@ -251,22 +256,36 @@ mod tests {
     #[test]
     fn filters_match_each_field() {
         let (k, f) = (flow_key(), flow());
-        assert!(Filter::from_args(&args()).matches(&k, &f));
+        assert!(Filter::from_args(&args(), &Names::new())
+            .unwrap()
+            .matches(&k, &f));
         let mut a = args();
         a.service = Some("192.0.2.10:80/tcp".parse().unwrap());
-        assert!(Filter::from_args(&a).matches(&k, &f));
+        assert!(Filter::from_args(&a, &Names::new())
+            .unwrap()
+            .matches(&k, &f));
         a.service = Some("192.0.2.10:80/udp".parse().unwrap());
-        assert!(!Filter::from_args(&a).matches(&k, &f));
+        assert!(!Filter::from_args(&a, &Names::new())
+            .unwrap()
+            .matches(&k, &f));
         let mut a = args();
         a.backend = Some("10.2.0.3:8080".parse().unwrap());
-        assert!(Filter::from_args(&a).matches(&k, &f));
+        assert!(Filter::from_args(&a, &Names::new())
+            .unwrap()
+            .matches(&k, &f));
         a.backend = Some("10.2.0.3:8081".parse().unwrap());
-        assert!(!Filter::from_args(&a).matches(&k, &f));
+        assert!(!Filter::from_args(&a, &Names::new())
+            .unwrap()
+            .matches(&k, &f));
         let mut a = args();
         a.client = Some("198.51.100.7".parse().unwrap());
-        assert!(Filter::from_args(&a).matches(&k, &f));
+        assert!(Filter::from_args(&a, &Names::new())
+            .unwrap()
+            .matches(&k, &f));
         a.client = Some("198.51.100.8".parse().unwrap());
-        assert!(!Filter::from_args(&a).matches(&k, &f));
+        assert!(!Filter::from_args(&a, &Names::new())
+            .unwrap()
+            .matches(&k, &f));
     }
 
     #[test]

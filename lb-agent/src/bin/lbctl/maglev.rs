@@ -8,15 +8,16 @@ use lb_common::net::words_socket;
 use serde::Serialize;
 
 use crate::{
-    services::ServiceArg,
+    services::{Names, ServiceRef},
     table::{self, Align, Table},
     Render,
 };
 
 #[derive(clap::Args)]
 pub struct Args {
-    /// The service, as VIP:PORT/PROTO (e.g. 192.0.2.10:80/tcp, [2001:db8::10]:80/tcp).
-    pub service: ServiceArg,
+    /// The service: VIP:PORT/PROTO (e.g. 192.0.2.10:80/tcp,
+    /// [2001:db8::10]:80/tcp), or its name (e.g. shop/web:http).
+    pub service: ServiceRef,
 }
 
 /// A backend's part of a table.
@@ -65,12 +66,13 @@ pub struct MaglevReport {
     pub backends: Vec<MaglevBackend>,
 }
 
-pub fn run(maps: &PinnedMaps, args: &Args) -> Result<MaglevReport> {
+pub fn run(maps: &PinnedMaps, args: &Args, names: &Names) -> Result<MaglevReport> {
+    let service = args.service.resolve(names)?;
     let services = maps.services()?;
-    let key = args.service.key();
+    let key = service.key();
     let info = maps::service(&services, &key)
         .context("reading SERVICES")?
-        .ok_or_else(|| anyhow!("no service {} in SERVICES", args.service))?;
+        .ok_or_else(|| anyhow!("no service {service} in SERVICES"))?;
     let table = maps.maglev()?.live_table(&info)?;
     let backends = maps.backends()?;
     let mut out = Vec::new();
@@ -87,7 +89,7 @@ pub fn run(maps: &PinnedMaps, args: &Args) -> Result<MaglevReport> {
         });
     }
     Ok(MaglevReport {
-        service: args.service.to_string(),
+        service: service.to_string(),
         service_id: info.id,
         table_size: info.table_size,
         active: info.active,

@@ -125,6 +125,15 @@ fn service_names(agent: SocketAddr) -> BTreeMap<(std::net::IpAddr, u16, String),
     agent::service_names(&from_agent(agent))
 }
 
+/// The agent's names when `service` is given by name; none to ask for
+/// otherwise.
+fn names_for(service: Option<&services::ServiceRef>, agent: SocketAddr) -> services::Names {
+    match service {
+        Some(s) if s.is_name() => service_names(agent),
+        _ => services::Names::new(),
+    }
+}
+
 /// `lbctl backends`, with names and states from the agent read afresh.
 fn backends(
     maps: &lb_agent::maps::PinnedMaps,
@@ -166,9 +175,15 @@ fn run(cli: &Cli) -> Result<ExitCode> {
         Command::Status => unreachable!("answered above"),
         Command::Services => emit(services::run(&maps, &service_names(cli.agent))?, json),
         Command::Backends(a) => emit(backends(&maps, a, cli.agent)?, json),
-        Command::Conntrack(a) => emit(conntrack::run(&maps, a)?, json),
+        Command::Conntrack(a) => {
+            let names = names_for(a.service.as_ref(), cli.agent);
+            emit(conntrack::run(&maps, a, &names)?, json)
+        }
         Command::Stats => emit(stats::run(&maps)?, json),
-        Command::Maglev(a) => emit(maglev::run(&maps, a)?, json),
+        Command::Maglev(a) => {
+            let names = names_for(Some(&a.service), cli.agent);
+            emit(maglev::run(&maps, a, &names)?, json)
+        }
         Command::Trace(a) => emit(trace::run(&maps, a)?, json),
         Command::L2 => emit(l2::run(&maps)?, json),
     }

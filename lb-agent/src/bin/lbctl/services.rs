@@ -1,5 +1,6 @@
 //! `lbctl services`, and the service naming shared by the other commands:
-//! `VIP:PORT/PROTO` (`192.0.2.10:80/tcp`, `[2001:db8::10]:80/udp`).
+//! `VIP:PORT/PROTO` (`192.0.2.10:80/tcp`, `[2001:db8::10]:80/udp`), or
+//! the agent's name for the service (`shop/web:http`, `web`).
 
 use std::{
     collections::BTreeMap,
@@ -8,7 +9,7 @@ use std::{
     str::FromStr,
 };
 
-use anyhow::{Context, Result};
+use anyhow::{bail, Context, Result};
 use lb_agent::maps::{self, PinnedMaps};
 use lb_common::{
     map_names as names,
@@ -72,6 +73,89 @@ impl fmt::Display for ServiceArg {
             SocketAddr::new(self.vip, self.port),
             protocol_name(self.proto)
         )
+    }
+}
+
+/// A service on the command line: its address, or the agent's name for it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum ServiceRef {
+    Address(ServiceArg),
+    Name(String),
+}
+
+impl FromStr for ServiceRef {
+    type Err = String;
+
+    /// An address when it reads as one; anything else is a name, which
+    /// the agent's answer resolves ([`ServiceRef::resolve`]).
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s.parse() {
+            Ok(a) => Ok(ServiceRef::Address(a)),
+            Err(_) if !s.trim().is_empty() => Ok(ServiceRef::Name(s.trim().to_owned())),
+            Err(e) => Err(e),
+        }
+    }
+}
+
+impl fmt::Display for ServiceRef {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            ServiceRef::Address(a) => a.fmt(f),
+            ServiceRef::Name(n) => f.write_str(n),
+        }
+    }
+}
+
+impl ServiceRef {
+    pub fn is_name(&self) -> bool {
+        matches!(self, ServiceRef::Name(_))
+    }
+
+    /// The address of the service so named: the name whole (`shop/web:http`,
+    /// `web`), or a Kubernetes Service without its port (`shop/web`) when
+    /// it has one port.
+    pub fn resolve(&self, names: &Names) -> Result<ServiceArg> {
+        let name = match self {
+            ServiceRef::Address(a) => return Ok(*a),
+            ServiceRef::Name(n) => n,
+        };
+        if names.is_empty() {
+            bail!(
+                "{name:?} is not VIP:PORT/PROTO, and service names come from the agent, \
+                 which did not answer (see --agent)"
+            );
+        }
+        let address = |(vip, port, proto): &(IpAddr, u16, String)| -> Result<ServiceArg> {
+            let proto = proto
+                .parse::<Protocol>()
+                .map_err(|_| anyhow::anyhow!("the agent named a protocol {proto:?}"))?;
+            Ok(ServiceArg {
+                vip: *vip,
+                port: *port,
+                proto: proto.number(),
+            })
+        };
+        let exact: Vec<_> = names.iter().filter(|(_, n)| *n == name).collect();
+        let by_port: Vec<_> = names
+            .iter()
+            .filter(|(_, n)| {
+                n.strip_prefix(name.as_str())
+                    .is_some_and(|r| r.starts_with(':'))
+            })
+            .collect();
+        let found = if exact.is_empty() { by_port } else { exact };
+        match found.as_slice() {
+            [] => bail!("no service named {name:?} (lbctl services lists them)"),
+            [(addr, _)] => address(addr),
+            several => {
+                let mut list: Vec<String> = several
+                    .iter()
+                    .map(|(a, n)| Ok(format!("{n} ({})", address(a)?)))
+                    .collect::<Result<_>>()?;
+                list.sort();
+                bail!("{name:?} names several services: {}", list.join(", "))
+            }
+        }
     }
 }
 
@@ -344,6 +428,46 @@ mod tests {
         assert_eq!(s.vip, "2001:db8::10".parse::<IpAddr>().unwrap());
         assert_eq!((s.port, s.proto), (53, PROTO_UDP));
         assert_eq!(s.to_string(), "[2001:db8::10]:53/udp");
+    }
+
+    #[test]
+    fn names_resolve_through_the_agents_names() {
+        let v = |s: &str| s.parse::<IpAddr>().unwrap();
+        let names = Names::from([
+            ((v("192.0.2.10"), 80, "tcp".into()), "shop/web:http".into()),
+            (
+                (v("192.0.2.10"), 443, "tcp".into()),
+                "shop/web:https".into(),
+            ),
+            ((v("192.0.2.11"), 53, "udp".into()), "kube/dns:dns".into()),
+            ((v("192.0.2.12"), 80, "tcp".into()), "web".into()),
+        ]);
+        let resolve = |s: &str| s.parse::<ServiceRef>().unwrap().resolve(&names);
+        let addr = |s: &str| s.parse::<ServiceArg>().unwrap();
+        assert_eq!(
+            resolve("shop/web:https").unwrap(),
+            addr("192.0.2.10:443/tcp")
+        );
+        assert_eq!(resolve("kube/dns").unwrap(), addr("192.0.2.11:53/udp"));
+        assert_eq!(resolve("web").unwrap(), addr("192.0.2.12:80/tcp"));
+        assert_eq!(
+            resolve("192.0.2.99:80/tcp").unwrap(),
+            addr("192.0.2.99:80/tcp")
+        );
+        let several = resolve("shop/web").unwrap_err().to_string();
+        assert!(
+            several.contains("shop/web:http (192.0.2.10:80/tcp)"),
+            "{several}"
+        );
+        assert!(resolve("shop/api")
+            .unwrap_err()
+            .to_string()
+            .contains("no service named"));
+        let no_agent = "shop/web:http"
+            .parse::<ServiceRef>()
+            .unwrap()
+            .resolve(&Names::new());
+        assert!(no_agent.unwrap_err().to_string().contains("did not answer"));
     }
 
     #[test]
