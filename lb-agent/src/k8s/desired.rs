@@ -32,14 +32,11 @@ use std::{
 };
 
 use ipnet::IpNet;
-use k8s_openapi::api::{
-    core::v1::{Node, Service},
-    discovery::v1::EndpointSlice,
-};
+use k8s_openapi::api::core::v1::{Node, Service};
 
 use super::{
-    serves, AGENT_CHECK_PORT_ANNOTATION, ANNOUNCE_ANNOTATION, BALANCE_ANNOTATION, EXCLUDE_LABEL,
-    MODE_ANNOTATION, NEW_FLOW_LIMIT_ANNOTATION, SERVICE_NAME_LABEL,
+    serves, slice::Slice, AGENT_CHECK_PORT_ANNOTATION, ANNOUNCE_ANNOTATION, BALANCE_ANNOTATION,
+    EXCLUDE_LABEL, MODE_ANNOTATION, NEW_FLOW_LIMIT_ANNOTATION, SERVICE_NAME_LABEL,
 };
 use crate::{
     dataplane::{NewFlowLimit, Protocol},
@@ -108,7 +105,7 @@ impl Versions {
     /// object without a resourceVersion (one not from the API server)
     /// never matches. Compared in place: this runs for every Service on
     /// every change.
-    fn are_of(&self, svc: &Service, slices: &[&EndpointSlice], zone: Option<&str>) -> bool {
+    fn are_of(&self, svc: &Service, slices: &[&Slice], zone: Option<&str>) -> bool {
         let same = |mine: &str, theirs: &Option<String>| theirs.as_deref() == Some(mine);
         same(&self.service, &svc.metadata.resource_version)
             && self.slices.len() == slices.len()
@@ -122,7 +119,7 @@ impl Versions {
 
     /// `None` when an object has no resourceVersion: its result is never
     /// reused.
-    fn of(svc: &Service, slices: &[&EndpointSlice], zone: Option<&str>) -> Option<Versions> {
+    fn of(svc: &Service, slices: &[&Slice], zone: Option<&str>) -> Option<Versions> {
         Some(Versions {
             service: svc.metadata.resource_version.clone()?,
             slices: slices
@@ -169,7 +166,7 @@ fn pod_cidrs(node: &Node) -> Vec<IpNet> {
 /// Everything the watcher's stores hold, by reference.
 pub struct ClusterView<'a> {
     pub services: &'a [&'a Service],
-    pub slices: &'a [&'a EndpointSlice],
+    pub slices: &'a [&'a Slice],
     /// This node; `None` when it does not exist (yet).
     pub node: Option<&'a Node>,
 }
@@ -206,7 +203,7 @@ pub fn desired_services(
         }
     }
     // Slices by (namespace, service name).
-    let mut slices: BTreeMap<(&str, &str), Vec<&EndpointSlice>> = BTreeMap::new();
+    let mut slices: BTreeMap<(&str, &str), Vec<&Slice>> = BTreeMap::new();
     for s in view.slices {
         let ns = s.metadata.namespace.as_deref().unwrap_or("");
         if let Some(svc) = s
@@ -327,7 +324,7 @@ fn parse_protocol(p: Option<&str>) -> Result<Protocol, String> {
 /// when the object as a whole is unusable.
 fn service_configs(
     svc: &Service,
-    slices: &[&EndpointSlice],
+    slices: &[&Slice],
     opts: &SourceOptions,
     zone: Option<&str>,
 ) -> Result<(Vec<DesiredService>, Vec<String>), String> {
@@ -631,7 +628,7 @@ struct Candidate {
 /// Backends of one (VIP family, port) from the Service's slices. An address
 /// in several slices (a pod moving between slices) counts once, ready wins.
 fn backends_for(
-    slices: &[&EndpointSlice],
+    slices: &[&Slice],
     ipv4: bool,
     port_name: &str,
     protocol: Protocol,
@@ -643,7 +640,7 @@ fn backends_for(
         if slice.address_type != family {
             continue;
         }
-        let Some(port) = slice.ports.iter().flatten().find_map(|p| {
+        let Some(port) = slice.ports.iter().find_map(|p| {
             let same_name = p.name.as_deref().unwrap_or("") == port_name;
             let same_proto = parse_protocol(p.protocol.as_deref()).ok() == Some(protocol);
             (same_name && same_proto)
@@ -655,13 +652,13 @@ fn backends_for(
             continue;
         };
         for ep in &slice.endpoints {
-            if here.local && ep.node_name.as_deref() != Some(here.node) {
+            let on_this_node = ep.node.as_deref() == Some(here.node);
+            if here.local && !on_this_node {
                 continue;
             }
-            let c = ep.conditions.as_ref();
-            let ready = c.and_then(|c| c.ready).unwrap_or(true);
-            let serving = c.and_then(|c| c.serving).unwrap_or(ready);
-            let terminating = c.and_then(|c| c.terminating).unwrap_or(false);
+            let ready = ep.ready.unwrap_or(true);
+            let serving = ep.serving.unwrap_or(ready);
+            let terminating = ep.terminating.unwrap_or(false);
             let weight = if ready {
                 1
             } else if serving && terminating {
@@ -669,31 +666,25 @@ fn backends_for(
             } else {
                 continue;
             };
-            // Kubernetes: consumers use the first address; the rest are fungible.
-            let Some(Ok(ip)) = ep.addresses.first().map(|a| a.parse::<IpAddr>()) else {
+            let Some(ip) = ep.ip else {
                 continue;
             };
             if ip.is_ipv4() != ipv4 {
                 continue;
             }
-            let hints = ep.hints.as_ref();
-            let for_this_node = hints
-                .and_then(|h| h.for_nodes.as_ref())
-                .filter(|n| !n.is_empty())
-                .map(|n| n.iter().any(|n| n.name == here.node));
-            let for_this_zone = hints
-                .and_then(|h| h.for_zones.as_ref())
-                .filter(|z| !z.is_empty())
-                .map(|z| {
-                    here.zone
-                        .is_some_and(|zone| z.iter().any(|z| z.name == zone))
-                });
-            let local_pod = ep
-                .target_ref
+            let for_this_node = ep
+                .for_nodes
                 .as_ref()
-                .filter(|_| ep.node_name.as_deref() == Some(here.node))
-                .filter(|r| r.kind.as_deref() == Some("Pod"))
-                .and_then(|r| r.uid.clone());
+                .map(|n| n.iter().any(|n| **n == *here.node));
+            let for_this_zone = ep
+                .for_zones
+                .as_ref()
+                .map(|z| here.zone.is_some_and(|zone| z.iter().any(|z| **z == *zone)));
+            let local_pod = ep
+                .pod_uid
+                .as_deref()
+                .filter(|_| on_this_node)
+                .map(String::from);
             candidates.push(Candidate {
                 ip,
                 port,

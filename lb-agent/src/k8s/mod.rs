@@ -21,6 +21,7 @@ pub mod ipam;
 pub mod leader;
 pub mod members;
 pub mod sharing;
+pub mod slice;
 pub mod uninstall;
 pub mod watch;
 

@@ -10,22 +10,22 @@
 
 use std::{collections::BTreeSet, sync::Arc, time::Instant};
 
-use futures::{Stream, StreamExt};
+use futures::{Stream, StreamExt, TryStreamExt};
 use k8s_openapi::api::{
-    core::v1::{Node, ObjectReference, Service},
+    core::v1::{Node, Service},
     discovery::v1::EndpointSlice,
 };
 use kube::{
     runtime::{reflector, watcher, WatchStreamExt},
     Api, Client, Resource,
 };
-use serde::de::DeserializeOwned;
 use tokio::sync::{watch, Notify};
 use tracing::{debug, info, warn};
 
 use super::{
     api_health::{api_health, QuickRetry},
     desired::{desired_services, ClusterView, Desired, SourceOptions},
+    slice::Slice,
     SERVICE_NAME_LABEL,
 };
 use crate::config::KubernetesConfig;
@@ -68,7 +68,7 @@ pub fn spawn(client: Client, opts: SourceOptions) -> DesiredRx {
     let changed = Arc::new(Notify::new());
 
     let (services, services_w) = reflector::store::<Service>();
-    let (slices, slices_w) = reflector::store::<EndpointSlice>();
+    let (slices, slices_w) = reflector::store::<Slice>();
     let (nodes, nodes_w) = reflector::store::<Node>();
     drive(
         "services",
@@ -92,8 +92,8 @@ pub fn spawn(client: Client, opts: SourceOptions) -> DesiredRx {
                 .labels(SERVICE_NAME_LABEL)
                 .page_size(SLICE_PAGE),
         )
-        .modify(strip_slice)
         .backoff(QuickRetry::default())
+        .map_ok(compact)
         .reflect(slices_w),
         changed.clone(),
     );
@@ -128,7 +128,7 @@ pub fn spawn(client: Client, opts: SourceOptions) -> DesiredRx {
             let slice_state = slices.state();
             let node_state = nodes.state();
             let svc_refs: Vec<&Service> = svc_state.iter().map(Arc::as_ref).collect();
-            let slice_refs: Vec<&EndpointSlice> = slice_state.iter().map(Arc::as_ref).collect();
+            let slice_refs: Vec<&Slice> = slice_state.iter().map(Arc::as_ref).collect();
             let node = node_state
                 .iter()
                 .find(|n| n.metadata.name.as_deref() == Some(opts.node_name.as_str()))
@@ -179,28 +179,20 @@ fn strip<K: Resource>(object: &mut K) {
     }
 }
 
-/// An EndpointSlice also carries, per endpoint, a reference to its Pod and
-/// other fields the desired state does not read; with 100 endpoints a slice
-/// they are most of it. Of the reference, a Pod's UID stays: it finds a
-/// local Pod's cgroup (load-aware balancing).
-fn strip_slice(slice: &mut EndpointSlice) {
-    strip(slice);
-    for e in &mut slice.endpoints {
-        e.target_ref = e
-            .target_ref
-            .take()
-            .filter(|r| r.kind.as_deref() == Some("Pod") && r.uid.is_some())
-            .map(|r| ObjectReference {
-                kind: r.kind,
-                uid: r.uid,
-                ..Default::default()
-            });
-        e.hostname = None;
-        e.deprecated_topology = None;
+const SLICE_PAGE: u32 = 50;
+
+/// A slice's event with the slice made compact ([`Slice`]) before the
+/// cache keeps it.
+fn compact(event: watcher::Event<EndpointSlice>) -> watcher::Event<Slice> {
+    use watcher::Event::*;
+    match event {
+        Apply(s) => Apply(s.into()),
+        Delete(s) => Delete(s.into()),
+        InitApply(s) => InitApply(s.into()),
+        Init => Init,
+        InitDone => InitDone,
     }
 }
-
-const SLICE_PAGE: u32 = 50;
 
 const LAST_APPLIED: &str = "kubectl.kubernetes.io/last-applied-configuration";
 
@@ -211,7 +203,6 @@ pub(super) fn drive<K, S>(what: &'static str, stream: S, changed: Arc<Notify>)
 where
     K: Resource + Send + Sync + 'static,
     S: Stream<Item = Result<watcher::Event<K>, watcher::Error>> + Send + 'static,
-    K: DeserializeOwned,
 {
     tokio::spawn(async move {
         let mut stream = std::pin::pin!(stream);
@@ -252,31 +243,5 @@ mod tests {
         assert_eq!(annotations.len(), 1);
         assert_eq!(annotations["xlb.dev/mode"], "nat");
         assert_eq!(svc.spec.unwrap().type_.as_deref(), Some("LoadBalancer"));
-
-        let mut slice: EndpointSlice = serde_json::from_value(serde_json::json!({
-            "metadata": {"name": "web-x", "labels": {SERVICE_NAME_LABEL: "web"}},
-            "addressType": "IPv4",
-            "endpoints": [{
-                "addresses": ["10.0.0.1"], "conditions": {"ready": true},
-                "nodeName": "n1", "zone": "z1", "hostname": "web-0",
-                "targetRef": {"kind": "Pod", "name": "web-0", "namespace": "shop", "uid": "u-1"},
-            }, {
-                "addresses": ["10.0.0.2"], "targetRef": {"kind": "Node", "name": "n2", "uid": "u-2"},
-            }],
-        }))
-        .unwrap();
-        strip_slice(&mut slice);
-        assert_eq!(
-            slice.endpoints[1].target_ref, None,
-            "only a Pod's UID is kept"
-        );
-        let e = &slice.endpoints[0];
-        let pod = e.target_ref.as_ref().unwrap();
-        assert_eq!((pod.uid.as_deref(), pod.name.as_ref()), (Some("u-1"), None));
-        assert_eq!(e.hostname, None);
-        assert_eq!(e.addresses, ["10.0.0.1"]);
-        assert_eq!(e.node_name.as_deref(), Some("n1"));
-        assert_eq!(e.zone.as_deref(), Some("z1"));
-        assert_eq!(slice.metadata.labels.unwrap()[SERVICE_NAME_LABEL], "web");
     }
 }

@@ -10,6 +10,7 @@ use k8s_openapi::api::{
 use serde_json::{json, Value};
 
 use super::*;
+use crate::k8s::slice::Slice;
 
 struct Objects {
     services: Vec<Service>,
@@ -64,9 +65,10 @@ fn versioned<K: kube::Resource + serde::Serialize + Clone>(objects: &[K]) -> Vec
 }
 
 fn compute(o: &Objects, opts: &SourceOptions, previous: &Desired) -> Desired {
-    let (services, slices) = (versioned(&o.services), versioned(&o.slices));
+    let services = versioned(&o.services);
+    let slices: Vec<Slice> = versioned(&o.slices).into_iter().map(Slice::from).collect();
     let services: Vec<&Service> = services.iter().collect();
-    let slices: Vec<&EndpointSlice> = slices.iter().collect();
+    let slices: Vec<&Slice> = slices.iter().collect();
     let node = o
         .nodes
         .iter()
