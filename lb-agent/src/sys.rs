@@ -297,8 +297,9 @@ pub fn recv(fd: BorrowedFd<'_>, buf: &mut [u8]) -> io::Result<usize> {
 /// Makes a receive on `fd` fail after `timeout` (`SO_RCVTIMEO`).
 pub fn set_recv_timeout(fd: BorrowedFd<'_>, timeout: Duration) -> io::Result<()> {
     let tv = libc::timeval {
-        tv_sec: timeout.as_secs() as libc::time_t,
-        tv_usec: timeout.subsec_micros() as libc::suseconds_t,
+        // `as _`: the two types' widths differ between libc targets.
+        tv_sec: timeout.as_secs() as _,
+        tv_usec: timeout.subsec_micros() as _,
     };
     // SAFETY: a valid option of the right size on an open descriptor.
     let rc = unsafe {

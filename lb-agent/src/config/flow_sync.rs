@@ -176,8 +176,8 @@ mod tests {
 
     #[test]
     fn l2_members_share_flows_on_port_7947_with_the_membership_key() {
+        let dir = std::env::temp_dir().join(format!("xlb-l2fs-{}", std::process::id()));
         let yaml = |extra: &str| {
-            let dir = std::env::temp_dir().join(format!("xlb-l2fs-{}", std::process::id()));
             std::fs::create_dir_all(&dir).unwrap();
             let key = dir.join("l2.key");
             std::fs::write(&key, "l2-key-0123456789abcdef\n").unwrap();
@@ -204,6 +204,7 @@ mod tests {
         );
         assert_eq!(fs.key, b"l2-key-0123456789abcdef");
         assert!(!fs.discover_peers);
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]
