@@ -465,9 +465,11 @@ impl L2Lab {
 }
 
 impl L2Lab {
-    /// Records, until stopped, every SYN-ACK from `vip`:`port` that reaches
-    /// the client: two with different sequence numbers for one client port
-    /// mean two nodes answered one connection.
+    /// Records, until stopped, every SYN the client sends to `vip`:`port`
+    /// and every SYN-ACK that comes back. Two SYN-ACKs with different
+    /// sequence numbers for one SYN (client port and initial sequence
+    /// number, which the SYN-ACK acknowledges) mean two nodes answered one
+    /// connection; a SYN-ACK for no SYN was delivered to the wrong port.
     pub fn watch_synacks(&self, vip: Ipv4Addr, port: u16) -> SynAckWatch {
         let stop = Arc::new(AtomicBool::new(false));
         let s = stop.clone();
@@ -475,23 +477,33 @@ impl L2Lab {
         let thread = in_netns(&self.client, move || {
             let sock = RawSocket::open("eth0");
             let _ = started.send(());
-            let mut seen = SynAcks::new();
+            let mut seen = Handshakes::default();
             while !s.load(Ordering::Relaxed) {
                 for f in sock.frames(Duration::from_millis(50)) {
-                    // Ethernet, IPv4 without options, TCP with SYN and ACK.
-                    if f.len() >= 54
-                        && f[12..14] == [0x08, 0x00]
-                        && f[14] == 0x45
-                        && f[23] == 6
+                    // Ethernet, IPv4 without options, TCP with SYN.
+                    if f.len() < 54
+                        || f[12..14] != [0x08, 0x00]
+                        || f[14] != 0x45
+                        || f[23] != 6
+                        || f[47] & 0x02 == 0
+                    {
+                        continue;
+                    }
+                    let seq = u32::from_be_bytes([f[38], f[39], f[40], f[41]]);
+                    let ack = u32::from_be_bytes([f[42], f[43], f[44], f[45]]);
+                    let (sport, dport) = (&f[34..36], &f[36..38]);
+                    if f[47] & 0x10 == 0 && f[30..34] == vip.octets() && dport == port.to_be_bytes()
+                    {
+                        seen.syns.insert((u16::from_be_bytes([f[34], f[35]]), seq));
+                    } else if f[47] & 0x10 != 0
                         && f[26..30] == vip.octets()
-                        && f[34..36] == port.to_be_bytes()
-                        && f[47] & 0x12 == 0x12
+                        && sport == port.to_be_bytes()
                     {
                         let cport = u16::from_be_bytes([f[36], f[37]]);
-                        let seq = u32::from_be_bytes([f[38], f[39], f[40], f[41]]);
                         let mut mac = [0u8; 6];
                         mac.copy_from_slice(&f[6..12]);
-                        seen.entry(cport).or_default().insert((seq, mac));
+                        let syn = (cport, ack.wrapping_sub(1));
+                        seen.synacks.entry(syn).or_default().insert((seq, mac));
                     }
                 }
             }
@@ -508,8 +520,15 @@ impl L2Lab {
     }
 }
 
-/// Per client port, the SYN-ACKs seen: (sequence number, sender MAC).
-pub type SynAcks = BTreeMap<u16, BTreeSet<(u32, [u8; 6])>>;
+/// What [`L2Lab::watch_synacks`] saw. A client may use a port again once a
+/// connection has closed; its new SYN has a new sequence number.
+#[derive(Default)]
+pub struct Handshakes {
+    /// The client's SYNs: (client port, sequence number).
+    pub syns: BTreeSet<(u16, u32)>,
+    /// Per SYN the SYN-ACKs acknowledge, their (sequence number, sender MAC).
+    pub synacks: BTreeMap<(u16, u32), BTreeSet<(u32, [u8; 6])>>,
+}
 
 impl L2Lab {
     /// Opens `n` keep-alive connections to `addr` from the client, one
@@ -556,12 +575,12 @@ impl L2Lab {
 /// A running [`L2Lab::watch_synacks`].
 pub struct SynAckWatch {
     stop: Arc<AtomicBool>,
-    thread: JoinHandle<SynAcks>,
+    thread: JoinHandle<Handshakes>,
 }
 
 impl SynAckWatch {
-    /// Per client port, the SYN-ACKs seen (sequence number, sender MAC).
-    pub fn stop(self) -> SynAcks {
+    /// The SYNs and SYN-ACKs seen.
+    pub fn stop(self) -> Handshakes {
         self.stop.store(true, Ordering::Relaxed);
         self.thread.join().expect("SYN-ACK watch thread")
     }

@@ -341,7 +341,7 @@ fn a_cut_off_owner_stops_answering_and_the_partition_heals_without_two_owners() 
 
 /// A link cut makes the switch flood the cut owner's frames to the other
 /// nodes; neither may answer them. A steady stream of new connections runs
-/// through the cut and the heal: no client port sees SYN-ACKs from two
+/// through the cut and the heal: no client SYN gets SYN-ACKs from two
 /// connections (two sequence numbers).
 #[test]
 fn through_a_link_cut_no_connection_is_answered_by_two_nodes() {
@@ -373,23 +373,39 @@ fn through_a_link_cut_no_connection_is_answered_by_two_nodes() {
     let (opened, failures) = stream.stop();
     let failed = failures.len();
     let seen = synacks.stop();
-    let doubles: Vec<_> = seen.iter().filter(|(_, s)| s.len() > 1).collect();
+    let doubles: Vec<_> = seen.synacks.iter().filter(|(_, s)| s.len() > 1).collect();
+    let strays: Vec<_> = seen
+        .synacks
+        .keys()
+        .filter(|syn| !seen.syns.contains(syn))
+        .collect();
+    let ports: BTreeSet<u16> = seen.syns.iter().map(|(port, _)| *port).collect();
     let foreign: f64 = (1..=3)
         .filter_map(|i| {
             lab.nodes[i - 1].metric("xlb_datapath_packets_total{reason=\"pass_foreign_mac\"}")
         })
         .sum();
     println!(
-        "{opened} connections through the cut and heal in {:?}, {failed} failed {failures:?}, {} answered by two nodes; {foreign} foreign frames passed",
+        "{opened} connections through the cut and heal in {:?}, {failed} failed {failures:?}, {} answered by two nodes, {} SYN-ACKs for no SYN; {foreign} foreign frames passed; {} client ports used again",
         began.elapsed(),
-        doubles.len()
+        doubles.len(),
+        strays.len(),
+        seen.syns.len() - ports.len()
     );
     assert!(
         doubles.is_empty(),
-        "{} of {opened} connections were answered by two nodes (client port: (seq, MAC)): {doubles:?}",
+        "{} of {opened} connections were answered by two nodes ((client port, SYN seq): (seq, MAC)): {doubles:?}",
         doubles.len()
     );
-    assert!(seen.len() > 20, "only {} connections answered", seen.len());
+    assert!(
+        strays.is_empty(),
+        "SYN-ACKs for SYNs the client did not send ((client port, seq)): {strays:?}"
+    );
+    assert!(
+        seen.synacks.len() > 20,
+        "only {} connections answered",
+        seen.synacks.len()
+    );
     assert!(
         foreign > 0.0,
         "no frame for another node reached a node: the switch did not flood"
