@@ -520,14 +520,17 @@ impl L2Lab {
     }
 }
 
+/// A client SYN: (client port, sequence number).
+pub type Syn = (u16, u32);
+
 /// What [`L2Lab::watch_synacks`] saw. A client may use a port again once a
 /// connection has closed; its new SYN has a new sequence number.
 #[derive(Default)]
 pub struct Handshakes {
-    /// The client's SYNs: (client port, sequence number).
-    pub syns: BTreeSet<(u16, u32)>,
+    /// The client's SYNs.
+    pub syns: BTreeSet<Syn>,
     /// Per SYN the SYN-ACKs acknowledge, their (sequence number, sender MAC).
-    pub synacks: BTreeMap<(u16, u32), BTreeSet<(u32, [u8; 6])>>,
+    pub synacks: BTreeMap<Syn, BTreeSet<(u32, [u8; 6])>>,
 }
 
 impl L2Lab {
