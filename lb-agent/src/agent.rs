@@ -1037,7 +1037,7 @@ impl Agent {
         for (key, reset) in &plan.set {
             let want = &state.services[key];
             let name = &want.service.name;
-            match dp.set_service(&want.spec) {
+            match dp.set_shared_service(&want.spec) {
                 Ok(()) => {
                     info!(service = %name, backends = want.spec.backends.len(), "service programmed");
                     for &b in reset {

@@ -43,7 +43,7 @@ fn a_new_driver_adopts_pinned_services_and_tables() {
             dp.live_table(&web.key()).unwrap(),
             dp.service_info(&web.key()).unwrap(),
             dp.live_table(&api.key()).unwrap(),
-            dp.reverse_entries().clone(),
+            dp.reverse_entries(),
         )
     };
     // The NAT service's three backends have reverse translations; the SNAT
@@ -76,7 +76,7 @@ fn a_new_driver_adopts_pinned_services_and_tables() {
     assert_eq!(dp.live_table(&api.key()).unwrap(), api_table);
     assert_eq!(
         dp.reverse_entries(),
-        &reverse,
+        reverse,
         "reverse translations adopted"
     );
 
@@ -380,4 +380,66 @@ fn the_kernel_check_finds_bpf_loop_on_this_kernel() {
         "{release}"
     );
     assert!(kernel::has_bpf_loop(), "bpf_loop probe on {release}");
+}
+
+/// `BACKEND_REVERSE` as the kernel holds it, by backend port and last
+/// address byte: the service id of its one NAT service.
+fn kernel_reverse(dir: &std::path::Path) -> std::collections::BTreeMap<(u8, u16), u32> {
+    use aya::maps::{HashMap, Map, MapData};
+    use lb_common::{map_names, ReverseKey, ReverseNat};
+    let data = MapData::from_pin(dir.join(map_names::BACKEND_REVERSE)).expect("pinned map");
+    let map: HashMap<MapData, ReverseKey, ReverseNat> =
+        HashMap::try_from(Map::HashMap(data)).expect("a hash map");
+    map.iter()
+        .map(|e| {
+            let (k, v) = e.expect("entry");
+            let last = k.addr[0].to_ne_bytes()[3];
+            ((last, u16::from_be(k.port)), v.service_id)
+        })
+        .collect()
+}
+
+/// Each service change writes only its own backends' reverse translations,
+/// and a backend shared by two NAT services has none until one of them
+/// lets it go: then it is the other's again. An snat service has none.
+#[test]
+fn reverse_translations_follow_services_sharing_and_leaving_a_backend() {
+    let dir = PinDir(format!("/sys/fs/bpf/xlb-test-reverse-{}", std::process::id()).into());
+    let mut dp = Dataplane::open(Some(&dir.0)).expect("open (root needed)");
+    let web = spec(80, None, &[1, 2]);
+    dp.set_service(&web).unwrap();
+    let web_id = dp.service_id(&web.key()).unwrap();
+    let want = |pairs: &[(u8, u32)]| -> std::collections::BTreeMap<(u8, u16), u32> {
+        pairs.iter().map(|&(b, id)| ((b, 8080), id)).collect()
+    };
+    assert_eq!(kernel_reverse(&dir.0), want(&[(1, web_id), (2, web_id)]));
+
+    // 2 is shared: ambiguous, so it has no entry.
+    let api = spec(81, None, &[2, 3]);
+    dp.set_service(&api).unwrap();
+    let api_id = dp.service_id(&api.key()).unwrap();
+    assert_eq!(kernel_reverse(&dir.0), want(&[(1, web_id), (3, api_id)]));
+    assert_eq!(dp.reverse_entries().len(), 2);
+
+    // web lets 2 go: it is api's alone again.
+    dp.set_service(&spec(80, None, &[1, 4])).unwrap();
+    assert_eq!(
+        kernel_reverse(&dir.0),
+        want(&[(1, web_id), (2, api_id), (3, api_id), (4, web_id)])
+    );
+
+    // api turns snat: its backends' replies go to the node's address.
+    let snat = Some(Ipv4Addr::new(10, 9, 0, 254).into());
+    dp.set_service(&spec(81, snat, &[2, 3])).unwrap();
+    assert_eq!(kernel_reverse(&dir.0), want(&[(1, web_id), (4, web_id)]));
+
+    // Shared again, then the sharer leaves.
+    let other = spec(82, None, &[4]);
+    dp.set_service(&other).unwrap();
+    assert_eq!(kernel_reverse(&dir.0), want(&[(1, web_id)]));
+    dp.remove_service(&other.key()).unwrap();
+    assert_eq!(kernel_reverse(&dir.0), want(&[(1, web_id), (4, web_id)]));
+    dp.remove_service(&web.key()).unwrap();
+    assert_eq!(kernel_reverse(&dir.0), want(&[]));
+    assert!(dp.reverse_entries().is_empty());
 }

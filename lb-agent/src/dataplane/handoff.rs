@@ -129,7 +129,7 @@ impl Dataplane {
                 .map(|(k, p)| {
                     let service = HandoffService {
                         id: p.info.id,
-                        backends: p.backend_ids.clone(),
+                        backends: p.backends().collect(),
                         snat_addr: p.info.snat_addr,
                     };
                     (*k, service)

@@ -20,6 +20,7 @@ use std::{
     collections::{BTreeMap, BTreeSet},
     net::{IpAddr, SocketAddr},
     path::{Path, PathBuf},
+    sync::Arc,
     time::{Duration, Instant},
 };
 
@@ -316,11 +317,27 @@ enum Side {
 /// What the driver remembers of a service it programmed.
 #[derive(Clone, Debug)]
 struct Programmed {
-    spec: ServiceSpec,
+    /// Shared with the desired state it was programmed from.
+    spec: Arc<ServiceSpec>,
     info: ServiceInfo,
-    /// Backend id per backend address (in `spec.backends` order).
-    backend_ids: Vec<(SocketAddr, u32)>,
+    /// Each backend's id, in `spec.backends` order.
+    backend_ids: Vec<u32>,
     flipped: Instant,
+}
+
+impl Programmed {
+    /// Each backend's address and id.
+    fn backends(&self) -> impl Iterator<Item = (SocketAddr, u32)> + '_ {
+        self.spec
+            .backends
+            .iter()
+            .zip(&self.backend_ids)
+            .map(|(b, id)| (b.addr, *id))
+    }
+
+    fn backend_id(&self, addr: SocketAddr) -> Option<u32> {
+        self.backends().find(|(a, _)| *a == addr).map(|x| x.1)
+    }
 }
 
 /// The loaded program and its maps.
@@ -332,8 +349,9 @@ pub struct Dataplane {
     /// Regions freed recently, released to `ids.regions` after the quarantine.
     quarantined: Vec<(Instant, u32, u32)>,
     ports: Vec<u8>,
-    /// `BACKEND_REVERSE` as written.
-    reverse: BTreeMap<ReverseKey, ReverseNat>,
+    /// Who uses each backend of the NAT services, and so what
+    /// `BACKEND_REVERSE` holds.
+    reverse: reverse::Users,
     pin_dir: Option<PathBuf>,
     /// Attachments without a pin directory, by interface (for `detach`).
     unpinned_links: BTreeMap<String, XdpLinkId>,
@@ -514,7 +532,7 @@ impl Dataplane {
             },
             quarantined: Vec::new(),
             ports: vec![0; 65536],
-            reverse: BTreeMap::new(),
+            reverse: reverse::Users::default(),
             pin_dir,
             unpinned_links: BTreeMap::new(),
             logger: None,
@@ -837,11 +855,17 @@ impl Dataplane {
     }
 
     pub fn services(&self) -> impl Iterator<Item = (&ServiceKey, &ServiceSpec)> {
-        self.state.iter().map(|(k, p)| (k, &p.spec))
+        self.state.iter().map(|(k, p)| (k, &*p.spec))
     }
 
     /// Adds or updates a service. On error nothing changed.
     pub fn set_service(&mut self, spec: &ServiceSpec) -> Result<()> {
+        self.set_shared_service(&Arc::new(spec.clone()))
+    }
+
+    /// [`Dataplane::set_service`] for a spec the caller keeps too: the
+    /// driver shares it rather than keeping a copy.
+    pub fn set_shared_service(&mut self, spec: &Arc<ServiceSpec>) -> Result<()> {
         spec.validate()?;
         self.release_quarantine();
         let key = spec.key();
@@ -860,17 +884,11 @@ impl Dataplane {
         // Backend ids: keep those of backends that stay.
         let mut ids = Vec::with_capacity(spec.backends.len());
         for b in &spec.backends {
-            let kept = old.as_ref().and_then(|o| {
-                o.backend_ids
-                    .iter()
-                    .find(|(a, _)| *a == b.addr)
-                    .map(|x| x.1)
-            });
-            let id = match kept {
+            let id = match old.as_ref().and_then(|o| o.backend_id(b.addr)) {
                 Some(id) => id,
                 None => taken.backend_id()?,
             };
-            ids.push((b.addr, id));
+            ids.push(id);
         }
         let service_id = match &old {
             Some(o) => o.info.id,
@@ -893,24 +911,23 @@ impl Dataplane {
                 self.quarantined
                     .push((Instant::now(), o.info.table_base, 2 * o.info.table_size));
             }
-            for (addr, id) in &o.backend_ids {
-                if !ids.iter().any(|(a, _)| a == addr) {
+            for id in &o.backend_ids {
+                if !ids.contains(id) {
                     self.ids.backends.free(*id);
                 }
             }
         }
-        self.state.insert(
-            key,
-            Programmed {
-                spec: spec.clone(),
-                info,
-                backend_ids: ids,
-                flipped: Instant::now(),
-            },
-        );
+        let new = Programmed {
+            spec: spec.clone(),
+            info,
+            backend_ids: ids,
+            flipped: Instant::now(),
+        };
+        let touched = self.reverse.replace(&key, old.as_ref(), Some(&new));
+        self.state.insert(key, new);
         self.sync_echo_markers(spec.vip)?;
         self.sync_port_flags()?;
-        self.sync_reverse()
+        self.sync_reverse(touched)
     }
 
     /// Where a service's new table of size `m` goes: the inactive half of
@@ -952,11 +969,12 @@ impl Dataplane {
             .push((Instant::now(), p.info.table_base, 2 * p.info.table_size));
         p.backend_ids
             .iter()
-            .for_each(|(_, id)| self.ids.backends.free(*id));
+            .for_each(|id| self.ids.backends.free(*id));
         self.ids.services.free(p.info.id);
+        let touched = self.reverse.replace(key, Some(&p), None);
         self.sync_echo_markers(p.spec.vip)?;
         self.sync_port_flags()?;
-        self.sync_reverse()
+        self.sync_reverse(touched)
     }
 
     /// A free region of `len` entries. When the pool is full but regions
@@ -1049,12 +1067,7 @@ impl Dataplane {
 
     /// Id of a backend of a programmed service.
     pub fn backend_id(&self, key: &ServiceKey, addr: SocketAddr) -> Option<u32> {
-        self.state
-            .get(key)?
-            .backend_ids
-            .iter()
-            .find(|(a, _)| *a == addr)
-            .map(|x| x.1)
+        self.state.get(key)?.backend_id(addr)
     }
 
     /// Rebuilds the driver's bookkeeping from maps a previous agent pinned:
@@ -1107,7 +1120,7 @@ impl Dataplane {
                     self.ids.backends.reserve(id);
                 }
             }
-            let spec = ServiceSpec {
+            let spec = Arc::new(ServiceSpec {
                 vip,
                 port: u16::from_be(key.port),
                 protocol,
@@ -1136,13 +1149,13 @@ impl Dataplane {
                         weight: 0,
                     })
                     .collect(),
-            };
+            });
             self.state.insert(
                 key,
                 Programmed {
                     spec,
                     info,
-                    backend_ids,
+                    backend_ids: backend_ids.into_iter().map(|x| x.1).collect(),
                     flipped: Instant::now(),
                 },
             );

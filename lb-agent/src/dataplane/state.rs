@@ -186,7 +186,7 @@ impl Dataplane {
         let backends: BTreeSet<u32> = self
             .state
             .values()
-            .flat_map(|p| p.backend_ids.iter().map(|x| x.1))
+            .flat_map(|p| p.backend_ids.iter().copied())
             .collect();
         for id in backends {
             zero_stats(&mut self.maps.backend_stats, id).map_err(map_err(names::BACKEND_STATS))?;

@@ -2,7 +2,7 @@
 //! if it fails), and how a service's backends, ranges and table are
 //! written before the one `SERVICES` update that makes them live.
 
-use std::net::{IpAddr, SocketAddr};
+use std::net::IpAddr;
 
 use lb_common::{
     maglev, map_names as names, Backend, BackendEntry, BackendLoad, ServiceInfo, ServiceKey,
@@ -105,7 +105,7 @@ impl Maps {
         spec: &ServiceSpec,
         key: &ServiceKey,
         p: &Placement,
-        ids: &[(SocketAddr, u32)],
+        ids: &[u32],
         fresh: &[u32],
     ) -> Result<ServiceInfo> {
         // The ranges go under the scope of the table about to go live.
@@ -118,7 +118,7 @@ impl Maps {
         self.ranges
             .write(scope, ranges)
             .map_err(map_err(names::SOURCE_RANGES))?;
-        for (b, (_, id)) in spec.backends.iter().zip(ids) {
+        for (b, id) in spec.backends.iter().zip(ids) {
             let value = Backend {
                 addr: ip_words(b.addr.ip()),
                 port: b.addr.port().to_be(),
@@ -179,7 +179,7 @@ impl Maps {
         if live {
             let slot = base + active * m;
             self.maglev
-                .write(slot, table.iter().map(|&i| ids[i as usize].1))
+                .write(slot, table.iter().map(|&i| ids[i as usize]))
                 .map_err(DataplaneError::Mmap)?;
         }
         let info = ServiceInfo {

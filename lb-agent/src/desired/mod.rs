@@ -71,8 +71,9 @@ pub struct Inputs<'a> {
 pub struct Wanted {
     /// What it was made from.
     pub service: Arc<DesiredService>,
-    /// With failing backends out and load-aware weights applied.
-    pub spec: ServiceSpec,
+    /// With failing backends out and load-aware weights applied; shared
+    /// with the data plane once programmed.
+    pub spec: Arc<ServiceSpec>,
     /// A nat service served in snat: its backends are behind an overlay
     /// that masquerades what the node forwards there.
     pub nat_over_overlay: bool,
@@ -234,7 +235,7 @@ fn wanted(svc: &Arc<DesiredService>, from_file: bool, inputs: &Inputs<'_>) -> Wa
     };
     Wanted {
         service: svc.clone(),
-        spec,
+        spec: Arc::new(spec),
         nat_over_overlay,
         load_target,
     }
@@ -286,7 +287,7 @@ pub fn plan<'a>(
             }
             continue;
         };
-        if !desired.changed.contains(key) || want.spec == *spec {
+        if !desired.changed.contains(key) || *want.spec == *spec {
             continue;
         }
         let gone = match want.service.removed_backend_flows {

@@ -326,7 +326,7 @@ fn the_plan_writes_what_changed_and_removes_what_is_neither_desired_nor_held() {
     let mut current: BTreeMap<ServiceKey, ServiceSpec> = before
         .services
         .iter()
-        .map(|(k, w)| (*k, w.spec.clone()))
+        .map(|(k, w)| (*k, (*w.spec).clone()))
         .collect();
     let gone = service("gone", "192.0.2.12", Mode::Nat, &[2]);
     let held = service("held", "192.0.2.13", Mode::Nat, &[2]);
@@ -357,7 +357,7 @@ fn the_plan_writes_what_changed_and_removes_what_is_neither_desired_nor_held() {
 
     // Written as planned, the next plan is empty.
     for (k, _) in &plan.set {
-        current.insert(*k, after.services[k].spec.clone());
+        current.insert(*k, (*after.services[k].spec).clone());
     }
     current.remove(&key("192.0.2.12"));
     assert_eq!(super::plan(&current, &after), Plan::default());
@@ -370,7 +370,7 @@ fn a_service_changed_back_to_what_the_data_plane_has_is_not_written() {
     let current: BTreeMap<ServiceKey, ServiceSpec> = s
         .services
         .iter()
-        .map(|(k, w)| (*k, w.spec.clone()))
+        .map(|(k, w)| (*k, (*w.spec).clone()))
         .collect();
     assert!(s.changed.contains(&key("192.0.2.10")));
     assert_eq!(plan(&current, &s), Plan::default());
@@ -389,7 +389,7 @@ fn only_vips_with_a_weighted_backend_are_announced_and_each_by_its_way() {
         Arc::new(service("v6", "2001:db8::10", Mode::Nat, &[2])),
     ];
     let s = run(&file, None, &Context::default(), &State::default());
-    let specs = s.services.values().map(|w| &w.spec);
+    let specs = s.services.values().map(|w| &*w.spec);
     let bgp_vips = servable_vips(specs.clone(), &s.announce_by_vip, Announce::by_bgp);
     let l2_vips = servable_vips(specs, &s.announce_by_vip, Announce::by_l2);
     let ip = |s: &str| -> IpAddr { s.parse().unwrap() };
