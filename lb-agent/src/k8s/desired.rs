@@ -672,13 +672,9 @@ fn backends_for(
             if ip.is_ipv4() != ipv4 {
                 continue;
             }
-            let for_this_node = ep
-                .for_nodes
-                .as_ref()
-                .map(|n| n.iter().any(|n| **n == *here.node));
+            let for_this_node = ep.for_nodes().map(|n| n.iter().any(|n| **n == *here.node));
             let for_this_zone = ep
-                .for_zones
-                .as_ref()
+                .for_zones()
                 .map(|z| here.zone.is_some_and(|zone| z.iter().any(|z| **z == *zone)));
             let local_pod = ep
                 .pod_uid

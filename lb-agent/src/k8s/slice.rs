@@ -35,13 +35,31 @@ pub struct Endpoint {
     pub terminating: Option<bool>,
     /// `nodeName`; one allocation per name and slice.
     pub node: Option<Arc<str>>,
+    /// `None` when there are none (most endpoints: one pointer, not two
+    /// lists, per endpoint).
+    pub hints: Option<Box<Hints>>,
+    /// The UID of its Pod (`targetRef` of kind Pod): finds a local Pod's
+    /// cgroup for load-aware balancing.
+    pub pod_uid: Option<Box<str>>,
+}
+
+/// An endpoint's topology hints.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Hints {
     /// `hints.forNodes`; `None` when there are none.
     pub for_nodes: Option<Box<[Arc<str>]>>,
     /// `hints.forZones`; `None` when there are none.
     pub for_zones: Option<Box<[Arc<str>]>>,
-    /// The UID of its Pod (`targetRef` of kind Pod): finds a local Pod's
-    /// cgroup for load-aware balancing.
-    pub pod_uid: Option<Box<str>>,
+}
+
+impl Endpoint {
+    pub fn for_nodes(&self) -> Option<&[Arc<str>]> {
+        self.hints.as_ref()?.for_nodes.as_deref()
+    }
+
+    pub fn for_zones(&self) -> Option<&[Arc<str>]> {
+        self.hints.as_ref()?.for_zones.as_deref()
+    }
 }
 
 impl From<EndpointSlice> for Slice {
@@ -78,8 +96,12 @@ impl From<EndpointSlice> for Slice {
                     serving: conditions.serving,
                     terminating: conditions.terminating,
                     node: e.node_name.map(&mut intern),
-                    for_nodes: (!for_nodes.is_empty()).then_some(for_nodes),
-                    for_zones: (!for_zones.is_empty()).then_some(for_zones),
+                    hints: (!for_nodes.is_empty() || !for_zones.is_empty()).then(|| {
+                        Box::new(Hints {
+                            for_nodes: (!for_nodes.is_empty()).then_some(for_nodes),
+                            for_zones: (!for_zones.is_empty()).then_some(for_zones),
+                        })
+                    }),
                     pod_uid: e
                         .target_ref
                         .filter(|r| r.kind.as_deref() == Some("Pod"))
@@ -176,8 +198,8 @@ mod tests {
             (Some(false), Some(true), Some(true))
         );
         assert_eq!(e.node.as_deref(), Some("worker-1"));
-        assert_eq!(e.for_nodes.as_deref().map(<[_]>::len), Some(1));
-        assert_eq!(e.for_zones, None, "empty hints are no hints");
+        assert_eq!(e.for_nodes().map(<[_]>::len), Some(1));
+        assert_eq!(e.for_zones(), None, "empty hints are no hints");
         assert_eq!(
             e.pod_uid.as_deref(),
             Some("0b7f6c0c-8a1e-4b8b-9d55-3a0b0d7c1a01")
