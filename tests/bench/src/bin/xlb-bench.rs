@@ -8,10 +8,12 @@
 use std::net::{Ipv4Addr, SocketAddr};
 
 use aya::programs::Xdp;
+use clap::{error::ErrorKind, CommandFactory, Parser};
 use lb_agent::dataplane::{
     Dataplane, HandedFlow, Handing, Protocol, ServiceSpec, FLOOR_PROGRAM, PROGRAM, STEP_PROGRAMS,
 };
 use lb_common::{Config, FLOWS_ENTRIES};
+use xlb_bench::args::E2eArgs;
 use xlb_tests::{
     packet::{tcp_flags, Ipv4, PacketBuilder, Tcp, Udp},
     xdp::{test_run, FixtureBed},
@@ -51,7 +53,36 @@ struct Case {
     samples: Vec<u64>,
 }
 
+/// Nanoseconds per packet of the XDP program (BPF_PROG_TEST_RUN), case by
+/// case, against a floor that only returns XDP_PASS.
+#[derive(Parser, Debug)]
+#[command(name = "xlb-bench", args_override_self = true)]
+struct Cli {
+    /// Run one case alone for SECONDS, for `perf record` (docs/benchmarks.md)
+    #[arg(long, num_args = 2, value_names = ["CASE", "SECONDS"])]
+    profile: Option<Vec<String>>,
+    /// `cargo xtask bench ARGS` passes ARGS to this benchmark and to
+    /// xlb-e2e-bench: accepted (so that a typo fails at once) and ignored.
+    #[command(
+        flatten,
+        next_help_heading = "xlb-e2e-bench's options (accepted and ignored: `cargo xtask bench ARGS` passes ARGS to both)"
+    )]
+    _e2e: E2eArgs,
+}
+
 fn main() {
+    // `--profile CASE SECONDS`: run one case alone for a while.
+    let profile = Cli::parse().profile.map(|v| {
+        let seconds = v[1].parse::<u64>().unwrap_or_else(|e| {
+            Cli::command()
+                .error(
+                    ErrorKind::ValueValidation,
+                    format!("--profile: SECONDS {:?}: {e}", v[1]),
+                )
+                .exit()
+        });
+        (v[0].clone(), seconds)
+    });
     let FixtureBed {
         mut dp,
         cl0,
@@ -291,20 +322,14 @@ fn main() {
         ),
     ];
     let mut call = 0usize;
-    // `--profile NAME SECONDS`: run one case alone for a while, for `perf
-    // record` to show where its time goes (docs/benchmarks.md).
-    let args: Vec<String> = std::env::args().collect();
-    if let [_, flag, name, seconds] = &args[..] {
-        assert_eq!(
-            flag, "--profile",
-            "usage: xlb-bench [--profile CASE SECONDS]"
-        );
+    // `--profile`: for `perf record` to show where one case's time goes
+    // (docs/benchmarks.md).
+    if let Some((name, seconds)) = profile {
         let c = cases
             .iter()
             .find(|c| c.name == name)
             .unwrap_or_else(|| panic!("no case named {name:?}"));
-        let until = std::time::Instant::now()
-            + std::time::Duration::from_secs(seconds.parse().expect("seconds"));
+        let until = std::time::Instant::now() + std::time::Duration::from_secs(seconds);
         let mut samples = Vec::new();
         while std::time::Instant::now() < until {
             for _ in 0..1000 {
@@ -545,4 +570,28 @@ fn flow_exchange_cost(dp: &mut Dataplane) {
         idle_walk.as_millis(),
         per(idle_walk)
     );
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::{CommandFactory, Parser};
+
+    use super::Cli;
+
+    #[test]
+    fn documented_invocations_parse() {
+        Cli::command().debug_assert();
+        let profile = |argv: &[&str]| Cli::try_parse_from(argv).map(|c| c.profile);
+        // docs/benchmarks.md
+        assert_eq!(
+            profile(&["xlb-bench", "--profile", "TCP SYN, new flow", "14"]).unwrap(),
+            Some(vec!["TCP SYN, new flow".to_string(), "14".to_string()])
+        );
+        assert_eq!(profile(&["xlb-bench"]).unwrap(), None);
+        // `cargo xtask bench ARGS` gives ARGS to xlb-e2e-bench too.
+        profile(&["xlb-bench", "--duration", "5"]).unwrap();
+        profile(&["xlb-bench", "--no-memory", "--no-svg", "--no-udp"]).unwrap();
+        profile(&["xlb-bench", "--profile", "TCP SYN, new flow"]).unwrap_err();
+        profile(&["xlb-bench", "--no-such-flag"]).unwrap_err();
+    }
 }

@@ -43,30 +43,74 @@ use std::{
     fs,
     io::{BufRead, BufReader},
     net::Ipv4Addr,
-    path::PathBuf,
     process::{Child, Command, ExitCode, Stdio},
     sync::{Arc, Mutex},
     time::{Duration, Instant, SystemTime, UNIX_EPOCH},
 };
 
-use xlb_bench::support::{install_sigint_flag, interrupted, workspace_root};
+use clap::Parser;
+use xlb_bench::{
+    args::Svg,
+    support::{install_sigint_flag, interrupted},
+};
 use xlb_tests::{
     ecmp::{node_ip, Driver, EcmpLab, Topology, HOLD_TIME, NODES, VIP},
     topology::{agent_bin, lbctl_bin},
 };
 
-const USAGE: &str = "xlb-convergence-bench [options]
-  --drivers LIST   labs to run, comma-separated (default: all four)
-                     gobgp, bird, exabgp: that speaker on every node, each
-                       node peering with the router;
-                     gobgp-rr: GoBGP on every node, peering with a GoBGP
-                       route reflector that passes all paths to the router
-                       (ADD-PATH), the paper's topology
-  --graceful N     events of the graceful series (60)
-  --failure N      events of the failure series (50)
-  --seed N         random seed (default: from the clock; printed)
-  --timeout SECS   give up on one change after this long (20)
-  --svg PATH       where to write the histogram (docs/benchmarks-convergence.svg); --no-svg: none";
+/// The histogram, relative to the workspace root.
+const SVG: &str = "docs/benchmarks-convergence.svg";
+
+/// How long the router of the ECMP lab takes to reflect a change in the
+/// set of serving nodes, graceful and on failure, per speaker and topology.
+#[derive(Parser, Debug)]
+#[command(
+    name = "xlb-convergence-bench",
+    args_override_self = true,
+    mut_arg("svg", |a| a.help(format!("Where to write the histogram [default: {SVG}]")))
+)]
+struct Opts {
+    /// Labs, comma-separated: gobgp, bird, exabgp (that speaker on every node, peering with the router), gobgp-rr (GoBGP nodes behind a route reflector, the paper's topology) [default: all four]
+    #[arg(long = "drivers", value_name = "LIST", value_delimiter = ',', value_parser = lab_kind,
+          default_values_t = LAB_KINDS, hide_default_value = true)]
+    labs: Vec<LabKind>,
+    /// Events of the graceful series
+    #[arg(long, value_name = "N", default_value_t = 60)]
+    graceful: usize,
+    /// Events of the failure series
+    #[arg(long, value_name = "N", default_value_t = 50)]
+    failure: usize,
+    /// Random seed [default: from the clock; printed]
+    #[arg(long, value_name = "N", default_value_t = clock_seed(), hide_default_value = true)]
+    seed: u64,
+    // gobgpd towards a passive route reflector: 5 s idle after a session
+    // drop, then 5-9 s before it connects, so 15 s was too tight.
+    /// Give up on one change after this many seconds
+    #[arg(long, value_name = "SECS", default_value = "20", value_parser = seconds)]
+    timeout: Duration,
+    #[command(flatten)]
+    svg: Svg,
+}
+
+fn clock_seed() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_nanos() as u64)
+        .unwrap_or(1)
+}
+
+fn seconds(s: &str) -> Result<Duration, std::num::ParseIntError> {
+    s.parse().map(Duration::from_secs)
+}
+
+/// `--drivers`' parser: a lab by its name (spaces around it allowed).
+fn lab_kind(s: &str) -> Result<LabKind, String> {
+    let s = s.trim();
+    LAB_KINDS
+        .into_iter()
+        .find(|l| l.name() == s)
+        .ok_or(format!("unknown lab {s:?} (gobgp, bird, exabgp, gobgp-rr)"))
+}
 
 /// One lab of the benchmark: a speaker driver in a topology.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
@@ -83,6 +127,12 @@ const LAB_KINDS: [LabKind; 4] = [
     LabKind::ExaBgp,
     LabKind::GoBgpRouteReflector,
 ];
+
+impl std::fmt::Display for LabKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
 
 impl LabKind {
     /// Its name in `--drivers`.
@@ -119,64 +169,6 @@ impl LabKind {
             _ => Topology::Direct,
         }
     }
-}
-
-struct Opts {
-    labs: Vec<LabKind>,
-    graceful: usize,
-    failure: usize,
-    seed: u64,
-    timeout: Duration,
-    svg: Option<PathBuf>,
-}
-
-fn parse_args() -> Result<Opts, String> {
-    let mut o = Opts {
-        labs: LAB_KINDS.to_vec(),
-        graceful: 60,
-        failure: 50,
-        seed: SystemTime::now()
-            .duration_since(UNIX_EPOCH)
-            .map(|d| d.as_nanos() as u64)
-            .unwrap_or(1),
-        // gobgpd towards a passive route reflector: 5 s idle after a
-        // session drop, then 5-9 s before it connects, so 15 s was too tight.
-        timeout: Duration::from_secs(20),
-        svg: Some(workspace_root().join("docs/benchmarks-convergence.svg")),
-    };
-    let mut args = std::env::args().skip(1);
-    while let Some(a) = args.next() {
-        let mut value = || args.next().ok_or(format!("{a} needs a value"));
-        let num = |v: String| v.parse::<u64>().map_err(|e| format!("{a} {v}: {e}"));
-        match a.as_str() {
-            "--drivers" => {
-                o.labs = value()?
-                    .split(',')
-                    .map(|d| {
-                        let d = d.trim();
-                        LAB_KINDS.into_iter().find(|l| l.name() == d).ok_or(format!(
-                            "--drivers: unknown lab {d:?} (gobgp, bird, exabgp, gobgp-rr)"
-                        ))
-                    })
-                    .collect::<Result<_, _>>()?;
-                if o.labs.is_empty() {
-                    return Err("--drivers: none given".into());
-                }
-            }
-            "--graceful" => o.graceful = num(value()?)? as usize,
-            "--failure" => o.failure = num(value()?)? as usize,
-            "--seed" => o.seed = num(value()?)?,
-            "--timeout" => o.timeout = Duration::from_secs(num(value()?)?),
-            "--svg" => o.svg = Some(PathBuf::from(value()?)),
-            "--no-svg" => o.svg = None,
-            "-h" | "--help" => {
-                println!("{USAGE}");
-                std::process::exit(0);
-            }
-            _ => return Err(format!("unknown argument {a}\n{USAGE}")),
-        }
-    }
-    Ok(o)
 }
 
 /// xorshift64*: enough for picking nodes, and reproducible from the seed.
@@ -901,7 +893,7 @@ fn run(o: &Opts) -> Result<(), String> {
         );
         print!("{}", table(&rows(&r.samples, o.timeout)));
     }
-    if let Some(path) = &o.svg {
+    if let Some(path) = o.svg.path(SVG) {
         let caption = format!(
             "{} events per lab, seed {}, Linux {}, {cpus} CPUs; hold time {} s",
             o.graceful + o.failure,
@@ -909,7 +901,7 @@ fn run(o: &Opts) -> Result<(), String> {
             kernel.trim(),
             HOLD_TIME.as_secs()
         );
-        fs::write(path, svg(&runs, &caption))
+        fs::write(&path, svg(&runs, &caption))
             .map_err(|e| format!("write {}: {e}", path.display()))?;
         eprintln!("wrote {}", path.display());
     }
@@ -917,13 +909,7 @@ fn run(o: &Opts) -> Result<(), String> {
 }
 
 fn main() -> ExitCode {
-    let o = match parse_args() {
-        Ok(o) => o,
-        Err(e) => {
-            eprintln!("{e}");
-            return ExitCode::from(2);
-        }
-    };
+    let o = Opts::parse();
     install_sigint_flag();
     match run(&o) {
         Ok(()) => ExitCode::SUCCESS,
@@ -931,5 +917,67 @@ fn main() -> ExitCode {
             eprintln!("xlb-convergence-bench: {e}");
             ExitCode::FAILURE
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::{CommandFactory, Parser};
+
+    use super::*;
+
+    fn parse(args: &[&str]) -> Result<Opts, clap::Error> {
+        Opts::try_parse_from(std::iter::once("xlb-convergence-bench").chain(args.iter().copied()))
+    }
+
+    #[test]
+    fn documented_invocations_parse() {
+        Opts::command().debug_assert();
+        let o = parse(&[]).unwrap();
+        assert_eq!(o.labs, LAB_KINDS);
+        assert_eq!((o.graceful, o.failure), (60, 50));
+        assert_eq!(o.timeout, Duration::from_secs(20));
+        assert!(o.svg.path(SVG).unwrap().ends_with(SVG));
+        // docs/benchmarks.md
+        assert_eq!(
+            parse(&["--drivers", "gobgp,bird,exabgp,gobgp-rr"])
+                .unwrap()
+                .labs,
+            LAB_KINDS
+        );
+        assert_eq!(
+            parse(&["--seed", "1795311378586071732"]).unwrap().seed,
+            1795311378586071732
+        );
+        for lab in ["gobgp", "gobgp-rr"] {
+            let o = parse(&[
+                "--drivers",
+                lab,
+                "--graceful",
+                "0",
+                "--failure",
+                "6",
+                "--seed",
+                "42",
+            ])
+            .unwrap();
+            assert_eq!(o.labs.len(), 1);
+            assert_eq!(o.labs[0].name(), lab);
+            assert_eq!((o.graceful, o.failure, o.seed), (0, 6, 42));
+        }
+        let o = parse(&[
+            "--timeout",
+            "30",
+            "--svg",
+            "c.svg",
+            "--drivers",
+            "bird, exabgp",
+        ])
+        .unwrap();
+        assert_eq!(o.timeout, Duration::from_secs(30));
+        assert_eq!(o.svg.path(SVG).unwrap(), std::path::Path::new("c.svg"));
+        assert_eq!(o.labs, [LabKind::Bird, LabKind::ExaBgp]);
+        assert_eq!(parse(&["--no-svg"]).unwrap().svg.path(SVG), None);
+        parse(&["--drivers", "quagga"]).unwrap_err();
     }
 }

@@ -15,6 +15,7 @@ use std::{
     time::{Duration, Instant},
 };
 
+use clap::Parser;
 use xlb_bench::support::{
     check_interrupt, http_get, in_ns, install_sigint_flag, interrupted, xdp_attached, Agent, Bins,
     Res,
@@ -26,7 +27,14 @@ const REQUESTS: usize = 600;
 const WEIGHTS: [u32; 3] = [1, 1, 2];
 const METRICS: &str = "127.0.0.1:9469";
 
+/// xlb at work in network namespaces on this machine: a client, the load
+/// balancer and three nginx backends, traffic, lbctl, and teardown.
+#[derive(Parser, Debug)]
+#[command(name = "xlb-demo")]
+struct Cli {}
+
 fn main() -> ExitCode {
+    Cli::parse();
     install_sigint_flag();
     let result = run();
     if interrupted() {
@@ -284,5 +292,19 @@ fn pin_to_cpu(cpu: usize) {
         let mut set: libc::cpu_set_t = std::mem::zeroed();
         libc::CPU_SET(cpu, &mut set);
         libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::{CommandFactory, Parser};
+
+    use super::Cli;
+
+    #[test]
+    fn takes_no_arguments() {
+        Cli::command().debug_assert();
+        Cli::try_parse_from(["xlb-demo"]).unwrap();
+        Cli::try_parse_from(["xlb-demo", "--requests", "10"]).unwrap_err();
     }
 }

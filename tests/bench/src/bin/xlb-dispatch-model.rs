@@ -10,6 +10,8 @@
 
 use std::collections::VecDeque;
 
+use clap::Parser;
+
 const BACKENDS: usize = 3;
 const WORKERS: usize = 4;
 const QUEUED: usize = 4;
@@ -198,17 +200,21 @@ fn run(policy: Policy, seed: u64, seconds: f64) -> (usize, usize, f64) {
     (sent, refused, p99)
 }
 
+/// A model of the load-aware benchmark's initialization pattern: per-connection
+/// dispatch policies compared without the noise of a real run.
+#[derive(Parser, Debug)]
+#[command(name = "xlb-dispatch-model", args_override_self = true)]
+struct Cli {
+    /// Simulated seconds per policy and seed
+    #[arg(long, value_name = "S", default_value_t = 200.0)]
+    seconds: f64,
+    /// Seeds (runs) per policy
+    #[arg(long, value_name = "N", default_value_t = 3)]
+    seeds: u64,
+}
+
 fn main() {
-    let mut args = std::env::args().skip(1);
-    let (mut seconds, mut seeds) = (200.0, 3u64);
-    while let Some(a) = args.next() {
-        let value = args.next().unwrap_or_default();
-        match a.as_str() {
-            "--seconds" => seconds = value.parse().expect("--seconds: a number"),
-            "--seeds" => seeds = value.parse().expect("--seeds: a count"),
-            _ => panic!("usage: xlb-dispatch-model [--seconds S] [--seeds N]"),
-        }
-    }
+    let Cli { seconds, seeds } = Cli::parse();
     println!(
         "# dispatch model: {BACKENDS} backends at {}% of a core (CFS period {} ms), {WORKERS} workers + {QUEUED} queued, \
          {}% of requests {} ms else {} ms, {}% load, {seeds} seeds x {seconds} s",
@@ -244,5 +250,23 @@ fn main() {
             range(&p99, 0),
             range(&refused, 2)
         );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::{CommandFactory, Parser};
+
+    use super::Cli;
+
+    #[test]
+    fn documented_invocations_parse() {
+        Cli::command().debug_assert();
+        let c = Cli::try_parse_from(["xlb-dispatch-model"]).unwrap();
+        assert_eq!((c.seconds, c.seeds), (200.0, 3));
+        let c =
+            Cli::try_parse_from(["xlb-dispatch-model", "--seconds", "20", "--seeds", "5"]).unwrap();
+        assert_eq!((c.seconds, c.seeds), (20.0, 5));
+        Cli::try_parse_from(["xlb-dispatch-model", "--seed", "5"]).unwrap_err();
     }
 }

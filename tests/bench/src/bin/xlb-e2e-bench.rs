@@ -34,10 +34,14 @@ use std::{
     time::{Duration, Instant},
 };
 
-use xlb_bench::support::{
-    check_interrupt, http_get, in_ns, install_sigint_flag, interrupted, median, metric, parse_wrk,
-    run_in, sh_in, sleep_interruptible, spawn_logged, strip_ansi, tail, terminate, thousands,
-    wait_tcp, workspace_root, xdp_attached, Agent, Bins, Res, Wrk,
+use clap::Parser;
+use xlb_bench::{
+    args::{E2eArgs, Mech, E2E_SVG},
+    support::{
+        check_interrupt, http_get, in_ns, install_sigint_flag, interrupted, median, metric,
+        parse_wrk, run_in, sh_in, sleep_interruptible, spawn_logged, strip_ansi, tail, terminate,
+        thousands, wait_tcp, xdp_attached, Agent, Bins, Res, Wrk,
+    },
 };
 use xlb_tests::topology::{backend_ip, Topology, BACKEND_PORT, CLIENT_IP, VIP};
 
@@ -48,176 +52,13 @@ const UDP_BACKEND_PORT: u16 = 5353;
 const METRICS: &str = "127.0.0.1:9469";
 const MEM_METRICS: &str = "127.0.0.1:9470";
 
-struct Opts {
-    rounds: usize,
-    duration: u64,
-    threads: usize,
-    connections: usize,
-    udp_duration: u64,
-    udp_senders: usize,
-    udp_sockets: usize,
-    udp_payload: usize,
-    services: usize,
-    backends_per_service: usize,
-    tcp: bool,
-    udp: bool,
-    memory: bool,
-    /// XDP_PASS on the client's and the backends' ends of the balancer's
-    /// veths (what a veth needs to take redirected frames at once).
-    peer_xdp: bool,
-    cases: Vec<Mech>,
-    svg: Option<PathBuf>,
-    /// Another lb-agent binary to measure (e.g. a build with a change).
-    lb_agent: Option<PathBuf>,
-    xdp_mode: String,
-}
-
-const USAGE: &str = "xlb-e2e-bench [options]
-  --rounds N              interleaved rounds of every case (3)
-  --duration SECS         wrk duration per run (10)
-  --threads N             wrk threads (2)
-  --connections N         wrk connections (64)
-  --cases LIST            TCP cases, comma-separated: xlb,iptables,nftables,nginx,haproxy (all)
-  --udp-duration SECS     UDP send time per run (5)
-  --udp-senders N         sender threads (1), sharing --udp-sockets sockets (8)
-  --udp-payload BYTES     datagram payload (64)
-  --services N            services for the memory test (1000)
-  --backends-per-service N  backends per service for the memory test (100)
-  --no-tcp, --no-udp, --no-memory   skip a part
-  --peer-xdp              XDP_PASS on the client's and the backends' veth ends
-  --svg PATH              where to write the chart (docs/benchmarks-e2e.svg); --no-svg: none
-  --lb-agent PATH         the lb-agent binary to measure (default: the one next to this binary)
-  --xdp-mode MODE         xdp_mode of the xlb case: native (default) or generic";
-
-fn parse_args() -> Res<Opts> {
-    let mut o = Opts {
-        rounds: 3,
-        duration: 10,
-        threads: 2,
-        connections: 64,
-        udp_duration: 5,
-        udp_senders: 1,
-        udp_sockets: 8,
-        udp_payload: 64,
-        services: 1000,
-        backends_per_service: 100,
-        tcp: true,
-        udp: true,
-        memory: true,
-        peer_xdp: false,
-        cases: Mech::ALL.to_vec(),
-        svg: Some(workspace_root().join("docs/benchmarks-e2e.svg")),
-        lb_agent: None,
-        xdp_mode: "native".into(),
-    };
-    let mut args = std::env::args().skip(1);
-    while let Some(a) = args.next() {
-        let mut value = |name: &str| args.next().ok_or(format!("{name} needs a value"));
-        let num = |name: &str, v: String| -> Res<usize> {
-            v.parse()
-                .ok()
-                .filter(|&n: &usize| n > 0)
-                .ok_or(format!("{name}: {v:?} is not a positive number"))
-        };
-        match a.as_str() {
-            "--rounds" => o.rounds = num(&a, value(&a)?)?,
-            "--duration" => o.duration = num(&a, value(&a)?)? as u64,
-            "--threads" => o.threads = num(&a, value(&a)?)?,
-            "--connections" => o.connections = num(&a, value(&a)?)?,
-            "--udp-duration" => o.udp_duration = num(&a, value(&a)?)? as u64,
-            "--udp-senders" => o.udp_senders = num(&a, value(&a)?)?,
-            "--udp-sockets" => o.udp_sockets = num(&a, value(&a)?)?,
-            "--udp-payload" => o.udp_payload = num(&a, value(&a)?)?,
-            "--services" => o.services = num(&a, value(&a)?)?,
-            "--backends-per-service" => o.backends_per_service = num(&a, value(&a)?)?,
-            "--no-tcp" => o.tcp = false,
-            "--no-udp" => o.udp = false,
-            "--no-memory" => o.memory = false,
-            "--peer-xdp" => o.peer_xdp = true,
-            "--no-svg" => o.svg = None,
-            "--svg" => o.svg = Some(PathBuf::from(value(&a)?)),
-            "--lb-agent" => o.lb_agent = Some(PathBuf::from(value(&a)?)),
-            "--xdp-mode" => {
-                o.xdp_mode = value(&a)?;
-                if o.xdp_mode != "native" && o.xdp_mode != "generic" {
-                    return Err(format!(
-                        "--xdp-mode: {:?} is not native or generic",
-                        o.xdp_mode
-                    ));
-                }
-            }
-            "--cases" => {
-                o.cases = value(&a)?
-                    .split(',')
-                    .map(|c| {
-                        Mech::ALL
-                            .into_iter()
-                            .find(|m| m.id() == c)
-                            .ok_or(format!("unknown case {c:?}"))
-                    })
-                    .collect::<Res<_>>()?
-            }
-            "-h" | "--help" => {
-                println!("{USAGE}");
-                std::process::exit(0);
-            }
-            _ => return Err(format!("unknown argument {a:?}\n{USAGE}")),
-        }
-    }
-    if o.udp_sockets < o.udp_senders {
-        o.udp_sockets = o.udp_senders;
-    }
-    Ok(o)
-}
-
-#[derive(Clone, Copy, PartialEq, Eq, Debug)]
-enum Mech {
-    Xlb,
-    Iptables,
-    Nftables,
-    Nginx,
-    Haproxy,
-}
-
-impl Mech {
-    const ALL: [Mech; 5] = [
-        Mech::Xlb,
-        Mech::Iptables,
-        Mech::Nftables,
-        Mech::Nginx,
-        Mech::Haproxy,
-    ];
-
-    fn id(self) -> &'static str {
-        match self {
-            Mech::Xlb => "xlb",
-            Mech::Iptables => "iptables",
-            Mech::Nftables => "nftables",
-            Mech::Nginx => "nginx",
-            Mech::Haproxy => "haproxy",
-        }
-    }
-
-    fn label(self, xdp_mode: &str) -> String {
-        match self {
-            Mech::Xlb => return format!("xlb (XDP {xdp_mode}, nat)"),
-            Mech::Iptables => "iptables DNAT (kube-proxy iptables)",
-            Mech::Nftables => "nftables DNAT (kube-proxy nftables)",
-            Mech::Nginx => "nginx stream proxy",
-            Mech::Haproxy => "HAProxy, mode tcp",
-        }
-        .into()
-    }
-
-    fn short(self) -> &'static str {
-        match self {
-            Mech::Xlb => "xlb",
-            Mech::Iptables => "iptables",
-            Mech::Nftables => "nftables",
-            Mech::Nginx => "nginx stream",
-            Mech::Haproxy => "HAProxy",
-        }
-    }
+/// xlb end to end against iptables, nftables, nginx and HAProxy, UDP
+/// forwarding, and the agent's memory with many services.
+#[derive(Parser, Debug)]
+#[command(name = "xlb-e2e-bench", args_override_self = true)]
+struct Cli {
+    #[command(flatten)]
+    opts: E2eArgs,
 }
 
 /// What is running for a case, until it is torn down.
@@ -478,7 +319,7 @@ fn check_serves(t: &Topology, n: usize) -> Res<usize> {
     Ok(r)
 }
 
-fn run_wrk(t: &Topology, o: &Opts) -> Res<Wrk> {
+fn run_wrk(t: &Topology, o: &E2eArgs) -> Res<Wrk> {
     let out = t.output_in(
         &t.client,
         "wrk",
@@ -502,7 +343,7 @@ fn run_wrk(t: &Topology, o: &Opts) -> Res<Wrk> {
 }
 
 /// One TCP run: set up, check, wrk, tear down (always, also after a failure).
-fn tcp_run(ctx: &Ctx, o: &Opts, mech: Mech) -> (Res<Wrk>, Res<()>) {
+fn tcp_run(ctx: &Ctx, o: &E2eArgs, mech: Mech) -> (Res<Wrk>, Res<()>) {
     let mut running = match start(ctx, mech) {
         Ok(r) => r,
         Err(e) => return (Err(e), Ok(())),
@@ -661,7 +502,7 @@ struct Blast {
 }
 
 /// Sends datagrams to VIP:53 from the client as fast as it can.
-fn blast(t: &Topology, o: &Opts, duration: Duration) -> Res<Blast> {
+fn blast(t: &Topology, o: &E2eArgs, duration: Duration) -> Res<Blast> {
     let per_thread = o.udp_sockets / o.udp_senders;
     let payload = o.udp_payload;
     let handles: Vec<_> = (0..o.udp_senders)
@@ -730,7 +571,7 @@ struct UdpResult {
 }
 
 /// One UDP run; `start`/`stop` as for TCP.
-fn udp_run(ctx: &Ctx, o: &Opts, sinks: &Sinks, mech: Mech) -> (Res<UdpResult>, Res<()>) {
+fn udp_run(ctx: &Ctx, o: &E2eArgs, sinks: &Sinks, mech: Mech) -> (Res<UdpResult>, Res<()>) {
     let mut running = match start(ctx, mech) {
         Ok(r) => r,
         Err(e) => return (Err(e), Ok(())),
@@ -1006,13 +847,8 @@ impl UdpSummary {
 
 fn main() -> ExitCode {
     install_sigint_flag();
-    let opts = match parse_args() {
-        Ok(o) => o,
-        Err(e) => {
-            eprintln!("{e}");
-            return ExitCode::from(2);
-        }
-    };
+    let mut opts = Cli::parse().opts;
+    opts.udp_sockets = opts.udp_sockets.max(opts.udp_senders);
     let r = run(&opts);
     if interrupted() {
         eprintln!("\ninterrupted: namespaces, agents, rules and proxies removed");
@@ -1038,7 +874,7 @@ fn cmd_line(cmd: &str) -> String {
         .unwrap_or_default()
 }
 
-fn run(o: &Opts) -> Res<()> {
+fn run(o: &E2eArgs) -> Res<()> {
     let mut bins = Bins::locate()?;
     if let Some(p) = &o.lb_agent {
         if !p.exists() {
@@ -1080,7 +916,7 @@ fn run(o: &Opts) -> Res<()> {
             per_round: vec![],
         })
         .collect();
-    if o.tcp {
+    if !o.no_tcp {
         tcp_rounds(&ctx, o, &mut tcp)?;
         tcp_table(o, &tcp, &mut md);
     }
@@ -1093,20 +929,20 @@ fn run(o: &Opts) -> Res<()> {
             per_round: vec![],
         })
         .collect();
-    if o.udp {
+    if !o.no_udp {
         udp_rounds(&ctx, o, &mut udp)?;
         udp_table(o, &udp, &mut md);
     }
-    if o.memory {
+    if !o.no_memory {
         let mem = memory_runs(&ctx, o)?;
         memory_table(&mem, &mut md);
     }
 
     println!("\n---- results (markdown) ----\n");
     print!("{md}");
-    if let Some(path) = &o.svg {
+    if let Some(path) = o.svg.path(E2E_SVG) {
         let svg = svg(&tcp, &udp, o, &format!("Linux {kernel}, {cpus} CPUs"));
-        match fs::write(path, svg) {
+        match fs::write(&path, svg) {
             Ok(()) => println!("chart: {}", path.display()),
             Err(e) => println!("chart: writing {}: {e}", path.display()),
         }
@@ -1116,7 +952,7 @@ fn run(o: &Opts) -> Res<()> {
 }
 
 /// The TCP part: every case once per round, interleaved.
-fn tcp_rounds(ctx: &Ctx, o: &Opts, tcp: &mut [TcpSummary]) -> Res<()> {
+fn tcp_rounds(ctx: &Ctx, o: &E2eArgs, tcp: &mut [TcpSummary]) -> Res<()> {
     println!(
         "\nTCP: wrk -t{} -c{} -d{}s --latency http://{VIP}/ from the client, {} rounds of {}",
         o.threads,
@@ -1164,7 +1000,7 @@ fn tcp_rounds(ctx: &Ctx, o: &Opts, tcp: &mut [TcpSummary]) -> Res<()> {
 }
 
 /// The TCP results as a markdown table.
-fn tcp_table(o: &Opts, tcp: &[TcpSummary], md: &mut String) {
+fn tcp_table(o: &E2eArgs, tcp: &[TcpSummary], md: &mut String) {
     let _ = writeln!(
         md,
         "TCP, `wrk -t{} -c{} -d{}s --latency http://{VIP}/`, {} interleaved rounds; each column is \
@@ -1225,7 +1061,7 @@ fn tcp_table(o: &Opts, tcp: &[TcpSummary], md: &mut String) {
 }
 
 /// The UDP part: xlb and nftables once per round, interleaved.
-fn udp_rounds(ctx: &Ctx, o: &Opts, udp: &mut [UdpSummary]) -> Res<()> {
+fn udp_rounds(ctx: &Ctx, o: &E2eArgs, udp: &mut [UdpSummary]) -> Res<()> {
     println!(
         "\nUDP: {} sender thread(s), {} sockets, {}-byte datagrams to {VIP}:{UDP_PORT} for {} s; \
          sinks on :{UDP_BACKEND_PORT} in the backends; {} rounds",
@@ -1266,7 +1102,7 @@ fn udp_rounds(ctx: &Ctx, o: &Opts, udp: &mut [UdpSummary]) -> Res<()> {
 }
 
 /// The UDP results as a markdown table.
-fn udp_table(o: &Opts, udp: &[UdpSummary], md: &mut String) {
+fn udp_table(o: &E2eArgs, udp: &[UdpSummary], md: &mut String) {
     let _ = writeln!(
         md,
         "UDP, {} sender thread(s) on {} sockets, {}-byte datagrams for {} s, {} interleaved rounds; \
@@ -1312,7 +1148,7 @@ fn udp_table(o: &Opts, udp: &[UdpSummary], md: &mut String) {
 
 /// The memory part: the configured size, and the largest that fits when
 /// the data plane's backend table is too small for it.
-fn memory_runs(ctx: &Ctx, o: &Opts) -> Res<Vec<MemResult>> {
+fn memory_runs(ctx: &Ctx, o: &E2eArgs) -> Res<Vec<MemResult>> {
     let mut mem: Vec<MemResult> = Vec::new();
     let (n, per) = (o.services, o.backends_per_service);
     println!("\nagent memory and reload: {n} services x {per} backends (table_size 16381 each)");
@@ -1442,7 +1278,7 @@ fn report_mem(n: usize, per: usize, r: &Res<MemNumbers>) {
 
 /// Two bar charts side by side: TCP requests/s (p99 under each bar) and UDP
 /// datagrams/s received by the sinks.
-fn svg(tcp: &[TcpSummary], udp: &[UdpSummary], o: &Opts, machine: &str) -> String {
+fn svg(tcp: &[TcpSummary], udp: &[UdpSummary], o: &E2eArgs, machine: &str) -> String {
     const H: f64 = 380.0;
     const TOP: f64 = 60.0;
     const BASE: f64 = 290.0;
@@ -1589,6 +1425,59 @@ mod tests {
         assert_eq!(mem_vip(999), std::net::Ipv4Addr::new(198, 18, 2, 231));
         let backends: std::collections::BTreeSet<_> = (0..100).map(|j| mem_backend(7, j)).collect();
         assert_eq!(backends.len(), 100);
+    }
+
+    fn parse(args: &[&str]) -> Result<E2eArgs, clap::Error> {
+        Cli::try_parse_from(std::iter::once("xlb-e2e-bench").chain(args.iter().copied()))
+            .map(|c| c.opts)
+    }
+
+    #[test]
+    fn documented_invocations_parse() {
+        use clap::CommandFactory;
+        Cli::command().debug_assert();
+        let o = parse(&[]).unwrap();
+        assert_eq!(
+            (o.rounds, o.duration, o.threads, o.connections),
+            (3, 10, 2, 64)
+        );
+        assert_eq!(o.cases, Mech::ALL);
+        assert!(!o.no_tcp && !o.no_udp && !o.no_memory && !o.peer_xdp);
+        assert!(o.svg.path(E2E_SVG).unwrap().ends_with(E2E_SVG));
+        assert_eq!(o.xdp_mode, "native");
+        // docs/benchmarks.md, README.md
+        let o = parse(&["--no-memory", "--no-svg", "--no-udp"]).unwrap();
+        assert!(o.no_memory && o.no_udp && !o.no_tcp && o.svg.path(E2E_SVG).is_none());
+        let o = parse(&["--no-memory", "--no-svg", "--peer-xdp"]).unwrap();
+        assert!(o.no_memory && o.peer_xdp);
+        let o = parse(&["--no-tcp", "--no-udp", "--no-svg"]).unwrap();
+        assert!(o.no_tcp && o.no_udp && !o.no_memory);
+        // xtask's own test of `cargo xtask bench --duration 5`
+        assert_eq!(parse(&["--duration", "5"]).unwrap().duration, 5);
+        let o = parse(&[
+            "--cases",
+            "xlb,nftables",
+            "--xdp-mode",
+            "generic",
+            "--lb-agent",
+            "/a",
+        ])
+        .unwrap();
+        assert_eq!(o.cases, [Mech::Xlb, Mech::Nftables]);
+        assert_eq!(o.xdp_mode, "generic");
+        assert_eq!(o.lb_agent.unwrap(), std::path::Path::new("/a"));
+        // The later of --svg and --no-svg wins, as does the later of a repeated option.
+        let o = parse(&[
+            "--svg", "x.svg", "--no-svg", "--rounds", "2", "--rounds", "5",
+        ])
+        .unwrap();
+        assert_eq!((o.svg.path(E2E_SVG), o.rounds), (None, 5));
+        let o = parse(&["--no-svg", "--svg", "x.svg"]).unwrap();
+        assert_eq!(o.svg.path(E2E_SVG).unwrap(), std::path::Path::new("x.svg"));
+        parse(&["--rounds", "0"]).unwrap_err();
+        parse(&["--cases", "ipvs"]).unwrap_err();
+        parse(&["--xdp-mode", "offload"]).unwrap_err();
+        parse(&["--no-such-flag"]).unwrap_err();
     }
 
     #[test]

@@ -32,9 +32,11 @@ use std::{
 };
 
 use aya::{maps::Array, programs::Xdp, Ebpf};
+use clap::Parser;
 use lb_agent::netif::ifindex;
-use xlb_bench::support::{
-    check_interrupt, install_sigint_flag, median, sh_in, thousands, Agent, Bins, Res,
+use xlb_bench::{
+    args::positive,
+    support::{check_interrupt, install_sigint_flag, median, sh_in, thousands, Agent, Bins, Res},
 };
 use xlb_tests::{
     netns::Netns,
@@ -88,41 +90,17 @@ impl Traffic {
     }
 }
 
+/// Forwarding rate with a sender that costs nothing (XDP live frames): the
+/// bare redirect, xlb and nftables DNAT, for UDP and TCP SYNs.
+#[derive(Parser, Debug)]
+#[command(name = "xlb-forwarding-bench", args_override_self = true)]
 struct Opts {
+    /// Rounds, each running every case
+    #[arg(long, value_name = "N", default_value_t = 3, value_parser = positive::<usize>)]
     rounds: usize,
+    /// Seconds of traffic per case and round
+    #[arg(long, value_name = "S", default_value_t = 3.0, value_parser = positive::<f64>)]
     seconds: f64,
-}
-
-fn parse_args() -> Res<Opts> {
-    let mut o = Opts {
-        rounds: 3,
-        seconds: 3.0,
-    };
-    let mut args = std::env::args().skip(1);
-    while let Some(a) = args.next() {
-        let mut value = |name: &str| args.next().ok_or(format!("{name} needs a value"));
-        match a.as_str() {
-            "--rounds" => {
-                o.rounds = value("--rounds")?
-                    .parse()
-                    .map_err(|e| format!("--rounds: {e}"))?
-            }
-            "--seconds" => {
-                o.seconds = value("--seconds")?
-                    .parse()
-                    .map_err(|e| format!("--seconds: {e}"))?
-            }
-            "-h" | "--help" => {
-                println!("xlb-forwarding-bench [--rounds N] [--seconds S]");
-                std::process::exit(0);
-            }
-            other => return Err(format!("unknown argument {other}")),
-        }
-    }
-    if o.rounds == 0 || o.seconds <= 0.0 {
-        return Err("--rounds and --seconds must be positive".into());
-    }
-    Ok(o)
 }
 
 /// The three benchmark programs, loaded from the agent's object and pinned
@@ -534,18 +512,31 @@ fn where_the_time_goes(results: &Results) -> String {
 
 fn main() -> ExitCode {
     install_sigint_flag();
-    let o = match parse_args() {
-        Ok(o) => o,
-        Err(e) => {
-            eprintln!("xlb-forwarding-bench: {e}");
-            return ExitCode::from(2);
-        }
-    };
+    let o = Opts::parse();
     match run(&o) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("xlb-forwarding-bench: {e}");
             ExitCode::FAILURE
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::{CommandFactory, Parser};
+
+    use super::Opts;
+
+    #[test]
+    fn documented_invocations_parse() {
+        Opts::command().debug_assert();
+        let o = Opts::try_parse_from(["xlb-forwarding-bench"]).unwrap();
+        assert_eq!((o.rounds, o.seconds), (3, 3.0));
+        let o = Opts::try_parse_from(["xlb-forwarding-bench", "--rounds", "5", "--seconds", "1.5"])
+            .unwrap();
+        assert_eq!((o.rounds, o.seconds), (5, 1.5));
+        Opts::try_parse_from(["xlb-forwarding-bench", "--seconds", "0"]).unwrap_err();
+        Opts::try_parse_from(["xlb-forwarding-bench", "--rounds", "0"]).unwrap_err();
     }
 }

@@ -26,6 +26,7 @@ use std::{
 };
 
 use aya::maps::{HashMap, Map, MapData};
+use clap::{Parser, ValueEnum};
 use futures::{StreamExt, TryStreamExt};
 use k8s_openapi::api::{core::v1::Service, discovery::v1::EndpointSlice};
 use kube::{
@@ -304,28 +305,54 @@ fn scale_run(count: usize, endpoints: usize) -> Result<Scale, String> {
     })
 }
 
+/// One part of the benchmark: Pod readiness to the data plane, or many
+/// Services' start and memory.
+#[derive(Clone, Copy, PartialEq, Eq, Debug, ValueEnum)]
+enum Part {
+    Latency,
+    Scale,
+}
+
+/// xlb on the real Kubernetes control plane: a Pod's change to the data
+/// plane, and many Services' start and memory.
+#[derive(Parser, Debug)]
+#[command(name = "xlb-k8s-bench", args_override_self = true)]
+struct Cli {
+    /// Other Services in the latency part's second run
+    #[arg(long = "services", value_name = "N", default_value_t = 1000)]
+    others: usize,
+    /// Readiness changes per latency run
+    #[arg(long, value_name = "N", default_value_t = 100)]
+    changes: usize,
+    /// Services of the scale part
+    #[arg(long = "scale-services", value_name = "N", default_value_t = 1000)]
+    scale: usize,
+    /// Endpoints per Service in the scale part
+    #[arg(long, value_name = "N", default_value_t = 100)]
+    endpoints: usize,
+    /// Run only this part [default: both]
+    #[arg(long, value_name = "PART", value_enum)]
+    only: Option<Part>,
+}
+
 fn main() -> ExitCode {
-    let (mut others, mut changes, mut scale, mut endpoints) = (1000, 100, 1000, 100);
-    let mut only = String::new();
-    let args: Vec<String> = std::env::args().skip(1).collect();
-    let mut it = args.iter();
-    while let Some(a) = it.next() {
-        let mut value = |default: usize| it.next().and_then(|v| v.parse().ok()).unwrap_or(default);
-        match a.as_str() {
-            "--services" => others = value(others),
-            "--changes" => changes = value(changes),
-            "--scale-services" => scale = value(scale),
-            "--endpoints" => endpoints = value(endpoints),
-            "--only" => only = it.next().cloned().unwrap_or_default(),
-            _ => {} // other benchmarks' arguments
-        }
-    }
+    let Cli {
+        others,
+        changes,
+        scale,
+        endpoints,
+        only,
+    } = Cli::parse();
     println!(
         "\n## Pod readiness → EndpointSlice → data plane (real kube-apiserver and controller)\n"
     );
     println!("| other Services | changes | controller: median / p99 ms | xlb: median / p99 / max ms | goal (xlb p99 < 20 ms) |");
     println!("|---|---|---|---|---|");
-    let runs: &[usize] = if only == "scale" { &[] } else { &[0, others] };
+    let runs: &[usize] = if only == Some(Part::Scale) {
+        &[]
+    } else {
+        &[0, others]
+    };
     for &n in runs {
         match latency_run(n, changes) {
             Ok(mut l) => {
@@ -353,7 +380,7 @@ fn main() -> ExitCode {
             }
         }
     }
-    if only == "latency" {
+    if only == Some(Part::Latency) {
         return ExitCode::SUCCESS;
     }
     println!("\n## {scale} Services × {endpoints} endpoints: the agent's start and memory\n");
@@ -384,5 +411,41 @@ fn main() -> ExitCode {
             eprintln!("xlb-k8s-bench: {e}");
             ExitCode::FAILURE
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::{CommandFactory, Parser};
+
+    use super::{Cli, Part};
+
+    #[test]
+    fn documented_invocations_parse() {
+        Cli::command().debug_assert();
+        let only = |p: &str| Cli::try_parse_from(["xlb-k8s-bench", "--only", p]).map(|c| c.only);
+        // docs/benchmarks.md, README.md
+        assert_eq!(only("latency").unwrap(), Some(Part::Latency));
+        assert_eq!(only("scale").unwrap(), Some(Part::Scale));
+        only("both").unwrap_err();
+        let c = Cli::try_parse_from(["xlb-k8s-bench"]).unwrap();
+        assert_eq!(
+            (c.others, c.changes, c.scale, c.endpoints),
+            (1000, 100, 1000, 100)
+        );
+        assert!(c.only.is_none());
+        let c = Cli::try_parse_from([
+            "xlb-k8s-bench",
+            "--services",
+            "10",
+            "--changes",
+            "5",
+            "--scale-services",
+            "20",
+            "--endpoints",
+            "3",
+        ])
+        .unwrap();
+        assert_eq!((c.others, c.changes, c.scale, c.endpoints), (10, 5, 20, 3));
     }
 }

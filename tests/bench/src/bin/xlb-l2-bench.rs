@@ -35,7 +35,6 @@
 use std::{
     fmt::Write as _,
     net::{SocketAddr, UdpSocket},
-    path::PathBuf,
     process::ExitCode,
     sync::{
         atomic::{AtomicBool, Ordering},
@@ -45,19 +44,21 @@ use std::{
     time::{Duration, Instant},
 };
 
-use xlb_bench::support::{install_sigint_flag, interrupted, workspace_root};
+use clap::{Parser, ValueEnum};
+use xlb_bench::{
+    args::Svg,
+    support::{install_sigint_flag, interrupted},
+};
 use xlb_tests::{
     l2_lab::{realtime_priority, vip, L2Lab, ECHO_PORT},
     topology::in_netns,
     traffic::poll_until,
 };
 
-const USAGE: &str = "xlb-l2-bench [options]
-  --events N       events per kind (50)
-  --kinds LIST     crash,link-cut,graceful (all)
-  --svg PATH       the histogram (docs/benchmarks-l2.svg); --no-svg: none";
+/// The histogram, relative to the workspace root.
+const SVG: &str = "docs/benchmarks-l2.svg";
 
-#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+#[derive(Clone, Copy, PartialEq, Eq, Debug, ValueEnum)]
 enum Kind {
     Crash,
     LinkCut,
@@ -84,41 +85,24 @@ impl Kind {
     }
 }
 
+/// How long the client's traffic stops when the node that answers for its
+/// VIP in L2 mode goes away (crash, link cut, graceful stop).
+#[derive(Parser, Debug)]
+#[command(
+    name = "xlb-l2-bench",
+    args_override_self = true,
+    mut_arg("svg", |a| a.help(format!("Where to write the histogram [default: {SVG}]")))
+)]
 struct Options {
+    /// Events per kind
+    #[arg(long, value_name = "N", default_value_t = 50)]
     events: usize,
+    /// Kinds of event, comma-separated [default: all]
+    #[arg(long, value_name = "LIST", value_enum, value_delimiter = ',',
+          default_values_t = Kind::ALL, hide_default_value = true)]
     kinds: Vec<Kind>,
-    svg: Option<PathBuf>,
-}
-
-fn options() -> Result<Options, String> {
-    let mut o = Options {
-        events: 50,
-        kinds: Kind::ALL.to_vec(),
-        svg: Some(workspace_root().join("docs/benchmarks-l2.svg")),
-    };
-    let mut args = std::env::args().skip(1);
-    while let Some(a) = args.next() {
-        let mut value = || args.next().ok_or(format!("{a} needs a value"));
-        match a.as_str() {
-            "--events" => o.events = value()?.parse().map_err(|e| format!("--events: {e}"))?,
-            "--kinds" => {
-                o.kinds = value()?
-                    .split(',')
-                    .map(|k| {
-                        Kind::ALL
-                            .into_iter()
-                            .find(|c| c.name() == k)
-                            .ok_or(format!("unknown kind {k}"))
-                    })
-                    .collect::<Result<_, _>>()?
-            }
-            "--svg" => o.svg = Some(PathBuf::from(value()?)),
-            "--no-svg" => o.svg = None,
-            "-h" | "--help" => return Err(USAGE.into()),
-            _ => return Err(format!("unknown argument {a}\n{USAGE}")),
-        }
-    }
-    Ok(o)
+    #[command(flatten)]
+    svg: Svg,
 }
 
 /// The client's stream: a datagram every millisecond, and when each echo came back.
@@ -496,12 +480,12 @@ fn run(o: &Options) -> Result<(), String> {
             ms(percentile(&gaps, 0.99))
         ));
     }
-    if let Some(path) = &o.svg {
+    if let Some(path) = o.svg.path(SVG) {
         let caption = format!(
             "{} events per kind; defaults (probe 100 ms, suspect 300 ms); xlb-l2-bench",
             o.events
         );
-        std::fs::write(path, svg(&samples, &o.kinds, &caption))
+        std::fs::write(&path, svg(&samples, &o.kinds, &caption))
             .map_err(|e| format!("{}: {e}", path.display()))?;
         println!("histogram: {}", path.display());
     }
@@ -510,13 +494,7 @@ fn run(o: &Options) -> Result<(), String> {
 }
 
 fn main() -> ExitCode {
-    let o = match options() {
-        Ok(o) => o,
-        Err(e) => {
-            eprintln!("{e}");
-            return ExitCode::from(2);
-        }
-    };
+    let o = Options::parse();
     install_sigint_flag();
     match run(&o) {
         Ok(()) => ExitCode::SUCCESS,
@@ -524,5 +502,35 @@ fn main() -> ExitCode {
             eprintln!("xlb-l2-bench: {e}");
             ExitCode::FAILURE
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::{CommandFactory, Parser};
+
+    use super::*;
+
+    fn parse(args: &[&str]) -> Result<Options, clap::Error> {
+        Options::try_parse_from(std::iter::once("xlb-l2-bench").chain(args.iter().copied()))
+    }
+
+    #[test]
+    fn documented_invocations_parse() {
+        Options::command().debug_assert();
+        let o = parse(&[]).unwrap();
+        assert_eq!((o.events, o.kinds.as_slice()), (50, &Kind::ALL[..]));
+        assert!(o.svg.path(SVG).unwrap().ends_with(SVG));
+        // docs/benchmarks.md
+        let o = parse(&["--events", "10", "--no-svg"]).unwrap();
+        assert_eq!((o.events, o.svg.path(SVG)), (10, None));
+        assert_eq!(parse(&["--events", "3"]).unwrap().events, 3);
+        let o = parse(&["--kinds", "crash,link-cut,graceful"]).unwrap();
+        assert_eq!(o.kinds, Kind::ALL);
+        assert_eq!(
+            parse(&["--kinds", "link-cut"]).unwrap().kinds,
+            [Kind::LinkCut]
+        );
+        parse(&["--kinds", "reboot"]).unwrap_err();
     }
 }

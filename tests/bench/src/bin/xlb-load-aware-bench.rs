@@ -33,7 +33,9 @@ use std::{
     time::{Duration, Instant},
 };
 
+use clap::Parser;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use xlb_bench::args::Svg;
 use xlb_tests::{
     cgroup::CpuLimit,
     topology::{backend_ip, in_netns, workspace_root, AgentHandle, Topology, LB_CLIENT_SIDE, VIP},
@@ -414,17 +416,30 @@ fn patterns(seconds: f64) -> Vec<Pattern> {
     ]
 }
 
+/// The chart, relative to the workspace root.
+const SVG: &str = "docs/benchmarks-load-aware.svg";
+
+/// Load-aware against static balancing, the load-aware ingress paper's
+/// patterns at Layer 4: three CPU-limited backends, an open-loop client.
+#[derive(Parser, Debug)]
+#[command(
+    name = "xlb-load-aware-bench",
+    args_override_self = true,
+    mut_arg("svg", |a| a.help(format!("Where to write the weights chart [default: {SVG}]")))
+)]
+struct Cli {
+    /// Seconds per pattern (half that for load-30 and load-50)
+    #[arg(long, value_name = "S", default_value_t = 30.0)]
+    seconds: f64,
+    #[command(flatten)]
+    svg: Svg,
+}
+
 fn main() {
-    let args: Vec<String> = std::env::args().skip(1).collect();
-    let arg = |name: &str| {
-        args.iter()
-            .position(|a| a == name)
-            .and_then(|i| args.get(i + 1).cloned())
-    };
-    let seconds: f64 = arg("--seconds").map_or(30.0, |s| s.parse().expect("--seconds"));
-    let svg_path = arg("--svg")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| workspace_root().join("docs/benchmarks-load-aware.svg"));
+    let Cli {
+        seconds,
+        svg: svg_arg,
+    } = Cli::parse();
     println!(
         "# load-aware vs static: 3 backends of {QUOTA}% of a core each ({:.1} req/s at the mix: \
          {}% of requests {} ms of CPU, the rest {} ms), 4 workers + 4 queued each, open-loop client, {seconds} s per pattern",
@@ -455,8 +470,10 @@ fn main() {
         }
     }
     print_table(&runs);
-    if let Err(e) = std::fs::write(&svg_path, svg(&runs)) {
-        eprintln!("writing {}: {e}", svg_path.display());
+    if let Some(path) = svg_arg.path(SVG) {
+        if let Err(e) = std::fs::write(&path, svg(&runs)) {
+            eprintln!("writing {}: {e}", path.display());
+        }
     }
     for name in ["initialization", "scaling", "load-30", "load-50"] {
         let get = |m: Mode| {
@@ -576,4 +593,24 @@ fn svg(runs: &[Run]) -> String {
     }
     s.push_str("</svg>\n");
     s
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::{CommandFactory, Parser};
+
+    use super::{Cli, SVG};
+
+    #[test]
+    fn documented_invocations_parse() {
+        Cli::command().debug_assert();
+        let c = Cli::try_parse_from(["xlb-load-aware-bench"]).unwrap();
+        assert_eq!(c.seconds, 30.0);
+        assert!(c.svg.path(SVG).unwrap().ends_with(SVG));
+        let c = Cli::try_parse_from(["xlb-load-aware-bench", "--seconds", "10", "--svg", "w.svg"])
+            .unwrap();
+        assert_eq!(c.seconds, 10.0);
+        assert_eq!(c.svg.path(SVG).unwrap(), std::path::Path::new("w.svg"));
+        Cli::try_parse_from(["xlb-load-aware-bench", "--pattern", "scaling"]).unwrap_err();
+    }
 }

@@ -9,7 +9,11 @@
 
 use std::{net::SocketAddr, process::ExitCode};
 
-use xlb_bench::support::{median, parse_wrk, Wrk};
+use clap::Parser;
+use xlb_bench::{
+    args::positive,
+    support::{median, parse_wrk, Wrk},
+};
 use xlb_tests::{
     netns::{sh, Netns},
     topology::{nginx_config, wait_for_port, Topology, BACKEND_PORT},
@@ -20,34 +24,20 @@ const REMOTE_VIP: &str = "192.0.2.11";
 const LOCAL_POD: &str = "10.2.1.2";
 const REMOTE_POD: &str = "10.4.0.2";
 
+/// What keeping traffic on the node buys: wrk against a VIP whose Pod is
+/// local and one whose Pod is behind a second node, in interleaved rounds.
+#[derive(Parser, Debug)]
+#[command(name = "xlb-locality-bench", args_override_self = true)]
 struct Opts {
+    /// Interleaved rounds (one wrk run per VIP each)
+    #[arg(long, value_name = "N", default_value_t = 5, value_parser = positive::<usize>)]
     rounds: usize,
+    /// wrk duration per run, in seconds
+    #[arg(long, value_name = "SECS", default_value_t = 5, value_parser = positive::<u32>)]
     duration: u32,
+    /// wrk connections
+    #[arg(long, value_name = "N", default_value_t = 32, value_parser = positive::<u32>)]
     connections: u32,
-}
-
-fn parse_args() -> Result<Opts, String> {
-    let mut o = Opts {
-        rounds: 5,
-        duration: 5,
-        connections: 32,
-    };
-    let mut args = std::env::args().skip(1);
-    while let Some(a) = args.next() {
-        let mut value = |name: &str| {
-            args.next()
-                .and_then(|v| v.parse::<u32>().ok())
-                .filter(|v| *v > 0)
-                .ok_or(format!("{name} needs a positive number"))
-        };
-        match a.as_str() {
-            "--rounds" => o.rounds = value("--rounds")? as usize,
-            "--duration" => o.duration = value("--duration")?,
-            "--connections" => o.connections = value("--connections")?,
-            other => return Err(format!("unknown argument {other:?}")),
-        }
-    }
-    Ok(o)
 }
 
 /// The second node (`n2`, a router) and its Pod (`p2`, nginx), reached
@@ -192,18 +182,33 @@ fn run(o: &Opts) -> Result<(), String> {
 }
 
 fn main() -> ExitCode {
-    let o = match parse_args() {
-        Ok(o) => o,
-        Err(e) => {
-            eprintln!("xlb-locality-bench: {e}");
-            return ExitCode::from(2);
-        }
-    };
+    let o = Opts::parse();
     match run(&o) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("xlb-locality-bench: {e}");
             ExitCode::FAILURE
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::{CommandFactory, Parser};
+
+    use super::Opts;
+
+    #[test]
+    fn documented_invocations_parse() {
+        Opts::command().debug_assert();
+        let o = Opts::try_parse_from(["xlb-locality-bench"]).unwrap();
+        assert_eq!((o.rounds, o.duration, o.connections), (5, 5, 32));
+        // docs/benchmarks.md
+        let o = Opts::try_parse_from(["xlb-locality-bench", "--rounds", "5", "--duration", "5"])
+            .unwrap();
+        assert_eq!((o.rounds, o.duration), (5, 5));
+        let o = Opts::try_parse_from(["xlb-locality-bench", "--connections", "8"]).unwrap();
+        assert_eq!(o.connections, 8);
+        Opts::try_parse_from(["xlb-locality-bench", "--rounds", "0"]).unwrap_err();
     }
 }

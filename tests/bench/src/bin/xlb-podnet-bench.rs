@@ -20,43 +20,28 @@ use std::{
     time::Duration,
 };
 
-use xlb_bench::support::{install_sigint_flag, interrupted};
+use clap::Parser;
+use xlb_bench::{
+    args::positive,
+    support::{install_sigint_flag, interrupted},
+};
 use xlb_tests::{
     podnet_lab::{config, PodLab, ATTACHED, CLIENT, DETACHED},
     topology::AgentHandle,
     traffic::poll_until,
 };
 
-const USAGE: &str = "xlb-podnet-bench [options]
-  --rounds N       rounds, each with and without the program (4)
-  --duration SECS  seconds per iperf3 run (4)";
-
+/// What the program on a pod-side interface (generic XDP on cni0) costs a
+/// Pod's own egress: iperf3 from a Pod with and without it.
+#[derive(Parser, Debug)]
+#[command(name = "xlb-podnet-bench", args_override_self = true)]
 struct Opts {
+    /// Rounds, each with and without the program
+    #[arg(long, value_name = "N", default_value_t = 4, value_parser = positive::<usize>)]
     rounds: usize,
+    /// Seconds per iperf3 run
+    #[arg(long, value_name = "SECS", default_value_t = 4, value_parser = positive::<u32>)]
     duration: u32,
-}
-
-fn parse_args() -> Result<Opts, String> {
-    let mut o = Opts {
-        rounds: 4,
-        duration: 4,
-    };
-    let mut args = std::env::args().skip(1);
-    while let Some(a) = args.next() {
-        let mut value = |name: &str| {
-            args.next()
-                .and_then(|v| v.parse::<u32>().ok())
-                .filter(|v| *v > 0)
-                .ok_or(format!("{name} needs a positive number\n{USAGE}"))
-        };
-        match a.as_str() {
-            "--rounds" => o.rounds = value("--rounds")? as usize,
-            "--duration" => o.duration = value("--duration")?,
-            "-h" | "--help" => return Err(USAGE.into()),
-            other => return Err(format!("unknown argument {other:?}\n{USAGE}")),
-        }
-    }
-    Ok(o)
 }
 
 /// One measured case: its row name, iperf3's extra arguments, and the
@@ -205,13 +190,7 @@ fn run(o: &Opts) -> Result<Runs, String> {
 }
 
 fn main() -> ExitCode {
-    let o = match parse_args() {
-        Ok(o) => o,
-        Err(e) => {
-            eprintln!("{e}");
-            return ExitCode::from(2);
-        }
-    };
+    let o = Opts::parse();
     install_sigint_flag();
     let runs = match run(&o) {
         Ok(r) => r,
@@ -253,4 +232,23 @@ fn main() -> ExitCode {
         ratios[0], ratios[1]
     );
     ExitCode::SUCCESS
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::{CommandFactory, Parser};
+
+    use super::Opts;
+
+    #[test]
+    fn documented_invocations_parse() {
+        Opts::command().debug_assert();
+        let o = Opts::try_parse_from(["xlb-podnet-bench"]).unwrap();
+        assert_eq!((o.rounds, o.duration), (4, 4));
+        // docs/benchmarks.md
+        let o =
+            Opts::try_parse_from(["xlb-podnet-bench", "--rounds", "2", "--duration", "3"]).unwrap();
+        assert_eq!((o.rounds, o.duration), (2, 3));
+        Opts::try_parse_from(["xlb-podnet-bench", "--duration", "0"]).unwrap_err();
+    }
 }

@@ -36,6 +36,10 @@ use std::{
     time::Duration,
 };
 
+use clap::{
+    builder::{PossibleValuesParser, TypedValueParser},
+    Parser,
+};
 use xlb_bench::support::{install_sigint_flag, interrupted};
 use xlb_tests::{
     ecmp::{request_from, Driver, EcmpLab, NODES, VIP},
@@ -43,67 +47,49 @@ use xlb_tests::{
     traffic::poll_until,
 };
 
-const USAGE: &str = "xlb-rollout-bench [options]
-  --labs LIST   comma-separated (default: gobgp-nat,gobgp-snat,bird-nat,bird-snat)
-  --events LIST comma-separated (default: restart,crash,leave,join)
-  --rounds N    rounds over the three nodes (2)
-  --conns N     keep-alive connections (30)";
-
 const EVENTS: [&str; 4] = ["restart", "crash", "leave", "join"];
 
+/// The labs, by name in `--labs`.
+const LABS: [(&str, Driver, &str); 4] = [
+    ("gobgp-nat", Driver::GoBgp, "nat"),
+    ("gobgp-snat", Driver::GoBgp, "snat"),
+    ("bird-nat", Driver::Bird, "nat"),
+    ("bird-snat", Driver::Bird, "snat"),
+];
+
+/// Established connections lost when a node of the ECMP lab restarts,
+/// crashes, leaves or joins, per speaker and mode.
+#[derive(Parser, Debug)]
+#[command(name = "xlb-rollout-bench", args_override_self = true)]
 struct Opts {
+    /// Labs, comma-separated [default: all]
+    #[arg(long, value_name = "LIST", value_delimiter = ',', value_parser = lab_parser(),
+          default_values = LABS.map(|l| l.0), hide_default_value = true)]
     labs: Vec<(Driver, &'static str)>,
+    /// Events, comma-separated [default: all]
+    #[arg(long, value_name = "LIST", value_delimiter = ',', value_parser = event_parser(),
+          default_values = EVENTS, hide_default_value = true)]
     events: Vec<&'static str>,
+    /// Rounds over the three nodes
+    #[arg(long, value_name = "N", default_value_t = 2)]
     rounds: usize,
+    /// Keep-alive connections
+    #[arg(long, value_name = "N", default_value_t = 30)]
     conns: usize,
 }
 
-fn parse_args() -> Result<Opts, String> {
-    let mut o = Opts {
-        labs: vec![
-            (Driver::GoBgp, "nat"),
-            (Driver::GoBgp, "snat"),
-            (Driver::Bird, "nat"),
-            (Driver::Bird, "snat"),
-        ],
-        events: EVENTS.to_vec(),
-        rounds: 2,
-        conns: 30,
-    };
-    let mut args = std::env::args().skip(1);
-    while let Some(a) = args.next() {
-        let mut value = || args.next().ok_or(format!("{a} needs a value\n{USAGE}"));
-        match a.as_str() {
-            "--labs" => {
-                o.labs = value()?
-                    .split(',')
-                    .map(|l| match l {
-                        "gobgp-nat" => Ok((Driver::GoBgp, "nat")),
-                        "gobgp-snat" => Ok((Driver::GoBgp, "snat")),
-                        "bird-nat" => Ok((Driver::Bird, "nat")),
-                        "bird-snat" => Ok((Driver::Bird, "snat")),
-                        other => Err(format!("unknown lab {other:?}\n{USAGE}")),
-                    })
-                    .collect::<Result<_, _>>()?
-            }
-            "--events" => {
-                o.events = value()?
-                    .split(',')
-                    .map(|e| {
-                        EVENTS
-                            .into_iter()
-                            .find(|k| *k == e)
-                            .ok_or(format!("unknown event {e:?}\n{USAGE}"))
-                    })
-                    .collect::<Result<_, _>>()?
-            }
-            "--rounds" => o.rounds = value()?.parse().map_err(|e| format!("--rounds: {e}"))?,
-            "--conns" => o.conns = value()?.parse().map_err(|e| format!("--conns: {e}"))?,
-            "-h" | "--help" => return Err(USAGE.into()),
-            other => return Err(format!("unknown argument {other:?}\n{USAGE}")),
-        }
-    }
-    Ok(o)
+/// `--labs`' parser: a lab by its name, as its speaker and mode.
+fn lab_parser() -> impl TypedValueParser<Value = (Driver, &'static str)> {
+    PossibleValuesParser::new(LABS.map(|l| l.0)).map(|name| {
+        let (_, driver, mode) = LABS.into_iter().find(|l| l.0 == name).expect("a lab");
+        (driver, mode)
+    })
+}
+
+/// `--events`' parser: an entry of [`EVENTS`].
+fn event_parser() -> impl TypedValueParser<Value = &'static str> {
+    PossibleValuesParser::new(EVENTS)
+        .map(|name| EVENTS.into_iter().find(|e| *e == name).expect("an event"))
 }
 
 /// Per event kind: (events, connections checked, lost, new made, new failed).
@@ -287,13 +273,7 @@ fn run_lab(o: &Opts, driver: Driver, mode: &str) -> Result<Tally, String> {
 }
 
 fn main() -> ExitCode {
-    let o = match parse_args() {
-        Ok(o) => o,
-        Err(e) => {
-            eprintln!("{e}");
-            return ExitCode::from(2);
-        }
-    };
+    let o = Opts::parse();
     install_sigint_flag();
     let mut lines = Vec::new();
     println!(
@@ -332,4 +312,47 @@ fn main() -> ExitCode {
         println!("{l}");
     }
     ExitCode::SUCCESS
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::{CommandFactory, Parser};
+
+    use super::*;
+
+    fn parse(args: &[&str]) -> Result<Opts, clap::Error> {
+        Opts::try_parse_from(std::iter::once("xlb-rollout-bench").chain(args.iter().copied()))
+    }
+
+    #[test]
+    fn documented_invocations_parse() {
+        Opts::command().debug_assert();
+        let o = parse(&[]).unwrap();
+        assert_eq!(
+            o.labs,
+            [
+                (Driver::GoBgp, "nat"),
+                (Driver::GoBgp, "snat"),
+                (Driver::Bird, "nat"),
+                (Driver::Bird, "snat"),
+            ]
+        );
+        assert_eq!(o.events, EVENTS);
+        assert_eq!((o.rounds, o.conns), (2, 30));
+        // docs/benchmarks.md
+        assert_eq!(parse(&["--rounds", "1"]).unwrap().rounds, 1);
+        let o = parse(&[
+            "--labs",
+            "bird-snat,gobgp-nat",
+            "--events",
+            "crash,join",
+            "--conns",
+            "5",
+        ])
+        .unwrap();
+        assert_eq!(o.labs, [(Driver::Bird, "snat"), (Driver::GoBgp, "nat")]);
+        assert_eq!((o.events.as_slice(), o.conns), (&["crash", "join"][..], 5));
+        parse(&["--labs", "exabgp-nat"]).unwrap_err();
+        parse(&["--events", "reboot"]).unwrap_err();
+    }
 }

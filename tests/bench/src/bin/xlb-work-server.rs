@@ -17,19 +17,31 @@ use std::{
     time::Duration,
 };
 
+use clap::Parser;
+
+/// An HTTP/1.1 server with a fixed pool of workers and a bounded queue:
+/// `GET /?cost_us=N` burns N µs of CPU; a request beyond the queue gets 503.
+#[derive(Parser, Debug)]
+#[command(name = "xlb-work-server")]
+struct Cli {
+    /// Address to listen on (ADDR:PORT)
+    listen: String,
+    /// The server's name, its answer's body
+    name: String,
+    /// Worker threads
+    workers: usize,
+    /// Requests that may wait for a worker
+    queue: usize,
+}
+
 fn main() {
-    let args: Vec<String> = std::env::args().collect();
-    if args.len() != 5 {
-        eprintln!("usage: xlb-work-server LISTEN NAME WORKERS QUEUE");
-        std::process::exit(2);
-    }
-    let listener = TcpListener::bind(&args[1]).unwrap_or_else(|e| {
-        eprintln!("binding {}: {e}", args[1]);
+    let cli = Cli::parse();
+    let listener = TcpListener::bind(&cli.listen).unwrap_or_else(|e| {
+        eprintln!("binding {}: {e}", cli.listen);
         std::process::exit(1)
     });
-    let name: Arc<str> = args[2].as_str().into();
-    let workers: usize = args[3].parse().expect("WORKERS");
-    let queue: usize = args[4].parse().expect("QUEUE");
+    let name: Arc<str> = cli.name.into();
+    let (workers, queue) = (cli.workers, cli.queue);
     let (tx, rx) = sync_channel::<TcpStream>(queue);
     let rx = Arc::new(Mutex::new(rx));
     for _ in 0..workers {
@@ -118,4 +130,22 @@ fn thread_cpu() -> Duration {
     // SAFETY: a valid timespec to fill.
     unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) };
     Duration::new(ts.tv_sec as u64, ts.tv_nsec as u32)
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::{CommandFactory, Parser};
+
+    use super::Cli;
+
+    #[test]
+    fn the_load_aware_benchmarks_invocation_parses() {
+        Cli::command().debug_assert();
+        let c = Cli::try_parse_from(["xlb-work-server", "10.2.0.2:8080", "b1", "4", "4"]).unwrap();
+        assert_eq!(
+            (c.listen.as_str(), c.name.as_str(), c.workers, c.queue),
+            ("10.2.0.2:8080", "b1", 4, 4)
+        );
+        Cli::try_parse_from(["xlb-work-server", "10.2.0.2:8080", "b1", "4"]).unwrap_err();
+    }
 }
