@@ -54,6 +54,44 @@ pub struct DesiredService {
     pub new_flow_limit: Option<crate::dataplane::NewFlowLimit>,
 }
 
+/// Tests' one way to build a service: [`DesiredService::for_test`] has the
+/// defaults, a test sets what it is about (fields, or struct update syntax).
+#[cfg(test)]
+impl DesiredService {
+    /// `vip:port` over TCP, nat, no backends, and every optional setting as
+    /// a config file entry without it has it.
+    pub(crate) fn for_test(name: &str, vip: IpAddr, port: u16) -> Self {
+        DesiredService {
+            name: name.into(),
+            vip,
+            port,
+            protocol: Protocol::Tcp,
+            mode: Mode::Nat,
+            backends: Vec::new(),
+            health_check: None,
+            table_size: None,
+            removed_backend_flows: RemovedBackendFlows::Keep,
+            source_ranges: None,
+            affinity: None,
+            balance: Balance::Static,
+            announce: Announce::Both,
+            new_flow_limit: None,
+        }
+    }
+
+    /// With one more backend, `ip:port` of `weight` (no cgroup, not terminating).
+    pub(crate) fn with_backend(mut self, ip: IpAddr, port: u16, weight: u32) -> Self {
+        self.backends.push(DesiredBackend {
+            ip,
+            port,
+            weight,
+            cgroup: None,
+            terminating: false,
+        });
+        self
+    }
+}
+
 /// `announce:` / the `xlb.dev/announce` annotation: whether the VIP is
 /// announced through BGP, answered for in L2 mode, or both. Each applies
 /// only where the node has it configured (`bgp:`, `l2:`).

@@ -737,7 +737,7 @@ protocol bgp upstream {{
 
     /// `lbctl --pin-dir <this node's> --json ARGS`, parsed.
     pub fn lbctl_json(&self, args: &[&str]) -> serde_json::Value {
-        crate::topology::lbctl_json_at(&self.pin_dir, args)
+        crate::topology::lbctl_json_in(None, &self.pin_dir, args).1
     }
 
     /// `birdc` against this node's BIRD (BIRD driver).

@@ -138,14 +138,14 @@ impl L2Node {
     }
 
     pub fn lbctl_json(&self, args: &[&str]) -> serde_json::Value {
-        crate::topology::lbctl_json_at(&self.pin_dir, args)
+        crate::topology::lbctl_json_in(None, &self.pin_dir, args).1
     }
 
     /// `lbctl --json ARGS` in the node's network namespace, where the
     /// agent's metrics address (lbctl's default, 127.0.0.1:9469) is: its
     /// exit code and output.
     pub fn lbctl_with_agent(&self, args: &[&str]) -> (i32, serde_json::Value) {
-        crate::topology::lbctl_json_in(&self.ns.name, &self.pin_dir, args)
+        crate::topology::lbctl_json_in(Some(&self.ns.name), &self.pin_dir, args)
     }
 
     /// Cuts the node off the switch (its port goes down).

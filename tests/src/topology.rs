@@ -380,35 +380,24 @@ pub fn agent_bin() -> PathBuf {
     bin_dir().join("lb-agent")
 }
 
-/// Runs `lbctl --pin-dir PIN_DIR --json ARGS` (in the host namespaces:
-/// pins are global) and parses its output; panics with what it printed.
-pub fn lbctl_json_at(pin_dir: &Path, args: &[&str]) -> serde_json::Value {
-    let out = Command::new(lbctl_bin())
-        .arg("--pin-dir")
-        .arg(pin_dir)
-        .arg("--json")
-        .args(args)
-        .output()
-        .expect("run lbctl");
-    serde_json::from_slice(&out.stdout).unwrap_or_else(|e| {
-        panic!(
-            "lbctl --pin-dir {} {args:?} ({}): not JSON ({e}): {}{}",
-            pin_dir.display(),
-            out.status,
-            String::from_utf8_lossy(&out.stdout),
-            String::from_utf8_lossy(&out.stderr)
-        )
-    })
-}
-
-/// `lbctl --pin-dir PIN_DIR --json ARGS` in the network namespace `ns`,
-/// where an agent's metrics address is: its exit code and output. Through
-/// nsenter, not `ip netns exec`, which mounts a /sys without the pins' bpffs.
-pub fn lbctl_json_in(ns: &str, pin_dir: &Path, args: &[&str]) -> (i32, serde_json::Value) {
-    let out = Command::new("nsenter")
-        .arg(format!("--net=/run/netns/{ns}"))
-        .arg("--")
-        .arg(lbctl_bin())
+/// Runs `lbctl --pin-dir PIN_DIR --json ARGS` and parses its output
+/// (panics with what it printed if that is not JSON): its exit code and
+/// the value. In the network namespace `ns` if given, where an agent's
+/// metrics address is (through nsenter, not `ip netns exec`, which mounts
+/// a /sys without the pins' bpffs); else in the host namespaces (pins are
+/// global).
+pub fn lbctl_json_in(ns: Option<&str>, pin_dir: &Path, args: &[&str]) -> (i32, serde_json::Value) {
+    let mut cmd = match ns {
+        Some(ns) => {
+            let mut c = Command::new("nsenter");
+            c.arg(format!("--net=/run/netns/{ns}"))
+                .arg("--")
+                .arg(lbctl_bin());
+            c
+        }
+        None => Command::new(lbctl_bin()),
+    };
+    let out = cmd
         .arg("--pin-dir")
         .arg(pin_dir)
         .arg("--json")
@@ -417,7 +406,10 @@ pub fn lbctl_json_in(ns: &str, pin_dir: &Path, args: &[&str]) -> (i32, serde_jso
         .expect("run lbctl");
     let json = serde_json::from_slice(&out.stdout).unwrap_or_else(|e| {
         panic!(
-            "lbctl {args:?}: not JSON ({e}): {}{}",
+            "lbctl --pin-dir {} {args:?}{} ({}): not JSON ({e}): {}{}",
+            pin_dir.display(),
+            ns.map(|ns| format!(" in {ns}")).unwrap_or_default(),
+            out.status,
             String::from_utf8_lossy(&out.stdout),
             String::from_utf8_lossy(&out.stderr)
         )
@@ -674,7 +666,7 @@ impl Topology {
 
     /// Runs `lbctl --pin-dir <pin_dir> --json ARGS` and parses its output.
     pub fn lbctl_json(&self, args: &[&str]) -> serde_json::Value {
-        lbctl_json_at(&self.pin_dir, args)
+        lbctl_json_in(None, &self.pin_dir, args).1
     }
 
     /// `lbctl --json ARGS` asking `agent` too (service names, backend states).
@@ -684,7 +676,7 @@ impl Topology {
             .into_iter()
             .chain(args.iter().copied())
             .collect();
-        lbctl_json_in(&agent.lb_ns, &self.pin_dir, &all).1
+        lbctl_json_in(Some(&agent.lb_ns), &self.pin_dir, &all).1
     }
 
     /// Starts a UDP echo server on `port` of every backend (a thread in each

@@ -121,27 +121,6 @@ fn full_example() {
         flow_sync: None,
         services: vec![
             DesiredService {
-                name: "web".into(),
-                vip: v4("192.0.2.10"),
-                port: 80,
-                protocol: Protocol::Tcp,
-                mode: Mode::Nat,
-                backends: vec![
-                    DesiredBackend {
-                        ip: v4("10.2.0.2"),
-                        port: 8080,
-                        weight: 1,
-                        cgroup: None,
-                        terminating: false,
-                    },
-                    DesiredBackend {
-                        ip: v4("10.2.0.3"),
-                        port: 8080,
-                        weight: 0,
-                        cgroup: None,
-                        terminating: false,
-                    },
-                ],
                 health_check: Some(HealthCheck {
                     kind: CheckKind::Tcp { port: None },
                     interval: Duration::from_secs(1),
@@ -150,26 +129,13 @@ fn full_example() {
                     fall: 2,
                 }),
                 table_size: Some(16381),
-                removed_backend_flows: RemovedBackendFlows::Keep,
-                source_ranges: None,
-                affinity: None,
-                balance: Balance::Static,
-                announce: Announce::Both,
-                new_flow_limit: None,
+                ..DesiredService::for_test("web", v4("192.0.2.10"), 80)
+                    .with_backend(v4("10.2.0.2"), 8080, 1)
+                    .with_backend(v4("10.2.0.3"), 8080, 0)
             },
             DesiredService {
-                name: "dns6".into(),
-                vip: ip("2001:db8::53"),
-                port: 53,
                 protocol: Protocol::Udp,
                 mode: Mode::Snat,
-                backends: vec![DesiredBackend {
-                    ip: ip("fd00::2"),
-                    port: 53,
-                    weight: 1000,
-                    cgroup: None,
-                    terminating: false,
-                }],
                 health_check: Some(HealthCheck {
                     kind: CheckKind::Http {
                         port: Some(8081),
@@ -181,13 +147,12 @@ fn full_example() {
                     rise: 3,
                     fall: 4,
                 }),
-                table_size: None,
                 removed_backend_flows: RemovedBackendFlows::Reset,
-                source_ranges: None,
-                affinity: None,
-                balance: Balance::Static,
-                announce: Announce::Both,
-                new_flow_limit: None,
+                ..DesiredService::for_test("dns6", ip("2001:db8::53"), 53).with_backend(
+                    ip("fd00::2"),
+                    53,
+                    1000,
+                )
             },
         ],
     };

@@ -6,7 +6,7 @@ use super::*;
 use crate::{
     health::Health,
     load_aware::{controller::Decision, BackendLoad, ServiceLoad},
-    service::{AgentCheck, CheckKind, DesiredBackend, HealthCheck},
+    service::{AgentCheck, CheckKind, HealthCheck},
 };
 
 const CONFIG: &str = "\
@@ -25,31 +25,13 @@ fn addr(s: &str) -> SocketAddr {
 
 /// A service on `vip`:80/tcp with backends `10.2.0.N:8080`, weight 1.
 fn service(name: &str, vip: &str, mode: Mode, backends: &[u8]) -> DesiredService {
-    DesiredService {
-        name: name.into(),
-        vip: vip.parse().unwrap(),
-        port: 80,
-        protocol: Protocol::Tcp,
+    let s = DesiredService {
         mode,
-        backends: backends
-            .iter()
-            .map(|n| DesiredBackend {
-                ip: IpAddr::from([10, 2, 0, *n]),
-                port: 8080,
-                weight: 1,
-                cgroup: None,
-                terminating: false,
-            })
-            .collect(),
-        health_check: None,
-        table_size: None,
-        removed_backend_flows: RemovedBackendFlows::Keep,
-        source_ranges: None,
-        affinity: None,
-        balance: Balance::Static,
-        announce: Announce::Both,
-        new_flow_limit: None,
-    }
+        ..DesiredService::for_test(name, vip.parse().unwrap(), 80)
+    };
+    backends.iter().fold(s, |s, n| {
+        s.with_backend(IpAddr::from([10, 2, 0, *n]), 8080, 1)
+    })
 }
 
 fn checked(mut s: DesiredService) -> DesiredService {
