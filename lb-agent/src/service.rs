@@ -209,8 +209,9 @@ pub struct DesiredBackend {
     pub port: u16,
     pub weight: u32,
     /// Where its CPU use can be read on this node (load-aware balancing);
-    /// `None`: not local, or not said.
-    pub cgroup: Option<BackendCgroup>,
+    /// `None`: not local, or not said. Boxed: most backends have none, and
+    /// a cluster has 100,000s of backends.
+    pub cgroup: Option<Box<BackendCgroup>>,
     /// A Kubernetes endpoint that is terminating but still serving: it
     /// keeps its flows and takes no new ones (weight 0).
     pub terminating: bool,

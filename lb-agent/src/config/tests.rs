@@ -785,7 +785,9 @@ fn backend_cgroups_and_their_root() {
     assert_eq!(
         (&b[0].cgroup, &b[1].cgroup),
         (
-            &Some(BackendCgroup::Path("system.slice/web.service".into())),
+            &Some(Box::new(BackendCgroup::Path(
+                "system.slice/web.service".into()
+            ))),
             &None
         )
     );

@@ -656,7 +656,7 @@ impl Validator<'_> {
                 ip,
                 port: bport,
                 weight,
-                cgroup,
+                cgroup: cgroup.map(Box::new),
                 terminating: false,
             });
         }

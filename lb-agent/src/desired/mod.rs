@@ -224,7 +224,7 @@ fn wanted(svc: &Arc<DesiredService>, from_file: bool, inputs: &Inputs<'_>) -> Wa
                 cgroups: svc
                     .backends
                     .iter()
-                    .filter_map(|b| Some((b.addr(), b.cgroup.clone()?)))
+                    .filter_map(|b| Some((b.addr(), b.cgroup.as_deref()?.clone())))
                     .collect(),
                 least_loaded: spec.least_loaded,
             };

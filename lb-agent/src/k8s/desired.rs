@@ -704,7 +704,7 @@ fn backends_for(
             ip,
             port,
             weight,
-            cgroup: pod.map(|uid| BackendCgroup::Pod(uid.clone())),
+            cgroup: pod.map(|uid| Box::new(BackendCgroup::Pod(uid.clone()))),
             // Weight 0 only comes from a terminating endpoint.
             terminating: weight == 0,
         })

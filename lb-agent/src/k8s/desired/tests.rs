@@ -650,7 +650,7 @@ fn a_pod_on_this_node_is_known_by_its_uid() {
         let s = d.services.iter().find(|s| s.port == 80).unwrap();
         s.backends
             .iter()
-            .map(|b| (b.addr().to_string(), b.cgroup.clone()))
+            .map(|b| (b.addr().to_string(), b.cgroup.as_deref().cloned()))
             .collect()
     };
     let pod = |n: u8| {
