@@ -51,6 +51,9 @@ pub struct Agent {
     config: AgentConfig,
     /// The config file's bytes last loaded (change detection).
     config_bytes: Vec<u8>,
+    /// The key files' bytes last loaded: a Secret's update (a key
+    /// rotation's step) is taken without a restart.
+    key_bytes: Vec<u8>,
     dp: Arc<Mutex<Dataplane>>,
     health: HealthChecker,
     health_rx: watch::Receiver<HealthSnapshot>,
@@ -136,6 +139,20 @@ fn accept_local(iface: &str) {
     }
 }
 
+/// The contents of the config's key files, one after the other.
+fn key_file_bytes(config: &AgentConfig) -> Vec<u8> {
+    let l2 = config.l2.as_ref().map(|l| &l.key_file);
+    let fs = config.flow_sync.as_ref().map(|f| &f.key_file);
+    l2.into_iter()
+        .chain(fs)
+        .flat_map(|path| {
+            let mut b = std::fs::read(path).unwrap_or_default();
+            b.push(0);
+            b
+        })
+        .collect()
+}
+
 /// The first sync decodes every Service and EndpointSlice of the cluster at
 /// once, and a reload parses the whole file and rebuilds changed tables;
 /// glibc keeps the freed pages of such a peak unless asked to return them.
@@ -165,6 +182,7 @@ impl Agent {
         let snat_in_file = snat_in_file(&config);
         let config = with_node_addresses(config);
         let config_bytes = std::fs::read(&opts.config_path).unwrap_or_default();
+        let key_bytes = key_file_bytes(&config);
         let sizes = MapSizes {
             maglev_pool_entries: config.maglev_pool_entries,
             flow_table_entries: config.flow_table_entries,
@@ -218,6 +236,7 @@ impl Agent {
             opts,
             config,
             config_bytes,
+            key_bytes,
             dp,
             health,
             health_rx,
@@ -466,6 +485,8 @@ impl Agent {
                     }
                     if std::fs::read(&self.opts.config_path).is_ok_and(|b| b != self.config_bytes) {
                         self.reload("the file changed");
+                    } else if key_file_bytes(&self.config) != self.key_bytes {
+                        self.reload("a key file changed");
                     }
                     // A CNI bridge appears with the first Pod, often after
                     // the agent started; Pod veths come and go.
@@ -661,6 +682,8 @@ impl Agent {
         let started = Instant::now();
         let bytes = std::fs::read(&self.opts.config_path).unwrap_or_default();
         self.config_bytes = bytes;
+        // A key file that does not validate is not read again until it changes.
+        let keys_before = std::mem::replace(&mut self.key_bytes, key_file_bytes(&self.config));
         let result = AgentConfig::load(&self.opts.config_path)
             .map_err(anyhow::Error::from)
             .and_then(|c| {
@@ -671,6 +694,7 @@ impl Agent {
                 match self.apply_config() {
                     Ok(()) => {
                         self.reload_flow_sync(old.flow_sync.as_ref());
+                        self.reload_keys(&keys_before);
                         Ok(())
                     }
                     Err(e) => {
@@ -690,6 +714,29 @@ impl Agent {
             ),
         }
         self.metrics.record_reload(ok, started.elapsed());
+    }
+
+    /// Gives L2 mode and the flow exchange the keys as reloaded: the first
+    /// to seal with, all to open with.
+    fn reload_keys(&mut self, before: &[u8]) {
+        self.key_bytes = key_file_bytes(&self.config);
+        if self.key_bytes == before {
+            return;
+        }
+        if let (Some(cfg), Some(l2)) = (&self.config.l2, &self.l2) {
+            l2.set_keys(&cfg.keys);
+            info!(
+                keys = cfg.keys.len(),
+                "l2: cluster keys reloaded; sealing with the first"
+            );
+        }
+        if let (Some(cfg), Some(exchange)) = (&self.config.flow_sync, &self.flow_sync) {
+            exchange.peers.set_keys(&cfg.keys);
+            info!(
+                keys = cfg.keys.len(),
+                "flow exchange: cluster keys reloaded; sealing with the first"
+            );
+        }
     }
 
     /// Gives the running flow exchange the reloaded peers; any other change

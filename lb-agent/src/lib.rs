@@ -16,6 +16,6 @@ pub mod metrics;
 pub mod netif;
 pub mod notrack;
 pub mod podnet;
+pub mod seal;
 pub mod service;
-pub mod sign;
 pub mod sys;

@@ -169,13 +169,17 @@ fn one_node_answers_each_vip_and_traffic_flows() {
         "{named:?}"
     );
 
-    // A datagram signed with another key is refused and counted; the
+    // A datagram sealed with another key is refused and counted; the
     // membership stays as it was.
     let target = SocketAddr::from((node_v4(1), 7946));
     in_netns(&lab.client, move || {
         let s = UdpSocket::bind("0.0.0.0:0").unwrap();
+        let stranger = lb_agent::seal::Keyring::new(
+            &[b"not the cluster's key!".to_vec()],
+            lb_agent::seal::Purpose::L2,
+        );
         let forged = lb_agent::l2::gossip::seal(
-            b"not the cluster's key!",
+            &stranger,
             lb_agent::l2::gossip::Kind::Swim,
             b"join me",
         );

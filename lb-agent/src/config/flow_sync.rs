@@ -3,6 +3,7 @@
 
 use std::{
     net::{IpAddr, Ipv6Addr, SocketAddr},
+    path::PathBuf,
     time::Duration,
 };
 
@@ -22,8 +23,11 @@ pub struct FlowSyncConfig {
     /// No peers listed and a `kubernetes:` section: the peers are the other
     /// agents' flow exchange Leases (`crate::k8s::members`).
     pub discover_peers: bool,
-    /// The shared secret every frame is signed with; strangers are refused.
-    pub key: Vec<u8>,
+    /// The cluster keys every frame is sealed with (`crate::seal`): the
+    /// first to send, any to receive; strangers are refused.
+    pub keys: Vec<Vec<u8>>,
+    /// Where the keys are read from; a change is taken at once.
+    pub key_file: PathBuf,
     /// How often the flows this node opened are pushed to the peers: a
     /// connection younger than this when the routers' ECMP set changes may
     /// be reset.
@@ -62,7 +66,7 @@ impl Validator<'_> {
             }
             peers.push(addr);
         }
-        let key = self.cluster_key(&raw.key_file, || path().key("key_file"))?;
+        let keys = self.cluster_keys(&raw.key_file, || path().key("key_file"))?;
         let interval = self.duration_within(
             raw.interval.as_deref(),
             DEFAULT_INTERVAL,
@@ -83,7 +87,8 @@ impl Validator<'_> {
             listen,
             discover_peers: peers.is_empty(),
             peers,
-            key,
+            keys,
+            key_file: PathBuf::from(&raw.key_file),
             interval,
             forget_after,
         })
@@ -92,8 +97,8 @@ impl Validator<'_> {
 
 impl FlowSyncConfig {
     /// L2 mode's exchange with `share_flows` and no `flow_sync:` section: with the
-    /// members, on port 7947 of their membership addresses, signed with the
-    /// membership key. A failover moves every client of a VIP at once, so
+    /// members, on port 7947 of their membership addresses, sealed with the
+    /// membership keys. A failover moves every client of a VIP at once, so
     /// without it every snat connection through the old owner is reset.
     /// `None` with no members to share with.
     pub fn for_l2(l2: &L2Config) -> Option<Self> {
@@ -113,7 +118,8 @@ impl FlowSyncConfig {
                 .map(|p| SocketAddr::new(p.ip(), port))
                 .collect(),
             discover_peers: l2.discover_peers,
-            key: l2.key.clone(),
+            keys: l2.keys.clone(),
+            key_file: l2.key_file.clone(),
             interval: DEFAULT_INTERVAL,
             forget_after: DEFAULT_FORGET_AFTER,
         })
@@ -126,9 +132,10 @@ pub enum FlowSyncReload {
     Unchanged,
     /// Only the listed peers: the running exchange takes them at once.
     Peers(Vec<SocketAddr>),
-    /// Anything else (turned on or off, `listen`, the key, the interval,
-    /// listed against discovered peers): the exchange keeps running as it
-    /// started until the agent restarts; what changed, for the log.
+    /// Anything else but the keys (turned on or off, `listen`, the
+    /// interval, listed against discovered peers): the exchange keeps
+    /// running as it started until the agent restarts; what changed, for
+    /// the log. New keys are taken at once (`Peers::set_keys`).
     NeedsRestart(&'static str),
 }
 
@@ -143,8 +150,6 @@ impl FlowSyncConfig {
         };
         if b.listen != a.listen {
             FlowSyncReload::NeedsRestart("listen")
-        } else if b.key != a.key {
-            FlowSyncReload::NeedsRestart("key_file's key")
         } else if b.interval != a.interval {
             FlowSyncReload::NeedsRestart("interval")
         } else if b.forget_after != a.forget_after {
@@ -168,7 +173,8 @@ mod tests {
             listen: "10.0.0.11:7947".parse().unwrap(),
             peers: peers.iter().map(|p| p.parse().unwrap()).collect(),
             discover_peers: peers.is_empty(),
-            key: b"0123456789abcdef".to_vec(),
+            keys: vec![b"0123456789abcdef".to_vec()],
+            key_file: PathBuf::from("/etc/xlb/key"),
             interval: DEFAULT_INTERVAL,
             forget_after: DEFAULT_FORGET_AFTER,
         }
@@ -180,7 +186,11 @@ mod tests {
         let yaml = |extra: &str| {
             std::fs::create_dir_all(&dir).unwrap();
             let key = dir.join("l2.key");
-            std::fs::write(&key, "l2-key-0123456789abcdef\n").unwrap();
+            std::fs::write(
+                &key,
+                "l2-key-0123456789abcdef\n\nl2-key-2-0123456789abcdef\n",
+            )
+            .unwrap();
             format!(
                 "interfaces: [lo]\nl2:\n  interfaces: [lo]\n  node_name: a\n  bind: 10.0.0.11\n  peers: [10.0.0.12, \"10.0.0.13:8000\"]\n  key_file: {}\n{extra}",
                 key.display()
@@ -202,13 +212,20 @@ mod tests {
                 "10.0.0.13:7947".parse().unwrap()
             ]
         );
-        assert_eq!(fs.key, b"l2-key-0123456789abcdef");
+        assert_eq!(
+            fs.keys,
+            [
+                b"l2-key-0123456789abcdef".to_vec(),
+                b"l2-key-2-0123456789abcdef".to_vec()
+            ],
+            "one key a line, blank lines skipped, in order"
+        );
         assert!(!fs.discover_peers);
         std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]
-    fn a_reload_changes_the_peers_live_and_names_what_needs_a_restart() {
+    fn a_reload_changes_the_peers_and_keys_live_and_names_what_needs_a_restart() {
         use FlowSyncReload::*;
         let two = config(&["10.0.0.12:7947"]);
         let three = config(&["10.0.0.12:7947", "10.0.0.13:7947"]);
@@ -223,10 +240,10 @@ mod tests {
         };
         assert_eq!(reload(&three, &moved), NeedsRestart("listen"));
         let rekeyed = FlowSyncConfig {
-            key: b"another key of 16+".to_vec(),
+            keys: vec![b"another key of 16+".to_vec()],
             ..three.clone()
         };
-        assert_eq!(reload(&three, &rekeyed), NeedsRestart("key_file's key"));
+        assert_eq!(reload(&three, &rekeyed), Unchanged, "keys are taken live");
         let slower = FlowSyncConfig {
             interval: Duration::from_secs(1),
             ..three.clone()

@@ -23,8 +23,9 @@ pub struct L2Config {
     /// No peers listed and a `kubernetes:` section: the peers are the
     /// other agents' membership Leases (`crate::k8s::members`).
     pub discover_peers: bool,
-    /// The shared secret every packet is signed with; strangers are refused.
-    pub key: Vec<u8>,
+    /// The cluster keys every datagram is sealed with (`crate::seal`): the
+    /// first to send, any to receive; strangers are refused.
+    pub keys: Vec<Vec<u8>>,
     pub key_file: PathBuf,
     /// Members (this node included) a node must see to answer at all.
     pub quorum: usize,
@@ -109,7 +110,7 @@ impl Validator<'_> {
             peers.push(addr);
         }
         let key_file = PathBuf::from(&raw.key_file);
-        let key = self.cluster_key(&raw.key_file, || path().key("key_file"))?;
+        let keys = self.cluster_keys(&raw.key_file, || path().key("key_file"))?;
         let discover_peers = peers.is_empty() && kubernetes;
         let members = peers.len() + 1;
         let quorum = match raw.quorum {
@@ -156,7 +157,7 @@ impl Validator<'_> {
             bind,
             peers,
             discover_peers,
-            key,
+            keys,
             key_file,
             quorum,
             quorum_is_majority: raw.quorum.is_none(),
@@ -188,16 +189,38 @@ impl Validator<'_> {
     }
 
     /// A shared secret read from `file`, surrounding whitespace trimmed.
-    pub(super) fn cluster_key(&self, file: &str, at: impl Fn() -> FieldPath) -> Checked<Vec<u8>> {
-        let key = std::fs::read(file).map_err(|e| self.err(at(), format!("{file}: {e}")))?;
-        let key = key.trim_ascii().to_vec();
-        if key.len() < MIN_KEY_BYTES {
+    /// The keys of a key file: one per line, the first the one to send
+    /// with (a rotation adds the new key second, then moves it first).
+    pub(super) fn cluster_keys(
+        &self,
+        file: &str,
+        at: impl Fn() -> FieldPath,
+    ) -> Checked<Vec<Vec<u8>>> {
+        let bytes = std::fs::read(file).map_err(|e| self.err(at(), format!("{file}: {e}")))?;
+        let mut keys: Vec<Vec<u8>> = Vec::new();
+        for (i, line) in bytes.split(|b| *b == b'\n').enumerate() {
+            let key = line.trim_ascii();
+            if key.is_empty() {
+                continue;
+            }
+            if key.len() < MIN_KEY_BYTES {
+                return Err(self.err(
+                    at(),
+                    format!("{file}, line {}: a key must have at least {MIN_KEY_BYTES} bytes (e.g. `head -c 32 /dev/urandom | base64`)", i + 1),
+                ));
+            }
+            if keys.iter().any(|k| k == key) {
+                return Err(self.err(at(), format!("{file}, line {}: the same key twice", i + 1)));
+            }
+            keys.push(key.to_vec());
+        }
+        if keys.is_empty() {
             return Err(self.err(
                 at(),
-                format!("the key must have at least {MIN_KEY_BYTES} bytes (e.g. `head -c 32 /dev/urandom | base64`)"),
+                format!("{file} holds no key (one per line, the first to send with)"),
             ));
         }
-        Ok(key)
+        Ok(keys)
     }
 
     /// An address, with `port` unless it names its own.

@@ -1218,7 +1218,7 @@ l2:
     let unbound = AgentConfig::parse(&edit(&base, "  bind: 10.0.0.11\n", "")).unwrap();
     assert_eq!(unbound.l2.unwrap().bind, None);
     assert_eq!(l2.peers[1], "10.0.0.13:7000".parse().unwrap());
-    assert_eq!(l2.key, b"0123456789abcdef0123");
+    assert_eq!(l2.keys, [b"0123456789abcdef0123".to_vec()]);
     assert_eq!(l2.quorum, 2, "majority of three");
     assert_eq!(l2.probe_interval, Duration::from_millis(100));
     assert_eq!(l2.announce_interval, Duration::from_secs(30));
@@ -1254,6 +1254,30 @@ l2:
         "l2.key_file",
         "No such file",
     );
+    // Several keys, one a line (a rotation): each long enough, none twice.
+    for (contents, why) in [
+        ("\n \n", "holds no key"),
+        (
+            "0123456789abcdef0123\n0123456789abcdef0123\n",
+            "line 2: the same key twice",
+        ),
+        (
+            "0123456789abcdef0123\nshort\n",
+            "line 2: a key must have at least 16 bytes",
+        ),
+    ] {
+        std::fs::write(&short, contents).unwrap();
+        rejects(
+            &edit(
+                &base,
+                &key.display().to_string(),
+                &short.display().to_string(),
+            ),
+            7,
+            "l2.key_file",
+            why,
+        );
+    }
     rejects(
         &format!("{base}  quorum: 4\n"),
         8,
@@ -1309,7 +1333,7 @@ flow_sync:
             "10.0.0.13:7000".parse().unwrap()
         ]
     );
-    assert_eq!(fs.key, b"0123456789abcdef0123", "trimmed");
+    assert_eq!(fs.keys, [b"0123456789abcdef0123".to_vec()], "trimmed");
     assert_eq!(fs.interval, Duration::from_millis(500));
     assert_eq!(fs.forget_after, Duration::from_secs(10));
     let tuned = format!("{base}  listen: 10.0.0.11:9000\n  interval: 100ms\n  forget_after: 1m\n");

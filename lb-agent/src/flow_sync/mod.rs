@@ -30,6 +30,7 @@ use tracing::{info, warn};
 
 use self::wire::{Frame, Nonce, WireError, FLOWS_PER_FRAME};
 use crate::dataplane::{Dataplane, FlowTable, HandedFlow, Handing, Imported};
+use crate::seal::{Keyring, Purpose, SharedKeys};
 
 /// The exchange as the agent drives it: its peers and this node's side.
 #[derive(Clone)]
@@ -50,15 +51,10 @@ impl Exchange {
             .with_context(|| format!("binding the flow exchange {}", cfg.listen))?;
         let local = Local::new(dp).context("a handle on the flow table")?;
         let listed = (!cfg.discover_peers).then(|| cfg.peers.clone());
-        let peers = Peers::new(cfg.key.clone(), listed);
+        let peers = Peers::new(&cfg.keys, listed);
         let sync_now = start_sync(peers.clone(), local.clone(), cfg.interval);
         start_forgetting(local.clone(), cfg.listen.port(), cfg.forget_after);
-        tokio::spawn(serve(
-            listener,
-            Arc::new(cfg.key.clone()),
-            local.clone(),
-            sync_now,
-        ));
+        tokio::spawn(serve(listener, peers.keys.clone(), local.clone(), sync_now));
         Ok(Self { peers, local })
     }
 
@@ -181,10 +177,10 @@ const PULL_TIMEOUT: Duration = Duration::from_secs(3);
 const PROBE_INTERVAL: Duration = Duration::from_millis(200);
 const PROBE_TIMEOUT: Duration = Duration::from_millis(300);
 
-/// This agent's side of the exchange: its key and its peers.
+/// This agent's side of the exchange: its keys and its peers.
 #[derive(Clone)]
 pub struct Peers {
-    key: Arc<Vec<u8>>,
+    keys: SharedKeys,
     /// `None` until discovered peers are first known.
     list: Arc<watch::Sender<Option<Vec<SocketAddr>>>>,
     stats: PeerStats,
@@ -238,9 +234,9 @@ impl PeerStats {
 
 impl Peers {
     /// `peers`: `None` when they are to be discovered ([`Peers::set`]).
-    pub fn new(key: Vec<u8>, peers: Option<Vec<SocketAddr>>) -> Self {
+    pub fn new(secrets: &[Vec<u8>], peers: Option<Vec<SocketAddr>>) -> Self {
         Self {
-            key: Arc::new(key),
+            keys: SharedKeys::new(Keyring::new(secrets, Purpose::FlowSync)),
             list: Arc::new(watch::Sender::new(peers)),
             stats: PeerStats::new(),
         }
@@ -253,6 +249,12 @@ impl Peers {
     }
 
     /// The peers, as discovered now.
+    /// Seals with the first of `secrets` from now on, and opens with any
+    /// (a key rotation's step).
+    pub fn set_keys(&self, secrets: &[Vec<u8>]) {
+        self.keys.set(Keyring::new(secrets, Purpose::FlowSync));
+    }
+
     pub fn set(&self, peers: Vec<SocketAddr>) {
         self.list.send_replace(Some(peers));
     }
@@ -287,7 +289,7 @@ impl Peers {
     ) -> Vec<(SocketAddr, Result<u32, String>)> {
         let flows = Arc::new(flows.to_vec());
         let all = to.iter().copied().map(|p| {
-            let (key, flows) = (self.key.clone(), flows.clone());
+            let (key, flows) = (self.keys.get(), flows.clone());
             let t = if leaving {
                 LEAVING_PUSH_TIMEOUT
             } else {
@@ -306,7 +308,7 @@ impl Peers {
     /// Asks every peer for its SNAT flows at once.
     pub async fn pull(&self) -> Vec<(SocketAddr, Result<Vec<HandedFlow>, String>)> {
         let all = self.current().into_iter().map(|p| {
-            let key = self.key.clone();
+            let key = self.keys.get();
             let t = PULL_TIMEOUT;
             async move {
                 let r = tokio::time::timeout(t, pull_from(p, &key)).await;
@@ -340,7 +342,7 @@ fn nonce() -> Nonce {
 
 async fn push_to(
     peer: SocketAddr,
-    key: &[u8],
+    key: &Keyring,
     flows: &[HandedFlow],
     leaving: bool,
 ) -> Result<u32, WireError> {
@@ -360,7 +362,7 @@ async fn push_to(
     }
 }
 
-async fn pull_from(peer: SocketAddr, key: &[u8]) -> Result<Vec<HandedFlow>, WireError> {
+async fn pull_from(peer: SocketAddr, key: &Keyring) -> Result<Vec<HandedFlow>, WireError> {
     let n = nonce();
     let mut s = TcpStream::connect(peer).await?;
     let _ = s.set_nodelay(true);
@@ -391,7 +393,7 @@ impl SyncNow {
 }
 
 /// Serves pushes and pulls until the task is dropped or aborted.
-async fn serve(listener: TcpListener, key: Arc<Vec<u8>>, local: Local, sync_now: SyncNow) {
+async fn serve(listener: TcpListener, keys: SharedKeys, local: Local, sync_now: SyncNow) {
     let permits = Arc::new(Semaphore::new(MAX_CONNECTIONS));
     loop {
         let Ok(permit) = permits.clone().acquire_owned().await else {
@@ -405,7 +407,7 @@ async fn serve(listener: TcpListener, key: Arc<Vec<u8>>, local: Local, sync_now:
                 continue;
             }
         };
-        let (key, local, sync_now) = (key.clone(), local.clone(), sync_now.clone());
+        let (key, local, sync_now) = (keys.get(), local.clone(), sync_now.clone());
         tokio::spawn(async move {
             let _permit = permit;
             let exchange = answer(stream, &key, &local, &sync_now);
@@ -426,7 +428,7 @@ async fn serve(listener: TcpListener, key: Arc<Vec<u8>>, local: Local, sync_now:
 /// before the answer.
 async fn answer(
     stream: TcpStream,
-    key: &[u8],
+    key: &Keyring,
     local: &Local,
     sync_now: &SyncNow,
 ) -> Result<(), WireError> {

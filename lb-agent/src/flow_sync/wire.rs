@@ -1,13 +1,15 @@
-//! The flow exchange's frames, over TCP. Each frame is signed with the
-//! cluster key (HMAC-SHA256) over its header and payload; the header holds
-//! the exchange's nonce (a pull's answer must carry the pull's) and the
-//! sender's clock, so that a frame recorded once cannot be replayed long
-//! after.
+//! The flow exchange's frames, over TCP. Each frame's payload is encrypted
+//! with the cluster key (`crate::seal`), its header authenticated with it:
+//! the clients' addresses in the flows are not readable on the wire. The
+//! header holds the exchange's nonce (a pull's answer must carry the
+//! pull's) and the sender's clock, so that a frame recorded once cannot be
+//! replayed long after.
 //!
-//! Frame: magic `XLF\x01`, kind (1 byte), 3 zero bytes, nonce (16), Unix
-//! time in ms (8, big-endian), payload length (4, big-endian), payload, tag
-//! (32). A `Flows` payload is records of [`RECORD_LEN`] bytes; a `Done`
-//! payload is a count (4, big-endian); `Pull` and `Leaving` have none.
+//! Frame: magic `XLF\x02`, kind (1 byte), 3 zero bytes, nonce (16), Unix
+//! time in ms (8, big-endian), sealed length (4, big-endian), then the
+//! sealed payload ([`seal::OVERHEAD`] bytes more than the payload). A
+//! `Flows` payload is records of [`RECORD_LEN`] bytes; a `Done` payload is
+//! a count (4, big-endian); `Pull` and `Leaving` have none.
 
 use std::{
     net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr},
@@ -19,10 +21,10 @@ use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
 use crate::{
     dataplane::HandedFlow,
-    sign::{self, TAG_LEN},
+    seal::{self, Keyring, Refusal},
 };
 
-const MAGIC: &[u8; 4] = b"XLF\x01";
+const MAGIC: &[u8; 4] = b"XLF\x02";
 const HEADER_LEN: usize = 4 + 4 + 16 + 8 + 4;
 /// One flow: family, protocol, closed, a zero byte, idle ms (4), then
 /// client, VIP, backend and SNAT address (16 each, IPv4 in the first 4)
@@ -63,7 +65,9 @@ pub enum WireError {
     Io(#[from] std::io::Error),
     #[error("not an xlb flow exchange frame (or another version's)")]
     Malformed,
-    #[error("signed with another key")]
+    #[error("sealed with a key this node does not have (another cluster, or a key not rolled out here yet)")]
+    UnknownKey,
+    #[error("altered on the way, or sealed with another key")]
     BadKey,
     #[error("the sender's clock is {0:?} away from ours (more than {MAX_SKEW:?}): a replay, or clocks out of sync")]
     Stale(Duration),
@@ -77,45 +81,45 @@ fn unix_ms() -> u64 {
         .map_or(0, |d| d.as_millis() as u64)
 }
 
-/// A frame as bytes, signed.
-pub fn seal(key: &[u8], nonce: &Nonce, frame: &Frame) -> Vec<u8> {
-    seal_at(key, nonce, frame, unix_ms())
+/// A frame as bytes, sealed.
+pub fn seal(keys: &Keyring, nonce: &Nonce, frame: &Frame) -> Vec<u8> {
+    seal_at(keys, nonce, frame, unix_ms())
 }
 
-fn seal_at(key: &[u8], nonce: &Nonce, frame: &Frame, ms: u64) -> Vec<u8> {
+fn seal_at(keys: &Keyring, nonce: &Nonce, frame: &Frame, ms: u64) -> Vec<u8> {
     let (kind, payload) = match frame {
         Frame::Pull => (Kind::Pull, Vec::new()),
         Frame::Flows(flows) => (Kind::Flows, flows.iter().flat_map(encode).collect()),
         Frame::Done(n) => (Kind::Done, n.to_be_bytes().to_vec()),
         Frame::Leaving => (Kind::Leaving, Vec::new()),
     };
-    let mut out = Vec::with_capacity(HEADER_LEN + payload.len() + TAG_LEN);
+    let mut out = Vec::with_capacity(HEADER_LEN + payload.len() + seal::OVERHEAD);
     out.extend_from_slice(MAGIC);
     out.extend_from_slice(&[kind as u8, 0, 0, 0]);
     out.extend_from_slice(nonce);
     out.extend_from_slice(&ms.to_be_bytes());
-    out.extend_from_slice(&(payload.len() as u32).to_be_bytes());
-    out.extend_from_slice(&payload);
-    let tag = sign::sign(key, &[&out]);
-    out.extend_from_slice(&tag);
+    out.extend_from_slice(&((payload.len() + seal::OVERHEAD) as u32).to_be_bytes());
+    let sealed = keys.seal(&out, &payload);
+    out.extend_from_slice(&sealed);
     out
 }
 
 /// Writes one frame.
 pub async fn write<W: AsyncWrite + Unpin>(
     w: &mut W,
-    key: &[u8],
+    keys: &Keyring,
     nonce: &Nonce,
     frame: &Frame,
 ) -> std::io::Result<()> {
-    w.write_all(&seal(key, nonce, frame)).await
+    w.write_all(&seal(keys, nonce, frame)).await
 }
 
-/// Reads one frame signed with `key`; with `expect`, only of that exchange.
+/// Reads one frame sealed with one of `keys`; with `expect`, only of that
+/// exchange.
 /// Returns the frame's nonce too (a pull's, to answer with).
 pub async fn read<R: AsyncRead + Unpin>(
     r: &mut R,
-    key: &[u8],
+    keys: &Keyring,
     expect: Option<&Nonce>,
 ) -> Result<(Nonce, Frame), WireError> {
     let mut header = [0u8; HEADER_LEN];
@@ -123,16 +127,18 @@ pub async fn read<R: AsyncRead + Unpin>(
     if &header[..4] != MAGIC || header[5..8] != [0, 0, 0] {
         return Err(WireError::Malformed);
     }
-    let len = u32::from_be_bytes(header[32..36].try_into().expect("4 bytes")) as usize;
-    if len > MAX_PAYLOAD {
+    let sealed_len = u32::from_be_bytes(header[32..36].try_into().expect("4 bytes")) as usize;
+    if !(seal::OVERHEAD..=MAX_PAYLOAD + seal::OVERHEAD).contains(&sealed_len) {
         return Err(WireError::Malformed);
     }
-    let mut rest = vec![0u8; len + TAG_LEN];
-    r.read_exact(&mut rest).await?;
-    let (payload, tag) = rest.split_at(len);
-    if !sign::verify(key, &[&header, payload], tag) {
-        return Err(WireError::BadKey);
-    }
+    let mut sealed = vec![0u8; sealed_len];
+    r.read_exact(&mut sealed).await?;
+    let payload = keys.open(&header, &sealed).map_err(|e| match e {
+        Refusal::Short => WireError::Malformed,
+        Refusal::UnknownKey => WireError::UnknownKey,
+        Refusal::Forged => WireError::BadKey,
+    })?;
+    let len = payload.len();
     let nonce: Nonce = header[8..24].try_into().expect("16 bytes");
     if expect.is_some_and(|n| *n != nonce) {
         return Err(WireError::WrongNonce);
@@ -151,7 +157,7 @@ pub async fn read<R: AsyncRead + Unpin>(
                 .collect::<Option<_>>()
                 .ok_or(WireError::Malformed)?,
         ),
-        3 if len == 4 => Frame::Done(u32::from_be_bytes(payload.try_into().expect("4 bytes"))),
+        3 if len == 4 => Frame::Done(u32::from_be_bytes(payload[..].try_into().expect("4 bytes"))),
         4 if len == 0 => Frame::Leaving,
         _ => return Err(WireError::Malformed),
     };
@@ -220,7 +226,13 @@ fn decode(b: &[u8]) -> Option<HandedFlow> {
 mod tests {
     use super::*;
 
-    const KEY: &[u8] = b"0123456789abcdef0123";
+    fn keys(secret: &[u8]) -> Keyring {
+        Keyring::new(&[secret.to_vec()], seal::Purpose::FlowSync)
+    }
+
+    fn key() -> Keyring {
+        keys(b"0123456789abcdef0123")
+    }
 
     fn flow(port: u16) -> HandedFlow {
         HandedFlow {
@@ -236,7 +248,7 @@ mod tests {
 
     async fn round_trip(bytes: &[u8], expect: Option<&Nonce>) -> Result<(Nonce, Frame), WireError> {
         let mut r = bytes;
-        read(&mut r, KEY, expect).await
+        read(&mut r, &key(), expect).await
     }
 
     #[tokio::test]
@@ -254,7 +266,13 @@ mod tests {
             Frame::Done(42),
             Frame::Leaving,
         ] {
-            let got = round_trip(&seal(KEY, &n, &frame), Some(&n)).await.unwrap();
+            let sealed = seal(&key(), &n, &frame);
+            let client = [192, 0, 2, 7];
+            assert!(
+                !sealed.windows(4).any(|w| w == client),
+                "a client's address is not readable in {frame:?}"
+            );
+            let got = round_trip(&sealed, Some(&n)).await.unwrap();
             assert_eq!(got, (n, frame));
         }
     }
@@ -262,11 +280,15 @@ mod tests {
     #[tokio::test]
     async fn strangers_replays_and_garbage_are_refused() {
         let n = [1u8; 16];
-        let good = seal(KEY, &n, &Frame::Flows(vec![flow(1)]));
-        let other_key = seal(b"another key, 20 bytes", &n, &Frame::Flows(vec![flow(1)]));
+        let good = seal(&key(), &n, &Frame::Flows(vec![flow(1)]));
+        let other_key = seal(
+            &keys(b"another key, 20 bytes"),
+            &n,
+            &Frame::Flows(vec![flow(1)]),
+        );
         assert!(matches!(
             round_trip(&other_key, None).await,
-            Err(WireError::BadKey)
+            Err(WireError::UnknownKey)
         ));
         let mut flipped = good.clone();
         flipped[HEADER_LEN + 20] ^= 1;
@@ -278,7 +300,7 @@ mod tests {
             round_trip(&good, Some(&[2u8; 16])).await,
             Err(WireError::WrongNonce)
         ));
-        let old = seal_at(KEY, &n, &Frame::Done(1), unix_ms() - 120_000);
+        let old = seal_at(&key(), &n, &Frame::Done(1), unix_ms() - 120_000);
         assert!(matches!(
             round_trip(&old, None).await,
             Err(WireError::Stale(_))
@@ -293,7 +315,14 @@ mod tests {
             round_trip(b"GET / HTTP/1.1\r\n\r\n01234567890123456789", None).await,
             Err(WireError::Malformed)
         ));
-        // A signed record that is not a flow (family 5) is refused whole.
+        // The header is authenticated: a changed clock is refused.
+        let mut retimed = good.clone();
+        retimed[30] ^= 1;
+        assert!(matches!(
+            round_trip(&retimed, None).await,
+            Err(WireError::BadKey)
+        ));
+        // A sealed record that is not a flow (family 5) is refused whole.
         let mut bad = flow(1);
         bad.idle_ms = 0;
         let mut rec = encode(&bad);

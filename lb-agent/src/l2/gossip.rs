@@ -1,7 +1,8 @@
 //! The membership among agents: SWIM through the `foca` crate (transport-
 //! and identity-agnostic, no I/O of its own, maintained), over UDP. Every
-//! datagram is signed with the cluster key (HMAC-SHA256) so that nodes of
-//! another cluster, or strangers, cannot join or declare members down.
+//! datagram is encrypted and authenticated with the cluster key
+//! (`crate::seal`) so that nodes of another cluster, or strangers, cannot
+//! join, declare members down, or read who serves what.
 
 use std::{net::SocketAddr, num::NonZeroUsize, time::Duration};
 
@@ -9,7 +10,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::{
     config::L2Config,
-    sign::{self, TAG_LEN},
+    seal::{Keyring, Refusal, OVERHEAD},
 };
 
 /// A member: its node name, where it listens, and a generation bumped when
@@ -69,9 +70,9 @@ pub fn swim_config(cfg: &L2Config) -> foca::Config {
     c
 }
 
-/// Datagram header: a magic and a version, covered by the signature, then
-/// the kind of datagram.
-const MAGIC: &[u8; 4] = b"XLB\x02";
+/// Datagram header, authenticated with the sealed rest: a magic and a
+/// version, then the kind of datagram.
+const MAGIC: &[u8; 4] = b"XLB\x03";
 
 /// What a datagram carries.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -99,7 +100,8 @@ pub struct Heartbeat {
 pub enum Refused {
     /// Not xlb's, or another version's.
     Malformed,
-    /// Signed with another key: another cluster, or a stranger.
+    /// Sealed with a key this node does not have, or altered: another
+    /// cluster, a stranger, or a key not rolled out here yet.
     BadKey,
 }
 
@@ -112,52 +114,58 @@ impl Refused {
     }
 }
 
-pub fn seal(key: &[u8], kind: Kind, payload: &[u8]) -> Vec<u8> {
-    let mut out = Vec::with_capacity(MAGIC.len() + 1 + payload.len() + TAG_LEN);
+/// A datagram of `kind` carrying `payload`, sealed with the first key.
+pub fn seal(keys: &Keyring, kind: Kind, payload: &[u8]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(MAGIC.len() + 1 + OVERHEAD + payload.len());
     out.extend_from_slice(MAGIC);
     out.push(kind as u8);
-    out.extend_from_slice(payload);
-    let tag = sign::sign(key, &[&out]);
-    out.extend_from_slice(&tag);
+    let sealed = keys.seal(&out, payload);
+    out.extend_from_slice(&sealed);
     out
 }
 
-/// The kind and payload of a datagram signed with `key`.
-pub fn open<'d>(key: &[u8], datagram: &'d [u8]) -> Result<(Kind, &'d [u8]), Refused> {
-    if datagram.len() < MAGIC.len() + 1 + TAG_LEN || &datagram[..MAGIC.len()] != MAGIC {
+/// The kind and payload of a datagram sealed with one of `keys`.
+pub fn open(keys: &Keyring, datagram: &[u8]) -> Result<(Kind, Vec<u8>), Refused> {
+    let head = MAGIC.len() + 1;
+    if datagram.len() < head + OVERHEAD || &datagram[..MAGIC.len()] != MAGIC {
         return Err(Refused::Malformed);
     }
-    let (signed, tag) = datagram.split_at(datagram.len() - TAG_LEN);
-    if !sign::verify(key, &[signed], tag) {
-        return Err(Refused::BadKey);
-    }
-    let kind = match signed[MAGIC.len()] {
+    let (header, sealed) = datagram.split_at(head);
+    let payload = keys.open(header, sealed).map_err(|e| match e {
+        Refusal::Short => Refused::Malformed,
+        Refusal::UnknownKey | Refusal::Forged => Refused::BadKey,
+    })?;
+    let kind = match header[MAGIC.len()] {
         0 => Kind::Swim,
         1 => Kind::Heartbeat,
         _ => return Err(Refused::Malformed),
     };
-    Ok((kind, &signed[MAGIC.len() + 1..]))
+    Ok((kind, payload))
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::seal::Purpose;
+
+    fn keys(secret: &[u8]) -> Keyring {
+        Keyring::new(&[secret.to_vec()], Purpose::L2)
+    }
 
     #[test]
     fn a_sealed_datagram_opens_with_its_key_only() {
-        let d = seal(b"0123456789abcdef", Kind::Swim, b"hello");
-        assert_eq!(
-            open(b"0123456789abcdef", &d),
-            Ok((Kind::Swim, &b"hello"[..]))
-        );
-        assert_eq!(open(b"another key 0123", &d), Err(Refused::BadKey));
+        let key = keys(b"0123456789abcdef");
+        let d = seal(&key, Kind::Swim, b"hello");
+        assert_eq!(open(&key, &d), Ok((Kind::Swim, b"hello".to_vec())));
+        assert!(!d.windows(5).any(|w| w == b"hello"), "not readable");
+        assert_eq!(open(&keys(b"another key 0123"), &d), Err(Refused::BadKey));
         let mut flipped = d.clone();
-        flipped[5] ^= 1;
-        assert_eq!(open(b"0123456789abcdef", &flipped), Err(Refused::BadKey));
-        assert_eq!(
-            open(b"0123456789abcdef", b"XLB\x01"),
-            Err(Refused::Malformed)
-        );
-        assert_eq!(open(b"0123456789abcdef", &d[1..]), Err(Refused::Malformed));
+        flipped[4] ^= 1;
+        assert_eq!(open(&key, &flipped), Err(Refused::BadKey), "kind bound");
+        let mut flipped = d.clone();
+        *flipped.last_mut().unwrap() ^= 1;
+        assert_eq!(open(&key, &flipped), Err(Refused::BadKey));
+        assert_eq!(open(&key, b"XLB\x02"), Err(Refused::Malformed));
+        assert_eq!(open(&key, &d[1..]), Err(Refused::Malformed));
     }
 }

@@ -38,7 +38,13 @@ use self::{
     gossip::Member,
     owner::{owned_by, Eligible},
 };
-use crate::{config::L2Config, dataplane::Dataplane, maps::monotonic_now_ns, netif};
+use crate::{
+    config::L2Config,
+    dataplane::Dataplane,
+    maps::monotonic_now_ns,
+    netif,
+    seal::{Keyring, Purpose, SharedKeys},
+};
 
 /// The VIPs L2 mode answers for, each with the nodes that may own it.
 pub type L2Vips = BTreeMap<IpAddr, Eligible>;
@@ -66,6 +72,7 @@ enum Command {
 pub struct L2Task {
     tx: mpsc::UnboundedSender<Command>,
     bind: SocketAddr,
+    keys: SharedKeys,
 }
 
 impl L2Task {
@@ -117,6 +124,7 @@ impl L2Task {
             PostcardCodec,
         );
         let (tx, rx) = mpsc::unbounded_channel();
+        let keys = SharedKeys::new(Keyring::new(&cfg.keys, Purpose::L2));
         let holder_window = cfg.probe_interval + cfg.suspect_timeout;
         let cfg_discovers = cfg.discover_peers;
         let runner = Runner {
@@ -125,6 +133,7 @@ impl L2Task {
             contact_window: cfg.probe_interval * 2,
             valid_for: cfg.suspect_timeout,
             cfg,
+            keys: keys.clone(),
             dp,
             foca,
             runtime: AccumulatingRuntime::new(),
@@ -145,7 +154,13 @@ impl L2Task {
             holder_window,
         };
         tokio::spawn(runner.run(rx));
-        Ok(Self { tx, bind })
+        Ok(Self { tx, bind, keys })
+    }
+
+    /// Seals with the first of `secrets` from now on, and opens with any
+    /// (a key rotation's step).
+    pub fn set_keys(&self, secrets: &[Vec<u8>]) {
+        self.keys.set(Keyring::new(secrets, Purpose::L2));
     }
 
     /// Where this node's membership traffic is received.
@@ -214,7 +229,7 @@ impl L2Metrics {
         let refused = IntCounterVec::new(
             Opts::new(
                 "xlb_l2_gossip_refused_total",
-                "Membership datagrams refused: malformed, or signed with another key",
+                "Membership datagrams refused: malformed, or sealed with another key",
             ),
             &["reason"],
         )
@@ -271,6 +286,8 @@ struct Iface {
 
 struct Runner {
     cfg: L2Config,
+    /// `cfg.keys`, as reloads leave them.
+    keys: SharedKeys,
     metrics: L2Metrics,
     dp: Arc<Mutex<Dataplane>>,
     foca: Foca<Member, PostcardCodec, SmallRng, NoCustomBroadcast>,
@@ -366,17 +383,17 @@ impl Runner {
     }
 
     fn datagram(&mut self, data: &[u8], from: SocketAddr) {
-        match gossip::open(&self.cfg.key, data) {
+        match gossip::open(&self.keys.get(), data) {
             Ok((kind, payload)) => {
                 self.last_heard = Some(Instant::now());
                 match kind {
                     gossip::Kind::Swim => {
-                        if let Err(e) = self.foca.handle_data(payload, &mut self.runtime) {
+                        if let Err(e) = self.foca.handle_data(&payload, &mut self.runtime) {
                             tracing::debug!(%from, "l2: membership datagram not applied: {e}");
                         }
                     }
                     gossip::Kind::Heartbeat => {
-                        match serde_json::from_slice::<gossip::Heartbeat>(payload) {
+                        match serde_json::from_slice::<gossip::Heartbeat>(&payload) {
                             Ok(beat) if beat.name != self.cfg.node_name => {
                                 let peer = Peer {
                                     at: Instant::now(),
@@ -449,7 +466,7 @@ impl Runner {
     /// Sends what foca queued, schedules its timers, logs its news.
     async fn flush(&mut self) {
         while let Some((to, data)) = self.runtime.to_send() {
-            let sealed = gossip::seal(&self.cfg.key, gossip::Kind::Swim, &data);
+            let sealed = gossip::seal(&self.keys.get(), gossip::Kind::Swim, &data);
             if let Err(e) = self.socket.send_to(&sealed, to.addr).await {
                 tracing::debug!(to = %to.addr, "l2: sending membership traffic: {e}");
             }
@@ -485,7 +502,7 @@ impl Runner {
             holds: self.owned.keys().copied().collect(),
         };
         let payload = serde_json::to_vec(&beat).expect("a heartbeat serializes");
-        let beat = gossip::seal(&self.cfg.key, gossip::Kind::Heartbeat, &payload);
+        let beat = gossip::seal(&self.keys.get(), gossip::Kind::Heartbeat, &payload);
         for peer in &self.cfg.peers {
             let _ = self.socket.send_to(&beat, peer).await;
         }
