@@ -177,7 +177,9 @@ impl L2Lab {
         let dir = std::env::temp_dir().join(format!("xlb-{prefix}"));
         let _ = fs::remove_dir_all(&dir);
         fs::create_dir_all(&dir).unwrap();
-        fs::write(dir.join("l2.key"), "l2-lab-key-0123456789abcdef\n").unwrap();
+        for i in 1..=3 {
+            fs::write(key_path(&dir, i), format!("{LAB_KEY}\n")).unwrap();
+        }
         let switch = Netns::new(&format!("{prefix}-sw"));
         switch.run(
             "ip link add br0 type bridge mcast_snooping 0 && ip link set br0 up && \
@@ -298,9 +300,36 @@ impl L2Lab {
             "l2:\n  interfaces: [lan]\n  node_name: n{i}\n  bind: {}\n  peers: [{}]\n  key_file: {}\n{extra}",
             node_v4(i),
             peers.join(", "),
-            self.dir.join("l2.key").display()
+            key_path(&self.dir, i).display()
         ));
         s
+    }
+
+    /// Replaces node `i`'s key file with `keys`, one a line (a rotation's
+    /// step); the agent takes them within half a second.
+    pub fn write_keys(&self, i: usize, keys: &[&str]) {
+        let mut text = keys.join("\n");
+        text.push('\n');
+        write_atomic(&key_path(&self.dir, i), &text);
+    }
+
+    /// Records, until stopped, every frame node `i` sends or receives on
+    /// its LAN interface.
+    pub fn capture(&self, i: usize) -> Capture {
+        let stop = Arc::new(AtomicBool::new(false));
+        let s = stop.clone();
+        let (started, ready) = std::sync::mpsc::channel();
+        let thread = in_netns(&self.nodes[i - 1].ns, move || {
+            let sock = RawSocket::open("lan");
+            let _ = started.send(());
+            let mut frames = Vec::new();
+            while !s.load(Ordering::Relaxed) {
+                frames.extend(sock.frames(Duration::from_millis(50)));
+            }
+            frames
+        });
+        let _ = ready.recv();
+        Capture { stop, thread }
     }
 
     /// Starts node `i`'s agent with `yaml` and waits until it is ready.
@@ -572,6 +601,27 @@ impl L2Lab {
             .map_err(|held| format!("node {other} holds {held} of the {n} flows"))?;
         }
         Ok(conns)
+    }
+}
+
+/// The key every node starts with.
+pub const LAB_KEY: &str = "l2-lab-key-0123456789abcdef";
+
+fn key_path(dir: &Path, i: usize) -> PathBuf {
+    dir.join(format!("n{i}.key"))
+}
+
+/// A running [`L2Lab::capture`].
+pub struct Capture {
+    stop: Arc<AtomicBool>,
+    thread: JoinHandle<Vec<Vec<u8>>>,
+}
+
+impl Capture {
+    /// The frames seen, in order.
+    pub fn stop(self) -> Vec<Vec<u8>> {
+        self.stop.store(true, Ordering::Relaxed);
+        self.thread.join().expect("capture thread")
     }
 }
 

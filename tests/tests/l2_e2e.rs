@@ -12,7 +12,10 @@ use std::{
 use serde_json::json;
 use xlb_tests::{
     cluster::{Cluster, Pod, AGENT_NAMESPACE, API_HOST},
-    l2_lab::{node_of, node_v4, vip, ArpWatch, L2Lab, BACKEND_V4, ECHO_PORT, VIP6, VIPS},
+    l2_lab::{
+        node_of, node_v4, vip, ArpWatch, L2Lab, BACKEND_V4, CLIENT_V4, ECHO_PORT, LAB_KEY, VIP6,
+        VIPS,
+    },
     topology::in_netns,
     traffic::poll_until,
 };
@@ -178,11 +181,8 @@ fn one_node_answers_each_vip_and_traffic_flows() {
             &[b"not the cluster's key!".to_vec()],
             lb_agent::seal::Purpose::L2,
         );
-        let forged = lb_agent::l2::gossip::seal(
-            &stranger,
-            lb_agent::l2::gossip::Kind::Swim,
-            b"join me",
-        );
+        let forged =
+            lb_agent::l2::gossip::seal(&stranger, lb_agent::l2::gossip::Kind::Swim, b"join me");
         s.send_to(&forged, target).unwrap();
     })
     .join()
@@ -823,4 +823,169 @@ fn peers_come_from_the_agents_leases_on_the_real_control_plane() {
     assert!(lab.logs().contains("the membership peers changed"));
     lab.wait_owner(vip(0), Duration::from_secs(10));
     assert!(http_ok(&lab, SocketAddr::from((vip(0), 80))));
+}
+
+/// The sum of node `i`'s series of `name` whose labels contain `label`.
+fn metric_sum(lab: &L2Lab, i: usize, name: &str, label: &str) -> f64 {
+    lab.nodes[i - 1]
+        .metrics()
+        .lines()
+        .filter(|l| l.starts_with(&format!("{name}{{")) && l.contains(label))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
+/// A key rolls node by node as docs/helm.md says (the new key added second
+/// everywhere, moved first everywhere, the old one dropped), under
+/// keep-alive connections the other nodes hold and a stream of new ones:
+/// no datagram or frame is refused, no member goes down, the VIP stays
+/// where it is, no connection fails, and the flows opened meanwhile still
+/// reach the others. A capture of the owner's LAN shows the exchange
+/// carried no client address or VIP in the clear.
+#[test]
+fn a_key_rolls_node_by_node_with_nothing_refused_and_no_connection_lost() {
+    const NEW: &str = "l2-lab-new-key-fedcba9876543210";
+    let prefix = format!("l2k{}", std::process::id() % 10000);
+    let mut lab = L2Lab::start(&prefix);
+    for i in 1..=3 {
+        let c = lab.config(i, "  share_flows: true\n");
+        lab.start_agent(i, &c);
+    }
+    let addr = SocketAddr::from((vip(0), 80));
+    let owner = lab.wait_owner(vip(0), Duration::from_secs(10));
+    let capture = lab.capture(owner);
+    let mut conns = lab
+        .keepalive(addr, 20, Some(owner))
+        .unwrap_or_else(|e| panic!("{e}; logs:\n{}", lab.logs()));
+    let stream = lab.connection_stream(addr, Duration::from_millis(20));
+    let pushes_ok = |lab: &L2Lab, i: usize| {
+        metric_sum(lab, i, "xlb_flow_sync_exchanges_total", "result=\"ok\"")
+    };
+    for (n, step) in [&[LAB_KEY, NEW][..], &[NEW, LAB_KEY], &[NEW]]
+        .into_iter()
+        .enumerate()
+    {
+        let before: Vec<f64> = (1..=3).map(|i| pushes_ok(&lab, i)).collect();
+        for i in 1..=3 {
+            lab.write_keys(i, step);
+            // One line from L2 mode and one from its flow exchange per step.
+            poll_until(Duration::from_secs(5), Duration::from_millis(20), || {
+                let taken = lab.nodes[i - 1]
+                    .log()
+                    .matches("cluster keys reloaded")
+                    .count();
+                (taken == 2 * (n + 1)).then_some(()).ok_or(taken)
+            })
+            .unwrap_or_else(|t| {
+                panic!(
+                    "node {i}, step {n}: {t} reload lines; logs:\n{}",
+                    lab.logs()
+                )
+            });
+        }
+        // Each node's exchange went through with the step's keys.
+        for i in 1..=3 {
+            poll_until(Duration::from_secs(5), Duration::from_millis(50), || {
+                (pushes_ok(&lab, i) > before[i - 1]).then_some(()).ok_or(())
+            })
+            .unwrap_or_else(|()| {
+                panic!(
+                    "node {i}: no exchange after step {n}; logs:\n{}",
+                    lab.logs()
+                )
+            });
+        }
+    }
+    let (opened, failures) = stream.stop();
+    let frames = capture.stop();
+    for (k, c) in conns.iter_mut().enumerate() {
+        c.get()
+            .unwrap_or_else(|e| panic!("keep-alive connection {k} after the rotation: {e}"));
+    }
+    assert!(
+        failures.is_empty(),
+        "{} of {opened} new connections failed: {failures:?}",
+        failures.len()
+    );
+    assert_eq!(
+        lab.wait_owner(vip(0), Duration::from_secs(5)),
+        owner,
+        "the VIP moved"
+    );
+    for i in 1..=3 {
+        let log = lab.nodes[i - 1].log();
+        assert_eq!(
+            metric_sum(&lab, i, "xlb_l2_gossip_refused_total", "reason="),
+            0.0,
+            "node {i} refused datagrams; logs:\n{}",
+            lab.logs()
+        );
+        assert_eq!(
+            metric_sum(&lab, i, "xlb_flow_sync_exchanges_total", "result=\"error\""),
+            0.0,
+            "node {i}: exchanges failed; logs:\n{}",
+            lab.logs()
+        );
+        assert!(
+            !log.contains("l2: member down"),
+            "node {i} saw a member go down:\n{log}"
+        );
+        assert_eq!(lab.nodes[i - 1].metric("xlb_l2_members"), Some(3.0));
+    }
+    // The others hold a flow opened after the last step: the exchange
+    // runs on the new key alone.
+    let late = lab
+        .keepalive(addr, 1, Some(owner))
+        .unwrap_or_else(|e| panic!("after the rotation: {e}; logs:\n{}", lab.logs()));
+    drop(late);
+
+    // In the capture: the exchange and the membership were there, and
+    // neither shows a client's flow record (its address, 12 zero bytes,
+    // its port) or a VIP as heartbeats name it.
+    let client_records: Vec<Vec<u8>> = conns
+        .iter()
+        .filter_map(|c| c.stream.local_addr().ok())
+        .map(|a| {
+            let mut r = CLIENT_V4.octets().to_vec();
+            r.extend_from_slice(&[0; 12]);
+            r.extend_from_slice(&a.port().to_be_bytes());
+            r
+        })
+        .collect();
+    let tcp_port = |f: &[u8], port: u16| {
+        f.len() > 54 && f[12..14] == [0x08, 0x00] && f[23] == 6 && {
+            let ihl = usize::from(f[14] & 0x0f) * 4;
+            let p = &f[14 + ihl..];
+            p[0..2] == port.to_be_bytes() || p[2..4] == port.to_be_bytes()
+        }
+    };
+    let exchange: Vec<&Vec<u8>> = frames.iter().filter(|f| tcp_port(f, 7947)).collect();
+    let membership = frames
+        .iter()
+        .filter(|f| f.len() > 42 && f[23] == 17 && f[36..38] == 7946u16.to_be_bytes())
+        .count();
+    assert!(
+        exchange.iter().any(|f| f.len() > 500),
+        "no flow frame in the capture ({} exchange frames, {} frames)",
+        exchange.len(),
+        frames.len()
+    );
+    assert!(
+        membership > 10,
+        "{membership} membership datagrams captured"
+    );
+    let vip_text = vip(0).to_string();
+    for f in &frames {
+        for r in &client_records {
+            assert!(
+                !f.windows(r.len()).any(|w| w == &r[..]),
+                "a client's flow in the clear: {f:02x?}"
+            );
+        }
+        assert!(
+            !f.windows(vip_text.len()).any(|w| w == vip_text.as_bytes()),
+            "a VIP in the clear: {}",
+            String::from_utf8_lossy(f)
+        );
+    }
 }

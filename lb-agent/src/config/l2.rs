@@ -55,7 +55,8 @@ pub fn majority(peers: usize) -> usize {
 
 /// Default membership port (the one memberlist uses too).
 pub const DEFAULT_L2_PORT: u16 = 7946;
-/// A key shorter than this is refused: the HMAC is only as strong as it.
+/// A key shorter than this is refused: the keys derived from it are only
+/// as strong as it.
 const MIN_KEY_BYTES: usize = 16;
 
 impl Validator<'_> {
