@@ -857,15 +857,34 @@ fn a_key_rolls_node_by_node_with_nothing_refused_and_no_connection_lost() {
     let mut conns = lab
         .keepalive(addr, 20, Some(owner))
         .unwrap_or_else(|e| panic!("{e}; logs:\n{}", lab.logs()));
-    let stream = lab.connection_stream(addr, Duration::from_millis(20));
-    let pushes_ok = |lab: &L2Lab, i: usize| {
-        metric_sum(lab, i, "xlb_flow_sync_exchanges_total", "result=\"ok\"")
+    // Counted from here: the peers refused connections while they started.
+    let errors = |lab: &L2Lab, i: usize| {
+        metric_sum(lab, i, "xlb_flow_sync_exchanges_total", "result=\"error\"")
     };
+    let refused =
+        |lab: &L2Lab, i: usize| metric_sum(lab, i, "xlb_l2_gossip_refused_total", "reason=");
+    let errors_before: Vec<f64> = (1..=3).map(|i| errors(&lab, i)).collect();
+    let refused_before: Vec<f64> = (1..=3).map(|i| refused(&lab, i)).collect();
+    let stream = lab.connection_stream(addr, Duration::from_millis(20));
+    // The owner pushes the flows it opens to each peer; a push is "ok"
+    // once the peer has opened and taken it.
+    let pushes_ok = |lab: &L2Lab, peer: usize| {
+        let label = format!("peer=\"{}:7947\"", node_v4(peer));
+        let all = metric_sum(lab, owner, "xlb_flow_sync_exchanges_total", &label);
+        let failed = metric_sum(
+            lab,
+            owner,
+            "xlb_flow_sync_exchanges_total",
+            &format!("{label},result=\"error\""),
+        );
+        all - failed
+    };
+    let others: Vec<usize> = (1..=3).filter(|i| *i != owner).collect();
     for (n, step) in [&[LAB_KEY, NEW][..], &[NEW, LAB_KEY], &[NEW]]
         .into_iter()
         .enumerate()
     {
-        let before: Vec<f64> = (1..=3).map(|i| pushes_ok(&lab, i)).collect();
+        let before: Vec<f64> = others.iter().map(|&p| pushes_ok(&lab, p)).collect();
         for i in 1..=3 {
             lab.write_keys(i, step);
             // One line from L2 mode and one from its flow exchange per step.
@@ -883,16 +902,13 @@ fn a_key_rolls_node_by_node_with_nothing_refused_and_no_connection_lost() {
                 )
             });
         }
-        // Each node's exchange went through with the step's keys.
-        for i in 1..=3 {
+        // A push to each peer went through with the step's keys.
+        for (k, &p) in others.iter().enumerate() {
             poll_until(Duration::from_secs(5), Duration::from_millis(50), || {
-                (pushes_ok(&lab, i) > before[i - 1]).then_some(()).ok_or(())
+                (pushes_ok(&lab, p) > before[k]).then_some(()).ok_or(())
             })
             .unwrap_or_else(|()| {
-                panic!(
-                    "node {i}: no exchange after step {n}; logs:\n{}",
-                    lab.logs()
-                )
+                panic!("no push to node {p} after step {n}; logs:\n{}", lab.logs())
             });
         }
     }
@@ -915,14 +931,14 @@ fn a_key_rolls_node_by_node_with_nothing_refused_and_no_connection_lost() {
     for i in 1..=3 {
         let log = lab.nodes[i - 1].log();
         assert_eq!(
-            metric_sum(&lab, i, "xlb_l2_gossip_refused_total", "reason="),
-            0.0,
+            refused(&lab, i),
+            refused_before[i - 1],
             "node {i} refused datagrams; logs:\n{}",
             lab.logs()
         );
         assert_eq!(
-            metric_sum(&lab, i, "xlb_flow_sync_exchanges_total", "result=\"error\""),
-            0.0,
+            errors(&lab, i),
+            errors_before[i - 1],
             "node {i}: exchanges failed; logs:\n{}",
             lab.logs()
         );
