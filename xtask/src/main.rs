@@ -44,6 +44,12 @@ enum Command {
     ChartCheck,
     /// Build the container images (agent, gobgpd, and the real-node tests' pause and backend) with buildah, run their binaries, save them as OCI archives.
     Image,
+    /// Run the generated-input tests (the flow and membership decoders, the config file,
+    /// the Kubernetes annotations) long: CASES inputs each (`cargo xtask test` runs 256).
+    Fuzz {
+        #[arg(long, default_value_t = 100_000)]
+        cases: u32,
+    },
 }
 
 fn main() -> ExitCode {
@@ -65,7 +71,7 @@ fn run(command: Command) -> Result<()> {
     // The demo needs no Kubernetes; everything else may run the control plane.
     if !matches!(
         command,
-        Command::Demo | Command::ClippyEbpf | Command::Image
+        Command::Demo | Command::ClippyEbpf | Command::Image | Command::Fuzz { .. }
     ) {
         kube::setup()?;
     }
@@ -77,6 +83,7 @@ fn run(command: Command) -> Result<()> {
         Command::ClippyEbpf => test::clippy_ebpf(),
         Command::ChartCheck => chart::run(),
         Command::Image => image::run(),
+        Command::Fuzz { cases } => test::fuzz(cases),
     }
 }
 

@@ -36,6 +36,30 @@ pub fn run(extra: &[String]) -> Result<()> {
     Ok(())
 }
 
+/// The generated-input tests, long, in release mode: the agent's
+/// (`generated_*`, `cases` inputs each) and the XDP program's (50 frames a
+/// case: 5 million by default).
+pub fn fuzz(cases: u32) -> Result<()> {
+    let mut agent = cargo();
+    agent
+        .args(["test", "--release", "-p", "lb-agent", "--lib", "generated_"])
+        .env("PROPTEST_CASES", cases.to_string());
+    run_cmd(&mut agent).context("the agent's generated-input tests failed")?;
+    let mut xdp = cargo();
+    xdp.args([
+        "test",
+        "--release",
+        "-p",
+        "xlb-tests",
+        "--test",
+        "xdp_generated_needs_root",
+        "--",
+        "--nocapture",
+    ])
+    .env("XLB_XDP_FRAMES", (u64::from(cases) * 50).to_string());
+    run_cmd(&mut xdp).context("the XDP program's generated frames broke an invariant")
+}
+
 /// The eBPF crate only builds for bpfel with nightly, so the workspace clippy skips it.
 pub fn clippy_ebpf() -> Result<()> {
     let mut cmd = cargo();

@@ -1536,3 +1536,81 @@ fn backend_metrics_can_be_turned_off() {
         "boolean",
     );
 }
+
+mod generated {
+    //! Generated input (`cargo xtask fuzz` runs these long): the full
+    //! example with lines changed, dropped, repeated or cut short, and
+    //! arbitrary text. The parser never panics, and a refusal names a line
+    //! of the text.
+    use proptest::{prelude::*, sample::Index};
+
+    use super::*;
+
+    fn check(text: &str) -> Result<(), TestCaseError> {
+        if let Err(e) = AgentConfig::parse(text) {
+            // Lines as YAML counts them: its line breaks include NEL and
+            // the Unicode line and paragraph separators.
+            let breaks = ['\n', '\r', '\u{85}', '\u{2028}', '\u{2029}'];
+            let lines = text.split(breaks).count().max(1);
+            if let Some(l) = e.line() {
+                prop_assert!(l >= 1 && l <= lines + 1, "line {l} of {lines}: {e}");
+            }
+            prop_assert!(!e.to_string().is_empty());
+        }
+        Ok(())
+    }
+
+    /// A value of the kinds the file holds, or noise.
+    fn any_value() -> impl Strategy<Value = String> {
+        prop_oneof![
+            any::<i64>().prop_map(|n| n.to_string()),
+            "[0-9./:a-f-]{0,24}",
+            "[a-z_]{1,12}",
+            "\\PC{0,16}",
+            Just("[".to_string()),
+            Just("{ a: [1, {".to_string()),
+            Just("~".to_string()),
+            Just("\"\\u0000\"".to_string()),
+        ]
+    }
+
+    proptest! {
+        #[test]
+        fn generated_text_never_panics(text in "\\PC{0,300}") {
+            check(&text)?;
+        }
+
+        #[test]
+        fn generated_changes_to_the_full_example_never_panic(
+            at in any::<Index>(),
+            how in 0u8..4,
+            value in any_value(),
+        ) {
+            let mut lines: Vec<String> = FULL.lines().map(str::to_string).collect();
+            let i = at.index(lines.len());
+            match how {
+                // The value after the line's first colon.
+                0 => {
+                    let line = &lines[i];
+                    lines[i] = match line.split_once(':') {
+                        Some((k, _)) => format!("{k}: {value}"),
+                        None => value,
+                    };
+                }
+                1 => {
+                    lines.remove(i);
+                }
+                2 => {
+                    let l = lines[i].clone();
+                    lines.insert(i, l);
+                }
+                _ => {
+                    let l = &lines[i];
+                    let cut = value.len() % (l.len() + 1);
+                    lines[i] = l.chars().take(cut).collect();
+                }
+            }
+            check(&lines.join("\n"))?;
+        }
+    }
+}

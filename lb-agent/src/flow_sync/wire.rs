@@ -333,4 +333,78 @@ mod tests {
             Err(WireError::Io(_))
         ));
     }
+
+    mod generated {
+        //! Generated input (`cargo xtask fuzz` runs these long).
+        use proptest::{collection::vec, prelude::*, sample::Index};
+
+        use super::*;
+
+        fn any_addr(v6: bool) -> BoxedStrategy<SocketAddr> {
+            if v6 {
+                (any::<[u8; 16]>(), any::<u16>())
+                    .prop_map(|(ip, p)| SocketAddr::from((Ipv6Addr::from(ip), p)))
+                    .boxed()
+            } else {
+                (any::<[u8; 4]>(), any::<u16>())
+                    .prop_map(|(ip, p)| SocketAddr::from((Ipv4Addr::from(ip), p)))
+                    .boxed()
+            }
+        }
+
+        fn any_flow() -> impl Strategy<Value = HandedFlow> {
+            any::<bool>()
+                .prop_flat_map(|v6| {
+                    (
+                        [any_addr(v6), any_addr(v6), any_addr(v6), any_addr(v6)],
+                        any::<(bool, u32, bool)>(),
+                    )
+                })
+                .prop_map(
+                    |([client, vip, backend, snat], (closed, idle_ms, udp))| HandedFlow {
+                        protocol: if udp { Protocol::Udp } else { Protocol::Tcp },
+                        client,
+                        vip,
+                        backend,
+                        snat,
+                        closed,
+                        idle_ms,
+                    },
+                )
+        }
+
+        fn block_on<F: std::future::Future>(f: F) -> F::Output {
+            tokio::runtime::Builder::new_current_thread()
+                .build()
+                .expect("runtime")
+                .block_on(f)
+        }
+
+        proptest! {
+            #[test]
+            fn generated_flows_round_trip(flows in vec(any_flow(), 0..40), nonce in any::<Nonce>()) {
+                let sealed = seal(&key(), &nonce, &Frame::Flows(flows.clone()));
+                let got = block_on(round_trip(&sealed, Some(&nonce)));
+                prop_assert_eq!(got.ok(), Some((nonce, Frame::Flows(flows))));
+            }
+
+            #[test]
+            fn generated_bytes_are_refused(bytes in vec(any::<u8>(), 0..2048)) {
+                prop_assert!(block_on(round_trip(&bytes, None)).is_err());
+            }
+
+            /// Any bit flipped anywhere in a frame: refused, never taken.
+            #[test]
+            fn generated_changes_to_a_frame_are_refused(
+                flows in vec(any_flow(), 1..8),
+                at in any::<Index>(),
+                bit in 0u8..8,
+            ) {
+                let mut sealed = seal(&key(), &[3; 16], &Frame::Flows(flows));
+                let i = at.index(sealed.len());
+                sealed[i] ^= 1 << bit;
+                prop_assert!(block_on(round_trip(&sealed, None)).is_err());
+            }
+        }
+    }
 }

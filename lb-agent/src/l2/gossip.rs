@@ -168,4 +168,35 @@ mod tests {
         assert_eq!(open(&key, b"XLB\x02"), Err(Refused::Malformed));
         assert_eq!(open(&key, &d[1..]), Err(Refused::Malformed));
     }
+
+    mod generated {
+        //! Generated input (`cargo xtask fuzz` runs these long).
+        use proptest::{collection::vec, prelude::*, sample::Index};
+
+        use super::*;
+
+        proptest! {
+            #[test]
+            fn generated_datagrams_are_refused(bytes in vec(any::<u8>(), 0..1500)) {
+                prop_assert!(open(&keys(b"0123456789abcdef"), &bytes).is_err());
+            }
+
+            /// Any bit flipped anywhere in a datagram: refused, never taken.
+            #[test]
+            fn generated_changes_to_a_datagram_are_refused(
+                payload in vec(any::<u8>(), 0..300),
+                heartbeat in any::<bool>(),
+                at in any::<Index>(),
+                bit in 0u8..8,
+            ) {
+                let key = keys(b"0123456789abcdef");
+                let kind = if heartbeat { Kind::Heartbeat } else { Kind::Swim };
+                let mut d = seal(&key, kind, &payload);
+                prop_assert_eq!(open(&key, &d), Ok((kind, payload)));
+                let i = at.index(d.len());
+                d[i] ^= 1 << bit;
+                prop_assert!(open(&key, &d).is_err());
+            }
+        }
+    }
 }

@@ -711,3 +711,70 @@ fn an_unchanged_service_keeps_its_result_and_a_changed_one_is_made_afresh() {
         assert_eq!(!Arc::ptr_eq(a, b), ours, "{}", a.name);
     }
 }
+
+mod generated {
+    //! Generated input (`cargo xtask fuzz` runs these long): the web
+    //! Service with arbitrary xlb.dev annotations, source ranges and
+    //! affinity timeout. Nothing panics, and the Service always has a
+    //! result: the new one, or its last good one with the problem named.
+    use k8s_openapi::api::core::v1::{ClientIPConfig, SessionAffinityConfig};
+    use proptest::{collection::vec, option, prelude::*};
+
+    use super::*;
+
+    fn one_of(valid: &'static [&'static str]) -> BoxedStrategy<String> {
+        prop_oneof![
+            proptest::sample::select(valid).prop_map(str::to_string),
+            "[a-z0-9=,./:-]{0,24}",
+            "\\PC{0,12}",
+        ]
+        .boxed()
+    }
+
+    proptest! {
+        #[test]
+        fn generated_annotations_never_panic_and_keep_a_result(
+            mode in option::of(one_of(&["nat", "snat"])),
+            balance in option::of(one_of(&["static", "load-aware"])),
+            agent_port in option::of(one_of(&["8081", "0", "65536"])),
+            announce in option::of(one_of(&["bgp", "l2", "both"])),
+            limit in option::of(one_of(&[
+                "per-second=100",
+                "per-second=100,burst=20",
+                "per-second=5,ipv4-prefix=24,ipv6-prefix=64",
+                "burst=1",
+            ])),
+            ip in option::of(one_of(&["192.0.2.10", "192.0.2.10,2001:db8::10", "::"])),
+            ranges in option::of(vec(one_of(&["10.0.0.0/8", "192.0.2.7", "2001:db8::/32"]), 0..3)),
+            affinity in option::of(any::<i32>()),
+        ) {
+            let good = compute(&load(WEB), &opts("worker-1"), &Desired::default());
+            let mut o = load(WEB);
+            let svc = &mut o.services[0];
+            let notes = svc.metadata.annotations.get_or_insert_with(Default::default);
+            for (key, value) in [
+                (crate::k8s::MODE_ANNOTATION, mode),
+                (crate::k8s::BALANCE_ANNOTATION, balance),
+                (crate::k8s::AGENT_CHECK_PORT_ANNOTATION, agent_port),
+                (crate::k8s::ANNOUNCE_ANNOTATION, announce),
+                (crate::k8s::NEW_FLOW_LIMIT_ANNOTATION, limit),
+                (crate::k8s::IP_ANNOTATION, ip),
+            ] {
+                if let Some(v) = value {
+                    notes.insert(key.to_string(), v);
+                }
+            }
+            let spec = svc.spec.as_mut().expect("a spec");
+            spec.load_balancer_source_ranges = ranges;
+            if let Some(t) = affinity {
+                spec.session_affinity = Some("ClientIP".into());
+                spec.session_affinity_config = Some(SessionAffinityConfig {
+                    client_ip: Some(ClientIPConfig { timeout_seconds: Some(t) }),
+                });
+            }
+            let d = compute(&o, &opts("worker-1"), &good);
+            let kept = d.by_service.get("shop/web").is_some_and(|s| !s.is_empty());
+            prop_assert!(kept, "no result for shop/web: {:?}", d.problems);
+        }
+    }
+}
