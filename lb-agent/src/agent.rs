@@ -662,13 +662,18 @@ impl Agent {
         }
     }
 
-    /// A step of the load controllers: the metrics show its signals at
-    /// once; the data plane changes only if a weight did.
+    /// A step of the load controllers. The data plane changes only if a
+    /// weight did, and then the metrics show the step once the data plane
+    /// has it (`reconcile`): shown earlier, a weight of 0 would claim that
+    /// no new connection reaches a backend while the old table still sends
+    /// them there. Signals alone are shown at once.
     fn load_changed(&mut self) {
         let new = self.load_rx.borrow_and_update().clone();
         let mut labels = self.labels.lock().expect("labels lock");
         let differ = crate::load_aware::weights_differ(&labels.load, &new);
-        labels.load = new;
+        if !differ {
+            labels.load = new;
+        }
         drop(labels);
         if differ {
             if let Err(e) = self.reconcile() {
