@@ -15,6 +15,7 @@
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 
 use lb_agent::dataplane::{BackendSpec, Dataplane, Protocol, ServiceSpec};
+use rand::{rngs::SmallRng, Rng, SeedableRng};
 use xlb_tests::{
     packet::{
         tcp_flags, verify_checksums, Icmpv4, Icmpv6, Ipv4, Ipv6, Mac, PacketBuilder, Quote, Tcp,
@@ -228,21 +229,9 @@ fn seeds() -> Vec<(Side, Vec<u8>)> {
     ]
 }
 
-/// splitmix64: small, seedable, and the same everywhere.
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
-
-    fn below(&mut self, n: usize) -> usize {
-        (self.next() % n.max(1) as u64) as usize
-    }
+/// A number below `n` (at least 1).
+fn below(rng: &mut SmallRng, n: usize) -> usize {
+    rng.random_range(0..n.max(1))
 }
 
 /// The shortest frame a NIC hands XDP (and BPF_PROG_TEST_RUN takes): an
@@ -251,24 +240,24 @@ const MIN_FRAME: usize = 14;
 
 /// One to four mutations of `seed`, or random bytes one time in sixteen;
 /// never shorter than [`MIN_FRAME`].
-fn mutate(rng: &mut Rng, seed: &[u8]) -> Vec<u8> {
-    if rng.below(16) == 0 {
-        let len = MIN_FRAME + rng.below(200);
-        return (0..len).map(|_| rng.next() as u8).collect();
+fn mutate(rng: &mut SmallRng, seed: &[u8]) -> Vec<u8> {
+    if below(rng, 16) == 0 {
+        let len = MIN_FRAME + below(rng, 200);
+        return (0..len).map(|_| rng.random::<u8>()).collect();
     }
     let mut f = seed.to_vec();
-    for _ in 0..1 + rng.below(4) {
-        match rng.below(5) {
+    for _ in 0..1 + below(rng, 4) {
+        match below(rng, 5) {
             0 if !f.is_empty() => {
-                let i = rng.below(f.len());
-                f[i] ^= 1 << rng.below(8);
+                let i = below(rng, f.len());
+                f[i] ^= 1 << below(rng, 8);
             }
             1 if !f.is_empty() => {
-                let i = rng.below(f.len());
-                f[i] = rng.next() as u8;
+                let i = below(rng, f.len());
+                f[i] = rng.random::<u8>();
             }
-            2 => f.truncate(MIN_FRAME + rng.below(f.len().saturating_sub(MIN_FRAME) + 1)),
-            3 => f.extend((0..rng.below(40)).map(|_| rng.next() as u8)),
+            2 => f.truncate(MIN_FRAME + below(rng, f.len().saturating_sub(MIN_FRAME) + 1)),
+            3 => f.extend((0..below(rng, 40)).map(|_| rng.random::<u8>())),
             _ => {}
         }
     }
@@ -341,13 +330,13 @@ fn generated_frames_keep_the_invariants_needs_root() {
         dp.set_service(&s).unwrap();
     }
     let seeds = seeds();
-    let mut rng = Rng(seed);
+    let mut rng = SmallRng::seed_from_u64(seed);
     let before = total(&dp);
     let mut runs = 0u64;
     let (mut translated, mut unchanged) = (0u64, 0u64);
     for n in 0..frames {
-        let (side, base) = &seeds[rng.below(seeds.len())];
-        let f = if rng.below(8) == 0 {
+        let (side, base) = &seeds[below(&mut rng, seeds.len())];
+        let f = if below(&mut rng, 8) == 0 {
             base.clone()
         } else {
             mutate(&mut rng, base)

@@ -1239,23 +1239,15 @@ l2:
         "not in interfaces",
     );
     rejects(
-        &edit(
-            &base,
-            &key.display().to_string(),
-            &short.display().to_string(),
-        ),
-        7,
-        "l2.key_file",
-        "at least 16 bytes",
-    );
-    rejects(
         &edit(&base, "key_file: /", "key_file: /nonexistent/"),
         7,
         "l2.key_file",
         "No such file",
     );
-    // Several keys, one a line (a rotation): each long enough, none twice.
+    // One key or several, one a line (a rotation): each long enough, none
+    // twice.
     for (contents, why) in [
+        ("short", "line 1: a key must have at least 16 bytes"),
         ("\n \n", "holds no key"),
         (
             "0123456789abcdef0123\n0123456789abcdef0123\n",
