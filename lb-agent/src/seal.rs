@@ -102,7 +102,7 @@ impl Keyring {
         Keyring { keys }
     }
 
-    /// The id of the key this node sends with (logs, `lbctl status`).
+    /// The id of the key this node seals with.
     pub fn sending_id(&self) -> String {
         hex(&self.keys[0].id)
     }
