@@ -181,10 +181,11 @@ pub const SERVICE_F_LEAST_LOADED: u32 = 8;
 /// `ServiceInfo::flags`: new flows are limited per source prefix by the
 /// service's `FLOW_LIMITS` entry.
 pub const SERVICE_F_FLOW_LIMIT: u32 = 16;
-/// `ServiceInfo::flags` (snat services with `flow_sync`): a TCP packet
-/// other than a SYN whose flow this node does not know is dropped for up
-/// to [`HOLD_UNKNOWN_NS`] after its first such packet, instead of being
-/// translated afresh (which its backend would answer with a reset): the
+/// `ServiceInfo::flags` (services with `flow_sync`): a TCP packet other
+/// than a SYN whose flow this node does not know is dropped for up to
+/// [`HOLD_UNKNOWN_NS`] after its first such packet, instead of being
+/// translated afresh (to another source port in snat mode, or to another
+/// backend once the backends changed, either answered with a reset): the
 /// flow exchange brings the flow meanwhile, and the client's
 /// retransmission finds it.
 pub const SERVICE_F_HOLD_UNKNOWN: u32 = 32;
@@ -192,6 +193,14 @@ pub const SERVICE_F_HOLD_UNKNOWN: u32 = 32;
 /// covers the flow exchange's default push interval (500 ms) and the
 /// client's first retransmissions (200, 600, 1400 ms after).
 pub const HOLD_UNKNOWN_NS: u64 = 2_000_000_000;
+/// A SYN for a flow another node handed over (`FLOW_F_HANDED`), not
+/// closed and seen within this long, keeps that flow instead of starting
+/// afresh: it is the client's retransmission (at 1 and 3 s) of the SYN
+/// that opened it on the other node, sent again because the answer was
+/// late, and come here because the router's next hops changed meanwhile.
+/// Started afresh it would reach the backend from this node's SNAT address
+/// as a second connection, and the client's would be reset.
+pub const HANDED_SYN_NS: u64 = 4_000_000_000;
 /// `HELD_FLOWS`: flows being held, with when their first packet came (LRU).
 pub const HELD_FLOWS_ENTRIES: u32 = 1 << 14;
 

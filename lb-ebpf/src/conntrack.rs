@@ -11,7 +11,8 @@ use lb_common::{
         LEAST_LOADED_CANDIDATES,
     },
     Backend, Config, Flow, FlowKey, Reason, ReplyNat, ServiceInfo, FLOW_EVENT_REPICKED,
-    FLOW_F_CLOSED, FLOW_F_COUNTED, HOLD_UNKNOWN_NS, PROTO_TCP, REPLY_F_CLOSING,
+    FLOW_F_CLOSED, FLOW_F_COUNTED, FLOW_F_HANDED, HANDED_SYN_NS, HOLD_UNKNOWN_NS, PROTO_TCP,
+    REPLY_F_CLOSING,
     SERVICE_F_FLOW_LIMIT, SERVICE_F_HOLD_UNKNOWN, SERVICE_F_LEAST_LOADED, SERVICE_F_SNAT,
     SNAT_PROBES,
 };
@@ -232,7 +233,8 @@ fn set_target(s: &mut Scratch, flow: &Flow, new_flow: u16) {
 /// SNAT mode its source port) on a miss. `closing`: a TCP FIN or RST;
 /// `syn`: a TCP SYN without ACK, which starts a connection afresh even when
 /// an old flow with the same tuple is still in the table (the new flow's
-/// insert replaces it, for every CPU at once).
+/// insert replaces it, for every CPU at once), except a handed flow's
+/// (see [`HANDED_SYN_NS`]).
 ///
 /// Not inlined (its own stack frame); fills `s.target` and returns
 /// [`FOUND`], or returns the `Reason` to drop the packet for.
@@ -244,11 +246,13 @@ pub fn lookup_or_create(
     t: u64,
     s: &mut Scratch,
 ) -> u32 {
-    if !syn {
-        if let Some(flow) = FLOWS.get_ptr_mut(&s.key) {
-            // SAFETY: shared entry; plain stores, a racing CPU writes similar values.
-            let flow = unsafe { &mut *flow };
-            let idle = t.saturating_sub(flow.last_seen_ns);
+    if let Some(flow) = FLOWS.get_ptr_mut(&s.key) {
+        // SAFETY: shared entry; plain stores, a racing CPU writes similar values.
+        let flow = unsafe { &mut *flow };
+        let idle = t.saturating_sub(flow.last_seen_ns);
+        let retransmitted_syn = flow.flags & (FLOW_F_HANDED | FLOW_F_CLOSED) == FLOW_F_HANDED
+            && idle < HANDED_SYN_NS;
+        if !syn || retransmitted_syn {
             // A flow of a service since replaced on the same VIP:port is not
             // this one's; an SNAT flow idle past its lifetime may have lost
             // its port to another flow.
@@ -291,19 +295,19 @@ pub fn lookup_or_create(
                 return FOUND;
             }
         }
-        if s.key.proto == PROTO_TCP {
-            // Mid-connection and not in the table: evicted, older than this
-            // node's view of it, or opened by another node whose flows
-            // have not come yet (held a while). Maglev picks again.
-            if svc.flags & SERVICE_F_HOLD_UNKNOWN != 0 {
-                if hold_unknown(&s.key, t) {
-                    return Reason::DropHeldUnknownFlow as u32;
-                }
-                // Known from now on: a later loss is held afresh.
-                let _ = HELD_FLOWS.remove(&s.key);
+    }
+    if !syn && s.key.proto == PROTO_TCP {
+        // Mid-connection and not in the table: evicted, older than this
+        // node's view of it, or opened by another node whose flows have not
+        // come yet (held a while). Maglev picks again.
+        if svc.flags & SERVICE_F_HOLD_UNKNOWN != 0 {
+            if hold_unknown(&s.key, t) {
+                return Reason::DropHeldUnknownFlow as u32;
             }
-            crate::stats::count_flow_event(FLOW_EVENT_REPICKED);
+            // Known from now on: a later loss is held afresh.
+            let _ = HELD_FLOWS.remove(&s.key);
         }
+        crate::stats::count_flow_event(FLOW_EVENT_REPICKED);
     }
     if svc.flags & SERVICE_F_FLOW_LIMIT != 0 && !crate::limit::admit(svc, s) {
         return Reason::DropFlowLimit as u32;

@@ -1221,6 +1221,13 @@ impl EcmpLab {
     /// (`nat` or `snat`). In nat mode the backends' replies reach the
     /// client through any of the nodes (their route to it has all three).
     pub fn agent_config_in(&self, i: usize, weight: u32, mode: &str) -> String {
+        let backends: Vec<(usize, u32)> = (1..=BACKENDS).map(|n| (n, weight)).collect();
+        self.agent_config_with(i, mode, &backends)
+    }
+
+    /// As [`agent_config_in`](Self::agent_config_in) with only the backends
+    /// `(n, weight)` of `backends`, in that order.
+    pub fn agent_config_with(&self, i: usize, mode: &str, backends: &[(usize, u32)]) -> String {
         let mut s = format!(
             "interfaces: [uplink, lan]\n\
              snat_ipv4: {snat}\n\
@@ -1234,7 +1241,7 @@ impl EcmpLab {
              \x20   backends:\n",
             snat = node_backend_ip(i)
         );
-        for n in 1..=BACKENDS {
+        for &(n, weight) in backends {
             s.push_str(&format!(
                 "      - {{ ip: {}, port: {BACKEND_PORT}, weight: {weight} }}\n",
                 backend_ip(n)
@@ -1270,6 +1277,36 @@ impl EcmpLab {
 
     pub fn node(&mut self, i: usize) -> &mut Node {
         &mut self.nodes[i - 1]
+    }
+
+    /// Stops backend `n`'s nginx as a Pod's termination does: SIGQUIT (it
+    /// finishes the requests under way, closes its idle keep-alive
+    /// connections and exits); waits (at most 10 s) for it to exit.
+    pub fn stop_backend(&mut self, n: usize) {
+        let mut child = self.nginx[n - 1].take().expect("nginx running");
+        // SAFETY: kill(2) on our own child's pid.
+        let rc = unsafe { libc::kill(child.id() as i32, libc::SIGQUIT) };
+        assert_eq!(rc, 0, "kill: {}", io::Error::last_os_error());
+        let exited = poll_until(Duration::from_secs(10), Duration::from_millis(10), || {
+            child.try_wait().expect("wait nginx").ok_or(())
+        });
+        if exited.is_err() {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("backend {n}: nginx did not exit within 10 s of SIGQUIT");
+        }
+    }
+
+    /// Starts backend `n`'s nginx again (after [`stop_backend`](Self::stop_backend))
+    /// and waits until it accepts connections.
+    pub fn start_backend(&mut self, n: usize) {
+        assert!(self.nginx[n - 1].is_none(), "backend {n}: nginx running");
+        let child = self.start_nginx(n);
+        self.nginx[n - 1] = Some(child);
+        wait_for_port(
+            &self.backends[n - 1],
+            SocketAddr::from((backend_ip(n), BACKEND_PORT)),
+        );
     }
 
     /// nginx answering `GET /` with `b<n>` (as in `topology`).
@@ -1625,7 +1662,12 @@ pub fn connect_from(
 /// which nginx closes after answering); returns the backend's name (`b1`...).
 /// Call it from a thread in the client namespace.
 pub fn request_from(port: u16) -> io::Result<String> {
-    let timeout = Duration::from_secs(5);
+    request_from_within(port, Duration::from_secs(5))
+}
+
+/// [`request_from`] giving up on the connection, the request and the
+/// answer after `timeout` each.
+pub fn request_from_within(port: u16, timeout: Duration) -> io::Result<String> {
     let mut s = connect_from(
         SocketAddrV4::new(CLIENT_IP, port),
         SocketAddrV4::new(VIP, VIP_PORT),

@@ -1,6 +1,7 @@
 //! Test support for xlb: packet fixtures, checkers and helpers shared by the integration tests.
 
 pub mod bgp_lab;
+pub mod chaos;
 pub mod cgroup;
 pub mod cluster;
 pub mod ecmp;

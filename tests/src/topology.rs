@@ -777,17 +777,21 @@ impl HttpConn {
     /// Connects from a thread in `ns` (the socket stays in that namespace
     /// and can then be used from any thread).
     pub fn connect_in(ns: &Netns, addr: SocketAddr) -> io::Result<HttpConn> {
-        in_netns(ns, move || {
-            let s = TcpStream::connect_timeout(&addr, Duration::from_secs(5))?;
-            s.set_read_timeout(Some(Duration::from_secs(5)))?;
-            s.set_write_timeout(Some(Duration::from_secs(5)))?;
-            Ok(HttpConn {
-                stream: s,
-                buf: Vec::new(),
-            })
+        in_netns(ns, move || HttpConn::connect(addr, Duration::from_secs(5)))
+            .join()
+            .expect("connect thread")
+    }
+
+    /// Connects from the calling thread's namespace, giving up on the
+    /// connection, and later on each request and answer, after `timeout`.
+    pub fn connect(addr: SocketAddr, timeout: Duration) -> io::Result<HttpConn> {
+        let s = TcpStream::connect_timeout(&addr, timeout)?;
+        s.set_read_timeout(Some(timeout))?;
+        s.set_write_timeout(Some(timeout))?;
+        Ok(HttpConn {
+            stream: s,
+            buf: Vec::new(),
         })
-        .join()
-        .expect("connect thread")
     }
 
     /// One `GET /`; returns the body, trimmed (`b1`, ...).
@@ -803,7 +807,11 @@ impl HttpConn {
                 }
                 return Ok(body.trim().to_string());
             }
-            let n = self.stream.read(&mut chunk)?;
+            let n = match self.stream.read(&mut chunk) {
+                // A signal to the process (a child's exit): not an answer.
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                r => r?,
+            };
             if n == 0 {
                 return Err(io::Error::new(
                     io::ErrorKind::UnexpectedEof,

@@ -2068,6 +2068,9 @@ fn a_full_flow_table_evicts_and_evicted_flows_keep_their_backend_needs_root() {
 }
 
 /// A TCP segment from the client with `flags`.
+fn c4_flags_to(sport: u16, dport: u16, flags: u8) -> Vec<u8> {
+    c4(Tcp::new(sport, dport).seq(2000).ack(5001).flags(flags))
+}
 fn c4_flags(sport: u16, flags: u8) -> Vec<u8> {
     c4(Tcp::new(sport, 80).seq(2000).ack(5001).flags(flags))
 }
@@ -2231,7 +2234,7 @@ fn a_handed_snat_flow_is_translated_as_its_opening_node_did_needs_root() {
     let (v, _) = run(dp, cl0, &c4(syn(40300, 443)));
     assert_eq!(v, XDP_REDIRECT);
     let p = first_snat_port(CLIENT.into(), VIP.into(), 40300, 443, 6);
-    let handed = dp.snat_flows(Handing::All).unwrap();
+    let handed = dp.handed_flows(Handing::All).unwrap();
     assert_eq!(
         handed,
         vec![HandedFlow {
@@ -2239,7 +2242,7 @@ fn a_handed_snat_flow_is_translated_as_its_opening_node_did_needs_root() {
             client: sa(CLIENT, 40300),
             vip: sa(VIP, 443),
             backend: sa(B3, 8443),
-            snat: sa(SNAT4, p),
+            snat: Some(sa(SNAT4, p)),
             closed: false,
             idle_ms: handed[0].idle_ms,
         }]
@@ -2287,16 +2290,97 @@ fn a_handed_snat_flow_is_translated_as_its_opening_node_did_needs_root() {
             .tcp(ack(p, 8443))
             .build()
     );
+    // The client's SYN sent again (its answer was late, and the router's
+    // next hops changed meanwhile) keeps the handed flow: started afresh it
+    // would reach the backend from this node's address, a second connection.
+    let (v, out) = run(dp, cl0, &c4(syn(40300, 443)));
+    assert_eq!(v, XDP_REDIRECT);
+    let resent = xlb_tests::packet::parse(&out).unwrap();
+    assert_eq!(
+        (resent.src, resent.sport),
+        (IpAddr::from(SNAT4), Some(p)),
+        "a retransmitted SYN"
+    );
+    // Once the client closed it, a SYN on its port is a new connection.
+    run(dp, cl0, &c4_flags_to(40300, 443, 0x11));
+    let (_, out) = run(dp, cl0, &c4(syn(40300, 443)));
+    let reopened = xlb_tests::packet::parse(&out).unwrap();
+    assert_eq!(reopened.src, IpAddr::from(OTHER_NODE), "a SYN after the FIN");
     // A flow this node opens itself has its own address.
     let (_, out) = run(dp, cl0, &c4(syn(40302, 443)));
     let own = xlb_tests::packet::parse(&out).unwrap();
     assert_eq!(own.src, IpAddr::from(OTHER_NODE));
     // Handed on: all of them to a node that starts or leaves, only its own
-    // in the periodic push.
-    assert_eq!(dp.snat_flows(Handing::All).unwrap().len(), 2);
-    let mine = dp.snat_flows(Handing::OpenedHereSince(0)).unwrap();
-    assert_eq!(mine.len(), 1);
-    assert_eq!(mine[0].client, sa(CLIENT, 40302));
+    // in the periodic push (40300 is its own since it reopened here).
+    assert_eq!(dp.handed_flows(Handing::All).unwrap().len(), 2);
+    let mine = dp.handed_flows(Handing::OpenedHereSince(0)).unwrap();
+    let mut ports: Vec<u16> = mine.iter().map(|f| f.client.port()).collect();
+    ports.sort();
+    assert_eq!(ports, [40300, 40302]);
+}
+
+/// A nat flow handed over keeps the backend the opening node gave it,
+/// whichever Maglev would pick here (after a change of the backends, the
+/// nodes' tables differ from when it opened); one opened here is handed on
+/// without an SNAT address; a nat flow is not taken for an snat service.
+#[test]
+fn a_handed_nat_flow_keeps_its_backend_needs_root() {
+    let mut bed = FixtureBed::new("xlb-fix-handed-nat");
+    let (dp, cl0) = (&mut bed.dp, bed.cl0);
+    for s in base_services() {
+        dp.set_service(&s).unwrap();
+    }
+    let to_multi = |sport| {
+        from_client()
+            .ipv4(ip4(CLIENT, VIP_MULTI, 64))
+            .tcp(ack(sport, 80))
+            .build()
+    };
+    let backends = [B2, B3, B4];
+    let handed: Vec<HandedFlow> = backends
+        .iter()
+        .enumerate()
+        .map(|(i, &b)| HandedFlow {
+            protocol: Protocol::Tcp,
+            client: sa(CLIENT, 40600 + i as u16),
+            vip: sa(VIP_MULTI, 80),
+            backend: sa(b, 8080),
+            snat: None,
+            closed: false,
+            idle_ms: 0,
+        })
+        .collect();
+    let got = dp.import_flows(&handed).unwrap();
+    assert_eq!(got.added, 3, "{got:?}");
+    // Each goes to its own backend: Maglev alone would send all three
+    // ports' flows wherever it picks for each, not to all three in turn.
+    for (i, &b) in backends.iter().enumerate() {
+        let (v, out) = run(dp, cl0, &to_multi(40600 + i as u16));
+        assert_eq!(v, XDP_REDIRECT);
+        let p = xlb_tests::packet::parse(&out).unwrap();
+        assert_eq!((p.dst, p.dport), (IpAddr::from(b), Some(8080)), "flow {i}");
+    }
+    // Opened here: handed on with no SNAT address.
+    let (v, _) = run(
+        dp,
+        cl0,
+        &from_client()
+            .ipv4(ip4(CLIENT, VIP_MULTI, 64))
+            .tcp(syn(40700, 80))
+            .build(),
+    );
+    assert_eq!(v, XDP_REDIRECT);
+    let mine = dp.handed_flows(Handing::OpenedHereSince(0)).unwrap();
+    assert_eq!(mine.len(), 1, "{mine:?}");
+    assert_eq!((mine[0].client, mine[0].snat), (sa(CLIENT, 40700), None));
+    // A nat flow for the snat service on VIP:443 is not taken.
+    let mismatched = HandedFlow {
+        vip: sa(VIP, 443),
+        backend: sa(B3, 8443),
+        client: sa(CLIENT, 40710),
+        ..handed[0]
+    };
+    assert_eq!(dp.import_flows(&[mismatched]).unwrap().unknown_service, 1);
 }
 
 /// A node that started afresh (a pinned-map layout change) pulls its own
@@ -2314,7 +2398,7 @@ fn a_flow_that_comes_home_has_its_replies_translated_needs_root() {
     let (v, _) = run(dp, cl0, &c4(syn(40500, 443)));
     assert_eq!(v, XDP_REDIRECT);
     let p = first_snat_port(CLIENT.into(), VIP.into(), 40500, 443, 6);
-    let handed = dp.snat_flows(Handing::All).unwrap();
+    let handed = dp.handed_flows(Handing::All).unwrap();
     let reply = from_backend(B3_MAC)
         .ipv4(ip4(B3, SNAT4, 64))
         .tcp(ack(8443, p))
@@ -2337,7 +2421,7 @@ fn a_flow_that_comes_home_has_its_replies_translated_needs_root() {
     // here: its replies go to that node.
     dp.clear_dynamic_state().unwrap();
     let other = HandedFlow {
-        snat: SocketAddr::from(([10, 2, 0, 9], p)),
+        snat: Some(SocketAddr::from(([10, 2, 0, 9], p))),
         ..handed[0]
     };
     assert_eq!(dp.import_flows(&[other]).unwrap().added, 1);
@@ -2375,7 +2459,7 @@ fn an_unknown_snat_flow_is_held_until_the_exchange_brings_it_needs_root() {
         client: sa(CLIENT, cport),
         vip: sa(VIP, 443),
         backend: sa(B3, 8443),
-        snat: other,
+        snat: Some(other),
         closed: false,
         idle_ms: 0,
     };

@@ -13,13 +13,15 @@ use crate::{
 /// locality, pod-side interface and BGP convergence benchmarks. Arguments go to both (`xlb-bench` takes none and ignores them);
 /// `--e2e-only` / `--per-packet-only` run just one of them;
 /// `load-aware [ARGS]` (after `xlb-dispatch-model`), `l2 [ARGS]`,
-/// `rollout [ARGS]` and `podnet [ARGS]` run only that benchmark.
+/// `rollout [ARGS]`, `podnet [ARGS]` and `chaos [ARGS]` run only that
+/// benchmark (the chaos run only so: it takes about 20 minutes).
 pub fn run(args: &[String]) -> Result<()> {
     let only = [
         ("load-aware", "xlb-load-aware-bench"),
         ("l2", "xlb-l2-bench"),
         ("rollout", "xlb-rollout-bench"),
         ("podnet", "xlb-podnet-bench"),
+        ("chaos", "xlb-chaos-bench"),
     ];
     if let Some((_, bin)) = only
         .iter()

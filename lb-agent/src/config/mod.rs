@@ -314,7 +314,7 @@ impl AgentConfig {
             least_loaded: s.balance.is_load_aware() && s.affinity.is_none(),
             // Another node's flow comes with the exchange: hold it, rather
             // than translate it afresh into a reset.
-            hold_unknown_flows: snat.is_some() && self.flow_sync.is_some(),
+            hold_unknown_flows: self.flow_sync.is_some(),
             new_flow_limit: s.new_flow_limit,
             backends: s
                 .backends

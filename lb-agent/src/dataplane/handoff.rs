@@ -1,7 +1,9 @@
-//! SNAT flows handed from node to node (docs/bgp.md, "A node that leaves"):
+//! Flows handed from node to node (docs/bgp.md, "A node that leaves"):
 //! exported by what names them on every node (addresses and ports, not this
 //! node's ids), and imported by a node the router may send them to next, so
-//! that it translates them exactly as the node that opened them.
+//! that it translates them exactly as the node that opened them: to the
+//! same backend (which Maglev alone does not promise once the backends or
+//! their weights changed) and, in snat mode, from the same source.
 
 use lb_common::{
     FLOW_F_CLOSED, FLOW_F_HANDED, PROTO_TCP, PROTO_UDP, REPLY_F_CLOSING, SERVICE_F_SNAT,
@@ -12,22 +14,22 @@ use super::*;
 /// `bpf_map_update_elem`'s "only if absent" (linux/bpf.h).
 const BPF_NOEXIST: u64 = 1;
 
-/// An SNAT flow as another node needs it.
+/// A flow as another node needs it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct HandedFlow {
     pub protocol: Protocol,
     pub client: SocketAddr,
     pub vip: SocketAddr,
     pub backend: SocketAddr,
-    /// The source address and port the opening node gave it.
-    pub snat: SocketAddr,
+    /// The source address and port the opening node gave it (snat mode).
+    pub snat: Option<SocketAddr>,
     /// The client sent a FIN or RST.
     pub closed: bool,
     /// Time since its latest packet, in milliseconds.
     pub idle_ms: u32,
 }
 
-/// Which SNAT flows to hand over.
+/// Which flows to hand over.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Handing {
     /// Every one, also those other nodes handed to this one: a node that
@@ -45,13 +47,18 @@ pub struct Imported {
     pub added: usize,
     /// Already there (this node's own flow, or one imported before): kept.
     pub present: usize,
-    /// No SNAT service on that VIP, port and protocol here.
+    /// Already there with another translation and older: replaced (the
+    /// client's port was used again, or its SYN was answered through
+    /// another node).
+    pub replaced: usize,
+    /// No service on that VIP, port and protocol here, or one of the
+    /// other mode (nat, snat).
     pub unknown_service: usize,
     /// The service here has no such backend.
     pub unknown_backend: usize,
 }
 
-/// This node's ids of the SNAT services and their backends, by what names
+/// This node's ids of the services and their backends, by what names
 /// them on every node, and the reply translations' lifetimes: what an
 /// import needs from the data plane's state.
 #[derive(Clone, Debug, Default)]
@@ -64,8 +71,8 @@ pub struct HandoffIds {
 struct HandoffService {
     id: u32,
     backends: Vec<(SocketAddr, u32)>,
-    /// This node's SNAT address for the service.
-    snat_addr: [u32; 4],
+    /// This node's SNAT address for the service (snat mode).
+    snat_addr: Option<[u32; 4]>,
 }
 
 /// Seconds a reply translation lives without traffic (`Config`).
@@ -125,12 +132,11 @@ impl Dataplane {
             services: self
                 .state
                 .iter()
-                .filter(|(_, p)| p.info.flags & SERVICE_F_SNAT != 0)
                 .map(|(k, p)| {
                     let service = HandoffService {
                         id: p.info.id,
                         backends: p.backends().collect(),
-                        snat_addr: p.info.snat_addr,
+                        snat_addr: (p.info.flags & SERVICE_F_SNAT != 0).then_some(p.info.snat_addr),
                     };
                     (*k, service)
                 })
@@ -143,9 +149,9 @@ impl Dataplane {
         }
     }
 
-    /// The SNAT flows in the flow table that `which` names.
-    pub fn snat_flows(&self, which: Handing) -> Result<Vec<HandedFlow>> {
-        self.flow_table()?.snat_flows(which)
+    /// The flows in the flow table that `which` names.
+    pub fn handed_flows(&self, which: Handing) -> Result<Vec<HandedFlow>> {
+        self.flow_table()?.handed_flows(which)
     }
 
     /// Writes flows another node opened into the flow table, under this
@@ -164,8 +170,8 @@ impl Dataplane {
 }
 
 impl FlowTable {
-    /// [`Dataplane::snat_flows`].
-    pub fn snat_flows(&self, which: Handing) -> Result<Vec<HandedFlow>> {
+    /// [`Dataplane::handed_flows`].
+    pub fn handed_flows(&self, which: Handing) -> Result<Vec<HandedFlow>> {
         Ok(export(self.entries()?, which))
     }
 
@@ -211,7 +217,7 @@ impl HandoffIds {
     pub fn own_snat_addresses(&self) -> BTreeSet<IpAddr> {
         self.services
             .iter()
-            .map(|(k, s)| words_ip(&s.snat_addr, k.family))
+            .filter_map(|(k, s)| s.snat_addr.map(|a| words_ip(&a, k.family)))
             .collect()
     }
 }
@@ -224,7 +230,7 @@ fn export(entries: Vec<(FlowKey, Flow)>, which: Handing) -> Vec<HandedFlow> {
             Handing::All => true,
             Handing::OpenedHereSince(t) => f.flags & FLOW_F_HANDED == 0 && f.created_ns >= t,
         };
-        if f.snat_port == 0 || !wanted {
+        if !wanted {
             continue;
         }
         let Some(protocol) = Protocol::from_number(k.proto) else {
@@ -238,7 +244,7 @@ fn export(entries: Vec<(FlowKey, Flow)>, which: Handing) -> Vec<HandedFlow> {
             client: at(&k.src, k.sport),
             vip: at(&k.dst, k.dport),
             backend: at(&f.backend_addr, f.backend_port),
-            snat: at(&f.snat_addr, f.snat_port),
+            snat: (f.snat_port != 0).then(|| at(&f.snat_addr, f.snat_port)),
             closed: f.flags & FLOW_F_CLOSED != 0,
             idle_ms: (now.saturating_sub(f.last_seen_ns) / 1_000_000).min(u32::MAX as u64) as u32,
         });
@@ -264,7 +270,11 @@ fn import(
     let mut done = Imported::default();
     for h in flows {
         let skey = service_key(h.vip.ip(), h.vip.port(), h.protocol.number());
-        let Some(service) = ids.services.get(&skey) else {
+        let Some(service) = ids
+            .services
+            .get(&skey)
+            .filter(|s| s.snat_addr.is_some() == h.snat.is_some())
+        else {
             done.unknown_service += 1;
             continue;
         };
@@ -285,9 +295,9 @@ fn import(
         let last_seen = now.saturating_sub(h.idle_ms as u64 * 1_000_000);
         let flow = Flow {
             backend_addr: ip_words(h.backend.ip()),
-            snat_addr: ip_words(h.snat.ip()),
+            snat_addr: h.snat.map(|a| ip_words(a.ip())).unwrap_or_default(),
             backend_port: h.backend.port().to_be(),
-            snat_port: h.snat.port().to_be(),
+            snat_port: h.snat.map(|a| a.port().to_be()).unwrap_or(0),
             backend_id,
             service_id: *service_id,
             // Not counted in this node's open flows (FLOW_F_COUNTED): its
@@ -303,11 +313,19 @@ fn import(
                 let _ = held.remove(&key);
             }
             Err(MapError::SyscallError(e)) if e.io_error.raw_os_error() == Some(libc::EEXIST) => {
-                done.present += 1
+                match map.get(&key, 0) {
+                    Ok(old) if superseded(&old, &flow) => {
+                        map.insert(key, flow, 0).map_err(map_err(names::FLOWS))?;
+                        done.replaced += 1;
+                    }
+                    _ => done.present += 1,
+                }
             }
             Err(e) => return Err(map_err(names::FLOWS)(e)),
         }
-        if flow.snat_addr == service.snat_addr {
+        // A nat flow's replies are translated back by the backend's
+        // reverse entry, or the program puts its reply entry back.
+        if h.snat.is_some() && Some(flow.snat_addr) == service.snat_addr {
             let (reply_key, reply) = reply_of(&key, &flow, h.closed, &ids.lifetimes, now);
             match replies.insert(reply_key, reply, BPF_NOEXIST) {
                 Err(MapError::SyscallError(e))
@@ -320,6 +338,18 @@ fn import(
         }
     }
     Ok(done)
+}
+
+/// Whether a flow in the table gives way to one handed over for the same
+/// client and VIP: they translate differently (another backend or source)
+/// and the handed one saw its latest packet later. Both a node's own and
+/// a handed flow can be stale so: a connection that ended through another
+/// node leaves its flow open here, and when the client uses the port
+/// again the new connection's flow must win wherever it is handed.
+fn superseded(old: &Flow, new: &Flow) -> bool {
+    let differs = (old.backend_addr, old.backend_port, old.snat_addr, old.snat_port)
+        != (new.backend_addr, new.backend_port, new.snat_addr, new.snat_port);
+    differs && new.last_seen_ns > old.last_seen_ns
 }
 
 /// The reply translation of an SNAT flow, as the program writes it when it

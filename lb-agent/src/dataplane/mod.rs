@@ -199,7 +199,7 @@ pub struct ServiceSpec {
     /// New flows go to the least loaded of three Maglev candidates
     /// (`SERVICE_F_LEAST_LOADED`; load-aware services).
     pub least_loaded: bool,
-    /// snat with `flow_sync`: hold a flow this node does not know
+    /// With `flow_sync`: hold a flow this node does not know
     /// (`SERVICE_F_HOLD_UNKNOWN`).
     pub hold_unknown_flows: bool,
     /// New flows a second per source prefix (`SERVICE_F_FLOW_LIMIT`).

@@ -221,7 +221,7 @@ fn service_flags(spec: &ServiceSpec) -> u32 {
     if spec.new_flow_limit.is_some() {
         flags |= SERVICE_F_FLOW_LIMIT;
     }
-    if spec.hold_unknown_flows && spec.snat.is_some() {
+    if spec.hold_unknown_flows {
         flags |= SERVICE_F_HOLD_UNKNOWN;
     }
     flags

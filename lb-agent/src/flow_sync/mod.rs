@@ -97,7 +97,7 @@ impl Local {
     /// Blocks for a walk of the flow table.
     fn export(&self, which: Handing) -> Result<Vec<HandedFlow>, String> {
         let table = self.table.lock().expect("flow table lock");
-        table.snat_flows(which).map_err(|e| e.to_string())
+        table.handed_flows(which).map_err(|e| e.to_string())
     }
 
     /// Blocks for a system call per flow.
@@ -106,7 +106,7 @@ impl Local {
         self.snat_seen
             .lock()
             .expect("snat lock")
-            .extend(flows.iter().map(|f| f.snat.ip()));
+            .extend(flows.iter().filter_map(|f| f.snat.map(|a| a.ip())));
         let mut table = self.table.lock().expect("flow table lock");
         table.import_flows(&ids, flows).map_err(|e| e.to_string())
     }
@@ -541,7 +541,10 @@ async fn give_to_peers(peers: &Peers, local: &Local, which: Handing) {
 fn start_sync(peers: Peers, local: Local, interval: Duration) -> SyncNow {
     let (tx, mut rx) = mpsc::channel::<oneshot::Sender<()>>(16);
     tokio::spawn(async move {
-        let mut previous = crate::maps::coarse_now_ns();
+        // The first round hands on every flow opened here: those the
+        // program opened while no agent ran, and those an agent that
+        // restarted had not pushed yet, are on no other node.
+        let mut previous = 0;
         // Kept for peers that drop out of the list too: one discovered
         // again after a partition still gets what it missed.
         let mut since: BTreeMap<SocketAddr, u64> = BTreeMap::new();

@@ -26,9 +26,9 @@ use crate::{
 
 const MAGIC: &[u8; 4] = b"XLF\x02";
 const HEADER_LEN: usize = 4 + 4 + 16 + 8 + 4;
-/// One flow: family, protocol, closed, a zero byte, idle ms (4), then
-/// client, VIP, backend and SNAT address (16 each, IPv4 in the first 4)
-/// and port (2 each).
+/// One flow: family, protocol, closed, mode (0 snat, 1 nat), idle ms (4),
+/// then client, VIP, backend and SNAT address (16 each, IPv4 in the first
+/// 4) and port (2 each); a nat flow's SNAT address and port are zeros.
 pub const RECORD_LEN: usize = 8 + 4 * 18;
 /// Flows per frame: a frame stays under 320 KiB.
 pub const FLOWS_PER_FRAME: usize = 4096;
@@ -169,9 +169,10 @@ fn encode(f: &HandedFlow) -> Vec<u8> {
     out.push(if f.client.is_ipv6() { 6 } else { 4 });
     out.push(f.protocol.number());
     out.push(f.closed as u8);
-    out.push(0);
+    out.push(f.snat.is_none() as u8);
     out.extend_from_slice(&f.idle_ms.to_be_bytes());
-    for a in [f.client, f.vip, f.backend, f.snat] {
+    let none = SocketAddr::new(Ipv4Addr::UNSPECIFIED.into(), 0);
+    for a in [f.client, f.vip, f.backend, f.snat.unwrap_or(none)] {
         let mut ip = [0u8; 16];
         match a.ip() {
             IpAddr::V4(v4) => ip[..4].copy_from_slice(&v4.octets()),
@@ -197,6 +198,11 @@ fn decode(b: &[u8]) -> Option<HandedFlow> {
         1 => true,
         _ => return None,
     };
+    let nat = match b[3] {
+        0 => false,
+        1 => true,
+        _ => return None,
+    };
     let idle_ms = u32::from_be_bytes(b[4..8].try_into().ok()?);
     let at = |i: usize| {
         let o = 8 + i * 18;
@@ -216,7 +222,11 @@ fn decode(b: &[u8]) -> Option<HandedFlow> {
         client: at(0)?,
         vip: at(1)?,
         backend: at(2)?,
-        snat: at(3)?,
+        snat: if nat {
+            b[8 + 3 * 18..].iter().all(|&x| x == 0).then_some(None)?
+        } else {
+            Some(at(3)?)
+        },
         closed,
         idle_ms,
     })
@@ -240,7 +250,7 @@ mod tests {
             client: SocketAddr::from(([192, 0, 2, 7], port)),
             vip: SocketAddr::from(([203, 0, 113, 10], 80)),
             backend: SocketAddr::from(([10, 0, 0, 2], 8080)),
-            snat: SocketAddr::from(([10, 0, 0, 254], 20001)),
+            snat: Some(SocketAddr::from(([10, 0, 0, 254], 20001))),
             closed: port.is_multiple_of(2),
             idle_ms: 1234,
         }
@@ -257,11 +267,15 @@ mod tests {
         v6.client = "[2001:db8::7]:40000".parse().unwrap();
         v6.vip = "[2001:db8::10]:443".parse().unwrap();
         v6.backend = "[fd00::2]:8443".parse().unwrap();
-        v6.snat = "[fd00::fe]:30000".parse().unwrap();
+        v6.snat = Some("[fd00::fe]:30000".parse().unwrap());
         v6.protocol = Protocol::Udp;
+        let nat = HandedFlow {
+            snat: None,
+            ..flow(4)
+        };
         let n = [7u8; 16];
         for frame in [
-            Frame::Flows(vec![flow(1), flow(2), v6]),
+            Frame::Flows(vec![flow(1), flow(2), v6, nat]),
             Frame::Pull,
             Frame::Done(42),
             Frame::Leaving,
@@ -356,12 +370,13 @@ mod tests {
             any::<bool>()
                 .prop_flat_map(|v6| {
                     (
-                        [any_addr(v6), any_addr(v6), any_addr(v6), any_addr(v6)],
+                        [any_addr(v6), any_addr(v6), any_addr(v6)],
+                        proptest::option::of(any_addr(v6)),
                         any::<(bool, u32, bool)>(),
                     )
                 })
                 .prop_map(
-                    |([client, vip, backend, snat], (closed, idle_ms, udp))| HandedFlow {
+                    |([client, vip, backend], snat, (closed, idle_ms, udp))| HandedFlow {
                         protocol: if udp { Protocol::Udp } else { Protocol::Tcp },
                         client,
                         vip,

@@ -539,7 +539,10 @@ fn flow_exchange_cost(dp: &mut Dataplane) {
             client: SocketAddr::from(([10, 1, (i >> 8) as u8, i as u8], 1024 + (i % 7) as u16)),
             vip: SocketAddr::from((VIP, 86)),
             backend: SocketAddr::from((B2, 9001 + (i % 8) as u16)),
-            snat: SocketAddr::from(([10, 2, 0, 9], 1024 + (i % 60000) as u16)),
+            snat: Some(SocketAddr::from((
+                [10, 2, 0, 9],
+                1024 + (i % 60000) as u16,
+            ))),
             closed: false,
             idle_ms: 0,
         })
@@ -551,12 +554,12 @@ fn flow_exchange_cost(dp: &mut Dataplane) {
     let import = t.elapsed();
     assert_eq!(got.added, HANDED_FLOWS as usize, "{got:?}");
     let t = std::time::Instant::now();
-    let all = table.snat_flows(Handing::All).unwrap();
+    let all = table.handed_flows(Handing::All).unwrap();
     let walk = t.elapsed();
     assert_eq!(all.len(), HANDED_FLOWS as usize);
     let t = std::time::Instant::now();
     let none = table
-        .snat_flows(Handing::OpenedHereSince(u64::MAX))
+        .handed_flows(Handing::OpenedHereSince(u64::MAX))
         .unwrap();
     let idle_walk = t.elapsed();
     assert!(none.is_empty());
