@@ -12,9 +12,8 @@ use lb_common::{
     },
     Backend, Config, Flow, FlowKey, Reason, ReplyNat, ServiceInfo, FLOW_EVENT_REPICKED,
     FLOW_F_CLOSED, FLOW_F_COUNTED, FLOW_F_HANDED, HANDED_SYN_NS, HOLD_UNKNOWN_NS, PROTO_TCP,
-    REPLY_F_CLOSING,
-    SERVICE_F_FLOW_LIMIT, SERVICE_F_HOLD_UNKNOWN, SERVICE_F_LEAST_LOADED, SERVICE_F_SNAT,
-    SNAT_PROBES,
+    REPLY_F_CLOSING, SERVICE_F_FLOW_LIMIT, SERVICE_F_HOLD_UNKNOWN, SERVICE_F_LEAST_LOADED,
+    SERVICE_F_SNAT, SNAT_PROBES,
 };
 
 use crate::{
@@ -250,8 +249,8 @@ pub fn lookup_or_create(
         // SAFETY: shared entry; plain stores, a racing CPU writes similar values.
         let flow = unsafe { &mut *flow };
         let idle = t.saturating_sub(flow.last_seen_ns);
-        let retransmitted_syn = flow.flags & (FLOW_F_HANDED | FLOW_F_CLOSED) == FLOW_F_HANDED
-            && idle < HANDED_SYN_NS;
+        let retransmitted_syn =
+            flow.flags & (FLOW_F_HANDED | FLOW_F_CLOSED) == FLOW_F_HANDED && idle < HANDED_SYN_NS;
         if !syn || retransmitted_syn {
             // A flow of a service since replaced on the same VIP:port is not
             // this one's; an SNAT flow idle past its lifetime may have lost

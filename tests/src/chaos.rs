@@ -467,7 +467,11 @@ fn explain(lab: &EcmpLab, client: &Client) {
             .filter(|(n, _)| !matches!(*n, "tx" | "redirect" | "pass_no_service" | "pass_not_ip"))
             .map(|(n, t)| format!("{n} {t}"))
             .collect();
-        client.say(&format!("  node {}'s other verdicts: {}", node.index, odd.join(", ")));
+        client.say(&format!(
+            "  node {}'s other verdicts: {}",
+            node.index,
+            odd.join(", ")
+        ));
         let v = node.lbctl_json(&["conntrack", "--client", &client_ip]);
         for e in v["entries"].as_array().into_iter().flatten() {
             let port = e["client"]
@@ -637,7 +641,9 @@ fn node_event(lab: &mut EcmpLab, world: &mut World, i: usize, kind: &str) -> Res
                 }
             });
             lab.router.run(&format!("ip link set n{i} up"));
-            dropped.map_err(|fib| format!("the router kept node {i} 10 s after its link went down: {fib}"))?;
+            dropped.map_err(|fib| {
+                format!("the router kept node {i} 10 s after its link went down: {fib}")
+            })?;
         }
         other => unreachable!("not a node's event: {other}"),
     }

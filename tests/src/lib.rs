@@ -1,8 +1,8 @@
 //! Test support for xlb: packet fixtures, checkers and helpers shared by the integration tests.
 
 pub mod bgp_lab;
-pub mod chaos;
 pub mod cgroup;
+pub mod chaos;
 pub mod cluster;
 pub mod ecmp;
 pub mod k8s_topology;

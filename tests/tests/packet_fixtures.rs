@@ -2305,7 +2305,11 @@ fn a_handed_snat_flow_is_translated_as_its_opening_node_did_needs_root() {
     run(dp, cl0, &c4_flags_to(40300, 443, 0x11));
     let (_, out) = run(dp, cl0, &c4(syn(40300, 443)));
     let reopened = xlb_tests::packet::parse(&out).unwrap();
-    assert_eq!(reopened.src, IpAddr::from(OTHER_NODE), "a SYN after the FIN");
+    assert_eq!(
+        reopened.src,
+        IpAddr::from(OTHER_NODE),
+        "a SYN after the FIN"
+    );
     // A flow this node opens itself has its own address.
     let (_, out) = run(dp, cl0, &c4(syn(40302, 443)));
     let own = xlb_tests::packet::parse(&out).unwrap();
@@ -2373,6 +2377,22 @@ fn a_handed_nat_flow_keeps_its_backend_needs_root() {
     let mine = dp.handed_flows(Handing::OpenedHereSince(0)).unwrap();
     assert_eq!(mine.len(), 1, "{mine:?}");
     assert_eq!((mine[0].client, mine[0].snat), (sa(CLIENT, 40700), None));
+    // The client's port used again through another node: a newer flow that
+    // translates otherwise replaces the one here; an older one does not.
+    let again = |backend, idle_ms| HandedFlow {
+        client: sa(CLIENT, 40620),
+        backend: sa(backend, 8080),
+        idle_ms,
+        ..handed[0]
+    };
+    assert_eq!(dp.import_flows(&[again(B2, 5_000)]).unwrap().added, 1);
+    let got = dp.import_flows(&[again(B3, 0)]).unwrap();
+    assert_eq!((got.replaced, got.present), (1, 0), "{got:?}");
+    let got = dp.import_flows(&[again(B4, 60_000)]).unwrap();
+    assert_eq!((got.replaced, got.present), (0, 1), "{got:?}");
+    let (_, out) = run(dp, cl0, &to_multi(40620));
+    let p = xlb_tests::packet::parse(&out).unwrap();
+    assert_eq!(p.dst, IpAddr::from(B3), "the newer flow");
     // A nat flow for the snat service on VIP:443 is not taken.
     let mismatched = HandedFlow {
         vip: sa(VIP, 443),

@@ -347,8 +347,17 @@ fn import(
 /// node leaves its flow open here, and when the client uses the port
 /// again the new connection's flow must win wherever it is handed.
 fn superseded(old: &Flow, new: &Flow) -> bool {
-    let differs = (old.backend_addr, old.backend_port, old.snat_addr, old.snat_port)
-        != (new.backend_addr, new.backend_port, new.snat_addr, new.snat_port);
+    let differs = (
+        old.backend_addr,
+        old.backend_port,
+        old.snat_addr,
+        old.snat_port,
+    ) != (
+        new.backend_addr,
+        new.backend_port,
+        new.snat_addr,
+        new.snat_port,
+    );
     differs && new.last_seen_ns > old.last_seen_ns
 }
 

@@ -539,10 +539,7 @@ fn flow_exchange_cost(dp: &mut Dataplane) {
             client: SocketAddr::from(([10, 1, (i >> 8) as u8, i as u8], 1024 + (i % 7) as u16)),
             vip: SocketAddr::from((VIP, 86)),
             backend: SocketAddr::from((B2, 9001 + (i % 8) as u16)),
-            snat: Some(SocketAddr::from((
-                [10, 2, 0, 9],
-                1024 + (i % 60000) as u16,
-            ))),
+            snat: Some(SocketAddr::from(([10, 2, 0, 9], 1024 + (i % 60000) as u16))),
             closed: false,
             idle_ms: 0,
         })

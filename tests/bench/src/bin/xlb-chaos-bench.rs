@@ -134,10 +134,7 @@ mod tests {
     fn documented_invocations_parse() {
         Opts::command().debug_assert();
         let o = parse(&[]).unwrap();
-        assert_eq!(
-            o.labs,
-            [(Driver::GoBgp, "snat"), (Driver::Bird, "nat")]
-        );
+        assert_eq!(o.labs, [(Driver::GoBgp, "snat"), (Driver::Bird, "nat")]);
         assert_eq!((o.events, o.conns, o.seed), (100, 50, None));
         // docs/benchmarks.md
         let o = parse(&["--seed", "7", "--events", "10", "--labs", "bird-snat"]).unwrap();
