@@ -201,6 +201,13 @@ pub const HOLD_UNKNOWN_NS: u64 = 2_000_000_000;
 /// Started afresh it would reach the backend from this node's SNAT address
 /// as a second connection, and the client's would be reset.
 pub const HANDED_SYN_NS: u64 = 4_000_000_000;
+/// A closed flow (the client's FIN or RST seen) whose latest packet is
+/// older than this no longer takes a TCP packet other than a SYN on a
+/// service with `SERVICE_F_HOLD_UNKNOWN`: the connection it was is over
+/// (its last ACKs and retransmitted FINs come sooner), so the packet is of
+/// a new connection on the same client port, opened through another node
+/// whose flow the exchange brings. It is held as unknown meanwhile.
+pub const CLOSED_STALE_NS: u64 = 1_000_000_000;
 /// `HELD_FLOWS`: flows being held, with when their first packet came (LRU).
 pub const HELD_FLOWS_ENTRIES: u32 = 1 << 14;
 

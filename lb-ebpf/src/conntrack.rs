@@ -10,10 +10,10 @@ use lb_common::{
         flow_hash, maglev_hash, next_candidate, snat_port_candidate, CANDIDATE_DRAWS,
         LEAST_LOADED_CANDIDATES,
     },
-    Backend, Config, Flow, FlowKey, Reason, ReplyNat, ServiceInfo, FLOW_EVENT_REPICKED,
-    FLOW_F_CLOSED, FLOW_F_COUNTED, FLOW_F_HANDED, HANDED_SYN_NS, HOLD_UNKNOWN_NS, PROTO_TCP,
-    REPLY_F_CLOSING, SERVICE_F_FLOW_LIMIT, SERVICE_F_HOLD_UNKNOWN, SERVICE_F_LEAST_LOADED,
-    SERVICE_F_SNAT, SNAT_PROBES,
+    Backend, Config, Flow, FlowKey, Reason, ReplyNat, ServiceInfo, CLOSED_STALE_NS,
+    FLOW_EVENT_REPICKED, FLOW_F_CLOSED, FLOW_F_COUNTED, FLOW_F_HANDED, HANDED_SYN_NS,
+    HOLD_UNKNOWN_NS, PROTO_TCP, REPLY_F_CLOSING, SERVICE_F_FLOW_LIMIT, SERVICE_F_HOLD_UNKNOWN,
+    SERVICE_F_LEAST_LOADED, SERVICE_F_SNAT, SNAT_PROBES,
 };
 
 use crate::{
@@ -254,9 +254,14 @@ pub fn lookup_or_create(
         if !syn || retransmitted_syn {
             // A flow of a service since replaced on the same VIP:port is not
             // this one's; an SNAT flow idle past its lifetime may have lost
-            // its port to another flow.
+            // its port to another flow; a closed one long quiet is a
+            // previous connection's (CLOSED_STALE_NS).
             let snat = svc.flags & SERVICE_F_SNAT != 0;
+            let stale = flow.flags & FLOW_F_CLOSED != 0
+                && idle > CLOSED_STALE_NS
+                && svc.flags & SERVICE_F_HOLD_UNKNOWN != 0;
             if flow.service_id == svc.id
+                && !stale
                 && !(snat && idle > lifetime_ns(&config(), s.key.proto, false))
             {
                 set_target(s, flow, 0);

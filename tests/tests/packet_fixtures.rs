@@ -2529,6 +2529,18 @@ fn an_unknown_snat_flow_is_held_until_the_exchange_brings_it_needs_root() {
     dp.clear_dynamic_state().unwrap();
     let (v, _) = run(dp, cl0, &c4(ack(40404, 443)));
     assert_eq!(v, XDP_DROP, "lost again after the import: held afresh");
+    // A closed flow long quiet is a previous connection's: a packet other
+    // than a SYN on its port is a new connection's, opened through another
+    // node, and is held like an unknown flow's.
+    assert_eq!(run(dp, cl0, &c4(syn(40405, 443))).0, XDP_REDIRECT);
+    run(dp, cl0, &c4_flags_to(40405, 443, 0x11));
+    let (v, _) = run(dp, cl0, &c4(ack(40405, 443)));
+    assert_eq!(v, XDP_REDIRECT, "the closing connection's last ACK");
+    std::thread::sleep(
+        Duration::from_nanos(lb_common::CLOSED_STALE_NS) + Duration::from_millis(100),
+    );
+    let (v, _) = run(dp, cl0, &c4(ack(40405, 443)));
+    assert_eq!(v, XDP_DROP, "a packet on a closed flow's port, a second on");
     // Without the exchange an unknown flow is picked afresh at once.
     dp.set_service(&base_services()[2]).unwrap();
     let (v, _) = run(dp, cl0, &c4(ack(40403, 443)));

@@ -40,7 +40,7 @@ pub struct L2Config {
     /// How often owned VIPs are announced again (gratuitous ARP, unsolicited
     /// NA) so that switch tables never age them out.
     pub announce_interval: Duration,
-    /// Share snat flows with the members (TCP 7947, signed with `key`) when
+    /// Share flows with the members (TCP 7947, signed with `key`) when
     /// there is no `flow_sync:` section, so that connections survive a
     /// failover (docs/l2.md). On by default: the others forget a gone
     /// node's flows once its SNAT address stops answering.

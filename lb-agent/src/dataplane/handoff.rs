@@ -317,6 +317,7 @@ fn import(
                     Ok(old) if superseded(&old, &flow) => {
                         map.insert(key, flow, 0).map_err(map_err(names::FLOWS))?;
                         done.replaced += 1;
+                        let _ = held.remove(&key);
                     }
                     _ => done.present += 1,
                 }

@@ -459,7 +459,7 @@ async fn answer(
         wire::write(&mut w, key, &n, &Frame::Done(flows.len() as u32)).await?;
         info!(
             flows = flows.len(),
-            "flow exchange: sent this node's snat flows to a starting node"
+            "flow exchange: sent this node's flows to a starting node"
         );
         return Ok(());
     }
@@ -480,7 +480,7 @@ async fn answer(
         frame = wire::read(&mut r, key, Some(&n)).await?.1;
     }
     if leaving {
-        info!(?total, "flow exchange: took a leaving node's snat flows");
+        info!(?total, "flow exchange: took a leaving node's flows");
         sync_now.run().await;
     }
     let taken = (total.added + total.present) as u32;
@@ -495,7 +495,7 @@ async fn take_from_peers(peers: &Peers, local: &Local) -> Imported {
         match r {
             Ok(flows) => match local.import_async(flows).await {
                 Ok(got) => {
-                    info!(%peer, ?got, "flow exchange: took a peer's snat flows");
+                    info!(%peer, ?got, "flow exchange: took a peer's flows");
                     add(&mut total, got);
                 }
                 Err(e) => warn!(%peer, "flow exchange: importing a peer's flows: {e}"),
@@ -522,7 +522,7 @@ async fn give_to_peers(peers: &Peers, local: &Local, which: Handing) {
     for (peer, r) in peers.push(&flows, which == Handing::All).await {
         match r {
             Ok(taken) if which == Handing::All => {
-                info!(%peer, sent = flows.len(), taken, "flow exchange: gave all snat flows")
+                info!(%peer, sent = flows.len(), taken, "flow exchange: gave all flows")
             }
             Ok(_) => {}
             Err(e) => {
