@@ -40,8 +40,9 @@
 //!
 //! * lost: a keep-alive connection that failed (an error, or no answer
 //!   within [`CLIENT_TIMEOUT`]) while its backend lived. One whose backend
-//!   was stopped after its last answer ended with its backend (counted
-//!   apart: no load balancer keeps it);
+//!   was stopped after it opened ended with its backend (counted apart:
+//!   nginx closes every connection it holds when it stops, and no load
+//!   balancer keeps them);
 //! * failed new: a new connection (the stream, or one replacing a
 //!   keep-alive connection) whose request failed or got no answer within
 //!   [`CLIENT_TIMEOUT`];
@@ -167,8 +168,8 @@ struct Client {
     /// When each backend (`b1`...) was last stopped.
     deaths: Mutex<BTreeMap<String, Instant>>,
     breaks: Mutex<Vec<String>>,
-    /// Client ports of failures whose flows are still to be shown.
-    to_explain: Mutex<Vec<u16>>,
+    /// The nodes' pin directories (for `lbctl` when something fails).
+    pin_dirs: Vec<std::path::PathBuf>,
     /// Keep-alive connections opened from each client port.
     ports_used: Mutex<BTreeMap<u16, u32>>,
 }
@@ -181,6 +182,43 @@ impl Client {
     fn broke(&self, what: String) {
         self.say(&format!("INVARIANT BROKEN: {what}"));
         self.breaks.lock().unwrap().push(what);
+    }
+
+    /// Prints, at once, what each node's program has said so far that is
+    /// neither a forward nor a packet for someone else, and its flow of
+    /// the client's `port`: what a failure needs to be understood before
+    /// the port is used again.
+    fn explain(&self, port: u16) {
+        let client_ip = crate::ecmp::CLIENT_IP.to_string();
+        for (i, pin_dir) in self.pin_dirs.iter().enumerate() {
+            let lbctl = |args: &[&str]| crate::topology::lbctl_json_in(None, pin_dir, args).1;
+            let odd: Vec<String> = lbctl(&["stats"])["reasons"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .filter(|r| r["total"].as_u64().unwrap_or(0) > 0)
+                .filter_map(|r| r["reason"].as_str().map(|n| (n, r["total"].clone())))
+                .filter(|(n, _)| {
+                    !matches!(*n, "tx" | "redirect" | "pass_no_service" | "pass_not_ip")
+                })
+                .map(|(n, t)| format!("{n} {t}"))
+                .collect();
+            self.say(&format!(
+                "  node {}'s other verdicts: {}",
+                i + 1,
+                odd.join(", ")
+            ));
+            let flows = lbctl(&["conntrack", "--client", &client_ip]);
+            for e in flows["entries"].as_array().into_iter().flatten() {
+                let p = e["client"]
+                    .as_str()
+                    .and_then(|c| c.parse::<SocketAddr>().ok())
+                    .map(|c| c.port());
+                if p == Some(port) {
+                    self.say(&format!("  node {}'s flow: {e}", i + 1));
+                }
+            }
+        }
     }
 
     /// A new connection to the VIP and its first answer (the backend's
@@ -251,7 +289,7 @@ impl Client {
                                     asked.elapsed().as_secs_f64(),
                                     before.unwrap_or(0)
                                 ));
-                                self.to_explain.lock().unwrap().push(port);
+                                self.explain(port);
                             }
                             *slot = None;
                         }
@@ -286,7 +324,7 @@ impl Client {
                         "FAILED: new connection from port {port} after {:.1} s: {e}",
                         sent.elapsed().as_secs_f64()
                     ));
-                    self.to_explain.lock().unwrap().push(port);
+                    self.explain(port);
                 }
             }
             port = if port == 30000 { 10000 } else { port + 1 };
@@ -368,7 +406,7 @@ pub fn run(plan: &Plan) -> Outcome {
         passes: AtomicU64::new(0),
         deaths: Mutex::new(BTreeMap::new()),
         breaks: Mutex::new(Vec::new()),
-        to_explain: Mutex::new(Vec::new()),
+        pin_dirs: lab.nodes.iter().map(|n| n.pin_dir.clone()).collect(),
         ports_used: Mutex::new(BTreeMap::new()),
     });
     client.say(&format!(
@@ -391,7 +429,6 @@ pub fn run(plan: &Plan) -> Outcome {
         if let Err(e) = happen(&mut lab, &mut world, &client, &mut rng, k, kind) {
             client.broke(format!("#{k} {kind}: {e}"));
         }
-        explain(&lab, &client);
         for i in world.nodes_in() {
             if !lab.node(i).agent_running() {
                 client.broke(format!(
@@ -424,7 +461,6 @@ pub fn run(plan: &Plan) -> Outcome {
     let passes = client.passes.load(Ordering::Relaxed);
     wait_passes(&client, passes + 2);
     drop(threads);
-    explain(&lab, &client);
 
     let outcome = Outcome {
         events: plan.events,
@@ -445,44 +481,6 @@ pub fn run(plan: &Plan) -> Outcome {
         println!("{}", lab.logs());
     }
     outcome
-}
-
-/// Prints every node's flow entries of the client ports that failed.
-fn explain(lab: &EcmpLab, client: &Client) {
-    let ports: Vec<u16> = std::mem::take(&mut *client.to_explain.lock().unwrap());
-    if ports.is_empty() {
-        return;
-    }
-    let client_ip = crate::ecmp::CLIENT_IP.to_string();
-    for node in &lab.nodes {
-        // The program's verdicts so far that are neither a forward nor a
-        // packet for someone else.
-        let stats = node.lbctl_json(&["stats"]);
-        let odd: Vec<String> = stats["reasons"]
-            .as_array()
-            .into_iter()
-            .flatten()
-            .filter(|r| r["total"].as_u64().unwrap_or(0) > 0)
-            .filter_map(|r| r["reason"].as_str().map(|n| (n, r["total"].clone())))
-            .filter(|(n, _)| !matches!(*n, "tx" | "redirect" | "pass_no_service" | "pass_not_ip"))
-            .map(|(n, t)| format!("{n} {t}"))
-            .collect();
-        client.say(&format!(
-            "  node {}'s other verdicts: {}",
-            node.index,
-            odd.join(", ")
-        ));
-        let v = node.lbctl_json(&["conntrack", "--client", &client_ip]);
-        for e in v["entries"].as_array().into_iter().flatten() {
-            let port = e["client"]
-                .as_str()
-                .and_then(|c| c.parse::<SocketAddr>().ok())
-                .map(|c| c.port());
-            if port.is_some_and(|p| ports.contains(&p)) {
-                client.say(&format!("  node {}'s flow: {e}", node.index));
-            }
-        }
-    }
 }
 
 /// The client's two threads, in the client namespace; stopped and joined

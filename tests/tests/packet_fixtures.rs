@@ -2393,6 +2393,37 @@ fn a_handed_nat_flow_keeps_its_backend_needs_root() {
     let (_, out) = run(dp, cl0, &to_multi(40620));
     let p = xlb_tests::packet::parse(&out).unwrap();
     assert_eq!(p.dst, IpAddr::from(B3), "the newer flow");
+    // Closed by its client through the node that handed it: marked closed
+    // here too, so that a quiet closed copy holds a new connection's
+    // packets instead of translating them as the old one (services with
+    // `flow_sync`; see the hold's test).
+    let got = dp
+        .import_flows(&[HandedFlow {
+            closed: true,
+            ..again(B3, 0)
+        }])
+        .unwrap();
+    assert_eq!(got.closed, 1, "{got:?}");
+    let flows = dp.shared_flows().unwrap();
+    let (_, f) = flows
+        .iter()
+        .find(|(k, _)| u16::from_be(k.sport) == 40620)
+        .expect("the flow");
+    assert_ne!(f.flags & lb_common::FLOW_F_CLOSED, 0);
+    // Handed on by the node where it closed, with the flows it opened.
+    run(
+        dp,
+        cl0,
+        &from_client()
+            .ipv4(ip4(CLIENT, VIP_MULTI, 64))
+            .tcp(Tcp::new(40600, 80).seq(2000).ack(5001).flags(0x11))
+            .build(),
+    );
+    let pushed = dp.handed_flows(Handing::OpenedHereSince(1)).unwrap();
+    assert!(
+        pushed.iter().any(|f| f.client.port() == 40600 && f.closed),
+        "{pushed:?}"
+    );
     // A nat flow for the snat service on VIP:443 is not taken.
     let mismatched = HandedFlow {
         vip: sa(VIP, 443),

@@ -35,8 +35,10 @@ pub enum Handing {
     /// Every one, also those other nodes handed to this one: a node that
     /// starts or leaves.
     All,
-    /// Those this node opened at or after a time (`coarse_now_ns`'s clock):
-    /// the periodic sync.
+    /// Those this node opened at or after a time (`coarse_now_ns`'s clock),
+    /// and those whose client closed them here since (so that the other
+    /// nodes' copies are known closed when the client's port is used
+    /// again): the periodic sync.
     OpenedHereSince(u64),
 }
 
@@ -51,6 +53,9 @@ pub struct Imported {
     /// client's port was used again, or its SYN was answered through
     /// another node).
     pub replaced: usize,
+    /// Already there as handed over, and closed since by its client
+    /// through another node: marked closed here too.
+    pub closed: usize,
     /// No service on that VIP, port and protocol here, or one of the
     /// other mode (nat, snat).
     pub unknown_service: usize,
@@ -228,7 +233,10 @@ fn export(entries: Vec<(FlowKey, Flow)>, which: Handing) -> Vec<HandedFlow> {
     for (k, f) in entries {
         let wanted = match which {
             Handing::All => true,
-            Handing::OpenedHereSince(t) => f.flags & FLOW_F_HANDED == 0 && f.created_ns >= t,
+            Handing::OpenedHereSince(t) => {
+                (f.flags & FLOW_F_HANDED == 0 && f.created_ns >= t)
+                    || (f.flags & FLOW_F_CLOSED != 0 && f.last_seen_ns >= t)
+            }
         };
         if !wanted {
             continue;
@@ -318,6 +326,21 @@ fn import(
                         map.insert(key, flow, 0).map_err(map_err(names::FLOWS))?;
                         done.replaced += 1;
                         let _ = held.remove(&key);
+                    }
+                    // Only a handed copy: a flow of this node's own is
+                    // counted open (FLOW_F_COUNTED), and only the program's
+                    // own close takes it off.
+                    Ok(old)
+                        if h.closed
+                            && old.flags & (FLOW_F_HANDED | FLOW_F_CLOSED) == FLOW_F_HANDED =>
+                    {
+                        let closed = Flow {
+                            flags: old.flags | FLOW_F_CLOSED,
+                            last_seen_ns: old.last_seen_ns.max(flow.last_seen_ns),
+                            ..old
+                        };
+                        map.insert(key, closed, 0).map_err(map_err(names::FLOWS))?;
+                        done.closed += 1;
                     }
                     _ => done.present += 1,
                 }

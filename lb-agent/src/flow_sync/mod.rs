@@ -700,6 +700,8 @@ async fn answers(addr: SocketAddr) -> bool {
 fn add(total: &mut Imported, got: Imported) {
     total.added += got.added;
     total.present += got.present;
+    total.replaced += got.replaced;
+    total.closed += got.closed;
     total.unknown_service += got.unknown_service;
     total.unknown_backend += got.unknown_backend;
 }
