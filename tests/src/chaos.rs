@@ -46,6 +46,9 @@
 //! * failed new: a new connection (the stream, or one replacing a
 //!   keep-alive connection) whose request failed or got no answer within
 //!   [`CLIENT_TIMEOUT`];
+//! * (printed, not counted) after each event, every keep-alive flow opened
+//!   2 s before or more that a node that is in lacks or translates
+//!   otherwise: every node should have every flow;
 //! * invariant breaks: a keep-alive connection answered by another backend
 //!   than before; an agent that exited by itself; the router's FIB not back
 //!   to the nodes that are in within 30 s; a node's Maglev table not
@@ -170,6 +173,8 @@ struct Client {
     breaks: Mutex<Vec<String>>,
     /// The nodes' pin directories (for `lbctl` when something fails).
     pin_dirs: Vec<std::path::PathBuf>,
+    /// The keep-alive connections' client ports, with when they opened.
+    open_ports: Mutex<BTreeMap<u16, Instant>>,
     /// Keep-alive connections opened from each client port.
     ports_used: Mutex<BTreeMap<u16, u32>>,
 }
@@ -236,6 +241,10 @@ impl Client {
                 self.established.fetch_add(1, Ordering::Relaxed);
                 if let Ok(a) = http.stream.local_addr() {
                     *self.ports_used.lock().unwrap().entry(a.port()).or_default() += 1;
+                    self.open_ports
+                        .lock()
+                        .unwrap()
+                        .insert(a.port(), Instant::now());
                 }
                 Some(KeepAlive {
                     http,
@@ -262,7 +271,12 @@ impl Client {
             for slot in conns.iter_mut() {
                 if let Some(c) = slot {
                     let asked = Instant::now();
-                    match c.http.get() {
+                    let port = c.http.stream.local_addr().map(|a| a.port()).unwrap_or(0);
+                    let answer = c.http.get();
+                    if answer.is_err() {
+                        self.open_ports.lock().unwrap().remove(&port);
+                    }
+                    match answer {
                         Ok(b) if b == c.backend => {}
                         Ok(b) => {
                             self.broke(format!(
@@ -273,7 +287,6 @@ impl Client {
                         }
                         Err(e) => {
                             let died = self.deaths.lock().unwrap().get(&c.backend).copied();
-                            let port = c.http.stream.local_addr().map(|a| a.port()).unwrap_or(0);
                             // Its nginx closes every connection it holds
                             // when stopped, and none opens to it between its
                             // leaving the tables and its death.
@@ -407,6 +420,7 @@ pub fn run(plan: &Plan) -> Outcome {
         deaths: Mutex::new(BTreeMap::new()),
         breaks: Mutex::new(Vec::new()),
         pin_dirs: lab.nodes.iter().map(|n| n.pin_dir.clone()).collect(),
+        open_ports: Mutex::new(BTreeMap::new()),
         ports_used: Mutex::new(BTreeMap::new()),
     });
     client.say(&format!(
@@ -429,6 +443,7 @@ pub fn run(plan: &Plan) -> Outcome {
         if let Err(e) = happen(&mut lab, &mut world, &client, &mut rng, k, kind) {
             client.broke(format!("#{k} {kind}: {e}"));
         }
+        missing_flows(&lab, &world, &client, k, kind);
         for i in world.nodes_in() {
             if !lab.node(i).agent_running() {
                 client.broke(format!(
@@ -478,9 +493,64 @@ pub fn run(plan: &Plan) -> Outcome {
         outcome.ended_with_backend
     ));
     if !outcome.clean() {
-        println!("{}", lab.logs());
+        // Every agent's and speaker's whole log, which the lab removes.
+        let kept = std::env::temp_dir().join(format!("xlb-chaos-{}-{}", plan.mode, plan.seed));
+        let _ = std::fs::remove_dir_all(&kept);
+        let copied = std::process::Command::new("cp")
+            .arg("-r")
+            .arg(&lab.dir)
+            .arg(&kept)
+            .status();
+        println!(
+            "{}\nthe lab's logs: {} ({copied:?})",
+            lab.logs(),
+            kept.display()
+        );
     }
     outcome
+}
+
+/// Prints the keep-alive connections (opened 2 s ago or more) whose flow a
+/// node that is in lacks, or translates otherwise than the others: every
+/// node should have every flow.
+fn missing_flows(lab: &EcmpLab, world: &World, client: &Client, k: usize, kind: &str) {
+    let ports: Vec<u16> = client
+        .open_ports
+        .lock()
+        .unwrap()
+        .iter()
+        .filter(|(_, t)| t.elapsed() > Duration::from_secs(2))
+        .map(|(p, _)| *p)
+        .collect();
+    let client_ip = crate::ecmp::CLIENT_IP.to_string();
+    let mut seen: BTreeMap<u16, Vec<(usize, String)>> = BTreeMap::new();
+    for i in world.nodes_in() {
+        let flows = lab.nodes[i - 1].lbctl_json(&["conntrack", "--client", &client_ip]);
+        for e in flows["entries"].as_array().into_iter().flatten() {
+            let Some(p) = e["client"]
+                .as_str()
+                .and_then(|c| c.parse::<SocketAddr>().ok())
+                .map(|c| c.port())
+            else {
+                continue;
+            };
+            if ports.contains(&p) {
+                seen.entry(p)
+                    .or_default()
+                    .push((i, format!("{} {}", e["backend"], e["snat"])));
+            }
+        }
+    }
+    let nodes = world.nodes_in().len();
+    for p in ports {
+        let got = seen.get(&p).cloned().unwrap_or_default();
+        let alike = got.windows(2).all(|w| w[0].1 == w[1].1);
+        if got.len() != nodes || !alike {
+            client.say(&format!(
+                "  after #{k} {kind}: keep-alive port {p}'s flow on the nodes in: {got:?}"
+            ));
+        }
+    }
 }
 
 /// The client's two threads, in the client namespace; stopped and joined
