@@ -14,7 +14,7 @@ use crate::{
 /// `--e2e-only` / `--per-packet-only` run just one of them;
 /// `load-aware [ARGS]` (after `xlb-dispatch-model`), `l2 [ARGS]`,
 /// `rollout [ARGS]`, `podnet [ARGS]` and `chaos [ARGS]` run only that
-/// benchmark (the chaos run only so: it takes about 20 minutes).
+/// benchmark (the chaos run only so: it takes about 10 minutes).
 pub fn run(args: &[String]) -> Result<()> {
     let only = [
         ("load-aware", "xlb-load-aware-bench"),

@@ -7,7 +7,7 @@ use anyhow::{Context, Result};
 use lb_agent::maps::{self, PinnedMaps};
 use lb_common::{
     net::{ip_words, protocol_name, words_socket, Family},
-    Flow, FlowKey, ServiceKey, FLOW_F_HANDED,
+    Flow, FlowKey, ServiceKey, FLOW_F_CLOSED, FLOW_F_HANDED,
 };
 use serde::Serialize;
 
@@ -104,6 +104,8 @@ pub struct Entry {
     pub snat: Option<SocketAddr>,
     /// Another node opened the flow and handed it over (`flow_sync`).
     pub handed: bool,
+    /// The client sent a FIN or RST (here, or on the node that handed it).
+    pub closed: bool,
     /// Since the flow was created / since its timestamp was last refreshed
     /// (the data plane refreshes it at most once a second).
     pub age_ns: u64,
@@ -123,6 +125,7 @@ pub fn entry(key: &FlowKey, flow: &Flow, now_ns: u64) -> Entry {
         snat: (flow.snat_port != 0)
             .then(|| words_socket(&flow.snat_addr, flow.snat_port, key.family)),
         handed: flow.flags & FLOW_F_HANDED != 0,
+        closed: flow.flags & FLOW_F_CLOSED != 0,
         age_ns: now_ns.saturating_sub(flow.created_ns),
         idle_ns: now_ns.saturating_sub(flow.last_seen_ns),
     }
@@ -306,7 +309,10 @@ mod tests {
         assert_eq!(e.snat_port, Some(12345));
         assert_eq!(e.snat, Some("10.9.0.1:12345".parse().unwrap()));
         assert!(!e.handed);
+        assert!(!e.closed);
         f.flags = lb_common::FLOW_F_HANDED;
         assert!(entry(&flow_key(), &f, 0).handed);
+        f.flags = lb_common::FLOW_F_CLOSED;
+        assert!(entry(&flow_key(), &f, 0).closed);
     }
 }
