@@ -730,15 +730,7 @@ fn write_configs(lab: &EcmpLab, world: &World, rng: &mut SmallRng) {
 
 /// Waits (at most 30 s) until the router's FIB has exactly the nodes that are in.
 fn wait_fib(lab: &EcmpLab, world: &World) -> Result<(), String> {
-    let want = EcmpLab::hops(&world.nodes_in());
-    poll_until(Duration::from_secs(30), Duration::from_millis(20), || {
-        if lab.router_next_hops() == want {
-            Ok(())
-        } else {
-            Err(lab.router_route())
-        }
-    })
-    .map_err(|fib| format!("the router's FIB is {fib:?} 30 s on, not next hops {want:?}"))
+    lab.wait_next_hops(&world.nodes_in())
 }
 
 /// Waits (at most 10 s) until every node that is in has a Maglev table of

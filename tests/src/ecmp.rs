@@ -1450,6 +1450,20 @@ template bgp lbnode {{
             .collect()
     }
 
+    /// Waits (at most 30 s) until the router's FIB has exactly the next hops
+    /// of `nodes`; else says what it has.
+    pub fn wait_next_hops(&self, nodes: &[usize]) -> Result<(), String> {
+        let want = Self::hops(nodes);
+        poll_until(Duration::from_secs(30), Duration::from_millis(20), || {
+            if self.router_next_hops() == want {
+                Ok(())
+            } else {
+                Err(self.router_route())
+            }
+        })
+        .map_err(|fib| format!("the router's FIB is {fib:?} 30 s on, not next hops {want:?}"))
+    }
+
     /// The next hops of the nodes `nodes` (1-based).
     pub fn hops(nodes: &[usize]) -> BTreeSet<Ipv4Addr> {
         nodes.iter().map(|&i| node_ip(i)).collect()

@@ -44,7 +44,6 @@ use xlb_bench::support::{install_sigint_flag, interrupted};
 use xlb_tests::{
     ecmp::{request_from, Driver, EcmpLab, NODES, VIP},
     topology::{in_netns, HttpConn},
-    traffic::poll_until,
 };
 
 const EVENTS: [&str; 4] = ["restart", "crash", "leave", "join"];
@@ -164,18 +163,6 @@ impl Drop for NewConnections {
     }
 }
 
-fn wait_hops(lab: &EcmpLab, nodes: &[usize]) -> Result<(), String> {
-    let want = EcmpLab::hops(nodes);
-    poll_until(Duration::from_secs(30), Duration::from_millis(20), || {
-        if lab.router_next_hops() == want {
-            Ok(())
-        } else {
-            Err(lab.router_route())
-        }
-    })
-    .map_err(|fib| format!("router FIB is {fib:?}, want next hops {want:?}"))
-}
-
 /// Makes one request on every connection; replaces the ones that fail.
 /// Returns how many failed.
 fn check(lab: &EcmpLab, conns: &mut [HttpConn]) -> Result<u64, String> {
@@ -207,12 +194,12 @@ fn event(lab: &mut EcmpLab, kind: &str, i: usize, mode: &str) -> Result<(), Stri
             let c = lab.agent_config_in(i, 1, mode);
             lab.node(i).start_agent(&c);
             lab.wait_graceful_restart_over(i, Duration::from_secs(30));
-            wait_hops(lab, &all)
+            lab.wait_next_hops(&all)
         }
         "leave" => {
             lab.node(i).sigterm_agent();
             let others: Vec<usize> = all.iter().copied().filter(|&n| n != i).collect();
-            wait_hops(lab, &others)?;
+            lab.wait_next_hops(&others)?;
             let st = lab.node(i).wait_agent_exit(Duration::from_secs(10));
             st.success()
                 .then_some(())
@@ -221,7 +208,7 @@ fn event(lab: &mut EcmpLab, kind: &str, i: usize, mode: &str) -> Result<(), Stri
         _ => {
             let c = lab.agent_config_in(i, 1, mode);
             lab.node(i).start_agent(&c);
-            wait_hops(lab, &all)
+            lab.wait_next_hops(&all)
         }
     }
 }
@@ -235,7 +222,7 @@ fn run_lab(o: &Opts, driver: Driver, mode: &str) -> Result<Tally, String> {
     for i in 1..=NODES {
         lab.node(i).wait_agent_ready();
     }
-    wait_hops(&lab, &[1, 2, 3])?;
+    lab.wait_next_hops(&[1, 2, 3])?;
     let vip = SocketAddr::from((VIP, 80));
     let mut conns = (0..o.conns)
         .map(|_| HttpConn::connect_in(&lab.client, vip))
