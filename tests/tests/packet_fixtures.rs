@@ -2321,6 +2321,30 @@ fn a_handed_snat_flow_is_translated_as_its_opening_node_did_needs_root() {
     let mut ports: Vec<u16> = mine.iter().map(|f| f.client.port()).collect();
     ports.sort();
     assert_eq!(ports, [40300, 40302]);
+    // Not handed on: a flow the program counts expired (closed and quiet
+    // beyond `tcp_closing`, 10 s); a quiet open one is (`tcp`, 15 min).
+    let quiet = |port, closed, idle_ms| HandedFlow {
+        client: sa(CLIENT, port),
+        closed,
+        idle_ms,
+        ..handed[0]
+    };
+    let got = dp
+        .import_flows(&[
+            quiet(40310, true, 11_000),
+            quiet(40311, true, 9_000),
+            quiet(40312, false, 600_000),
+        ])
+        .unwrap();
+    assert_eq!(got.added, 3, "{got:?}");
+    let mut ports: Vec<u16> = dp
+        .handed_flows(Handing::All)
+        .unwrap()
+        .iter()
+        .map(|f| f.client.port())
+        .collect();
+    ports.sort();
+    assert_eq!(ports, [40300, 40302, 40311, 40312]);
 }
 
 /// A nat flow handed over keeps the backend the opening node gave it,

@@ -80,12 +80,24 @@ struct HandoffService {
     snat_addr: Option<[u32; 4]>,
 }
 
-/// Seconds a reply translation lives without traffic (`Config`).
+/// Seconds a flow and its reply translation live without traffic
+/// (`Config`).
 #[derive(Clone, Copy, Debug, Default)]
-struct Lifetimes {
+pub struct Lifetimes {
     tcp: u32,
     tcp_closing: u32,
     udp: u32,
+}
+
+impl Lifetimes {
+    /// Seconds, as the program picks them (`lifetime_ns` in lb-ebpf).
+    fn of(&self, proto: u8, closed: bool) -> u32 {
+        match (proto, closed) {
+            (PROTO_TCP, false) => self.tcp,
+            (PROTO_TCP, true) => self.tcp_closing,
+            _ => self.udp,
+        }
+    }
 }
 
 /// The flow table through handles of its own, so that the flow exchange
@@ -156,7 +168,8 @@ impl Dataplane {
 
     /// The flows in the flow table that `which` names.
     pub fn handed_flows(&self, which: Handing) -> Result<Vec<HandedFlow>> {
-        self.flow_table()?.handed_flows(which)
+        let lifetimes = self.handoff_ids().lifetimes;
+        self.flow_table()?.handed_flows(&lifetimes, which)
     }
 
     /// Writes flows another node opened into the flow table, under this
@@ -175,9 +188,10 @@ impl Dataplane {
 }
 
 impl FlowTable {
-    /// [`Dataplane::handed_flows`].
-    pub fn handed_flows(&self, which: Handing) -> Result<Vec<HandedFlow>> {
-        Ok(export(self.entries()?, which))
+    /// [`Dataplane::handed_flows`], with the lifetimes taken from it
+    /// beforehand ([`HandoffIds::lifetimes`]).
+    pub fn handed_flows(&self, lifetimes: &Lifetimes, which: Handing) -> Result<Vec<HandedFlow>> {
+        Ok(export(self.entries()?, lifetimes, which))
     }
 
     /// Every entry, read in batches.
@@ -218,6 +232,11 @@ impl FlowTable {
 }
 
 impl HandoffIds {
+    /// How long flows live without traffic, as programmed now.
+    pub fn lifetimes(&self) -> Lifetimes {
+        self.lifetimes
+    }
+
     /// The SNAT addresses this node's own services translate with.
     pub fn own_snat_addresses(&self) -> BTreeSet<IpAddr> {
         self.services
@@ -227,10 +246,18 @@ impl HandoffIds {
     }
 }
 
-fn export(entries: Vec<(FlowKey, Flow)>, which: Handing) -> Vec<HandedFlow> {
+/// The flows `which` names, but none the program counts expired (idle
+/// longer than its lifetime: its next packet picks afresh wherever it
+/// goes), which a busy table holds by the thousand (closed connections
+/// wait for the LRU to take them) and which would only weigh an exchange.
+fn export(entries: Vec<(FlowKey, Flow)>, lifetimes: &Lifetimes, which: Handing) -> Vec<HandedFlow> {
     let now = crate::maps::coarse_now_ns();
     let mut out = Vec::new();
     for (k, f) in entries {
+        let lifetime_s = lifetimes.of(k.proto, f.flags & FLOW_F_CLOSED != 0);
+        if now.saturating_sub(f.last_seen_ns) > lifetime_s as u64 * 1_000_000_000 {
+            continue;
+        }
         let wanted = match which {
             Handing::All => true,
             Handing::OpenedHereSince(t) => {
@@ -405,11 +432,7 @@ fn reply_of(
         family: key.family,
         _pad: [0; 2],
     };
-    let seconds = match (key.proto, closed) {
-        (PROTO_TCP, false) => lifetimes.tcp,
-        (PROTO_TCP, true) => lifetimes.tcp_closing,
-        _ => lifetimes.udp,
-    };
+    let seconds = lifetimes.of(key.proto, closed);
     let reply = ReplyNat {
         vip: key.dst,
         client: key.src,

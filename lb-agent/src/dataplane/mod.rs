@@ -47,7 +47,7 @@ use lb_common::{
 };
 
 pub use self::flow_limit::NewFlowLimit;
-pub use self::handoff::{FlowTable, HandedFlow, Handing, HandoffIds, Imported};
+pub use self::handoff::{FlowTable, HandedFlow, Handing, HandoffIds, Imported, Lifetimes};
 use self::{
     alloc::{IdPool, RegionPool},
     pins::{check_bpffs, start_afresh_where_layout_changed},

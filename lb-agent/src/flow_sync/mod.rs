@@ -96,8 +96,16 @@ impl Local {
 
     /// Blocks for a walk of the flow table.
     fn export(&self, which: Handing) -> Result<Vec<HandedFlow>, String> {
+        let lifetimes = self
+            .dp
+            .lock()
+            .expect("data plane lock")
+            .handoff_ids()
+            .lifetimes();
         let table = self.table.lock().expect("flow table lock");
-        table.handed_flows(which).map_err(|e| e.to_string())
+        table
+            .handed_flows(&lifetimes, which)
+            .map_err(|e| e.to_string())
     }
 
     /// Blocks for a system call per flow.
@@ -154,10 +162,22 @@ impl Local {
 
 /// Exchanges served at once; more wait in the listen backlog.
 const MAX_CONNECTIONS: usize = 8;
-/// Time an exchange may take on the serving side.
-const EXCHANGE_TIMEOUT: Duration = Duration::from_secs(5);
-/// Time a periodic push may take.
-const PUSH_TIMEOUT: Duration = Duration::from_secs(1);
+/// Time an exchange may take on the serving side: beyond the longest push
+/// a peer makes ([`MAX_PUSH_TIMEOUT`]).
+const EXCHANGE_TIMEOUT: Duration = Duration::from_secs(10);
+/// Time a periodic push of `flows` may take: a second, and the time a busy
+/// peer takes to import them (a backlog: a peer back after a partition, a
+/// node's first round), up to `MAX_PUSH_TIMEOUT`. The next round, to
+/// every peer, waits for it; a peer that is silent fails at its first step.
+fn push_timeout(flows: usize) -> Duration {
+    (STEP_TIMEOUT + IMPORT_TIME_PER_FLOW * flows as u32).min(MAX_PUSH_TIMEOUT)
+}
+const MAX_PUSH_TIMEOUT: Duration = Duration::from_secs(5);
+/// A debug build's import on a loaded two-core machine took about 130 µs a
+/// flow; a release build's takes a tenth of that.
+const IMPORT_TIME_PER_FLOW: Duration = Duration::from_micros(200);
+/// Time one step of an exchange may take ([`step`]).
+const STEP_TIMEOUT: Duration = Duration::from_secs(1);
 /// Time a leaving node's push may take (the peer pushes its own first): its
 /// withdrawal waits for it.
 const LEAVING_PUSH_TIMEOUT: Duration = Duration::from_secs(2);
@@ -168,8 +188,9 @@ enum Forget {
     All,
 }
 
-/// Time a pull may take: a starting node's first announcement waits for it.
-const PULL_TIMEOUT: Duration = Duration::from_secs(3);
+/// Time a pull may take: a starting node's first announcement waits for it
+/// (a silent peer fails at the first step).
+const PULL_TIMEOUT: Duration = Duration::from_secs(5);
 /// How often a peer's SNAT address is probed, and how long a probe waits:
 /// a UDP flow of a node that died goes at its first silent probe, so
 /// this bounds its outage beside the VIP's takeover (about 400 ms). A
@@ -293,7 +314,7 @@ impl Peers {
             let t = if leaving {
                 LEAVING_PUSH_TIMEOUT
             } else {
-                PUSH_TIMEOUT
+                push_timeout(flows.len())
             };
             async move {
                 let r = tokio::time::timeout(t, push_to(p, &key, &flows, leaving)).await;
@@ -347,24 +368,48 @@ async fn push_to(
     leaving: bool,
 ) -> Result<u32, WireError> {
     let n = nonce();
-    let mut s = TcpStream::connect(peer).await?;
+    let mut s = step(TcpStream::connect(peer)).await?;
     let _ = s.set_nodelay(true);
     if leaving {
-        wire::write(&mut s, key, &n, &Frame::Leaving).await?;
+        step(wire::write(&mut s, key, &n, &Frame::Leaving)).await?;
     }
     for chunk in flows.chunks(FLOWS_PER_FRAME) {
-        wire::write(&mut s, key, &n, &Frame::Flows(chunk.to_vec())).await?;
+        step(wire::write(&mut s, key, &n, &Frame::Flows(chunk.to_vec()))).await?;
     }
-    wire::write(&mut s, key, &n, &Frame::Done(flows.len() as u32)).await?;
+    step(wire::write(
+        &mut s,
+        key,
+        &n,
+        &Frame::Done(flows.len() as u32),
+    ))
+    .await?;
+    // Not a step: the answer comes once the peer has imported every frame
+    // (most of them may wait in the sockets' buffers), and a leaving node's
+    // once the peer has pushed its own flows too (`answer`).
     match wire::read(&mut BufReader::new(s), key, Some(&n)).await? {
         (_, Frame::Done(taken)) => Ok(taken),
         _ => Err(WireError::Malformed),
     }
 }
 
+/// One step of an exchange (a connection, a frame written or read), given
+/// at most `STEP_TIMEOUT`: a peer that is silent or stalled ends the
+/// exchange early, not at its whole timeout.
+async fn step<T, E: Into<WireError>>(
+    f: impl std::future::Future<Output = Result<T, E>>,
+) -> Result<T, WireError> {
+    match tokio::time::timeout(STEP_TIMEOUT, f).await {
+        Ok(r) => r.map_err(Into::into),
+        Err(_) => Err(WireError::Io(std::io::Error::new(
+            std::io::ErrorKind::TimedOut,
+            format!("no progress within {STEP_TIMEOUT:?}"),
+        ))),
+    }
+}
+
 async fn pull_from(peer: SocketAddr, key: &Keyring) -> Result<Vec<HandedFlow>, WireError> {
     let n = nonce();
-    let mut s = TcpStream::connect(peer).await?;
+    let mut s = step(TcpStream::connect(peer)).await?;
     let _ = s.set_nodelay(true);
     wire::write(&mut s, key, &n, &Frame::Pull).await?;
     let mut r = BufReader::new(s);
@@ -384,6 +429,13 @@ async fn pull_from(peer: SocketAddr, key: &Keyring) -> Result<Vec<HandedFlow>, W
 pub struct SyncNow(mpsc::Sender<oneshot::Sender<()>>);
 
 impl SyncNow {
+    /// As [`SyncNow::run`], waiting `STEP_TIMEOUT` at most: the peer that
+    /// asked waits for the answer, and a slow push to a third node must
+    /// not make it give up (the push goes on).
+    async fn run_awhile(&self) {
+        let _ = tokio::time::timeout(STEP_TIMEOUT, self.run()).await;
+    }
+
     async fn run(&self) {
         let (tx, rx) = oneshot::channel();
         if self.0.send(tx).await.is_ok() {
@@ -448,7 +500,7 @@ async fn answer(
         first = wire::read(&mut r, key, Some(&n)).await?.1;
     }
     if first == Frame::Pull && !leaving {
-        sync_now.run().await;
+        sync_now.run_awhile().await;
         let flows = local
             .export_async(Handing::All)
             .await
@@ -481,7 +533,7 @@ async fn answer(
     }
     if leaving {
         info!(?total, "flow exchange: took a leaving node's flows");
-        sync_now.run().await;
+        sync_now.run_awhile().await;
     }
     let taken = (total.added + total.present) as u32;
     wire::write(&mut w, key, &n, &Frame::Done(taken)).await?;

@@ -551,12 +551,12 @@ fn flow_exchange_cost(dp: &mut Dataplane) {
     let import = t.elapsed();
     assert_eq!(got.added, HANDED_FLOWS as usize, "{got:?}");
     let t = std::time::Instant::now();
-    let all = table.handed_flows(Handing::All).unwrap();
+    let all = table.handed_flows(&ids.lifetimes(), Handing::All).unwrap();
     let walk = t.elapsed();
     assert_eq!(all.len(), HANDED_FLOWS as usize);
     let t = std::time::Instant::now();
     let none = table
-        .handed_flows(Handing::OpenedHereSince(u64::MAX))
+        .handed_flows(&ids.lifetimes(), Handing::OpenedHereSince(u64::MAX))
         .unwrap();
     let idle_walk = t.elapsed();
     assert!(none.is_empty());
