@@ -559,6 +559,11 @@ impl Agent {
         give(Handing::All).await;
         let withdraw_and_drain = async {
             if let (true, Some(task), Some(bgp)) = (leaving, &self.announce, &self.config.bgp) {
+                if !bgp.graceful_shutdown.is_zero() {
+                    task.graceful_shutdown().await;
+                    info!(wait = ?bgp.graceful_shutdown, "VIPs announced with GRACEFUL_SHUTDOWN (RFC 8326); withdrawing after the wait");
+                    tokio::time::sleep(bgp.graceful_shutdown).await;
+                }
                 task.withdraw_all().await;
                 let withdrawn = crate::maps::coarse_now_ns();
                 let end = tokio::time::Instant::now() + bgp.drain_time;

@@ -783,6 +783,8 @@ pub struct EcmpLab {
     /// `ip -ts monitor route` in the router (its FIB's history, for failure reports).
     route_monitor: Option<Child>,
     nginx: Vec<Option<Child>>,
+    /// `bgp.graceful_shutdown` in the agents' configs (none: off).
+    pub graceful_shutdown: Option<Duration>,
 }
 
 /// Removes the namespaces, pins and processes of earlier runs that were
@@ -914,6 +916,7 @@ impl EcmpLab {
             bird: None,
             route_monitor: None,
             nginx: Vec::new(),
+            graceful_shutdown: None,
         };
         let (c, r, l) = (
             lab.client.name.clone(),
@@ -1267,9 +1270,14 @@ impl EcmpLab {
              \x20 next_hop_ipv4: {hop}\n\
              \x20 drain_time: 1s\n\
              \x20 resync_interval: 1s\n\
+             {graceful}\
              {speaker}",
             driver = node.driver.name(),
             hop = node_ip(i),
+            graceful = self
+                .graceful_shutdown
+                .map(|d| format!("  graceful_shutdown: {}ms\n", d.as_millis()))
+                .unwrap_or_default(),
             speaker = node.speaker_config()
         ));
         s
@@ -1331,6 +1339,12 @@ protocol kernel {{
   ipv4 {{ import none; export all; }};
   merge paths on;
 }}
+# RFC 8326: a path marked GRACEFUL_SHUTDOWN is the least preferred, so that
+# traffic leaves it (it drops out of the ECMP set) before its withdrawal.
+filter honour_graceful_shutdown {{
+  if (65535, 0) ~ bgp_community then bgp_local_pref = 0;
+  accept;
+}}
 template bgp lbnode {{
   local {ROUTER_IP} as {ROUTER_ASN};
   hold time {hold};
@@ -1338,7 +1352,7 @@ template bgp lbnode {{
   connect delay time 1;
   connect retry time 1;
   error wait time 1, 2;
-  ipv4 {{ import all; export none; }};
+  ipv4 {{ import filter honour_graceful_shutdown; export none; }};
 }}
 "#,
             log = self.dir.join("bird.log").display(),
@@ -1367,7 +1381,7 @@ template bgp lbnode {{
   connect retry time 1;
   error wait time 1, 2;
   direct;
-  ipv4 {{ import all; export none; add paths rx; }};
+  ipv4 {{ import filter honour_graceful_shutdown; export none; add paths rx; }};
 }}
 "#,
                 hold = HOLD_TIME.as_secs()
@@ -1423,6 +1437,16 @@ template bgp lbnode {{
             .output()
             .expect("run birdc");
         String::from_utf8_lossy(&out.stdout).into_owned()
+    }
+
+    /// The router's BGP path to the VIP from node `i`, with its attributes
+    /// (`birdc show route for VIP all protocol n<i>`; a lab with the nodes
+    /// peered directly); `None` without one.
+    pub fn router_path_from(&self, i: usize) -> Option<String> {
+        let (vip, protocol) = (VIP.to_string(), format!("n{i}"));
+        let out = self.birdc(&["show", "route", "for", &vip, "all", "protocol", &protocol]);
+        // A path names its protocol: `192.0.2.10/32 unicast [n1 12:00:00.000] ...`.
+        out.contains(&format!("[{protocol} ")).then_some(out)
     }
 
     /// The router's kernel route to the VIP (`ip route show 192.0.2.10`).

@@ -1228,3 +1228,67 @@ fn speaker_restart(driver: Driver) {
     }
     no_new_connection_failed(stop, fresh, "while the speakers restarted");
 }
+
+/// A node that leaves with `bgp.graceful_shutdown` (RFC 8326) first
+/// announces its VIP again marked GRACEFUL_SHUTDOWN (65535:0); the router,
+/// whose import filter honours the community as RFC 8326 asks, lowers that
+/// path's LOCAL_PREF to 0, which takes it out of the ECMP set while it is
+/// still announced. The withdrawal comes `graceful_shutdown` later. No
+/// connection is reset and no new one fails. Per speaker: each carries the
+/// community its own way.
+#[test]
+fn a_leaving_node_announces_graceful_shutdown_before_it_withdraws_with_gobgp() {
+    graceful_shutdown(Driver::GoBgp);
+}
+
+#[test]
+fn a_leaving_node_announces_graceful_shutdown_before_it_withdraws_with_bird() {
+    graceful_shutdown(Driver::Bird);
+}
+
+#[test]
+fn a_leaving_node_announces_graceful_shutdown_before_it_withdraws_with_exabgp() {
+    graceful_shutdown(Driver::ExaBgp);
+}
+
+fn graceful_shutdown(driver: Driver) {
+    const WAIT: Duration = Duration::from_secs(2);
+    let mut lab = EcmpLab::start_tagged(driver, 'g');
+    lab.graceful_shutdown = Some(WAIT);
+    let (mut lab, mut conns) = with_connections(lab, "snat");
+    let stop = Arc::new(AtomicBool::new(false));
+    let fresh = new_connections(&lab, stop.clone());
+    let signalled = std::time::Instant::now();
+    lab.node(1).sigterm_agent();
+    wait_fib(
+        &lab,
+        &[2, 3],
+        Duration::from_secs(10),
+        "node 1 shutting down",
+    );
+    let out_of_fib = signalled.elapsed();
+    // Out of the ECMP set, and still announced: marked, and least preferred.
+    let path = lab.router_path_from(1).unwrap_or_default();
+    assert!(
+        path.contains("BGP.community: (65535,0)") && path.contains("BGP.local_pref: 0"),
+        "node 1's path once the router stopped using it ({out_of_fib:?} after SIGTERM):\n{path}\n{}",
+        fib_state(&lab)
+    );
+    all_answer(&mut conns, "while node 1 shuts down gracefully");
+    wait_until(
+        "node 1's path withdrawn",
+        Duration::from_secs(10),
+        || lab.router_path_from(1).is_none().then_some(()),
+        || fib_state(&lab),
+    );
+    let withdrawn = signalled.elapsed();
+    assert!(
+        withdrawn >= out_of_fib + WAIT / 2,
+        "node 1 withdrew {withdrawn:?} after SIGTERM, {out_of_fib:?} after it left the ECMP set: \
+         graceful_shutdown is {WAIT:?}"
+    );
+    let status = lab.node(1).wait_agent_exit(Duration::from_secs(10));
+    assert!(status.success(), "node 1's agent: {status}");
+    all_answer(&mut conns, "after node 1 left");
+    no_new_connection_failed(stop, fresh, "while node 1 shut down gracefully");
+}

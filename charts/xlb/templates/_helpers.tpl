@@ -116,11 +116,14 @@ The agent's configuration file: .Values.config plus what the release decides
 {{- toYaml $config -}}
 {{- end -}}
 
-{{/* Seconds the agent may spend on shutdown: drain_time, or its default 5s. */}}
+{{/* Seconds the agent may spend on shutdown: drain_time (or its default
+5s) and graceful_shutdown (default 0s). */}}
 {{- define "xlb.drainSeconds" -}}
 {{- $bgp := get .Values.config "bgp" | default dict -}}
 {{- if or $bgp .Values.bgpSpeaker.enabled -}}
-{{- include "xlb.seconds" (get $bgp "drain_time" | default "5s") -}}
+{{- $drain := include "xlb.seconds" (get $bgp "drain_time" | default "5s") | atoi -}}
+{{- $graceful := include "xlb.seconds" (get $bgp "graceful_shutdown" | default "0s") | atoi -}}
+{{- add $drain $graceful -}}
 {{- else -}}0{{- end -}}
 {{- end -}}
 

@@ -11,8 +11,15 @@ use tracing::{info, warn};
 
 use super::{Announcer, Route};
 
+/// The well-known community GRACEFUL_SHUTDOWN (RFC 8326): a router that
+/// honours it lowers the route's LOCAL_PREF to 0, so that it moves traffic
+/// to the other paths before the route is withdrawn.
+pub const GRACEFUL_SHUTDOWN: (u16, u16) = (65535, 0);
+
 enum Command {
     Apply(BTreeSet<Route>),
+    /// From now on announce every route with GRACEFUL_SHUTDOWN, then answer.
+    GracefulShutdown(oneshot::Sender<()>),
     /// Withdraw everything, then answer.
     Withdraw(oneshot::Sender<()>),
 }
@@ -88,6 +95,15 @@ impl AnnounceTask {
         let _ = self.tx.send(Command::Apply(routes));
     }
 
+    /// Re-announces every route with GRACEFUL_SHUTDOWN and waits until the
+    /// speaker took it (or gave up); routes applied later carry it too.
+    pub async fn graceful_shutdown(&self) {
+        let (done, wait) = oneshot::channel();
+        if self.tx.send(Command::GracefulShutdown(done)).is_ok() {
+            let _ = wait.await;
+        }
+    }
+
     /// Withdraws everything and waits until the speaker took it (or gave up).
     pub async fn withdraw_all(&self) {
         let (done, wait) = oneshot::channel();
@@ -104,6 +120,7 @@ async fn run(
     metrics: AnnounceMetrics,
 ) {
     let mut desired: Option<BTreeSet<Route>> = None;
+    let mut shutting_down = false;
     let mut known_peers: BTreeSet<IpAddr> = BTreeSet::new();
     let mut tick = tokio::time::interval(resync);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -112,6 +129,14 @@ async fn run(
             cmd = rx.recv() => match cmd {
                 None => return,
                 Some(Command::Apply(routes)) => desired = Some(routes),
+                Some(Command::GracefulShutdown(done)) => {
+                    shutting_down = true;
+                    if let Some(d) = &desired {
+                        apply(announcer.as_mut(), &with_graceful_shutdown(d), &metrics).await;
+                    }
+                    let _ = done.send(());
+                    continue;
+                }
                 Some(Command::Withdraw(done)) => {
                     desired = Some(BTreeSet::new());
                     apply(announcer.as_mut(), &BTreeSet::new(), &metrics).await;
@@ -121,11 +146,26 @@ async fn run(
             },
             _ = tick.tick() => {}
         }
-        if let Some(d) = &desired {
-            apply(announcer.as_mut(), d, &metrics).await;
+        match &desired {
+            Some(d) if shutting_down => {
+                apply(announcer.as_mut(), &with_graceful_shutdown(d), &metrics).await
+            }
+            Some(d) => apply(announcer.as_mut(), d, &metrics).await,
+            None => {}
         }
         update_peers(announcer.as_mut(), &metrics, &mut known_peers).await;
     }
+}
+
+fn with_graceful_shutdown(routes: &BTreeSet<Route>) -> BTreeSet<Route> {
+    routes
+        .iter()
+        .map(|r| {
+            let mut r = r.clone();
+            r.communities.push(GRACEFUL_SHUTDOWN);
+            r.normalized()
+        })
+        .collect()
 }
 
 /// Sets `xlb_bgp_peer_up` from the speaker's sessions. A speaker that
@@ -311,5 +351,31 @@ mod tests {
             text.contains("xlb_bgp_route_changes_total{action=\"withdraw\"} 2"),
             "{text}"
         );
+    }
+
+    #[tokio::test]
+    async fn a_graceful_shutdown_marks_every_route_until_the_withdrawal() {
+        let speaker = MemorySpeaker::default();
+        let task = AnnounceTask::start(
+            Box::new(speaker.clone()),
+            Duration::from_secs(60),
+            &Registry::new(),
+        );
+        let mut tagged = route("192.0.2.10");
+        tagged.communities = vec![(65000, 100)];
+        task.apply([tagged.clone()].into());
+        let r = speaker.routes.clone();
+        eventually(|| r.lock().unwrap().len() == 1).await;
+        task.graceful_shutdown().await;
+        let mut marked = tagged.clone();
+        marked.communities = vec![(65000, 100), GRACEFUL_SHUTDOWN];
+        assert_eq!(*r.lock().unwrap(), [marked.clone()].into());
+        // A VIP that comes meanwhile is marked too.
+        task.apply([tagged, route("192.0.2.11")].into());
+        let mut second = route("192.0.2.11");
+        second.communities = vec![GRACEFUL_SHUTDOWN];
+        eventually(|| *r.lock().unwrap() == [marked.clone(), second.clone()].into()).await;
+        task.withdraw_all().await;
+        assert!(r.lock().unwrap().is_empty());
     }
 }

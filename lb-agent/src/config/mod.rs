@@ -113,6 +113,10 @@ pub struct BgpConfig {
     pub local_pref: Option<u32>,
     /// On shutdown: withdraw, wait this long for the router to converge, exit.
     pub drain_time: Duration,
+    /// On leaving, before the withdrawal: announce with GRACEFUL_SHUTDOWN
+    /// (RFC 8326) and wait this long for the routers to move traffic away.
+    /// Zero: off.
+    pub graceful_shutdown: Duration,
     /// How often the whole announced set is re-applied (heals a speaker
     /// restart even when no event says so).
     pub resync_interval: Duration,

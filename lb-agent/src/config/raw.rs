@@ -56,6 +56,7 @@ pub(super) struct RawBgp {
     pub(super) communities: Vec<String>,
     pub(super) local_pref: Option<u32>,
     pub(super) drain_time: Option<String>,
+    pub(super) graceful_shutdown: Option<String>,
     pub(super) resync_interval: Option<String>,
     pub(super) gobgp: Option<RawGoBgp>,
     pub(super) bird: Option<RawBird>,

@@ -1153,7 +1153,7 @@ fn kubernetes_section_parses_and_checks() {
 #[test]
 fn bgp_section_parses_and_checks() {
     let text = format!(
-            "{BASE}bgp:\n  driver: gobgp\n  next_hop_ipv4: 10.0.0.1\n  communities: [\"65000:100\"]\n  local_pref: 200\n  drain_time: 2s\n  gobgp:\n    peers:\n      - {{ address: 10.0.0.254, asn: 65000, hold_time: 6s, graceful_restart: 30s }}\n"
+            "{BASE}bgp:\n  driver: gobgp\n  next_hop_ipv4: 10.0.0.1\n  communities: [\"65000:100\"]\n  local_pref: 200\n  drain_time: 2s\n  graceful_shutdown: 3s\n  gobgp:\n    peers:\n      - {{ address: 10.0.0.254, asn: 65000, hold_time: 6s, graceful_restart: 30s }}\n"
         );
     let c = AgentConfig::parse(&text).unwrap();
     let b = c.bgp.unwrap();
@@ -1161,6 +1161,9 @@ fn bgp_section_parses_and_checks() {
     assert_eq!(b.communities, vec![(65000, 100)]);
     assert_eq!(b.local_pref, Some(200));
     assert_eq!(b.drain_time, Duration::from_secs(2));
+    assert_eq!(b.graceful_shutdown, Duration::from_secs(3));
+    let off = AgentConfig::parse(&text.replace("  graceful_shutdown: 3s\n", "")).unwrap();
+    assert_eq!(off.bgp.unwrap().graceful_shutdown, Duration::ZERO);
     match b.speaker {
         Speaker::GoBgp { address, peers } => {
             assert_eq!(address, DEFAULT_GOBGP_ADDRESS);

@@ -366,6 +366,7 @@ impl Validator<'_> {
             Some(s) => self.duration(s, || path().key(key)),
         };
         let drain_time = dur(&b.drain_time, "drain_time", DEFAULT_DRAIN_TIME)?;
+        let graceful_shutdown = dur(&b.graceful_shutdown, "graceful_shutdown", Duration::ZERO)?;
         let resync_interval = dur(
             &b.resync_interval,
             "resync_interval",
@@ -424,6 +425,7 @@ impl Validator<'_> {
             communities,
             local_pref: b.local_pref,
             drain_time,
+            graceful_shutdown,
             resync_interval,
         })
     }

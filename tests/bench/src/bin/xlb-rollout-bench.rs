@@ -15,13 +15,17 @@
 //! * crash: its agent and its speaker are killed (SIGKILL: an OOM kill, a
 //!   node's container runtime restarting), and both start again; the
 //!   program stays attached meanwhile and keeps forwarding. Ends as restart;
-//! * leave: its agent is told to leave (SIGTERM: withdraw, drain 1 s, exit);
-//!   ends when the router's FIB has the other two nodes only;
+//! * leave: its agent is told to leave (SIGTERM: withdraw, drain 1 s, exit;
+//!   with `--graceful-shutdown D`, announce GRACEFUL_SHUTDOWN and wait D
+//!   first, RFC 8326, which the lab's router honours); ends when the
+//!   router's FIB has the other two nodes only and the agent has exited;
 //! * join: its agent starts again; ends when the FIB has all three.
 //!
 //! After each event every keep-alive connection makes one request; one that
 //! fails is counted lost (and replaced). New connections that failed during
-//! the event are counted too. Prints a table per lab and the line
+//! the event are counted too, and the TCP segments the client sent again
+//! during it (its kernel's `RetransSegs`: packets of the keep-alive and new
+//! connections that were lost or late). Prints a table per lab and the line
 //! `rollout: LAB restart lost X/N, crash lost C/N, leave lost Y/N, join lost Z/N; new failed W/M`
 //! per lab (N: connections checked, M: new connections made).
 
@@ -75,6 +79,9 @@ struct Opts {
     /// Keep-alive connections
     #[arg(long, value_name = "N", default_value_t = 30)]
     conns: usize,
+    /// `bgp.graceful_shutdown` in the agents' configs (e.g. 2s) [default: off]
+    #[arg(long, value_name = "DURATION", value_parser = humantime::parse_duration)]
+    graceful_shutdown: Option<Duration>,
 }
 
 /// `--labs`' parser: a lab by its name, as its speaker and mode.
@@ -91,8 +98,33 @@ fn event_parser() -> impl TypedValueParser<Value = &'static str> {
         .map(|name| EVENTS.into_iter().find(|e| *e == name).expect("an event"))
 }
 
-/// Per event kind: (events, connections checked, lost, new made, new failed).
-type Tally = BTreeMap<&'static str, [u64; 5]>;
+/// Per event kind: (events, connections checked, lost, new made, new
+/// failed, segments the client sent again).
+type Tally = BTreeMap<&'static str, [u64; 6]>;
+
+/// The TCP segments the client's kernel has sent again so far
+/// (`RetransSegs` in its namespace's /proc/net/snmp).
+fn client_retransmissions(lab: &EcmpLab) -> Result<u64, String> {
+    // thread-self: /proc/self/net is the namespace of the process's
+    // first thread, not of the one `in_netns` moved.
+    let snmp = in_netns(&lab.client, || {
+        std::fs::read_to_string("/proc/thread-self/net/snmp")
+    })
+    .join()
+    .map_err(|_| "reading the client's /proc/net/snmp panicked".to_string())?
+    .map_err(|e| format!("the client's /proc/net/snmp: {e}"))?;
+    let mut tcp = snmp.lines().filter(|l| l.starts_with("Tcp:"));
+    let (names, values) = (tcp.next(), tcp.next());
+    let (Some(names), Some(values)) = (names, values) else {
+        return Err(format!("no Tcp lines in /proc/net/snmp:\n{snmp}"));
+    };
+    names
+        .split_whitespace()
+        .zip(values.split_whitespace())
+        .find(|(n, _)| *n == "RetransSegs")
+        .and_then(|(_, v)| v.parse().ok())
+        .ok_or(format!("no RetransSegs in /proc/net/snmp:\n{snmp}"))
+}
 
 /// The client's stream of new connections, counted.
 struct NewConnections {
@@ -215,6 +247,7 @@ fn event(lab: &mut EcmpLab, kind: &str, i: usize, mode: &str) -> Result<(), Stri
 
 fn run_lab(o: &Opts, driver: Driver, mode: &str) -> Result<Tally, String> {
     let mut lab = EcmpLab::start_graceful(driver, if mode == "nat" { 'n' } else { 's' });
+    lab.graceful_shutdown = o.graceful_shutdown;
     for i in 1..=NODES {
         let c = lab.agent_config_in(i, 1, mode);
         lab.node(i).spawn_agent(&c);
@@ -238,17 +271,20 @@ fn run_lab(o: &Opts, driver: Driver, mode: &str) -> Result<Tally, String> {
                     return Err("interrupted (Ctrl-C)".into());
                 }
                 let (ok0, failed0) = fresh.counts();
+                let resent0 = client_retransmissions(&lab)?;
                 event(&mut lab, kind, i, mode)?;
                 let lost = check(&lab, &mut conns)?;
                 let (ok1, failed1) = fresh.counts();
+                let resent = client_retransmissions(&lab)? - resent0;
                 let t = tally.entry(kind).or_default();
                 t[0] += 1;
                 t[1] += o.conns as u64;
                 t[2] += lost;
                 t[3] += (ok1 - ok0) + (failed1 - failed0);
                 t[4] += failed1 - failed0;
+                t[5] += resent;
                 eprintln!(
-                    "{} {mode} round {round}: node {i} {kind}: {lost} of {} connections lost, {} new failed",
+                    "{} {mode} round {round}: node {i} {kind}: {lost} of {} connections lost, {} new failed, {resent} segments sent again",
                     driver.name(),
                     o.conns,
                     failed1 - failed0
@@ -263,8 +299,12 @@ fn main() -> ExitCode {
     let o = Opts::parse();
     install_sigint_flag();
     let mut lines = Vec::new();
+    let graceful = match o.graceful_shutdown {
+        Some(d) => format!("graceful shutdown {}", humantime::format_duration(d)),
+        None => "graceful shutdown off".into(),
+    };
     println!(
-        "Connections lost per event, ECMP lab, graceful restart on, {} keep-alive connections, {} rounds over {NODES} nodes",
+        "Connections lost per event, ECMP lab, graceful restart on, {graceful}, {} keep-alive connections, {} rounds over {NODES} nodes",
         o.conns, o.rounds
     );
     for &(driver, mode) in &o.labs {
@@ -279,12 +319,13 @@ fn main() -> ExitCode {
         println!();
         println!("{lab}:");
         println!();
-        println!("| event | events | connections checked | lost | new connections | new failed |");
-        println!("|---|---:|---:|---:|---:|---:|");
+        println!("| event | events | connections checked | lost | new connections | new failed | segments sent again |");
+        println!("|---|---:|---:|---:|---:|---:|---:|");
         let mut summary = Vec::new();
         for &kind in &o.events {
-            let [n, checked, lost, made, failed] = tally.get(kind).copied().unwrap_or_default();
-            println!("| {kind} | {n} | {checked} | {lost} | {made} | {failed} |");
+            let [n, checked, lost, made, failed, resent] =
+                tally.get(kind).copied().unwrap_or_default();
+            println!("| {kind} | {n} | {checked} | {lost} | {made} | {failed} | {resent} |");
             summary.push(format!("{kind} lost {lost}/{checked}"));
         }
         let made: u64 = tally.values().map(|t| t[3]).sum();
@@ -339,6 +380,9 @@ mod tests {
         .unwrap();
         assert_eq!(o.labs, [(Driver::Bird, "snat"), (Driver::GoBgp, "nat")]);
         assert_eq!((o.events.as_slice(), o.conns), (&["crash", "join"][..], 5));
+        assert_eq!(o.graceful_shutdown, None);
+        let o = parse(&["--events", "leave,join", "--graceful-shutdown", "2s"]).unwrap();
+        assert_eq!(o.graceful_shutdown, Some(Duration::from_secs(2)));
         parse(&["--labs", "exabgp-nat"]).unwrap_err();
         parse(&["--events", "reboot"]).unwrap_err();
     }
