@@ -560,9 +560,14 @@ impl Agent {
         let withdraw_and_drain = async {
             if let (true, Some(task), Some(bgp)) = (leaving, &self.announce, &self.config.bgp) {
                 if !bgp.graceful_shutdown.is_zero() {
+                    let end = tokio::time::Instant::now() + bgp.graceful_shutdown;
                     task.graceful_shutdown().await;
                     info!(wait = ?bgp.graceful_shutdown, "VIPs announced with GRACEFUL_SHUTDOWN (RFC 8326); withdrawing after the wait");
-                    tokio::time::sleep(bgp.graceful_shutdown).await;
+                    // The routers move the flows now, not at the withdrawal:
+                    // those opened since the first push go at once, as below.
+                    let _ =
+                        tokio::time::timeout_at(end, give(Handing::OpenedHereSince(before))).await;
+                    tokio::time::sleep_until(end).await;
                 }
                 task.withdraw_all().await;
                 let withdrawn = crate::maps::coarse_now_ns();

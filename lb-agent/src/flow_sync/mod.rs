@@ -589,7 +589,9 @@ async fn give_to_peers(peers: &Peers, local: &Local, which: Handing) {
 /// the runtime does. Each peer is sent what this node opened since its
 /// last push that peer took: one cut off (a partition) gets the flows it
 /// missed once it answers again, so that connections opened here
-/// meanwhile survive the VIP's moving back to it.
+/// meanwhile survive the VIP's moving back to it. A push runs on its own:
+/// a peer that takes long (a big backlog, a busy node) misses the rounds
+/// that start meanwhile and delays no other peer's flows.
 fn start_sync(peers: Peers, local: Local, interval: Duration) -> SyncNow {
     let (tx, mut rx) = mpsc::channel::<oneshot::Sender<()>>(16);
     tokio::spawn(async move {
@@ -599,7 +601,8 @@ fn start_sync(peers: Peers, local: Local, interval: Duration) -> SyncNow {
         let mut previous = 0;
         // Kept for peers that drop out of the list too: one discovered
         // again after a partition still gets what it missed.
-        let mut since: BTreeMap<SocketAddr, u64> = BTreeMap::new();
+        let since: Arc<Mutex<BTreeMap<SocketAddr, u64>>> = Arc::default();
+        let busy: Arc<Mutex<BTreeSet<SocketAddr>>> = Arc::default();
         let mut wait = interval;
         loop {
             let done = tokio::select! {
@@ -612,31 +615,43 @@ fn start_sync(peers: Peers, local: Local, interval: Duration) -> SyncNow {
             // Taken before the walk: a flow opened during it goes next time.
             let start = crate::maps::coarse_now_ns();
             let mut groups: BTreeMap<u64, Vec<SocketAddr>> = BTreeMap::new();
-            for p in peers.current() {
-                groups
-                    .entry(*since.entry(p).or_insert(previous))
-                    .or_default()
-                    .push(p);
+            {
+                let mut since = since.lock().expect("sync lock");
+                let mut busy = busy.lock().expect("sync lock");
+                for p in peers.current() {
+                    if busy.insert(p) {
+                        groups
+                            .entry(*since.entry(p).or_insert(previous))
+                            .or_default()
+                            .push(p);
+                    }
+                }
             }
             // One walk per distinct watermark, one after the other (they
-            // share the table's lock); then the pushes, all at once.
+            // share the table's lock); then the pushes, each on its own.
             let walking = std::time::Instant::now();
-            let mut batches = Vec::new();
+            let mut pushes = Vec::new();
             for (t, to) in groups {
-                match local.export_async(Handing::OpenedHereSince(t)).await {
-                    Ok(flows) => batches.push((flows, to)),
-                    Err(e) => warn!("flow exchange: reading this node's flows: {e}"),
+                let flows = match local.export_async(Handing::OpenedHereSince(t)).await {
+                    Ok(flows) => Arc::new(flows),
+                    Err(e) => {
+                        warn!("flow exchange: reading this node's flows: {e}");
+                        busy.lock().expect("sync lock").retain(|p| !to.contains(p));
+                        continue;
+                    }
+                };
+                for peer in to {
+                    let (peers, flows) = (peers.clone(), flows.clone());
+                    let (since, busy) = (since.clone(), busy.clone());
+                    pushes.push(tokio::spawn(async move {
+                        if push_flows(&peers, &flows, peer).await {
+                            since.lock().expect("sync lock").insert(peer, start);
+                        }
+                        busy.lock().expect("sync lock").remove(&peer);
+                    }));
                 }
             }
             let walks = walking.elapsed();
-            let pushes = batches
-                .iter()
-                .map(|(flows, to)| push_flows(&peers, flows, to));
-            for took in futures::future::join_all(pushes).await {
-                for peer in took {
-                    since.insert(peer, start);
-                }
-            }
             previous = start;
             // A big table's walk (about 0.3 µs an entry) stretches the
             // interval so that the exchange takes a tenth of a core at most.
@@ -645,28 +660,29 @@ fn start_sync(peers: Peers, local: Local, interval: Duration) -> SyncNow {
             // others' flows late for as long as the peer is away.
             wait = interval.max(walks * 9);
             if let Some(done) = done {
-                let _ = done.send(());
+                tokio::spawn(async move {
+                    futures::future::join_all(pushes).await;
+                    let _ = done.send(());
+                });
             }
         }
     });
     SyncNow(tx)
 }
 
-/// Pushes `flows` to the peers `to`; the peers that took them.
-async fn push_flows(peers: &Peers, flows: &[HandedFlow], to: &[SocketAddr]) -> Vec<SocketAddr> {
+/// Pushes `flows` to `peer`; whether it took them.
+async fn push_flows(peers: &Peers, flows: &[HandedFlow], peer: SocketAddr) -> bool {
     if flows.is_empty() {
-        return to.to_vec();
+        return true;
     }
-    let mut took = Vec::new();
-    for (peer, r) in peers.push_to(to, flows, false).await {
-        match r {
-            Ok(_) => took.push(peer),
-            Err(e) => {
-                warn!(%peer, sent = flows.len(), "flow exchange: this peer did not take our flows (sent again with the next push): {e}")
-            }
+    match peers.push_to(&[peer], flows, false).await.pop() {
+        Some((_, Ok(_))) => true,
+        Some((_, Err(e))) => {
+            warn!(%peer, sent = flows.len(), "flow exchange: this peer did not take our flows (sent again with the next push): {e}");
+            false
         }
+        None => false,
     }
-    took
 }
 
 /// Forgets the flows a peer handed over once the address they are
