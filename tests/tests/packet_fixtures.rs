@@ -2596,6 +2596,24 @@ fn an_unknown_snat_flow_is_held_until_the_exchange_brings_it_needs_root() {
     );
     let (v, _) = run(dp, cl0, &c4(ack(40405, 443)));
     assert_eq!(v, XDP_DROP, "a packet on a closed flow's port, a second on");
+    // The exchange brings that new connection, translated exactly as the
+    // closed one (the backend and the SNAT port follow from the tuple): it
+    // takes the closed copy's place, and the packet's retransmission goes.
+    let closed = dp
+        .handed_flows(Handing::All)
+        .unwrap()
+        .into_iter()
+        .find(|f| f.client.port() == 40405)
+        .expect("the closed flow");
+    assert!(closed.closed);
+    let reopened = HandedFlow {
+        closed: false,
+        idle_ms: 0,
+        ..closed
+    };
+    assert_eq!(dp.import_flows(&[reopened]).unwrap().replaced, 1);
+    let (v, _) = run(dp, cl0, &c4(ack(40405, 443)));
+    assert_eq!(v, XDP_REDIRECT, "the new connection's flow, brought");
     // Without the exchange an unknown flow is picked afresh at once.
     dp.set_service(&base_services()[2]).unwrap();
     let (v, _) = run(dp, cl0, &c4(ack(40403, 443)));

@@ -49,9 +49,9 @@ pub struct Imported {
     pub added: usize,
     /// Already there (this node's own flow, or one imported before): kept.
     pub present: usize,
-    /// Already there with another translation and older: replaced (the
-    /// client's port was used again, or its SYN was answered through
-    /// another node).
+    /// Already there with another translation, or closed where the handed
+    /// one is open, and older: replaced (the client's port was used again,
+    /// or its SYN was answered through another node).
     pub replaced: usize,
     /// Already there as handed over, and closed since by its client
     /// through another node: marked closed here too.
@@ -392,11 +392,16 @@ fn import(
 }
 
 /// Whether a flow in the table gives way to one handed over for the same
-/// client and VIP: they translate differently (another backend or source)
-/// and the handed one saw its latest packet later. Both a node's own and
-/// a handed flow can be stale so: a connection that ended through another
-/// node leaves its flow open here, and when the client uses the port
-/// again the new connection's flow must win wherever it is handed.
+/// client and VIP: they translate differently (another backend or source),
+/// or the one here is closed and the handed one open, and the handed one
+/// saw its latest packet later. Both a node's own and a handed flow can be
+/// stale so: a connection that ended through another node leaves its flow
+/// open here, and when the client uses the port again the new
+/// connection's flow must win wherever it is handed. The new connection
+/// is often translated exactly as the old one (the backend and the SNAT
+/// port follow from the tuple): a closed copy that stayed would soon count
+/// as a previous connection's (`CLOSED_STALE_NS`), and its packets would
+/// be held until picked afresh and reset.
 fn superseded(old: &Flow, new: &Flow) -> bool {
     let differs = (
         old.backend_addr,
@@ -409,7 +414,8 @@ fn superseded(old: &Flow, new: &Flow) -> bool {
         new.snat_addr,
         new.snat_port,
     );
-    differs && new.last_seen_ns > old.last_seen_ns
+    let reopened = old.flags & FLOW_F_CLOSED != 0 && new.flags & FLOW_F_CLOSED == 0;
+    (differs || reopened) && new.last_seen_ns > old.last_seen_ns
 }
 
 /// The reply translation of an SNAT flow, as the program writes it when it
