@@ -2892,3 +2892,97 @@ fn a_changed_interface_mac_is_followed_needs_root() {
         (1, 1)
     );
 }
+
+/// A TCP proxy to `to` that forwards what the client sends at `rate`
+/// bytes a second, and the answers as they come: a slow but live peer (a
+/// busy node, a thin link), in front of a real flow exchange.
+async fn throttling_proxy(to: SocketAddr, rate: u64) -> SocketAddr {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        while let Ok((client, _)) = listener.accept().await {
+            let Ok(server) = tokio::net::TcpStream::connect(to).await else {
+                continue;
+            };
+            let (mut cr, mut cw) = client.into_split();
+            let (mut sr, mut sw) = server.into_split();
+            tokio::spawn(async move {
+                let mut buf = [0u8; 8192];
+                while let Ok(n) = cr.read(&mut buf).await {
+                    if n == 0 || sw.write_all(&buf[..n]).await.is_err() {
+                        break;
+                    }
+                    tokio::time::sleep(Duration::from_secs_f64(n as f64 / rate as f64)).await;
+                }
+                let _ = sw.shutdown().await;
+            });
+            tokio::spawn(async move {
+                let _ = tokio::io::copy(&mut sr, &mut cw).await;
+            });
+        }
+    });
+    addr
+}
+
+/// A peer's push gets through however slowly it goes, as long as it goes:
+/// 12,000 flows (960 KB) through a proxy that forwards 600 KB a second
+/// take about 1.6 s, and are all imported by the real exchange behind it.
+/// (A push was once given 1 s in all: a backlog that outgrew what a busy
+/// peer takes in a second failed every round, and grew.)
+#[test]
+fn a_slow_peer_takes_a_push_bigger_than_a_second_needs_root() {
+    use lb_agent::{
+        config::FlowSyncConfig,
+        flow_sync::{Exchange, Peers},
+    };
+    use std::sync::{Arc, Mutex};
+    const FLOWS: u16 = 12_000;
+    let mut dp = Dataplane::open_with(None, MapSizes::default()).expect("load (root needed)");
+    for s in base_services() {
+        dp.set_service(&s).unwrap();
+    }
+    let dp = Arc::new(Mutex::new(dp));
+    let keys = vec![b"a flow exchange test key, 32 B..".to_vec()];
+    let listen = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap();
+    let cfg = FlowSyncConfig {
+        listen,
+        peers: Vec::new(),
+        discover_peers: false,
+        keys: keys.clone(),
+        key_file: Default::default(),
+        interval: Duration::from_secs(3600),
+        forget_after: Duration::from_secs(3600),
+    };
+    let other_node = Ipv4Addr::new(10, 2, 0, 9);
+    let flows: Vec<HandedFlow> = (0..FLOWS)
+        .map(|i| HandedFlow {
+            protocol: Protocol::Tcp,
+            client: sa(CLIENT, 10_000 + i),
+            vip: sa(VIP, 443),
+            backend: sa(B3, 8443),
+            snat: Some(sa(other_node, 20_000 + i)),
+            closed: false,
+            idle_ms: 0,
+        })
+        .collect();
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let (result, took) = rt.block_on(async {
+        let _exchange = Exchange::start(&cfg, dp.clone()).await.unwrap();
+        let slow = throttling_proxy(listen, 600_000).await;
+        let peers = Peers::new(&keys, Some(vec![slow]));
+        let started = std::time::Instant::now();
+        let mut results = peers.push(&flows, false).await;
+        (results.pop().expect("one peer").1, started.elapsed())
+    });
+    assert_eq!(result, Ok(u32::from(FLOWS)), "after {took:?}");
+    assert!(
+        took > Duration::from_millis(1200),
+        "the proxy forwarded 960 KB in {took:?}: too fast to tell"
+    );
+    let taken = dp.lock().unwrap().handed_flows(Handing::All).unwrap();
+    assert_eq!(taken.len(), usize::from(FLOWS));
+}
