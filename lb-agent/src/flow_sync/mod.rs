@@ -167,8 +167,8 @@ const MAX_CONNECTIONS: usize = 8;
 const EXCHANGE_TIMEOUT: Duration = Duration::from_secs(10);
 /// Time a periodic push of `flows` may take: a second, and the time a busy
 /// peer takes to import them (a backlog: a peer back after a partition, a
-/// node's first round), up to `MAX_PUSH_TIMEOUT`. The next round, to
-/// every peer, waits for it; a peer that is silent fails at its first step.
+/// node's first round), up to `MAX_PUSH_TIMEOUT`. The rounds that start
+/// meanwhile skip that peer only; a silent peer fails at its first step.
 fn push_timeout(flows: usize) -> Duration {
     (STEP_TIMEOUT + IMPORT_TIME_PER_FLOW * flows as u32).min(MAX_PUSH_TIMEOUT)
 }
@@ -392,7 +392,7 @@ async fn push_to(
     }
 }
 
-/// One step of an exchange (a connection, a frame written or read), given
+/// One step of an exchange (a connection, a frame written), given
 /// at most `STEP_TIMEOUT`: a peer that is silent or stalled ends the
 /// exchange early, not at its whole timeout.
 async fn step<T, E: Into<WireError>>(
