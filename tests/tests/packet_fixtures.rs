@@ -2321,22 +2321,34 @@ fn a_handed_snat_flow_is_translated_as_its_opening_node_did_needs_root() {
     let mut ports: Vec<u16> = mine.iter().map(|f| f.client.port()).collect();
     ports.sort();
     assert_eq!(ports, [40300, 40302]);
-    // Not handed on: a flow the program counts expired (closed and quiet
-    // beyond `tcp_closing`, 10 s); a quiet open one is (`tcp`, 15 min).
+    // Not handed on: a flow that is over for the program (closed and quiet
+    // beyond `tcp_closing`, 10 s; snat and quiet beyond `tcp`, 15 min); a
+    // quiet open one is, and an open nat one however quiet.
     let quiet = |port, closed, idle_ms| HandedFlow {
         client: sa(CLIENT, port),
         closed,
         idle_ms,
         ..handed[0]
     };
+    let nat = HandedFlow {
+        protocol: Protocol::Tcp,
+        client: sa(CLIENT, 40313),
+        vip: sa(VIP, 80),
+        backend: sa(B2, 8080),
+        snat: None,
+        closed: false,
+        idle_ms: 2_000_000,
+    };
     let got = dp
         .import_flows(&[
             quiet(40310, true, 11_000),
             quiet(40311, true, 9_000),
             quiet(40312, false, 600_000),
+            quiet(40314, false, 1_000_000),
+            nat,
         ])
         .unwrap();
-    assert_eq!(got.added, 3, "{got:?}");
+    assert_eq!(got.added, 5, "{got:?}");
     let mut ports: Vec<u16> = dp
         .handed_flows(Handing::All)
         .unwrap()
@@ -2344,7 +2356,7 @@ fn a_handed_snat_flow_is_translated_as_its_opening_node_did_needs_root() {
         .map(|f| f.client.port())
         .collect();
     ports.sort();
-    assert_eq!(ports, [40300, 40302, 40311, 40312]);
+    assert_eq!(ports, [40300, 40302, 40311, 40312, 40313]);
 }
 
 /// A nat flow handed over keeps the backend the opening node gave it,

@@ -246,16 +246,24 @@ impl HandoffIds {
     }
 }
 
-/// The flows `which` names, but none the program counts expired (idle
-/// longer than its lifetime: its next packet picks afresh wherever it
-/// goes), which a busy table holds by the thousand (closed connections
-/// wait for the LRU to take them) and which would only weigh an exchange.
+/// The flows `which` names, but none that is over for the program: a
+/// closed one quiet past `tcp_closing` (on a service with the exchange it
+/// takes one quiet for a second as a previous connection's,
+/// `CLOSED_STALE_NS`), or an snat one quiet past its lifetime (its port
+/// may be another flow's). A busy table holds such flows by the thousand
+/// (they wait for the LRU), and they would only weigh every exchange. An
+/// open nat flow never expires: however quiet, it keeps its backend.
 fn export(entries: Vec<(FlowKey, Flow)>, lifetimes: &Lifetimes, which: Handing) -> Vec<HandedFlow> {
     let now = crate::maps::coarse_now_ns();
     let mut out = Vec::new();
     for (k, f) in entries {
-        let lifetime_s = lifetimes.of(k.proto, f.flags & FLOW_F_CLOSED != 0);
-        if now.saturating_sub(f.last_seen_ns) > lifetime_s as u64 * 1_000_000_000 {
+        let idle = now.saturating_sub(f.last_seen_ns);
+        let over_after_s = if f.flags & FLOW_F_CLOSED != 0 {
+            Some(lifetimes.of(k.proto, true))
+        } else {
+            (f.snat_port != 0).then(|| lifetimes.of(k.proto, false))
+        };
+        if over_after_s.is_some_and(|s| idle > s as u64 * 1_000_000_000) {
             continue;
         }
         let wanted = match which {

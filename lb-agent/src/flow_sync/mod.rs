@@ -176,8 +176,13 @@ const MAX_PUSH_TIMEOUT: Duration = Duration::from_secs(5);
 /// A debug build's import on a loaded two-core machine took about 130 µs a
 /// flow; a release build's takes a tenth of that.
 const IMPORT_TIME_PER_FLOW: Duration = Duration::from_micros(200);
-/// Time one step of an exchange may take ([`step`]).
+/// Time one step of an exchange may take ([`step`]): connecting.
 const STEP_TIMEOUT: Duration = Duration::from_secs(1);
+/// Time writing a frame may take: once the sockets' buffers are full, a
+/// write waits for the peer to import a frame before (up to
+/// `FLOWS_PER_FRAME` flows, 0.8 s at `IMPORT_TIME_PER_FLOW`), behind any
+/// other peer's push it takes at the same time.
+const FRAME_TIMEOUT: Duration = Duration::from_secs(3);
 /// Time a leaving node's push may take (the peer pushes its own first): its
 /// withdrawal waits for it.
 const LEAVING_PUSH_TIMEOUT: Duration = Duration::from_secs(2);
@@ -368,21 +373,17 @@ async fn push_to(
     leaving: bool,
 ) -> Result<u32, WireError> {
     let n = nonce();
-    let mut s = step(TcpStream::connect(peer)).await?;
+    let mut s = step(STEP_TIMEOUT, TcpStream::connect(peer)).await?;
     let _ = s.set_nodelay(true);
     if leaving {
-        step(wire::write(&mut s, key, &n, &Frame::Leaving)).await?;
+        step(FRAME_TIMEOUT, wire::write(&mut s, key, &n, &Frame::Leaving)).await?;
     }
     for chunk in flows.chunks(FLOWS_PER_FRAME) {
-        step(wire::write(&mut s, key, &n, &Frame::Flows(chunk.to_vec()))).await?;
+        let frame = Frame::Flows(chunk.to_vec());
+        step(FRAME_TIMEOUT, wire::write(&mut s, key, &n, &frame)).await?;
     }
-    step(wire::write(
-        &mut s,
-        key,
-        &n,
-        &Frame::Done(flows.len() as u32),
-    ))
-    .await?;
+    let done = Frame::Done(flows.len() as u32);
+    step(FRAME_TIMEOUT, wire::write(&mut s, key, &n, &done)).await?;
     // Not a step: the answer comes once the peer has imported every frame
     // (most of them may wait in the sockets' buffers), and a leaving node's
     // once the peer has pushed its own flows too (`answer`).
@@ -392,24 +393,25 @@ async fn push_to(
     }
 }
 
-/// One step of an exchange (a connection, a frame written), given
-/// at most `STEP_TIMEOUT`: a peer that is silent or stalled ends the
-/// exchange early, not at its whole timeout.
+/// One step of an exchange (a connection, a frame written), given at
+/// most `t`: a peer that is silent or stalled ends the exchange early, not
+/// at its whole timeout.
 async fn step<T, E: Into<WireError>>(
+    t: Duration,
     f: impl std::future::Future<Output = Result<T, E>>,
 ) -> Result<T, WireError> {
-    match tokio::time::timeout(STEP_TIMEOUT, f).await {
+    match tokio::time::timeout(t, f).await {
         Ok(r) => r.map_err(Into::into),
         Err(_) => Err(WireError::Io(std::io::Error::new(
             std::io::ErrorKind::TimedOut,
-            format!("no progress within {STEP_TIMEOUT:?}"),
+            format!("no progress within {t:?}"),
         ))),
     }
 }
 
 async fn pull_from(peer: SocketAddr, key: &Keyring) -> Result<Vec<HandedFlow>, WireError> {
     let n = nonce();
-    let mut s = step(TcpStream::connect(peer)).await?;
+    let mut s = step(STEP_TIMEOUT, TcpStream::connect(peer)).await?;
     let _ = s.set_nodelay(true);
     wire::write(&mut s, key, &n, &Frame::Pull).await?;
     let mut r = BufReader::new(s);
@@ -642,12 +644,13 @@ fn start_sync(peers: Peers, local: Local, interval: Duration) -> SyncNow {
                 };
                 for peer in to {
                     let (peers, flows) = (peers.clone(), flows.clone());
-                    let (since, busy) = (since.clone(), busy.clone());
+                    let since = since.clone();
+                    let pushing = Pushing(busy.clone(), peer);
                     pushes.push(tokio::spawn(async move {
+                        let _pushing = pushing;
                         if push_flows(&peers, &flows, peer).await {
                             since.lock().expect("sync lock").insert(peer, start);
                         }
-                        busy.lock().expect("sync lock").remove(&peer);
                     }));
                 }
             }
@@ -668,6 +671,17 @@ fn start_sync(peers: Peers, local: Local, interval: Duration) -> SyncNow {
         }
     });
     SyncNow(tx)
+}
+
+/// A peer's push under way: it leaves the busy set however the push ends.
+struct Pushing(Arc<Mutex<BTreeSet<SocketAddr>>>, SocketAddr);
+
+impl Drop for Pushing {
+    fn drop(&mut self) {
+        if let Ok(mut busy) = self.0.lock() {
+            busy.remove(&self.1);
+        }
+    }
 }
 
 /// Pushes `flows` to `peer`; whether it took them.
