@@ -221,21 +221,33 @@ fn a_slowed_backend_loses_share_and_gets_it_back_needs_root() {
     limit.set(100.0);
     let mut seen = Vec::new();
     let back = poll_until(Duration::from_secs(20), Duration::from_millis(50), || {
+        let r = rows(&t);
         let w = weights(&t);
-        seen.push(w);
+        let ft: Vec<String> = agent
+            .metrics()
+            .lines()
+            .filter(|l| l.starts_with("xlb_backend_flow_time_seconds"))
+            .map(|l| l.split_once("backend=").unwrap().1.to_string())
+            .collect();
+        seen.push(format!("{w:?} {} {} {ft:?}", r[&1]["load"], r[&2]["load"]));
         if w[0] >= 80 {
             Ok(())
         } else {
             Err(())
         }
     });
-    let last = &seen[seen.len().saturating_sub(40)..];
+    let last = &seen[seen.len().saturating_sub(20)..];
     assert!(
         back.is_ok(),
         "backend 1 did not get its weight back: {last:?}"
     );
     let shares = shares_during(&load, Duration::from_secs(2));
-    assert!(shares[0] > 0.2, "recovered backend kept only {shares:?}");
+    assert!(
+        shares[0] > 0.2,
+        "recovered backend kept only {shares:?}; then {} {}",
+        rows(&t)[&1]["load"],
+        rows(&t)[&2]["load"]
+    );
     assert_eq!(
         held.get().unwrap(),
         "b1",

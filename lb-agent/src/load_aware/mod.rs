@@ -50,7 +50,8 @@ const SAMPLES: u64 = 10;
 /// Flows not seen for this long are not counted as open by the walk.
 const ACTIVE: Duration = Duration::from_secs(30);
 
-/// A backend's flows are timed only in a step where it opened this many.
+/// A backend's flows are timed over the steps it takes to open this many:
+/// fewer say little.
 const MIN_TIMED_FLOWS: u64 = 5;
 
 /// A load-aware service, as the agent's reconcile sees it.
@@ -143,7 +144,6 @@ impl LoadTask {
             controllers: BTreeMap::new(),
             flows: BTreeMap::new(),
             opened: BTreeMap::new(),
-            last_step: None,
             agents: BTreeMap::new(),
             cgroups,
             cpu: BTreeMap::new(),
@@ -198,9 +198,9 @@ struct Run {
     tx: watch::Sender<LoadWeights>,
     controllers: BTreeMap<ServiceKey, Controller>,
     flows: BTreeMap<(ServiceKey, SocketAddr), FlowCount>,
-    /// Each backend's id and new-flow counter at the last step, and when.
-    opened: BTreeMap<(ServiceKey, SocketAddr), (u32, u64)>,
-    last_step: Option<Instant>,
+    /// Each backend's id and new-flow counter when its flows were last
+    /// timed (or first seen), and when.
+    opened: BTreeMap<(ServiceKey, SocketAddr), (u32, u64, Instant)>,
     agents: BTreeMap<SocketAddr, AgentState>,
     cgroups: Hierarchies,
     cpu: BTreeMap<SocketAddr, CpuState>,
@@ -376,18 +376,19 @@ impl Run {
     }
 
     /// How long each backend's flows stay open: its open flows averaged
-    /// over the step, over its new flows a second in the step (Little's
-    /// law). Only for backends that opened at least `MIN_TIMED_FLOWS` in
-    /// the step: fewer say little.
+    /// over the step, over its new flows a second (Little's law), the rate
+    /// taken since the backend was last timed. A backend is timed once it
+    /// opened at least `MIN_TIMED_FLOWS` since then, however many steps
+    /// that takes: one whose weight was cut to a trickle is still timed,
+    /// so that its flow time can show that it recovered.
     fn flow_times(
         &mut self,
         targets: &[LoadTarget],
         open: &BTreeMap<(ServiceKey, SocketAddr), f64>,
     ) -> BTreeMap<(ServiceKey, SocketAddr), Duration> {
         let now = Instant::now();
-        let elapsed = self.last_step.replace(now).map(|t| now - t);
         let dp = self.dp.lock().expect("data plane lock");
-        let mut counters = BTreeMap::new();
+        let mut baselines = BTreeMap::new();
         let mut out = BTreeMap::new();
         for t in targets {
             for &(addr, _) in &t.backends {
@@ -398,21 +399,26 @@ impl Run {
                 let Ok((opened, _)) = dp.backend_flows(id) else {
                     continue;
                 };
-                counters.insert(key, (id, opened));
-                let Some((elapsed, &(last_id, last))) = elapsed.zip(self.opened.get(&key)) else {
-                    continue;
+                let baseline = match self.opened.get(&key) {
+                    Some(&(last_id, last, since)) if last_id == id => {
+                        let new = opened.saturating_sub(last);
+                        let elapsed = now - since;
+                        if new < MIN_TIMED_FLOWS || elapsed.is_zero() {
+                            (id, last, since)
+                        } else {
+                            if let Some(open) = open.get(&key) {
+                                let per_second = new as f64 / elapsed.as_secs_f64();
+                                out.insert(key, Duration::from_secs_f64(open / per_second));
+                            }
+                            (id, opened, now)
+                        }
+                    }
+                    _ => (id, opened, now),
                 };
-                let new = opened.saturating_sub(last);
-                if last_id != id || new < MIN_TIMED_FLOWS || elapsed.is_zero() {
-                    continue;
-                }
-                if let Some(open) = open.get(&key) {
-                    let per_second = new as f64 / elapsed.as_secs_f64();
-                    out.insert(key, Duration::from_secs_f64(open / per_second));
-                }
+                baselines.insert(key, baseline);
             }
         }
-        self.opened = counters;
+        self.opened = baselines;
         out
     }
 
