@@ -276,6 +276,21 @@ pub struct Node {
     /// The speaker runs with BGP graceful restart (see
     /// [`EcmpLab::start_graceful`]).
     graceful_restart: bool,
+    /// Who writes the speaker's session to the router.
+    sessions: Sessions,
+}
+
+/// Who configures a node speaker's BGP session to the router.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Sessions {
+    /// The speaker's own config (BIRD, ExaBGP) or the agent's `bgp.peers`
+    /// (GoBGP): how each driver has always run in the lab.
+    Speaker,
+    /// The agent's `bgp.peers` (with `bfd` if set) for BIRD: the agent
+    /// writes the node BIRD's `protocol bgp` into `bird-peers` (which the
+    /// node's bird.conf includes) and the session comes up with the agent.
+    /// With `bfd`, the router runs BFD with the nodes too.
+    Agent { bfd: bool },
 }
 
 impl Node {
@@ -332,14 +347,29 @@ impl Node {
                     String::new()
                 }
             ),
-            Driver::Bird => format!(
-                "  bird:\n\
-                 \x20   routes_file: {}\n\
-                 \x20   socket: {}\n\
-                 \x20   protocol: xlb_vips\n",
-                self.bird_routes_file().display(),
-                self.bird_socket().display()
-            ),
+            Driver::Bird => {
+                let mut s = format!(
+                    "  bird:\n\
+                     \x20   routes_file: {}\n\
+                     \x20   socket: {}\n\
+                     \x20   protocol: xlb_vips\n",
+                    self.bird_routes_file().display(),
+                    self.bird_socket().display()
+                );
+                if let Sessions::Agent { bfd } = self.sessions {
+                    s.push_str(&format!(
+                        "  asn: {asn}\n\
+                         \x20 peers:\n\
+                         \x20   - {{ address: {peer}, asn: {peer_asn}, hold_time: {hold}s, keepalive: 1s{bfd} }}\n",
+                        asn = self.asn,
+                        peer = self.peer_ip,
+                        peer_asn = self.peer_asn,
+                        hold = HOLD_TIME.as_secs(),
+                        bfd = if bfd { ", bfd: {}" } else { "" },
+                    ));
+                }
+                s
+            }
             Driver::ExaBgp => format!(
                 "  exabgp:\n\
                  \x20   pipe_dir: {}\n\
@@ -365,12 +395,39 @@ impl Node {
             Driver::Bird => {
                 // Empty at first; a restarted BIRD finds what the agent wrote.
                 let base = self.bird_routes_file().display().to_string();
-                for f in ["4", "6"] {
-                    let path = format!("{base}{f}");
+                let peers_file = self.dir.join("bird-peers").display().to_string();
+                for path in [format!("{base}4"), format!("{base}6"), peers_file.clone()] {
                     if !Path::new(&path).exists() {
                         fs::write(path, "").unwrap();
                     }
                 }
+                let session = match self.sessions {
+                    Sessions::Agent { .. } => format!(
+                        "# The session to the router: the agent's bgp.peers.\ninclude \"{peers_file}\";\n"
+                    ),
+                    Sessions::Speaker => format!(
+                        r#"protocol bgp upstream {{
+  local {ip} as {asn};
+  neighbor {peer} as {peer_asn};
+  hold time {hold};
+  keepalive time 1;
+  connect delay time 1;
+  connect retry time 1;
+  error wait time 1, 2;
+  {gr}
+  ipv4 {{ import none; export where proto = "xlb_vips4"; }};
+}}
+"#,
+                        gr = if self.graceful_restart {
+                            format!(
+                                "graceful restart on; graceful restart time {};",
+                                GRACEFUL_RESTART_TIME.as_secs()
+                            )
+                        } else {
+                            String::new()
+                        }
+                    ),
+                };
                 fs::write(
                     self.dir.join("bird.conf"),
                     format!(
@@ -389,27 +446,8 @@ protocol static xlb_vips6 {{
   ipv6;
   include "{base}6";
 }}
-protocol bgp upstream {{
-  local {ip} as {asn};
-  neighbor {peer} as {peer_asn};
-  hold time {hold};
-  keepalive time 1;
-  connect delay time 1;
-  connect retry time 1;
-  error wait time 1, 2;
-  {gr}
-  ipv4 {{ import none; export where proto = "xlb_vips4"; }};
-}}
-"#,
+{session}"#,
                         log = self.dir.join("bird.log").display(),
-                        gr = if self.graceful_restart {
-                            format!(
-                                "graceful restart on; graceful restart time {};",
-                                GRACEFUL_RESTART_TIME.as_secs()
-                            )
-                        } else {
-                            String::new()
-                        }
                     ),
                 )
                 .unwrap();
@@ -785,6 +823,8 @@ pub struct EcmpLab {
     nginx: Vec<Option<Child>>,
     /// `bgp.graceful_shutdown` in the agents' configs (none: off).
     pub graceful_shutdown: Option<Duration>,
+    /// The router runs BFD with the nodes ([`Sessions::Agent`] with `bfd`).
+    pub bfd: bool,
 }
 
 /// Removes the namespaces, pins and processes of earlier runs that were
@@ -861,7 +901,7 @@ impl EcmpLab {
             Topology::Direct => None,
             Topology::RouteReflector => Some('r'),
         };
-        Self::start_lab(driver, topology, tag, false)
+        Self::start_lab(driver, topology, tag, false, Sessions::Speaker)
     }
 
     /// A lab with directly peered nodes whose names carry `tag` (a lowercase
@@ -869,7 +909,13 @@ impl EcmpLab {
     /// the same driver in one test process.
     pub fn start_tagged(driver: Driver, tag: char) -> Self {
         assert!(tag.is_ascii_lowercase() && tag != 'r', "tag {tag:?}");
-        Self::start_lab(driver, Topology::Direct, Some(tag), false)
+        Self::start_lab(
+            driver,
+            Topology::Direct,
+            Some(tag),
+            false,
+            Sessions::Speaker,
+        )
     }
 
     /// [`start_tagged`](Self::start_tagged), the nodes' speakers with BGP
@@ -881,7 +927,22 @@ impl EcmpLab {
     /// router's BIRD is a helper by its default (`graceful restart aware`).
     pub fn start_graceful(driver: Driver, tag: char) -> Self {
         assert!(tag.is_ascii_lowercase() && tag != 'r', "tag {tag:?}");
-        Self::start_lab(driver, Topology::Direct, Some(tag), true)
+        Self::start_lab(driver, Topology::Direct, Some(tag), true, Sessions::Speaker)
+    }
+
+    /// A lab of BIRD nodes whose sessions to the router the agents write
+    /// (`bgp.peers`, with BFD if `bfd`; the router then runs BFD with
+    /// them: 100 ms both ways, 3 missed). The sessions come up with the
+    /// agents, not before.
+    pub fn start_agent_sessions(tag: char, bfd: bool) -> Self {
+        assert!(tag.is_ascii_lowercase() && tag != 'r', "tag {tag:?}");
+        Self::start_lab(
+            Driver::Bird,
+            Topology::Direct,
+            Some(tag),
+            false,
+            Sessions::Agent { bfd },
+        )
     }
 
     fn start_lab(
@@ -889,6 +950,7 @@ impl EcmpLab {
         topology: Topology,
         tag: Option<char>,
         graceful_restart: bool,
+        sessions: Sessions,
     ) -> Self {
         sweep_stale();
         let tag = tag.map(String::from).unwrap_or_default();
@@ -917,6 +979,7 @@ impl EcmpLab {
             route_monitor: None,
             nginx: Vec::new(),
             graceful_shutdown: None,
+            bfd: sessions == Sessions::Agent { bfd: true },
         };
         let (c, r, l) = (
             lab.client.name.clone(),
@@ -1021,6 +1084,7 @@ impl EcmpLab {
                 agent_starts: 0,
                 speaker_starts: 0,
                 graceful_restart,
+                sessions,
             });
         }
 
@@ -1041,7 +1105,7 @@ impl EcmpLab {
         for node in &mut lab.nodes {
             node.start_speaker();
         }
-        if driver != Driver::GoBgp {
+        if driver != Driver::GoBgp && sessions == Sessions::Speaker {
             let all: Vec<usize> = (1..=NODES).collect();
             lab.wait_sessions(&all, Duration::from_secs(20));
         }
@@ -1353,11 +1417,19 @@ template bgp lbnode {{
   connect retry time 1;
   error wait time 1, 2;
   ipv4 {{ import filter honour_graceful_shutdown; export none; }};
+  {bfd}
 }}
 "#,
             log = self.dir.join("bird.log").display(),
-            hold = HOLD_TIME.as_secs()
+            hold = HOLD_TIME.as_secs(),
+            bfd = if self.bfd { "bfd on;" } else { "" }
         );
+        if self.bfd {
+            s.push_str(
+                "protocol bfd {\n  interface \"br0\" { min rx interval 100 ms; \
+                 min tx interval 100 ms; multiplier 3; };\n}\n",
+            );
+        }
         match self.topology {
             Topology::Direct => {
                 for i in 1..=NODES {
@@ -1447,6 +1519,49 @@ template bgp lbnode {{
         let out = self.birdc(&["show", "route", "for", &vip, "all", "protocol", &protocol]);
         // A path names its protocol: `192.0.2.10/32 unicast [n1 12:00:00.000] ...`.
         out.contains(&format!("[{protocol} ")).then_some(out)
+    }
+
+    /// Node `i` goes silent with its link up, as a hung node or a broken
+    /// forwarding path looks from the router: the router's bridge drops
+    /// every frame from and to the node's port (nftables, bridge family),
+    /// so that only a timer (BFD, or BGP's hold time) tells. One `nft`
+    /// command; [`unsilence`](Self::unsilence) undoes it.
+    pub fn silence(&self, i: usize) -> Result<(), String> {
+        let rules = self.dir.join(format!("silence-n{i}.nft"));
+        fs::write(
+            &rules,
+            format!(
+                "table bridge xlb_silence_n{i} {{\n\
+                 \x20 chain through {{ type filter hook forward priority 0; iifname \"n{i}\" drop; oifname \"n{i}\" drop; }}\n\
+                 \x20 chain to_router {{ type filter hook input priority 0; iifname \"n{i}\" drop; }}\n\
+                 \x20 chain from_router {{ type filter hook output priority 0; oifname \"n{i}\" drop; }}\n\
+                 }}\n"
+            ),
+        )
+        .map_err(|e| format!("{}: {e}", rules.display()))?;
+        self.nft(&["-f", &rules.display().to_string()])
+    }
+
+    /// Undoes [`silence`](Self::silence).
+    pub fn unsilence(&self, i: usize) -> Result<(), String> {
+        self.nft(&["delete", "table", "bridge", &format!("xlb_silence_n{i}")])
+    }
+
+    fn nft(&self, args: &[&str]) -> Result<(), String> {
+        let out = Command::new("nsenter")
+            .arg(format!("--net=/var/run/netns/{}", self.router.name))
+            .arg("nft")
+            .args(args)
+            .output()
+            .map_err(|e| format!("nft: {e}"))?;
+        if !out.status.success() {
+            return Err(format!(
+                "nft {}: {}",
+                args.join(" "),
+                String::from_utf8_lossy(&out.stderr)
+            ));
+        }
+        Ok(())
     }
 
     /// The router's kernel route to the VIP (`ip route show 192.0.2.10`).

@@ -153,7 +153,7 @@ const CONFIG_SECTIONS: &[(&str, &str)] = &[
     ("## `kubernetes`", "kubernetes"),
 ];
 
-/// Whether the agent's parser knows the field at `path` (`bgp.gobgp.peers[].asn`):
+/// Whether the agent's parser knows the field at `path` (`bgp.peers[].asn`):
 /// a file setting it is refused for anything but an unknown field.
 fn config_knows(path: &str) -> Result<(), String> {
     let mut yaml = String::from("\"x\"");
@@ -209,7 +209,7 @@ fn config_table_fields(doc: &Doc) -> Vec<(String, usize)> {
 }
 
 /// A span that reads as a config path under one of `tops`
-/// (`l2.share_flows`, `bgp.gobgp.peers[]`), without a value or file suffix.
+/// (`l2.share_flows`, `bgp.peers[]`), without a value or file suffix.
 fn as_config_path(span: &str, tops: &BTreeSet<String>) -> Option<String> {
     let path = span.split(['=', ':', ' ']).next()?;
     let (top, rest) = path.split_once('.')?;
@@ -268,10 +268,10 @@ fn every_config_field_the_docs_name_exists() {
 fn the_config_check_refuses_a_field_that_does_not_exist() {
     assert!(config_knows("l2.share_flows").is_ok());
     assert!(config_knows("services[].backends[].cgroup").is_ok());
-    assert!(config_knows("bgp.gobgp.peers[].graceful_restart").is_ok());
+    assert!(config_knows("bgp.peers[].graceful_restart").is_ok());
     assert!(config_knows("l2.share_flow").is_err());
     assert!(config_knows("services[].backends[].group").is_err());
-    assert!(config_knows("bgp.gobgp.peers[].restart").is_err());
+    assert!(config_knows("bgp.peers[].restart").is_err());
     assert!(config_knows("timeout").is_err());
 }
 
@@ -369,8 +369,12 @@ fn every_helm_value_the_docs_name_exists() {
 /// Names the docs use with this prefix that are not metrics or annotations
 /// of xlb, with why.
 const NOT_OURS: &[&str] = &[
-    // BIRD protocol names in docs/bgp.md's example router configuration.
+    // BIRD protocol names in docs/bgp.md's example router configuration,
+    // and those of the sessions the agent writes (`xlb_peer1`, `xlb_bfd`).
     "xlb_vips6",
+    "xlb_peer",
+    "xlb_peer1",
+    "xlb_bfd",
     // The API group of the LoadBalancerPool CRD and its version.
     "xlb.dev/v1alpha1",
     // The test crate's name in Rust paths (`xlb_tests::cluster`).

@@ -1292,3 +1292,75 @@ fn graceful_shutdown(driver: Driver) {
     all_answer(&mut conns, "after node 1 left");
     no_new_connection_failed(stop, fresh, "while node 1 shut down gracefully");
 }
+
+/// The agent writes BIRD's sessions (`bgp.peers`) with BFD, and a node
+/// that goes silent with its link up (the router's bridge drops its frames
+/// both ways) leaves the router's ECMP set once BFD misses 3 packets of
+/// 100 ms, far within the 3 s hold time that is all a session without BFD
+/// has. When the node speaks again, its session and next hop come back.
+/// The figures against the goal (under 500 ms) are the convergence
+/// benchmark's (`--drivers bird-bfd`); the bound here only tells BFD from
+/// the hold timer.
+#[test]
+fn a_silent_node_leaves_the_ecmp_set_by_bfd_with_sessions_the_agent_writes() {
+    let mut lab = EcmpLab::start_agent_sessions('b', true);
+    start_agents(&mut lab, &[1, 2, 3]);
+    wait_fib(&lab, &[1, 2, 3], Duration::from_secs(20), "agents up");
+    // The sessions are the agent's: BIRD has them from bird-peers, with BFD.
+    let peers = std::fs::read_to_string(lab.dir.join("n2/bird-peers")).unwrap();
+    assert!(
+        peers.contains("protocol bgp xlb_peer1")
+            && peers.contains(&format!("neighbor {ROUTER_IP} as 65000"))
+            && peers
+                .contains("bfd { min rx interval 100 ms; min tx interval 100 ms; multiplier 3; }"),
+        "node 2's sessions file:\n{peers}"
+    );
+    wait_until(
+        "three BFD sessions up at the router",
+        Duration::from_secs(10),
+        || {
+            let s = lab.birdc(&["show", "bfd", "sessions"]);
+            (s.matches(" Up ").count() == NODES).then_some(())
+        },
+        || lab.birdc(&["show", "bfd", "sessions"]),
+    );
+    // The agent reports the session it wrote (BIRD's `show protocols all`,
+    // read at each resync).
+    let up = format!("xlb_bgp_peer_up{{peer=\"{ROUTER_IP}\"}}");
+    wait_until(
+        "node 2 reporting its session up",
+        Duration::from_secs(5),
+        || {
+            let (_, page) = lab.nodes[1].get("/metrics").ok()?;
+            (metric(&page, &up) == Some(1.0)).then_some(())
+        },
+        || {
+            lab.nodes[1]
+                .get("/metrics")
+                .map(|(_, p)| p)
+                .unwrap_or_default()
+        },
+    );
+
+    let silenced = std::time::Instant::now();
+    lab.silence(2).unwrap();
+    let took = wait_fib(&lab, &[1, 3], Duration::from_secs(10), "node 2 silent");
+    assert!(
+        took < HOLD_TIME / 2,
+        "node 2 left the ECMP set {took:?} after it went silent: BFD should take ~300 ms, \
+         the hold time is {HOLD_TIME:?}\n{}",
+        lab.birdc(&["show", "bfd", "sessions"])
+    );
+    assert!(
+        lab.router_path_from(2).is_none(),
+        "the router still has node 2's path {:?} after it went silent",
+        silenced.elapsed()
+    );
+    lab.unsilence(2).unwrap();
+    wait_fib(
+        &lab,
+        &[1, 2, 3],
+        Duration::from_secs(20),
+        "node 2 speaking again",
+    );
+}

@@ -110,7 +110,8 @@ The agent's configuration file: .Values.config plus what the release decides
 {{- $peers = append $peers $peer -}}
 {{- end -}}
 {{- $_ := set $bgp "driver" "gobgp" -}}
-{{- $_ := set $bgp "gobgp" (dict "address" (printf "http://127.0.0.1:%d" (int .Values.bgpSpeaker.apiPort)) "peers" $peers) -}}
+{{- $_ := set $bgp "gobgp" (dict "address" (printf "http://127.0.0.1:%d" (int .Values.bgpSpeaker.apiPort))) -}}
+{{- $_ := set $bgp "peers" $peers -}}
 {{- $_ := set $config "bgp" $bgp -}}
 {{- end -}}
 {{- toYaml $config -}}

@@ -103,6 +103,7 @@ use lb_common::net::Family;
 use tokio::process::Command;
 
 use super::{AnnounceError, AnnounceResult, Announcer, BoxFuture, Route};
+use crate::config::BgpPeer;
 
 /// The default base name of the two static protocols (`xlb_vips4`, `xlb_vips6`).
 pub const DEFAULT_PROTOCOL: &str = "xlb_vips";
@@ -143,6 +144,17 @@ pub struct BirdAnnouncer {
     birdc: PathBuf,
     protocol: String,
     timeout: Duration,
+    sessions: Option<Sessions>,
+}
+
+/// The BGP sessions the agent writes for BIRD: one `protocol bgp` block per
+/// peer (and a `protocol bfd` if any peer has BFD) in a file that BIRD's
+/// configuration includes at its top level.
+#[derive(Clone, Debug)]
+struct Sessions {
+    file: PathBuf,
+    local_asn: u32,
+    peers: Vec<BgpPeer>,
 }
 
 /// What BIRD calls a family: the file suffix and protocol name suffix
@@ -187,7 +199,31 @@ impl BirdAnnouncer {
             birdc: DEFAULT_BIRDC.into(),
             protocol: DEFAULT_PROTOCOL.into(),
             timeout: DEFAULT_TIMEOUT,
+            sessions: None,
         }
+    }
+
+    /// Also writes the BGP sessions to `peers` (this node in `local_asn`)
+    /// into `file`, which BIRD's configuration must include (`include
+    /// "FILE";` on a line of its own, outside any block). No peers: the
+    /// file holds only its header.
+    pub fn with_sessions(
+        mut self,
+        file: impl Into<PathBuf>,
+        local_asn: u32,
+        peers: Vec<BgpPeer>,
+    ) -> Self {
+        self.sessions = Some(Sessions {
+            file: file.into(),
+            local_asn,
+            peers,
+        });
+        self
+    }
+
+    /// The contents of the sessions file, if the agent writes one.
+    pub fn render_sessions(&self) -> Option<String> {
+        self.sessions.as_ref().map(|s| render_sessions(self, s))
     }
 
     /// Uses this `birdc` binary.
@@ -276,6 +312,16 @@ impl BirdAnnouncer {
                 }
                 Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {}
                 Err(e) => return Err(io::Error::new(e.kind(), format!("{}: {e}", path.display()))),
+            }
+        }
+        if let Some(sessions) = &self.sessions {
+            // Written whole: BIRD starting before the agent's first apply
+            // already has its sessions.
+            let content = render_sessions(self, sessions);
+            if std::fs::read(&sessions.file).ok().as_deref() != Some(content.as_bytes()) {
+                std::fs::write(&sessions.file, content).map_err(|e| {
+                    io::Error::new(e.kind(), format!("{}: {e}", sessions.file.display()))
+                })?;
             }
         }
         Ok(())
@@ -390,6 +436,17 @@ impl BirdAnnouncer {
                 .await
                 .map_err(|e| AnnounceError::Refused(format!("reading {}: {e}", path.display())))?;
             if old.as_deref() != Some(content.as_bytes()) {
+                changed.push(Changed { path, old, content });
+            }
+        }
+        if let Some(sessions) = &self.sessions {
+            let content = render_sessions(self, sessions);
+            let path = sessions.file.clone();
+            let old = read_if_exists(&path)
+                .await
+                .map_err(|e| AnnounceError::Refused(format!("reading {}: {e}", path.display())))?;
+            if old.as_deref() != Some(content.as_bytes()) {
+                tracing::info!(peers = sessions.peers.len(), file = %path.display(), "bird: writing the BGP sessions");
                 changed.push(Changed { path, old, content });
             }
         }
@@ -768,6 +825,70 @@ fn render(bird: &BirdAnnouncer, family: Family, routes: &BTreeSet<Route>) -> Str
             let _ = write!(out, " bgp_local_pref = {lp};");
         }
         out.push_str(" };\n");
+    }
+    out
+}
+
+/// The sessions file: a header, a BFD protocol if any peer asks for BFD,
+/// then one BGP protocol per peer (`xlb_peer1`, ...), exporting the VIPs of
+/// the peer's family.
+fn render_sessions(bird: &BirdAnnouncer, sessions: &Sessions) -> String {
+    let mut out =
+        String::from("# Written by lb-agent (xlb) from bgp.peers; every change is overwritten.\n");
+    if sessions.peers.iter().any(|p| p.bfd.is_some()) {
+        // BIRD's BGP needs a BFD protocol to run its sessions; the timers
+        // are set per session below.
+        out.push_str("protocol bfd xlb_bfd {\n}\n");
+    }
+    for (i, p) in sessions.peers.iter().enumerate() {
+        let _ = writeln!(out, "protocol bgp xlb_peer{} {{", i + 1);
+        let _ = writeln!(out, "    description \"xlb peer {}\";", p.address);
+        let _ = writeln!(out, "    local as {};", sessions.local_asn);
+        let _ = write!(out, "    neighbor {}", p.address);
+        if let Some(port) = p.port {
+            let _ = write!(out, " port {port}");
+        }
+        let _ = writeln!(out, " as {};", p.asn);
+        // BIRD counts these timers in whole seconds.
+        let secs = |d: Duration| d.as_secs_f64().ceil().max(1.0) as u64;
+        let _ = writeln!(out, "    hold time {};", secs(p.hold_time));
+        let _ = writeln!(out, "    keepalive time {};", secs(p.keepalive));
+        // BIRD's 120 s connect retry and 60-300 s error wait would keep a
+        // node away from its router for minutes after a session drop (a
+        // BFD down, a hold-timer expiry): 5 s for both, without back-off,
+        // as the GoBGP driver's connect retry (damping flaps is the
+        // router's choice).
+        let _ = writeln!(out, "    connect retry time 5;");
+        let _ = writeln!(out, "    error wait time 5, 5;");
+        if let Some(ttl) = p.multihop_ttl {
+            let _ = writeln!(out, "    multihop {ttl};");
+        }
+        if let Some(password) = &p.password {
+            let _ = writeln!(out, "    password \"{password}\";");
+        }
+        if let Some(t) = p.graceful_restart {
+            let _ = writeln!(
+                out,
+                "    graceful restart on;\n    graceful restart time {};",
+                secs(t)
+            );
+        }
+        if let Some(b) = p.bfd {
+            let _ = writeln!(
+                out,
+                "    bfd {{ min rx interval {} ms; min tx interval {} ms; multiplier {}; }};",
+                b.min_rx.as_millis(),
+                b.min_tx.as_millis(),
+                b.multiplier
+            );
+        }
+        let family = Family::of(p.address);
+        let _ = writeln!(
+            out,
+            "    {} {{ import none; export where proto = \"{}\"; }};\n}}",
+            family.channel(),
+            bird.proto(family)
+        );
     }
     out
 }

@@ -148,8 +148,9 @@ pub trait Announcer: Send {
 pub fn from_config(bgp: &crate::config::BgpConfig) -> Result<Box<dyn Announcer>, String> {
     use crate::config::Speaker;
     Ok(match &bgp.speaker {
-        Speaker::GoBgp { address, peers } => {
-            let peers = peers
+        Speaker::GoBgp { address } => {
+            let peers = bgp
+                .peers
                 .iter()
                 .map(|p| gobgp::PeerConfig {
                     address: p.address,
@@ -181,16 +182,22 @@ pub fn from_config(bgp: &crate::config::BgpConfig) -> Result<Box<dyn Announcer>,
         }
         Speaker::Bird {
             routes_file,
+            peers_file,
             socket,
             protocol,
         } => {
-            let bird = bird::BirdAnnouncer::new(routes_file.clone(), socket.clone())
+            let mut bird = bird::BirdAnnouncer::new(routes_file.clone(), socket.clone())
                 .with_protocol(protocol.clone());
+            // Without peers the file is still written (a header only), so
+            // that a BIRD config including it starts; without an AS number
+            // there are no peers (the config check requires it).
+            bird = bird.with_sessions(peers_file.clone(), bgp.asn.unwrap_or(0), bgp.peers.clone());
             // BIRD refuses to start while an included file is missing.
             bird.ensure_files().map_err(|e| {
                 format!(
-                    "creating BIRD's routes files at {}: {e}",
-                    routes_file.display()
+                    "creating BIRD's routes and sessions files at {} and {}: {e}",
+                    routes_file.display(),
+                    peers_file.display()
                 )
             })?;
             Box::new(bird)

@@ -120,16 +120,24 @@ pub struct BgpConfig {
     /// How often the whole announced set is re-applied (heals a speaker
     /// restart even when no event says so).
     pub resync_interval: Duration,
+    /// This node's AS number, where the agent writes the sessions (BIRD);
+    /// gobgpd takes its own from its global config.
+    pub asn: Option<u32>,
+    /// The BGP neighbours the agent configures in the speaker (GoBGP, BIRD);
+    /// empty: the speaker's own configuration holds them.
+    pub peers: Vec<BgpPeer>,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Speaker {
     GoBgp {
         address: String,
-        peers: Vec<BgpPeer>,
     },
     Bird {
         routes_file: PathBuf,
+        /// The file of `protocol bgp` blocks the agent writes for
+        /// [`BgpConfig::peers`], included by BIRD's configuration.
+        peers_file: PathBuf,
         socket: PathBuf,
         protocol: String,
     },
@@ -139,17 +147,41 @@ pub enum Speaker {
     },
 }
 
-/// A BGP neighbour the agent configures in GoBGP.
+/// A BGP neighbour the agent configures in its speaker.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct BgpPeer {
     pub address: IpAddr,
     pub asn: u32,
+    /// The peer's BGP port; `None`: 179.
+    pub port: Option<u16>,
     pub hold_time: Duration,
     pub keepalive: Duration,
     pub password: Option<String>,
     pub multihop_ttl: Option<u8>,
     /// BGP graceful restart's restart time; `None`: off.
     pub graceful_restart: Option<Duration>,
+    /// Bidirectional Forwarding Detection on the session; `None`: off.
+    pub bfd: Option<Bfd>,
+}
+
+/// A BFD session's timers (RFC 5880): the peer is down when nothing came
+/// for `multiplier` × the negotiated receive interval.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Bfd {
+    /// The shortest interval this node wants between received packets.
+    pub min_rx: Duration,
+    /// The shortest interval this node sends at.
+    pub min_tx: Duration,
+    pub multiplier: u8,
+}
+
+impl Bfd {
+    /// The defaults: 100 ms both ways, 3 missed: down within 300 ms.
+    pub const DEFAULT: Bfd = Bfd {
+        min_rx: Duration::from_millis(100),
+        min_tx: Duration::from_millis(100),
+        multiplier: 3,
+    };
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

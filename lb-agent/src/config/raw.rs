@@ -58,6 +58,9 @@ pub(super) struct RawBgp {
     pub(super) drain_time: Option<String>,
     pub(super) graceful_shutdown: Option<String>,
     pub(super) resync_interval: Option<String>,
+    pub(super) asn: Option<u32>,
+    #[serde(default)]
+    pub(super) peers: Vec<RawPeer>,
     pub(super) gobgp: Option<RawGoBgp>,
     pub(super) bird: Option<RawBird>,
     pub(super) exabgp: Option<RawExaBgp>,
@@ -72,11 +75,9 @@ pub(super) enum RawDriver {
 }
 
 #[derive(Deserialize)]
-#[serde(deny_unknown_fields, expecting = "a gobgp mapping (address, peers)")]
+#[serde(deny_unknown_fields, expecting = "a gobgp mapping (address)")]
 pub(super) struct RawGoBgp {
     pub(super) address: Option<String>,
-    #[serde(default)]
-    pub(super) peers: Vec<RawPeer>,
 }
 
 #[derive(Deserialize)]
@@ -84,20 +85,34 @@ pub(super) struct RawGoBgp {
 pub(super) struct RawPeer {
     pub(super) address: String,
     pub(super) asn: u32,
+    pub(super) port: Option<u16>,
     pub(super) hold_time: Option<String>,
     pub(super) keepalive: Option<String>,
     pub(super) password: Option<String>,
     pub(super) multihop_ttl: Option<u8>,
     pub(super) graceful_restart: Option<String>,
+    pub(super) bfd: Option<RawBfd>,
 }
 
 #[derive(Deserialize)]
 #[serde(
     deny_unknown_fields,
-    expecting = "a bird mapping (routes_file, socket, protocol)"
+    expecting = "a bfd mapping (min_rx, min_tx, multiplier)"
+)]
+pub(super) struct RawBfd {
+    pub(super) min_rx: Option<String>,
+    pub(super) min_tx: Option<String>,
+    pub(super) multiplier: Option<u8>,
+}
+
+#[derive(Deserialize)]
+#[serde(
+    deny_unknown_fields,
+    expecting = "a bird mapping (routes_file, peers_file, socket, protocol)"
 )]
 pub(super) struct RawBird {
     pub(super) routes_file: Option<String>,
+    pub(super) peers_file: Option<String>,
     pub(super) socket: Option<String>,
     pub(super) protocol: Option<String>,
 }

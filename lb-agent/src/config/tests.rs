@@ -1153,7 +1153,7 @@ fn kubernetes_section_parses_and_checks() {
 #[test]
 fn bgp_section_parses_and_checks() {
     let text = format!(
-            "{BASE}bgp:\n  driver: gobgp\n  next_hop_ipv4: 10.0.0.1\n  communities: [\"65000:100\"]\n  local_pref: 200\n  drain_time: 2s\n  graceful_shutdown: 3s\n  gobgp:\n    peers:\n      - {{ address: 10.0.0.254, asn: 65000, hold_time: 6s, graceful_restart: 30s }}\n"
+            "{BASE}bgp:\n  driver: gobgp\n  next_hop_ipv4: 10.0.0.1\n  communities: [\"65000:100\"]\n  local_pref: 200\n  drain_time: 2s\n  graceful_shutdown: 3s\n  peers:\n    - {{ address: 10.0.0.254, asn: 65000, hold_time: 6s, graceful_restart: 30s }}\n"
         );
     let c = AgentConfig::parse(&text).unwrap();
     let b = c.bgp.unwrap();
@@ -1165,22 +1165,81 @@ fn bgp_section_parses_and_checks() {
     let off = AgentConfig::parse(&text.replace("  graceful_shutdown: 3s\n", "")).unwrap();
     assert_eq!(off.bgp.unwrap().graceful_shutdown, Duration::ZERO);
     match b.speaker {
-        Speaker::GoBgp { address, peers } => {
-            assert_eq!(address, DEFAULT_GOBGP_ADDRESS);
-            assert_eq!(peers.len(), 1);
-            assert_eq!(peers[0].hold_time, Duration::from_secs(6));
-            assert_eq!(peers[0].keepalive, Duration::from_secs(2));
-            assert_eq!(peers[0].graceful_restart, Some(Duration::from_secs(30)));
-        }
+        Speaker::GoBgp { address } => assert_eq!(address, DEFAULT_GOBGP_ADDRESS),
         other => panic!("{other:?}"),
     }
+    let peers = &b.peers;
+    assert_eq!(peers.len(), 1);
+    assert_eq!(peers[0].hold_time, Duration::from_secs(6));
+    assert_eq!(peers[0].keepalive, Duration::from_secs(2));
+    assert_eq!(peers[0].graceful_restart, Some(Duration::from_secs(30)));
+    assert_eq!(peers[0].bfd, None);
     // The capability has 12 bits for the restart time.
     let bad = text.replace("graceful_restart: 30s", "graceful_restart: 2h");
     let e = AgentConfig::parse(&bad).unwrap_err().to_string();
     assert!(
-        e.contains("bgp.gobgp.peers[0].graceful_restart") && e.contains("4095s"),
+        e.contains("bgp.peers[0].graceful_restart") && e.contains("4095s"),
         "{e}"
     );
+    // GoBGP has no BFD; BIRD does, and needs this node's AS to write the
+    // sessions; ExaBGP's neighbours are its own.
+    let bfd = text.replace("graceful_restart: 30s", "bfd: { min_rx: 50ms }");
+    let e = AgentConfig::parse(&bfd).unwrap_err().to_string();
+    assert!(
+        e.contains("bgp.peers[0].bfd") && e.contains("GoBGP has no BFD"),
+        "{e}"
+    );
+    let bird = bfd.replace("driver: gobgp", "driver: bird");
+    let e = AgentConfig::parse(&bird).unwrap_err().to_string();
+    assert!(e.contains("bgp.asn") && e.contains("required"), "{e}");
+    let bird = bird.replace("driver: bird", "driver: bird\n  asn: 65001");
+    let b = AgentConfig::parse(&bird).unwrap().bgp.unwrap();
+    assert_eq!(b.asn, Some(65001));
+    assert_eq!(
+        b.peers[0].bfd,
+        Some(Bfd {
+            min_rx: Duration::from_millis(50),
+            ..Bfd::DEFAULT
+        })
+    );
+    match b.speaker {
+        Speaker::Bird { peers_file, .. } => {
+            assert_eq!(peers_file, std::path::Path::new("/run/xlb/bird-peers"))
+        }
+        other => panic!("{other:?}"),
+    }
+    for (bad, at, says) in [
+        (
+            "bfd: { min_rx: 5ms }",
+            "bgp.peers[0].bfd.min_rx",
+            "10ms to 10s",
+        ),
+        (
+            "bfd: { multiplier: 0 }",
+            "bgp.peers[0].bfd.multiplier",
+            "1 to 255",
+        ),
+        ("bfd: { every: 1s }", "bgp.peers[0].bfd", "unknown field"),
+        ("password: 'a\"b'", "bgp.peers[0].password", "quotes"),
+        ("port: 0", "bgp.peers[0].port", "1 to 65535"),
+    ] {
+        let e = AgentConfig::parse(&bird.replace("bfd: { min_rx: 50ms }", bad))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains(at) && e.contains(says), "{bad}: {e}");
+    }
+    let twice = bird.replace(
+        "  peers:\n",
+        "  peers:\n    - { address: 10.0.0.254, asn: 65002 }\n",
+    );
+    let e = AgentConfig::parse(&twice).unwrap_err().to_string();
+    assert!(
+        e.contains("bgp.peers[1].address") && e.contains("twice"),
+        "{e}"
+    );
+    let exa = text.replace("driver: gobgp", "driver: exabgp");
+    let e = AgentConfig::parse(&exa).unwrap_err().to_string();
+    assert!(e.contains("bgp.peers") && e.contains("ExaBGP's own"), "{e}");
     let bad = format!("{BASE}bgp:\n  driver: gobgp\n  communities: [\"65000:x\"]\n");
     let e = AgentConfig::parse(&bad).unwrap_err().to_string();
     assert!(

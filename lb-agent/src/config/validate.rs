@@ -375,31 +375,45 @@ impl Validator<'_> {
         if resync_interval < Duration::from_millis(100) {
             return Err(self.err(path().key("resync_interval"), "must be at least 100ms"));
         }
+        let peers = self.bgp_peers(b.peers)?;
         let speaker = match b.driver {
             RawDriver::Gobgp => {
-                let g = b.gobgp.unwrap_or(RawGoBgp {
-                    address: None,
-                    peers: Vec::new(),
-                });
-                let peers = self.gobgp_peers(g.peers)?;
+                if let Some(i) = peers.iter().position(|p| p.bfd.is_some()) {
+                    return Err(self.err(
+                        path().key("peers").index(i).key("bfd"),
+                        "GoBGP has no BFD: use the bird driver for BFD, or leave bfd out",
+                    ));
+                }
                 Speaker::GoBgp {
-                    address: g
-                        .address
+                    address: b
+                        .gobgp
+                        .and_then(|g| g.address)
                         .unwrap_or_else(|| DEFAULT_GOBGP_ADDRESS.to_string()),
-                    peers,
                 }
             }
             RawDriver::Bird => {
                 let r = b.bird.unwrap_or(RawBird {
                     routes_file: None,
+                    peers_file: None,
                     socket: None,
                     protocol: None,
                 });
+                if !peers.is_empty() && b.asn.is_none() {
+                    return Err(self.err(
+                        path().key("asn"),
+                        "this node's AS number is required when the agent writes BIRD's sessions (bgp.peers)",
+                    ));
+                }
+                let routes_file: PathBuf = r
+                    .routes_file
+                    .unwrap_or_else(|| "/run/xlb/bird-routes".into())
+                    .into();
                 Speaker::Bird {
-                    routes_file: r
-                        .routes_file
-                        .unwrap_or_else(|| "/run/xlb/bird-routes".into())
-                        .into(),
+                    // Beside the routes files: a directory the agent writes.
+                    peers_file: r
+                        .peers_file
+                        .map_or_else(|| routes_file.with_file_name("bird-peers"), PathBuf::from),
+                    routes_file,
                     socket: r
                         .socket
                         .unwrap_or_else(|| "/run/bird/bird.ctl".into())
@@ -408,6 +422,12 @@ impl Validator<'_> {
                 }
             }
             RawDriver::Exabgp => {
+                if !peers.is_empty() {
+                    return Err(self.err(
+                        path().key("peers"),
+                        "ExaBGP cannot take neighbours from the agent: list them in ExaBGP's own configuration",
+                    ));
+                }
                 let e = b.exabgp.unwrap_or(RawExaBgp {
                     pipe_dir: None,
                     pipe_name: None,
@@ -427,14 +447,16 @@ impl Validator<'_> {
             drain_time,
             graceful_shutdown,
             resync_interval,
+            asn: b.asn,
+            peers,
         })
     }
 
-    /// `bgp.gobgp.peers`.
-    fn gobgp_peers(&self, raw: Vec<RawPeer>) -> Checked<Vec<BgpPeer>> {
-        let mut peers = Vec::new();
+    /// `bgp.peers`.
+    fn bgp_peers(&self, raw: Vec<RawPeer>) -> Checked<Vec<BgpPeer>> {
+        let mut peers: Vec<BgpPeer> = Vec::new();
         for (i, p) in raw.into_iter().enumerate() {
-            let pp = || root().key("bgp").key("gobgp").key("peers").index(i);
+            let pp = || root().key("bgp").key("peers").index(i);
             let hold_time = match &p.hold_time {
                 None => Duration::from_secs(9),
                 Some(s) => self.duration(s, || pp().key("hold_time"))?,
@@ -463,17 +485,62 @@ impl Validator<'_> {
                     Some(t)
                 }
             };
+            let bfd = match p.bfd {
+                None => None,
+                Some(raw) => Some(self.bfd(raw, || pp().key("bfd"))?),
+            };
+            let address = self.ip(&p.address, || pp().key("address"))?;
+            if peers.iter().any(|q| q.address == address) {
+                return Err(self.err(pp().key("address"), format!("{address} is listed twice")));
+            }
+            if p.password
+                .as_deref()
+                .is_some_and(|pw| pw.chars().any(|c| c == '"' || c == '\\' || c.is_control()))
+            {
+                return Err(self.err(
+                    pp().key("password"),
+                    "may not hold quotes, backslashes or control characters",
+                ));
+            }
+            if p.port == Some(0) {
+                return Err(self.err(pp().key("port"), "must be 1 to 65535"));
+            }
             peers.push(BgpPeer {
-                address: self.ip(&p.address, || pp().key("address"))?,
+                address,
                 asn: p.asn,
+                port: p.port,
                 hold_time,
                 keepalive,
                 password: p.password,
                 multihop_ttl: p.multihop_ttl,
                 graceful_restart,
+                bfd,
             });
         }
         Ok(peers)
+    }
+
+    /// A peer's `bfd` mapping: each timer 10ms to 10s, a multiplier of 1 to 255.
+    fn bfd(&self, raw: RawBfd, at: impl Fn() -> FieldPath) -> Checked<Bfd> {
+        let timer = |v: &Option<String>, key: &'static str, default: Duration| {
+            let t = match v {
+                None => default,
+                Some(s) => self.duration(s, || at().key(key))?,
+            };
+            if t < Duration::from_millis(10) || t > Duration::from_secs(10) {
+                return Err(self.err(at().key(key), "must be 10ms to 10s"));
+            }
+            Ok(t)
+        };
+        let multiplier = raw.multiplier.unwrap_or(Bfd::DEFAULT.multiplier);
+        if multiplier == 0 {
+            return Err(self.err(at().key("multiplier"), "must be 1 to 255"));
+        }
+        Ok(Bfd {
+            min_rx: timer(&raw.min_rx, "min_rx", Bfd::DEFAULT.min_rx)?,
+            min_tx: timer(&raw.min_tx, "min_tx", Bfd::DEFAULT.min_tx)?,
+            multiplier,
+        })
     }
 
     fn interfaces(&self, raw: Vec<String>) -> Checked<Vec<String>> {

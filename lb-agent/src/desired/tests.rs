@@ -385,7 +385,7 @@ fn only_vips_with_a_weighted_backend_are_announced_and_each_by_its_way() {
     );
 
     let bgp = AgentConfig::parse(
-        "interfaces: [eth0]\nbgp:\n  driver: gobgp\n  communities: ['65000:100']\n  local_pref: 200\n  gobgp: { peers: [{ address: 10.0.0.254, asn: 65000 }] }\n",
+        "interfaces: [eth0]\nbgp:\n  driver: gobgp\n  communities: ['65000:100']\n  local_pref: 200\n  peers: [{ address: 10.0.0.254, asn: 65000 }]\n",
     )
     .expect("a BGP config")
     .bgp

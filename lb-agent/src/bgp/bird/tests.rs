@@ -186,3 +186,81 @@ fn refuses_what_bird_would_not_announce_as_meant() {
         .to_string()
         .contains("two routes for one VIP"));
 }
+
+#[test]
+fn renders_the_agents_sessions_with_bfd_and_what_bird_parses() {
+    use crate::config::{Bfd, BgpPeer};
+    let peer = |address: &str, bfd: Option<Bfd>| BgpPeer {
+        address: address.parse().unwrap(),
+        asn: 65000,
+        port: None,
+        hold_time: Duration::from_secs(9),
+        keepalive: Duration::from_secs(3),
+        password: None,
+        multihop_ttl: None,
+        graceful_restart: None,
+        bfd,
+    };
+    let dir = std::env::temp_dir().join(format!("xlb-bird-sessions-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let bird = BirdAnnouncer::new(dir.join("routes"), dir.join("bird.ctl"));
+    // Without peers: a header only, no BFD protocol.
+    let none = bird
+        .clone()
+        .with_sessions(dir.join("peers"), 65001, vec![])
+        .render_sessions()
+        .unwrap();
+    assert!(!none.contains("protocol"), "{none}");
+    let mut second = peer("fd00::fe", None);
+    second.port = Some(1179);
+    second.password = Some("s3cret".into());
+    second.multihop_ttl = Some(2);
+    second.graceful_restart = Some(Duration::from_secs(30));
+    let bird = bird.with_sessions(
+        dir.join("peers"),
+        65001,
+        vec![peer("10.0.0.254", Some(Bfd::DEFAULT)), second],
+    );
+    let text = bird.render_sessions().unwrap();
+    for want in [
+        "protocol bfd xlb_bfd {",
+        "protocol bgp xlb_peer1 {",
+        "    local as 65001;\n    neighbor 10.0.0.254 as 65000;",
+        "    hold time 9;\n    keepalive time 3;",
+        "    bfd { min rx interval 100 ms; min tx interval 100 ms; multiplier 3; };",
+        "    ipv4 { import none; export where proto = \"xlb_vips4\"; };",
+        "protocol bgp xlb_peer2 {",
+        "    neighbor fd00::fe port 1179 as 65000;",
+        "    multihop 2;",
+        "    password \"s3cret\";",
+        "    graceful restart on;\n    graceful restart time 30;",
+        "    ipv6 { import none; export where proto = \"xlb_vips6\"; };",
+    ] {
+        assert!(text.contains(want), "{want:?} missing from:\n{text}");
+    }
+    assert_eq!(text.matches("    bfd {").count(), 1, "{text}");
+    // BIRD itself accepts the file beside the static protocols it exports.
+    bird.ensure_files().unwrap();
+    let conf = dir.join("bird.conf");
+    std::fs::write(
+        &conf,
+        format!(
+            "router id 10.0.0.1;\nprotocol device {{}}\n{}include \"{}\";\n",
+            bird.static_protocols_config(),
+            dir.join("peers").display()
+        ),
+    )
+    .unwrap();
+    let out = std::process::Command::new("bird")
+        .args(["-p", "-c"])
+        .arg(&conf)
+        .output()
+        .expect("bird -p (BIRD 2 is installed by the test command)");
+    assert!(
+        out.status.success(),
+        "bird -p: {}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -17,12 +17,16 @@
 //! * graceful: out = SIGTERM to the agent (withdraw, drain, exit); back =
 //!   start the agent again (its speaker kept running);
 //! * failure: out = either SIGKILL to the agent and its speaker, or the
-//!   node's port on the router's bridge set down (nothing is closed: the
+//!   node silenced with its link up (the router's bridge drops every frame
+//!   from and to its port, `EcmpLab::silence`: nothing is closed, so the
 //!   hold timer, 3 s, of the node's peer, the router or the reflector, has
-//!   to expire), at random; back = start the speaker and the agent again,
-//!   or set the port up again.
+//!   to expire, or in the `bird-bfd` lab BFD, 3 × 100 ms), at random;
+//!   back = start the speaker and the agent again, or lift the silence.
 //!
-//! The delay runs from just before the action (the signal, the `ip link`
+//! The `bird-bfd` lab is the `bird` one with the sessions written by the
+//! agent (`bgp.peers` with `bfd: {}`) and BFD on the router's side.
+//!
+//! The delay runs from just before the action (the signal, the `nft`
 //! command, the start of the processes) to the moment the router's kernel
 //! announced the route change that produced the expected next-hop set: an
 //! `ip -4 monitor route` in the router's namespace is read by a thread
@@ -70,7 +74,7 @@ const SVG: &str = "docs/benchmarks-convergence.svg";
     mut_arg("svg", |a| a.help(format!("Where to write the histogram [default: {SVG}]")))
 )]
 struct Opts {
-    /// Labs, comma-separated: gobgp, bird, exabgp (that speaker on every node, peering with the router), gobgp-rr (GoBGP nodes behind a route reflector, the paper's topology) [default: all four]
+    /// Labs, comma-separated: gobgp, bird, exabgp (that speaker on every node, peering with the router), gobgp-rr (GoBGP nodes behind a route reflector, the paper's topology), bird-bfd (BIRD with the sessions the agent writes, BFD on) [default: all five]
     #[arg(long = "drivers", value_name = "LIST", value_delimiter = ',', value_parser = lab_kind,
           default_values_t = LAB_KINDS, hide_default_value = true)]
     labs: Vec<LabKind>,
@@ -106,10 +110,9 @@ fn seconds(s: &str) -> Result<Duration, std::num::ParseIntError> {
 /// `--drivers`' parser: a lab by its name (spaces around it allowed).
 fn lab_kind(s: &str) -> Result<LabKind, String> {
     let s = s.trim();
-    LAB_KINDS
-        .into_iter()
-        .find(|l| l.name() == s)
-        .ok_or(format!("unknown lab {s:?} (gobgp, bird, exabgp, gobgp-rr)"))
+    LAB_KINDS.into_iter().find(|l| l.name() == s).ok_or(format!(
+        "unknown lab {s:?} (gobgp, bird, exabgp, gobgp-rr, bird-bfd)"
+    ))
 }
 
 /// One lab of the benchmark: a speaker driver in a topology.
@@ -119,13 +122,15 @@ enum LabKind {
     Bird,
     ExaBgp,
     GoBgpRouteReflector,
+    BirdBfd,
 }
 
-const LAB_KINDS: [LabKind; 4] = [
+const LAB_KINDS: [LabKind; 5] = [
     LabKind::GoBgp,
     LabKind::Bird,
     LabKind::ExaBgp,
     LabKind::GoBgpRouteReflector,
+    LabKind::BirdBfd,
 ];
 
 impl std::fmt::Display for LabKind {
@@ -142,6 +147,7 @@ impl LabKind {
             LabKind::Bird => "bird",
             LabKind::ExaBgp => "exabgp",
             LabKind::GoBgpRouteReflector => "gobgp-rr",
+            LabKind::BirdBfd => "bird-bfd",
         }
     }
 
@@ -152,13 +158,14 @@ impl LabKind {
             LabKind::Bird => "BIRD",
             LabKind::ExaBgp => "ExaBGP",
             LabKind::GoBgpRouteReflector => "GoBGP via route reflector",
+            LabKind::BirdBfd => "BIRD, sessions by the agent, BFD",
         }
     }
 
     fn driver(self) -> Driver {
         match self {
             LabKind::GoBgp | LabKind::GoBgpRouteReflector => Driver::GoBgp,
-            LabKind::Bird => Driver::Bird,
+            LabKind::Bird | LabKind::BirdBfd => Driver::Bird,
             LabKind::ExaBgp => Driver::ExaBgp,
         }
     }
@@ -197,17 +204,19 @@ enum Kind {
     Start,
     Kill,
     HoldExpiry,
+    BfdDown,
     StartAfterKill,
-    LinkUp,
+    Unsilenced,
 }
 
-const KINDS: [Kind; 6] = [
+const KINDS: [Kind; 7] = [
     Kind::GracefulStop,
     Kind::Start,
     Kind::Kill,
     Kind::HoldExpiry,
+    Kind::BfdDown,
     Kind::StartAfterKill,
-    Kind::LinkUp,
+    Kind::Unsilenced,
 ];
 
 impl Kind {
@@ -216,9 +225,10 @@ impl Kind {
             Kind::GracefulStop => "graceful stop (SIGTERM agent)",
             Kind::Start => "start (agent; speaker kept running)",
             Kind::Kill => "kill (SIGKILL agent + speaker)",
-            Kind::HoldExpiry => "link cut (hold-timer expiry)",
+            Kind::HoldExpiry => "silent, link up (hold-timer expiry)",
+            Kind::BfdDown => "silent, link up (BFD)",
             Kind::StartAfterKill => "start after kill (speaker + agent)",
-            Kind::LinkUp => "link restored",
+            Kind::Unsilenced => "speaking again",
         }
     }
 
@@ -228,8 +238,9 @@ impl Kind {
             Kind::Start => "start",
             Kind::Kill => "kill",
             Kind::HoldExpiry => "hold expiry",
+            Kind::BfdDown => "bfd down",
             Kind::StartAfterKill => "start after kill",
-            Kind::LinkUp => "link up",
+            Kind::Unsilenced => "speaking again",
         }
     }
 
@@ -239,8 +250,9 @@ impl Kind {
             Kind::Start => "#2ca02c",
             Kind::Kill => "#d62728",
             Kind::HoldExpiry => "#ff7f0e",
+            Kind::BfdDown => "#e377c2",
             Kind::StartAfterKill => "#9467bd",
-            Kind::LinkUp => "#8c564b",
+            Kind::Unsilenced => "#8c564b",
         }
     }
 
@@ -251,7 +263,9 @@ impl Kind {
             Kind::Kill | Kind::HoldExpiry => {
                 (HOLD_TIME + Duration::from_secs(1), "max < hold + 1 s = 4 s")
             }
-            Kind::Start | Kind::StartAfterKill | Kind::LinkUp => {
+            // Issue 31's goal: out of the ECMP set in under 500 ms.
+            Kind::BfdDown => (Duration::from_millis(500), "max < 500 ms"),
+            Kind::Start | Kind::StartAfterKill | Kind::Unsilenced => {
                 (Duration::from_secs(10), "most < 6 s, max < 10 s (paper)")
             }
         }
@@ -265,7 +279,7 @@ enum State {
     /// SIGTERMed; the agent may still be draining (reaped before a restart).
     Stopped,
     Killed,
-    LinkDown,
+    Silent,
 }
 
 struct Sample {
@@ -337,21 +351,14 @@ impl Drop for RouteMonitor {
     }
 }
 
-/// `ip -n ROUTER link set nI up|down` (a direct command: quicker than a
-/// shell in the namespace, so the action's timestamp is close to it).
-fn router_link(lab: &EcmpLab, i: usize, up: bool) -> Result<(), String> {
-    let out = Command::new("ip")
-        .args(["-n", &lab.router.name, "link", "set", &format!("n{i}")])
-        .arg(if up { "up" } else { "down" })
-        .output()
-        .map_err(|e| format!("ip link: {e}"))?;
-    if !out.status.success() {
-        return Err(format!(
-            "ip link set n{i}: {}",
-            String::from_utf8_lossy(&out.stderr)
-        ));
+/// Silences node `i` (or lifts it): one `nft` command in the router's
+/// namespace, so that the action's timestamp is close to it.
+fn silence(lab: &EcmpLab, i: usize, on: bool) -> Result<(), String> {
+    if on {
+        lab.silence(i)
+    } else {
+        lab.unsilence(i)
     }
-    Ok(())
 }
 
 fn serving_hops(states: &[State]) -> BTreeSet<Ipv4Addr> {
@@ -437,7 +444,7 @@ fn restore_all(
                     lab.node(i).start_agent(&c)
                 };
             }
-            State::LinkDown => router_link(lab, i, true)?,
+            State::Silent => silence(lab, i, false)?,
         }
         states[i - 1] = State::Serving;
     }
@@ -472,6 +479,7 @@ fn series(
     samples: &mut Vec<Sample>,
 ) -> Result<(), String> {
     let name = if failure { "failure" } else { "graceful" };
+    let bfd = lab.bfd;
     // When each node's removal reached the FIB: a come-back's line says how
     // long the node had been out (what a speaker's retry timers count from).
     let mut out_since: Vec<Option<Instant>> = vec![None; NODES];
@@ -491,10 +499,11 @@ fn series(
         let (kind, after) = match before {
             State::Serving if !failure => (Kind::GracefulStop, State::Stopped),
             State::Serving if rng.below(2) == 0 => (Kind::Kill, State::Killed),
-            State::Serving => (Kind::HoldExpiry, State::LinkDown),
+            State::Serving if bfd => (Kind::BfdDown, State::Silent),
+            State::Serving => (Kind::HoldExpiry, State::Silent),
             State::Stopped => (Kind::Start, State::Serving),
             State::Killed => (Kind::StartAfterKill, State::Serving),
-            State::LinkDown => (Kind::LinkUp, State::Serving),
+            State::Silent => (Kind::Unsilenced, State::Serving),
         };
         states[i - 1] = after;
         let want = serving_hops(states);
@@ -509,7 +518,7 @@ fn series(
                 lab.node(i).kill_agent();
                 lab.node(i).kill_speaker();
             }
-            Kind::HoldExpiry => router_link(lab, i, false)?,
+            Kind::HoldExpiry | Kind::BfdDown => silence(lab, i, true)?,
             Kind::StartAfterKill => {
                 lab.node(i).start_speaker();
                 {
@@ -517,7 +526,7 @@ fn series(
                     lab.node(i).spawn_agent(&c)
                 };
             }
-            Kind::LinkUp => router_link(lab, i, true)?,
+            Kind::Unsilenced => silence(lab, i, false)?,
         }
         let delay = measure(lab, mon, action, &want, timeout);
         let out_for = if after == State::Serving {
@@ -798,7 +807,10 @@ struct LabRun {
 /// Both series in a fresh lab of kind `kind`.
 fn run_lab(o: &Opts, kind: LabKind) -> Result<LabRun, String> {
     let t0 = Instant::now();
-    let mut lab = EcmpLab::start_with_topology(kind.driver(), kind.topology());
+    let mut lab = match kind {
+        LabKind::BirdBfd => EcmpLab::start_agent_sessions('f', true),
+        _ => EcmpLab::start_with_topology(kind.driver(), kind.topology()),
+    };
     let mon = RouteMonitor::start(&lab.router.name.clone())?;
     for i in 1..=NODES {
         let c = lab.agent_config(i, 1);
@@ -940,7 +952,7 @@ mod tests {
         assert!(o.svg.path(SVG).unwrap().ends_with(SVG));
         // docs/benchmarks.md
         assert_eq!(
-            parse(&["--drivers", "gobgp,bird,exabgp,gobgp-rr"])
+            parse(&["--drivers", "gobgp,bird,exabgp,gobgp-rr,bird-bfd"])
                 .unwrap()
                 .labs,
             LAB_KINDS
