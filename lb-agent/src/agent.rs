@@ -432,11 +432,24 @@ impl Agent {
         if let Some(bgp) = &self.config.bgp {
             let announcer = crate::bgp::from_config(bgp).map_err(anyhow::Error::msg)?;
             info!(speaker = announcer.name(), "announcing VIPs through BGP");
-            self.announce = Some(AnnounceTask::start(
-                announcer,
-                bgp.resync_interval,
-                self.metrics.registry(),
-            ));
+            let task = AnnounceTask::start(announcer, bgp.resync_interval, self.metrics.registry());
+            // In a cluster, BGPPeer objects add peers by this node's labels.
+            if let (Some(client), Some(kcfg)) = (kube.clone(), &self.config.kubernetes) {
+                let mut peers = crate::k8s::bgp_peer::spawn(
+                    client,
+                    crate::k8s::watch::node_name(kcfg),
+                    kcfg.lease_namespace.clone(),
+                    bgp.peers.clone(),
+                );
+                let to = task.clone();
+                tokio::spawn(async move {
+                    while peers.changed().await.is_ok() {
+                        let now = peers.borrow_and_update().clone();
+                        to.set_peers(now);
+                    }
+                });
+            }
+            self.announce = Some(task);
         }
         if let Some(l2) = self.config.l2.clone() {
             let task =

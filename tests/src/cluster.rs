@@ -947,6 +947,7 @@ impl Cluster {
             "--for=condition=Established",
             "--timeout=60s",
             "crd/loadbalancerpools.xlb.dev",
+            "crd/bgppeers.xlb.dev",
         ]);
         self.chart_installed = true;
     }

@@ -23,7 +23,7 @@ use xlb_tests::{
     cluster::Pod,
     k8s_topology::{K8sTopology, NODE, NS},
     topology::{backend_ip, wait_for_port, Topology, BACKEND_PORT, LB_CLIENT_SIDE, VIP},
-    traffic::wait_until,
+    traffic::{poll_until, wait_until},
 };
 
 const OTHER_NODE: &str = "node-2";
@@ -352,4 +352,147 @@ fn set_announce(k: &K8sTopology, service: &str, how: &str) {
         &json!({"metadata": {"annotations": {ANNOUNCE_ANNOTATION: how}}}),
         false,
     );
+}
+
+/// gobgpd's neighbours: address → AS.
+fn neighbors(t: &Topology) -> BTreeMap<String, u64> {
+    let port = GOBGP_PORT.to_string();
+    let out = t.output_in(&t.lb, "gobgp", &["-p", &port, "neighbor", "-j"]);
+    assert!(
+        out.status.success(),
+        "gobgp neighbor: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: Value = serde_json::from_slice(&out.stdout).unwrap_or(Value::Null);
+    v.as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|n| {
+            let conf = &n["conf"];
+            Some((
+                conf["neighbor_address"].as_str()?.to_string(),
+                conf["peer_asn"].as_u64()?,
+            ))
+        })
+        .collect()
+}
+
+fn wait_neighbors(t: &Topology, what: &str, want: &[(&str, u64)]) {
+    let want: BTreeMap<String, u64> = want.iter().map(|(a, n)| (a.to_string(), *n)).collect();
+    let mut last = BTreeMap::new();
+    let seen = poll_until(CHANGE_TIMEOUT, Duration::from_millis(50), || {
+        last = neighbors(t);
+        if last == want {
+            Ok(())
+        } else {
+            Err(())
+        }
+    });
+    assert!(
+        seen.is_ok(),
+        "{what}: gobgpd's neighbours {last:?}, want {want:?}"
+    );
+}
+
+fn set_rack(k: &K8sTopology, rack: Option<&str>) {
+    let value = rack.map_or(Value::Null, |r| json!(r));
+    k.cluster.patch(
+        "node",
+        None,
+        NODE,
+        &json!({"metadata": {"labels": {"rack": value}}}),
+        false,
+    );
+}
+
+/// BGPPeers give each node the routers its labels select, with the chart's
+/// RBAC: a node in rack a peers with rack a's router and the one every node
+/// peers with; relabelled to rack b, it drops rack a's session and opens
+/// rack b's, without a restart. A BGPPeer that cannot be used (its password
+/// Secret is missing, a field is wrong) is left out with a log line naming
+/// it and why; the others are untouched, and it joins once it is fixed.
+#[test]
+fn bgppeers_follow_the_nodes_labels() {
+    let mut k = K8sTopology::new("k8p", 1);
+    start_gobgpd(&mut k.t);
+    let config = k.agent_config(&format!(
+        "  allocate_addresses: false\n\
+         bgp:\n\
+         \x20 driver: gobgp\n\
+         \x20 next_hop_ipv4: {NEXT_HOP}\n\
+         \x20 drain_time: 0s\n\
+         \x20 resync_interval: {resync}ms\n\
+         \x20 peers: [{{ address: 10.0.0.1, asn: 65100 }}]\n\
+         \x20 gobgp:\n\
+         \x20   address: http://127.0.0.1:{GOBGP_PORT}\n",
+        resync = RESYNC.as_millis(),
+    ));
+    let peer = |name: &str, spec: Value| {
+        json!({"apiVersion": "xlb.dev/v1alpha1", "kind": "BGPPeer",
+               "metadata": {"name": name}, "spec": spec})
+    };
+    k.cluster.apply(&peer(
+        "rack-a",
+        json!({"address": "10.0.1.254", "asn": 65000, "holdTime": "6s",
+               "nodeSelector": {"matchLabels": {"rack": "a"}}}),
+    ));
+    k.cluster.apply(&peer(
+        "rack-b",
+        json!({"address": "10.0.2.254", "asn": 65000,
+               "nodeSelector": {"matchExpressions": [{"key": "rack", "operator": "In", "values": ["b"]}]}}),
+    ));
+    k.cluster.apply(&peer(
+        "edge",
+        json!({"address": "10.0.9.1", "asn": 65200,
+               "passwordSecret": {"name": "bgp-auth", "key": "edge"}}),
+    ));
+    k.cluster.apply(&peer(
+        "typo",
+        json!({"address": "10.0.9.2", "asn": 65200, "holdTime": "1s"}),
+    ));
+    set_rack(&k, Some("a"));
+    let mut agent = k.t.start_agent(&config);
+    let t = &k.t;
+
+    // Rack a's router, and the config file's; the edge router waits for its
+    // Secret, the typo is refused: each said once, by name.
+    wait_neighbors(
+        t,
+        "a node in rack a",
+        &[("10.0.0.1", 65100), ("10.0.1.254", 65000)],
+    );
+    agent.wait_for_log(
+        "BGPPeer not used on this node: password Secret xlb-system/bgp-auth is missing",
+        1,
+        CHANGE_TIMEOUT,
+    );
+    agent.wait_for_log("bgppeer=typo", 1, CHANGE_TIMEOUT);
+    assert!(
+        agent.log().contains("hold_time must be at least 3s"),
+        "{}",
+        agent.log()
+    );
+
+    // Relabelled: rack a's session goes, rack b's comes.
+    set_rack(&k, Some("b"));
+    wait_neighbors(
+        t,
+        "the node moved to rack b",
+        &[("10.0.0.1", 65100), ("10.0.2.254", 65000)],
+    );
+
+    // The Secret appears (read when a BGPPeer changes, or within 30 s):
+    // the edge router joins; no label: no rack router.
+    k.cluster
+        .apply(&json!({"apiVersion": "v1", "kind": "Secret",
+        "metadata": {"name": "bgp-auth", "namespace": "xlb-system"},
+        "stringData": {"edge": "s3cret"}}));
+    set_rack(&k, None);
+    wait_neighbors(
+        t,
+        "the Secret created, the rack label removed",
+        &[("10.0.0.1", 65100), ("10.0.9.1", 65200)],
+    );
+    let status = agent.sigterm_and_wait();
+    assert!(status.success(), "{status}\n{}", agent.log());
 }

@@ -24,7 +24,7 @@ const NAMESPACE: &str = "xlb-system";
 /// Kinds kubernetes-validate has no schema for, checked by
 /// charts/xlb/ci/validate-custom-kinds.py instead.
 const CUSTOM_KINDS: &[&str] = &["LoadBalancerPool", "ServiceMonitor", "PrometheusRule"];
-const CRD_FILE: &str = "crds/loadbalancerpools.xlb.dev.yaml";
+const CRD_FILE: &str = "crds/xlb.dev.yaml";
 
 fn chart_dir() -> PathBuf {
     repo_root().join("charts/xlb")

@@ -522,6 +522,20 @@ impl Announcer for BirdAnnouncer {
         Box::pin(self.announced_now())
     }
 
+    fn set_peers(&mut self, peers: &[BgpPeer]) -> Result<(), String> {
+        match &mut self.sessions {
+            Some(s) if s.local_asn == 0 && !peers.is_empty() => {
+                Err("bgp.asn (this node's AS number) is required to write BIRD's sessions".into())
+            }
+            Some(s) => {
+                s.peers = peers.to_vec();
+                Ok(())
+            }
+            None if peers.is_empty() => Ok(()),
+            None => Err("this BIRD driver writes no sessions (no peers file)".into()),
+        }
+    }
+
     fn apply<'a>(
         &'a mut self,
         desired: &'a BTreeSet<Route>,

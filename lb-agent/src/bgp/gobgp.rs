@@ -185,6 +185,24 @@ pub struct PeerConfig {
 }
 
 impl PeerConfig {
+    /// A peer of the agent's config (or a BGPPeer), as the agent adds it.
+    pub fn of(p: &crate::config::BgpPeer) -> Self {
+        Self {
+            address: p.address,
+            peer_asn: p.asn,
+            hold_time: Some(p.hold_time),
+            keepalive: Some(p.keepalive),
+            password: p.password.clone(),
+            multihop_ttl: p.multihop_ttl,
+            // GoBGP's 120 s would leave a node cut off from a passive peer
+            // (a route reflector) for minutes.
+            connect_retry: Some(AGENT_CONNECT_RETRY),
+            // VIPs of both families ride one session per peer.
+            families: vec![AddressFamily::Ipv4Unicast, AddressFamily::Ipv6Unicast],
+            graceful_restart: p.graceful_restart,
+        }
+    }
+
     /// A directly connected neighbor with GoBGP's defaults.
     pub fn new(address: IpAddr, peer_asn: u32) -> Self {
         Self {
@@ -250,6 +268,9 @@ pub struct GoBgpAnnouncer {
     config: GoBgpConfig,
     endpoint: Endpoint,
     client: Option<GobgpApiClient<Channel>>,
+    /// Neighbors dropped from `config.peers` (a BGPPeer no longer
+    /// selecting this node): deleted from `gobgpd` at the next apply.
+    removed: BTreeSet<IpAddr>,
 }
 
 impl GoBgpAnnouncer {
@@ -262,6 +283,7 @@ impl GoBgpAnnouncer {
             config,
             endpoint,
             client: None,
+            removed: BTreeSet::new(),
         })
     }
 
@@ -319,18 +341,42 @@ impl GoBgpAnnouncer {
         .await
     }
 
+    /// Deletes a BGP neighbor (DeletePeer); its session is closed with a
+    /// NOTIFICATION, so the peer drops this node's routes at once.
+    pub async fn delete_peer(&mut self, address: IpAddr) -> AnnounceResult<()> {
+        let req = apipb::DeletePeerRequest {
+            address: address.to_string(),
+        };
+        let mut client = self.client();
+        self.call("DeletePeer", async move {
+            client.delete_peer(req).await.map_err(status_error)?;
+            Ok(())
+        })
+        .await
+    }
+
     /// Adds the configured [`peers`](GoBgpConfig::peers) that `gobgpd`
-    /// does not have; returns how many.
+    /// does not have and deletes the ones dropped from them; returns how
+    /// many were added.
     pub async fn ensure_peers(&mut self) -> AnnounceResult<usize> {
-        if self.config.peers.is_empty() {
+        if self.config.peers.is_empty() && self.removed.is_empty() {
             return Ok(0);
         }
-        let existing: BTreeSet<IpAddr> = self
+        let mut existing: BTreeSet<IpAddr> = self
             .list_peers()
             .await?
             .into_iter()
             .map(|(addr, _)| addr)
             .collect();
+        for address in std::mem::take(&mut self.removed) {
+            if existing.remove(&address) {
+                tracing::info!(peer = %address, "gobgp: deleting BGP neighbor");
+                if let Err(e) = self.delete_peer(address).await {
+                    self.removed.insert(address);
+                    return Err(e);
+                }
+            }
+        }
         let missing: Vec<PeerConfig> = self
             .config
             .peers
@@ -469,6 +515,19 @@ impl Announcer for GoBgpAnnouncer {
 
     fn announced(&mut self) -> BoxFuture<'_, AnnounceResult<BTreeSet<Route>>> {
         Box::pin(async move { Ok(self.list_owned().await?.into_values().collect()) })
+    }
+
+    /// A peer whose settings changed is deleted and added again (GoBGP
+    /// matches neighbors by address only).
+    fn set_peers(&mut self, peers: &[crate::config::BgpPeer]) -> Result<(), String> {
+        let new: Vec<PeerConfig> = peers.iter().map(PeerConfig::of).collect();
+        for old in &self.config.peers {
+            if !new.contains(old) {
+                self.removed.insert(old.address);
+            }
+        }
+        self.config.peers = new;
+        Ok(())
     }
 
     fn apply<'a>(

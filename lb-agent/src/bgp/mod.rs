@@ -14,6 +14,7 @@ pub mod exabgp;
 pub mod gobgp;
 pub mod task;
 
+use crate::config::BgpPeer;
 use std::{
     collections::{BTreeMap, BTreeSet},
     fmt,
@@ -135,6 +136,17 @@ pub trait Announcer: Send {
         Box::pin(async { Ok(Vec::new()) })
     }
 
+    /// Takes the peers the agent configures in the speaker from now on
+    /// (the next [`apply`](Self::apply) makes the speaker's sessions so). A
+    /// speaker that takes no peers from the agent refuses any.
+    fn set_peers(&mut self, peers: &[BgpPeer]) -> Result<(), String> {
+        if peers.is_empty() {
+            Ok(())
+        } else {
+            Err(format!("{} takes no peers from the agent", self.name()))
+        }
+    }
+
     /// Makes the speaker announce exactly `desired` (for us): lists, then
     /// adds what is missing and withdraws what is extra. Returns how many
     /// routes were (added, withdrawn).
@@ -149,27 +161,7 @@ pub fn from_config(bgp: &crate::config::BgpConfig) -> Result<Box<dyn Announcer>,
     use crate::config::Speaker;
     Ok(match &bgp.speaker {
         Speaker::GoBgp { address } => {
-            let peers = bgp
-                .peers
-                .iter()
-                .map(|p| gobgp::PeerConfig {
-                    address: p.address,
-                    peer_asn: p.asn,
-                    hold_time: Some(p.hold_time),
-                    keepalive: Some(p.keepalive),
-                    password: p.password.clone(),
-                    multihop_ttl: p.multihop_ttl,
-                    // GoBGP's 120 s would leave a node cut off from a
-                    // passive peer (a route reflector) for minutes.
-                    connect_retry: Some(gobgp::AGENT_CONNECT_RETRY),
-                    // VIPs of both families ride one session per peer.
-                    families: vec![
-                        gobgp::AddressFamily::Ipv4Unicast,
-                        gobgp::AddressFamily::Ipv6Unicast,
-                    ],
-                    graceful_restart: p.graceful_restart,
-                })
-                .collect();
+            let peers = bgp.peers.iter().map(gobgp::PeerConfig::of).collect();
             let config = gobgp::GoBgpConfig {
                 endpoint: address.clone(),
                 peers,

@@ -10,6 +10,7 @@ use tokio::sync::{mpsc, oneshot};
 use tracing::{info, warn};
 
 use super::{Announcer, Route};
+use crate::config::BgpPeer;
 
 /// The well-known community GRACEFUL_SHUTDOWN (RFC 8326): a router that
 /// honours it lowers the route's LOCAL_PREF to 0, so that it moves traffic
@@ -18,6 +19,8 @@ pub const GRACEFUL_SHUTDOWN: (u16, u16) = (65535, 0);
 
 enum Command {
     Apply(BTreeSet<Route>),
+    /// The peers the agent configures in the speaker (BGPPeers changed).
+    Peers(Vec<BgpPeer>),
     /// From now on announce every route with GRACEFUL_SHUTDOWN, then answer.
     GracefulShutdown(oneshot::Sender<()>),
     /// Withdraw everything, then answer.
@@ -25,6 +28,7 @@ enum Command {
 }
 
 /// Handle to the announcing task.
+#[derive(Clone)]
 pub struct AnnounceTask {
     tx: mpsc::UnboundedSender<Command>,
 }
@@ -95,6 +99,12 @@ impl AnnounceTask {
         let _ = self.tx.send(Command::Apply(routes));
     }
 
+    /// Sets the peers the agent configures in the speaker; the speaker's
+    /// sessions follow at once (a refusal is logged and the old peers stay).
+    pub fn set_peers(&self, peers: Vec<BgpPeer>) {
+        let _ = self.tx.send(Command::Peers(peers));
+    }
+
     /// Re-announces every route with GRACEFUL_SHUTDOWN and waits until the
     /// speaker took it (or gave up); routes applied later carry it too.
     pub async fn graceful_shutdown(&self) {
@@ -129,6 +139,12 @@ async fn run(
             cmd = rx.recv() => match cmd {
                 None => return,
                 Some(Command::Apply(routes)) => desired = Some(routes),
+                Some(Command::Peers(peers)) => {
+                    if let Err(e) = announcer.set_peers(&peers) {
+                        warn!(speaker = announcer.name(), "the BGP peers cannot be set: {e}");
+                        continue;
+                    }
+                }
                 Some(Command::GracefulShutdown(done)) => {
                     shutting_down = true;
                     if let Some(d) = &desired {

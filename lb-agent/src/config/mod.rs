@@ -410,6 +410,22 @@ pub fn parse_listen_addr(s: &str) -> Result<SocketAddr, String> {
 }
 
 pub use self::flow_sync::{FlowSyncConfig, FlowSyncReload, DEFAULT_FLOW_SYNC_PORT};
+pub(crate) use self::raw::{RawBfd, RawPeer};
+
+/// Checks one peer as `bgp.peers[]` is checked (a BGPPeer object's spec
+/// converted to those fields); the error names the field.
+pub(crate) fn check_peer(raw: RawPeer) -> Result<BgpPeer, String> {
+    validate::Validator { text: "" }
+        .bgp_peers(vec![raw])
+        .map(|mut peers| peers.remove(0))
+        .map_err(|e| match e {
+            ConfigError::Invalid { field, message, .. } => {
+                format!("{}: {message}", field.trim_start_matches("bgp.peers[0]."))
+            }
+            e => e.to_string(),
+        })
+}
+
 pub use self::l2::{majority, L2Config, DEFAULT_L2_PORT};
 use self::{locate::yaml_error, raw::RawConfig, validate::Validator};
 #[cfg(test)]

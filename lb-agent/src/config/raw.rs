@@ -80,29 +80,30 @@ pub(super) struct RawGoBgp {
     pub(super) address: Option<String>,
 }
 
-#[derive(Deserialize)]
+/// One of `bgp.peers` as written (also built from a BGPPeer object).
+#[derive(Deserialize, Default)]
 #[serde(deny_unknown_fields, expecting = "a peer (address, asn, ...)")]
-pub(super) struct RawPeer {
-    pub(super) address: String,
-    pub(super) asn: u32,
-    pub(super) port: Option<u16>,
-    pub(super) hold_time: Option<String>,
-    pub(super) keepalive: Option<String>,
-    pub(super) password: Option<String>,
-    pub(super) multihop_ttl: Option<u8>,
-    pub(super) graceful_restart: Option<String>,
-    pub(super) bfd: Option<RawBfd>,
+pub(crate) struct RawPeer {
+    pub(crate) address: String,
+    pub(crate) asn: u32,
+    pub(crate) port: Option<u16>,
+    pub(crate) hold_time: Option<String>,
+    pub(crate) keepalive: Option<String>,
+    pub(crate) password: Option<String>,
+    pub(crate) multihop_ttl: Option<u8>,
+    pub(crate) graceful_restart: Option<String>,
+    pub(crate) bfd: Option<RawBfd>,
 }
 
-#[derive(Deserialize)]
+#[derive(Deserialize, Default)]
 #[serde(
     deny_unknown_fields,
     expecting = "a bfd mapping (min_rx, min_tx, multiplier)"
 )]
-pub(super) struct RawBfd {
-    pub(super) min_rx: Option<String>,
-    pub(super) min_tx: Option<String>,
-    pub(super) multiplier: Option<u8>,
+pub(crate) struct RawBfd {
+    pub(crate) min_rx: Option<String>,
+    pub(crate) min_tx: Option<String>,
+    pub(crate) multiplier: Option<u8>,
 }
 
 #[derive(Deserialize)]

@@ -453,7 +453,7 @@ impl Validator<'_> {
     }
 
     /// `bgp.peers`.
-    fn bgp_peers(&self, raw: Vec<RawPeer>) -> Checked<Vec<BgpPeer>> {
+    pub(super) fn bgp_peers(&self, raw: Vec<RawPeer>) -> Checked<Vec<BgpPeer>> {
         let mut peers: Vec<BgpPeer> = Vec::new();
         for (i, p) in raw.into_iter().enumerate() {
             let pp = || root().key("bgp").key("peers").index(i);
