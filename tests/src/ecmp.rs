@@ -28,6 +28,9 @@
 //!   `xlb_vips4`/`xlb_vips6` that include the agent's routes files
 //!   (`xlb-vips4`/`xlb-vips6`, created empty before BIRD starts), as
 //!   `lb_agent::bgp::bird` documents.
+//!   With [`Sessions::Agent`] ([`EcmpLab::start_agent_sessions`]) the node
+//!   BIRD's config includes `bird-peers` instead, the session the agent
+//!   writes from `bgp.peers` (with BFD, and BFD on the router's side too).
 //! * ExaBGP: `exabgp` with `--root` the node's directory (its API pipes
 //!   `<p>-nI.in`/`.out`, made with mkfifo before it starts, in `run/`) and
 //!   `exabgp.env` (`[exabgp.api] cli, ack, pipename`); its config holds the
@@ -330,14 +333,13 @@ impl Node {
         format!("{}-n{}", self.prefix, self.index)
     }
 
-    /// The driver's part of the agent's `bgp` mapping (the `gobgp`, `bird`
-    /// or `exabgp` key, indented for `bgp:`), ending with a newline.
+    /// The driver's part of the agent's `bgp` mapping (GoBGP's `peers`, the
+    /// `bird` or `exabgp` key, indented for `bgp:`), ending with a newline.
     pub fn speaker_config(&self) -> String {
         match self.driver {
             Driver::GoBgp => format!(
-                "  gobgp:\n\
-                 \x20   peers:\n\
-                 \x20     - {{ address: {peer}, asn: {asn}, hold_time: {hold}s{gr} }}\n",
+                "  peers:\n\
+                 \x20   - {{ address: {peer}, asn: {asn}, hold_time: {hold}s{gr} }}\n",
                 peer = self.peer_ip,
                 asn = self.peer_asn,
                 hold = HOLD_TIME.as_secs(),
