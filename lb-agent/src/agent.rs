@@ -436,7 +436,7 @@ impl Agent {
             // In a cluster, BGPPeer objects add peers by this node's labels.
             if let (Some(client), Some(kcfg)) = (kube.clone(), &self.config.kubernetes) {
                 let mut peers = crate::k8s::bgp_peer::spawn(
-                    client,
+                    client.clone(),
                     crate::k8s::watch::node_name(kcfg),
                     kcfg.lease_namespace.clone(),
                     bgp.peers.clone(),
@@ -446,6 +446,22 @@ impl Agent {
                     while peers.changed().await.is_ok() {
                         let now = peers.borrow_and_update().clone();
                         to.set_peers(now);
+                    }
+                });
+                crate::k8s::bgp_peer::report_sessions(
+                    client.clone(),
+                    crate::k8s::watch::node_name(kcfg),
+                    task.sessions(),
+                );
+                let mut adverts = crate::k8s::bgp_advertisement::spawn(
+                    client,
+                    crate::k8s::watch::node_name(kcfg),
+                );
+                let to = task.clone();
+                tokio::spawn(async move {
+                    while adverts.changed().await.is_ok() {
+                        let now = adverts.borrow_and_update().clone();
+                        to.set_advertisements(now);
                     }
                 });
             }

@@ -948,6 +948,7 @@ impl Cluster {
             "--timeout=60s",
             "crd/loadbalancerpools.xlb.dev",
             "crd/bgppeers.xlb.dev",
+            "crd/bgpadvertisements.xlb.dev",
         ]);
         self.chart_installed = true;
     }

@@ -36,6 +36,9 @@
 //!
 //! Needs root, bpffs at /sys/fs/bpf, nginx, ethtool, iproute2, `gobgpd` and
 //! `gobgp` 3.x, BIRD 2 and ExaBGP 4.2. Every wait polls its condition with a deadline.
+//!
+//! Also: with sessions the agent writes for BIRD (`bgp.peers` with `bfd`),
+//! a node silenced with its link up leaves the ECMP set by BFD.
 
 use std::{
     collections::{BTreeMap, BTreeSet},

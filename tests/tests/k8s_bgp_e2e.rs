@@ -22,7 +22,7 @@ use serde_json::{json, Value};
 use xlb_tests::{
     cluster::Pod,
     k8s_topology::{K8sTopology, NODE, NS},
-    topology::{backend_ip, wait_for_port, Topology, BACKEND_PORT, LB_CLIENT_SIDE, VIP},
+    topology::{backend_ip, wait_for_port, Topology, BACKEND_PORT, CLIENT_IP, LB_CLIENT_SIDE, VIP},
     traffic::{poll_until, wait_until},
 };
 
@@ -493,6 +493,202 @@ fn bgppeers_follow_the_nodes_labels() {
         "the Secret created, the rack label removed",
         &[("10.0.0.1", 65100), ("10.0.9.1", 65200)],
     );
+    let status = agent.sigterm_and_wait();
+    assert!(status.success(), "{status}\n{}", agent.log());
+}
+
+/// The Events the agent published about its Node with this reason, as
+/// `kubectl get events` lists them: their notes.
+fn node_events(k: &K8sTopology, reason: &str) -> Vec<String> {
+    let out = k.cluster.kubectl_ok(&["get", "events", "-A", "-o", "json"]);
+    let v: Value = serde_json::from_str(&out).expect("kubectl get events -o json");
+    v["items"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter(|e| {
+            e["reason"] == reason
+                && e["involvedObject"]["kind"] == "Node"
+                && e["involvedObject"]["name"] == NODE
+        })
+        .filter_map(|e| e["message"].as_str().map(String::from))
+        .collect()
+}
+
+/// A node's BGP sessions as `kubectl` shows them: an Event on its Node when
+/// a session comes up and when it goes down. The router is a real BIRD in
+/// the client's namespace, peering with the node's gobgpd through a
+/// BGPPeer.
+#[test]
+fn bgp_sessions_show_as_events_on_the_node() {
+    let mut k = K8sTopology::new("k8s", 1);
+    start_gobgpd(&mut k.t);
+    let conf = k.t.dir.join("router-bird.conf");
+    std::fs::write(
+        &conf,
+        format!(
+            "router id {CLIENT_IP};\nprotocol device {{}}\n\
+             protocol bgp node {{\n  local {CLIENT_IP} as 65000;\n  neighbor {NEXT_HOP} as 65001;\n  \
+             hold time 3;\n  keepalive time 1;\n  connect delay time 1;\n  connect retry time 1;\n  \
+             error wait time 1, 2;\n  ipv4 {{ import all; export none; }};\n}}\n"
+        ),
+    )
+    .unwrap();
+    let ctl = k.t.dir.join("router-bird.ctl");
+    let (conf_s, ctl_s) = (conf.display().to_string(), ctl.display().to_string());
+    let router =
+        k.t.spawn_in(&k.t.client, "bird", &["-f", "-c", &conf_s, "-s", &ctl_s]);
+    let router_pid = router.id() as i32;
+    k.t.adopt_child(router);
+    let config = k.agent_config(&format!(
+        "  allocate_addresses: false\n\
+         bgp:\n\
+         \x20 driver: gobgp\n\
+         \x20 next_hop_ipv4: {NEXT_HOP}\n\
+         \x20 drain_time: 0s\n\
+         \x20 resync_interval: {resync}ms\n\
+         \x20 gobgp:\n\
+         \x20   address: http://127.0.0.1:{GOBGP_PORT}\n",
+        resync = RESYNC.as_millis(),
+    ));
+    k.cluster
+        .apply(&json!({"apiVersion": "xlb.dev/v1alpha1", "kind": "BGPPeer",
+        "metadata": {"name": "client-router"},
+        "spec": {"address": CLIENT_IP.to_string(), "asn": 65000, "holdTime": "3s"}}));
+    let mut agent = k.t.start_agent(&config);
+    let note = format!("BGP session with {CLIENT_IP} established");
+    // gobgpd's first attempt comes 5-10 s after the neighbour is added; the
+    // router connects every second.
+    wait_until("the session's Event", Duration::from_secs(30), || {
+        node_events(&k, "BGPSessionEstablished")
+            .contains(&note)
+            .then_some(())
+    });
+    agent.wait_for_log("BGP session established", 1, CHANGE_TIMEOUT);
+
+    // The router dies: its kernel closes the session, the node says so.
+    // SAFETY: kill(2) on a child of this process (nsenter exec'd BIRD).
+    assert_eq!(unsafe { libc::kill(router_pid, libc::SIGKILL) }, 0);
+    let down = format!("BGP session with {CLIENT_IP} went down");
+    wait_until("the session's down Event", CHANGE_TIMEOUT, || {
+        node_events(&k, "BGPSessionDown")
+            .contains(&down)
+            .then_some(())
+    });
+    let status = agent.sigterm_and_wait();
+    assert!(status.success(), "{status}\n{}", agent.log());
+}
+
+/// gobgpd's global IPv4 RIB: prefix → (communities as ASN:VALUE, LOCAL_PREF).
+fn rib_attributes(t: &Topology) -> BTreeMap<String, (Vec<String>, Option<u64>)> {
+    let port = GOBGP_PORT.to_string();
+    let out = t.output_in(
+        &t.lb,
+        "gobgp",
+        &["-p", &port, "global", "rib", "-a", "ipv4", "-j"],
+    );
+    let v: Value = serde_json::from_slice(&out.stdout).unwrap_or(Value::Null);
+    v.as_object()
+        .into_iter()
+        .flatten()
+        .map(|(prefix, paths)| {
+            let attrs: Vec<Value> = paths
+                .as_array()
+                .into_iter()
+                .flatten()
+                .flat_map(|p| p["attrs"].as_array().cloned().unwrap_or_default())
+                .collect();
+            let communities = attrs
+                .iter()
+                .filter(|a| a["type"] == 8)
+                .flat_map(|a| a["communities"].as_array().cloned().unwrap_or_default())
+                .filter_map(|c| c.as_u64())
+                .map(|c| format!("{}:{}", c >> 16, c & 0xffff))
+                .collect();
+            let local_pref = attrs
+                .iter()
+                .find(|a| a["type"] == 5)
+                .and_then(|a| a["value"].as_u64());
+            (prefix.clone(), (communities, local_pref))
+        })
+        .collect()
+}
+
+/// BGPAdvertisements give the VIPs of the pools they select their
+/// communities and LOCAL_PREF, on the nodes they select: the public pool's
+/// VIP carries the edge's community while this node is in rack a, the
+/// internal pool's never; relabelled, the node announces it plain. One
+/// with a bad community is left out with a log line naming it.
+#[test]
+fn bgpadvertisements_give_a_pools_vips_their_attributes() {
+    let mut k = K8sTopology::new("k8v", 1);
+    create_service(&k, CLUSTER_SVC, "Cluster", CLUSTER_VIP);
+    create_service(&k, LOCAL_SVC, "Cluster", LOCAL_VIP);
+    k.cluster.run_pod(&pod(1, NODE, &[CLUSTER_SVC, LOCAL_SVC]));
+    let pool = |name: &str, labels: Value, vip: Ipv4Addr| {
+        json!({"apiVersion": "xlb.dev/v1alpha1", "kind": "LoadBalancerPool",
+               "metadata": {"name": name, "labels": labels},
+               "spec": {"addresses": [format!("{vip}/32")]}})
+    };
+    k.cluster
+        .apply(&pool("public", json!({"exposure": "public"}), CLUSTER_VIP));
+    k.cluster.apply(&pool("internal", json!({}), LOCAL_VIP));
+    let advert = |name: &str, spec: Value| {
+        json!({"apiVersion": "xlb.dev/v1alpha1", "kind": "BGPAdvertisement",
+               "metadata": {"name": name}, "spec": spec})
+    };
+    k.cluster.apply(&advert(
+        "public-edge",
+        json!({"poolSelector": {"matchLabels": {"exposure": "public"}},
+               "nodeSelector": {"matchLabels": {"rack": "a"}},
+               "communities": ["65000:100"], "localPref": 200}),
+    ));
+    k.cluster
+        .apply(&advert("typo", json!({"communities": ["65000:lots"]})));
+    set_rack(&k, Some("a"));
+    start_gobgpd(&mut k.t);
+    let config = k.agent_config(&format!(
+        "  allocate_addresses: false\n\
+         bgp:\n\
+         \x20 driver: gobgp\n\
+         \x20 next_hop_ipv4: {NEXT_HOP}\n\
+         \x20 drain_time: 0s\n\
+         \x20 resync_interval: {resync}ms\n\
+         \x20 communities: [\"65000:1\"]\n\
+         \x20 gobgp:\n\
+         \x20   address: http://127.0.0.1:{GOBGP_PORT}\n",
+        resync = RESYNC.as_millis(),
+    ));
+    let mut agent = k.t.start_agent(&config);
+    let t = &k.t;
+    let public = host_route(CLUSTER_VIP);
+    let internal = host_route(LOCAL_VIP);
+    let attrs = |want_public: (&[&str], Option<u64>)| {
+        let mut last = BTreeMap::new();
+        let ok = poll_until(CHANGE_TIMEOUT, Duration::from_millis(50), || {
+            last = rib_attributes(t);
+            let is = |prefix: &str, c: &[&str], lp: Option<u64>| {
+                last.get(prefix)
+                    .is_some_and(|(have, l)| have == c && *l == lp)
+            };
+            if is(&public, want_public.0, want_public.1) && is(&internal, &["65000:1"], None) {
+                Ok(())
+            } else {
+                Err(())
+            }
+        });
+        assert!(
+            ok.is_ok(),
+            "want {public} with {want_public:?}; RIB {last:?}"
+        );
+    };
+    attrs((&["65000:1", "65000:100"], Some(200)));
+    agent.wait_for_log("bgpadvertisement=typo", 1, CHANGE_TIMEOUT);
+    assert!(agent.log().contains("65000:lots"), "{}", agent.log());
+
+    // Another rack: the advertisement no longer selects this node.
+    set_rack(&k, Some("b"));
+    attrs((&["65000:1"], None));
     let status = agent.sigterm_and_wait();
     assert!(status.success(), "{status}\n{}", agent.log());
 }

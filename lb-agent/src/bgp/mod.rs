@@ -107,6 +107,46 @@ impl fmt::Display for Route {
     }
 }
 
+/// Attributes added to the routes of the VIPs in some address ranges: a
+/// BGPAdvertisement selecting this node and some pools.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Advertisement {
+    /// Its name, for logs.
+    pub name: String,
+    /// Inclusive address ranges (the selected pools').
+    pub covers: Vec<(IpAddr, IpAddr)>,
+    pub communities: Vec<(u16, u16)>,
+    pub local_pref: Option<u32>,
+}
+
+impl Advertisement {
+    fn covers(&self, vip: IpAddr) -> bool {
+        self.covers
+            .iter()
+            .any(|&(first, last)| first.is_ipv4() == vip.is_ipv4() && first <= vip && vip <= last)
+    }
+}
+
+/// The routes with what the advertisements covering each VIP add: the
+/// union of every community (the route's own included), and the highest
+/// LOCAL_PREF of the route's and theirs.
+pub fn advertise(routes: &BTreeSet<Route>, adverts: &[Advertisement]) -> BTreeSet<Route> {
+    if adverts.is_empty() {
+        return routes.clone();
+    }
+    routes
+        .iter()
+        .map(|r| {
+            let mut r = r.clone();
+            for a in adverts.iter().filter(|a| a.covers(r.vip)) {
+                r.communities.extend(&a.communities);
+                r.local_pref = r.local_pref.max(a.local_pref);
+            }
+            r.normalized()
+        })
+        .collect()
+}
+
 /// Why talking to a speaker failed. The agent keeps its desired set and
 /// retries; nothing the data plane does depends on the speaker.
 #[derive(Debug, thiserror::Error)]
@@ -206,6 +246,57 @@ pub fn from_config(bgp: &crate::config::BgpConfig) -> Result<Box<dyn Announcer>,
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn advertisements_add_their_communities_and_the_highest_local_pref() {
+        let route = |vip: &str| Route {
+            vip: vip.parse().unwrap(),
+            next_hop: "10.0.0.1".parse().unwrap(),
+            communities: vec![(65000, 1)],
+            local_pref: Some(100),
+        };
+        let routes: BTreeSet<Route> = [
+            route("192.0.2.10"),
+            route("198.51.100.1"),
+            route("2001:db8::1"),
+        ]
+        .into_iter()
+        .collect();
+        let adv = |name: &str, first: &str, last: &str, c: Vec<(u16, u16)>, lp: Option<u32>| {
+            Advertisement {
+                name: name.into(),
+                covers: vec![(first.parse().unwrap(), last.parse().unwrap())],
+                communities: c,
+                local_pref: lp,
+            }
+        };
+        let adverts = [
+            adv(
+                "public",
+                "192.0.2.0",
+                "192.0.2.255",
+                vec![(65000, 100), (65000, 1)],
+                Some(50),
+            ),
+            adv(
+                "edge",
+                "192.0.2.8",
+                "192.0.2.15",
+                vec![(65000, 200)],
+                Some(300),
+            ),
+        ];
+        let out: Vec<Route> = advertise(&routes, &adverts).into_iter().collect();
+        let by = |vip: &str| out.iter().find(|r| r.vip.to_string() == vip).unwrap();
+        assert_eq!(
+            by("192.0.2.10").communities,
+            [(65000, 1), (65000, 100), (65000, 200)]
+        );
+        assert_eq!(by("192.0.2.10").local_pref, Some(300));
+        // Not covered: as it was (an IPv4 range covers no IPv6 VIP).
+        assert_eq!(by("198.51.100.1").communities, [(65000, 1)]);
+        assert_eq!(by("2001:db8::1").local_pref, Some(100));
+    }
 
     #[test]
     fn routes_print_as_prefixes() {

@@ -3,13 +3,17 @@
 //! it every `resync_interval`, which heals a restarted speaker), and on
 //! shutdown withdraws everything before the agent exits.
 
-use std::{collections::BTreeSet, net::IpAddr, time::Duration};
+use std::{
+    collections::{BTreeMap, BTreeSet},
+    net::IpAddr,
+    time::Duration,
+};
 
 use prometheus::{IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry};
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::{mpsc, oneshot, watch};
 use tracing::{info, warn};
 
-use super::{Announcer, Route};
+use super::{advertise, Advertisement, Announcer, Route};
 use crate::config::BgpPeer;
 
 /// The well-known community GRACEFUL_SHUTDOWN (RFC 8326): a router that
@@ -21,6 +25,8 @@ enum Command {
     Apply(BTreeSet<Route>),
     /// The peers the agent configures in the speaker (BGPPeers changed).
     Peers(Vec<BgpPeer>),
+    /// What BGPAdvertisements add to the routes of their pools' VIPs.
+    Advertisements(Vec<Advertisement>),
     /// From now on announce every route with GRACEFUL_SHUTDOWN, then answer.
     GracefulShutdown(oneshot::Sender<()>),
     /// Withdraw everything, then answer.
@@ -31,7 +37,12 @@ enum Command {
 #[derive(Clone)]
 pub struct AnnounceTask {
     tx: mpsc::UnboundedSender<Command>,
+    sessions: watch::Receiver<Sessions>,
 }
+
+/// The speaker's BGP sessions as last read: peer → established. Empty while
+/// the speaker cannot be asked.
+pub type Sessions = BTreeMap<IpAddr, bool>;
 
 struct AnnounceMetrics {
     announced: IntGauge,
@@ -89,9 +100,15 @@ impl AnnounceTask {
     /// Starts the task; nothing is announced until the first `apply`.
     pub fn start(announcer: Box<dyn Announcer>, resync: Duration, registry: &Registry) -> Self {
         let (tx, rx) = mpsc::unbounded_channel();
+        let (sessions_tx, sessions) = watch::channel(Sessions::new());
         let metrics = AnnounceMetrics::new(registry);
-        tokio::spawn(run(announcer, rx, resync, metrics));
-        Self { tx }
+        tokio::spawn(run(announcer, rx, resync, metrics, sessions_tx));
+        Self { tx, sessions }
+    }
+
+    /// The speaker's sessions, updated after every apply and resync.
+    pub fn sessions(&self) -> watch::Receiver<Sessions> {
+        self.sessions.clone()
     }
 
     /// Sets the routes this node should announce now.
@@ -103,6 +120,11 @@ impl AnnounceTask {
     /// sessions follow at once (a refusal is logged and the old peers stay).
     pub fn set_peers(&self, peers: Vec<BgpPeer>) {
         let _ = self.tx.send(Command::Peers(peers));
+    }
+
+    /// Sets what advertisements add to the routes; applied at once.
+    pub fn set_advertisements(&self, adverts: Vec<Advertisement>) {
+        let _ = self.tx.send(Command::Advertisements(adverts));
     }
 
     /// Re-announces every route with GRACEFUL_SHUTDOWN and waits until the
@@ -128,8 +150,10 @@ async fn run(
     mut rx: mpsc::UnboundedReceiver<Command>,
     resync: Duration,
     metrics: AnnounceMetrics,
+    sessions: watch::Sender<Sessions>,
 ) {
     let mut desired: Option<BTreeSet<Route>> = None;
+    let mut adverts: Vec<Advertisement> = Vec::new();
     let mut shutting_down = false;
     let mut known_peers: BTreeSet<IpAddr> = BTreeSet::new();
     let mut tick = tokio::time::interval(resync);
@@ -139,6 +163,7 @@ async fn run(
             cmd = rx.recv() => match cmd {
                 None => return,
                 Some(Command::Apply(routes)) => desired = Some(routes),
+                Some(Command::Advertisements(a)) => adverts = a,
                 Some(Command::Peers(peers)) => {
                     if let Err(e) = announcer.set_peers(&peers) {
                         warn!(speaker = announcer.name(), "the BGP peers cannot be set: {e}");
@@ -148,7 +173,8 @@ async fn run(
                 Some(Command::GracefulShutdown(done)) => {
                     shutting_down = true;
                     if let Some(d) = &desired {
-                        apply(announcer.as_mut(), &with_graceful_shutdown(d), &metrics).await;
+                        let d = with_graceful_shutdown(&advertise(d, &adverts));
+                        apply(announcer.as_mut(), &d, &metrics).await;
                     }
                     let _ = done.send(());
                     continue;
@@ -164,12 +190,13 @@ async fn run(
         }
         match &desired {
             Some(d) if shutting_down => {
-                apply(announcer.as_mut(), &with_graceful_shutdown(d), &metrics).await
+                let d = with_graceful_shutdown(&advertise(d, &adverts));
+                apply(announcer.as_mut(), &d, &metrics).await
             }
-            Some(d) => apply(announcer.as_mut(), d, &metrics).await,
+            Some(d) => apply(announcer.as_mut(), &advertise(d, &adverts), &metrics).await,
             None => {}
         }
-        update_peers(announcer.as_mut(), &metrics, &mut known_peers).await;
+        update_peers(announcer.as_mut(), &metrics, &mut known_peers, &sessions).await;
     }
 }
 
@@ -191,18 +218,31 @@ async fn update_peers(
     announcer: &mut dyn Announcer,
     metrics: &AnnounceMetrics,
     known: &mut BTreeSet<IpAddr>,
+    sessions: &watch::Sender<Sessions>,
 ) {
     match announcer.peers().await {
         Ok(peers) => {
             metrics.peer_up.reset();
             known.clear();
-            for (peer, up) in peers {
+            let before = sessions.borrow().clone();
+            for &(peer, up) in &peers {
                 known.insert(peer);
                 metrics
                     .peer_up
                     .with_label_values(&[&peer.to_string()])
                     .set(up as i64);
+                match (before.get(&peer), up) {
+                    (Some(false) | None, true) => info!(%peer, "BGP session established"),
+                    (Some(true), false) => warn!(%peer, "BGP session down"),
+                    _ => {}
+                }
             }
+            sessions.send_if_modified(|s| {
+                let now: Sessions = peers.into_iter().collect();
+                let changed = *s != now;
+                *s = now;
+                changed
+            });
         }
         Err(e) => {
             tracing::debug!(speaker = announcer.name(), "reading BGP sessions: {e}");
@@ -212,6 +252,11 @@ async fn update_peers(
                     .with_label_values(&[&peer.to_string()])
                     .set(0);
             }
+            sessions.send_if_modified(|s| {
+                let up = s.values().any(|&up| up);
+                s.values_mut().for_each(|v| *v = false);
+                up
+            });
         }
     }
 }

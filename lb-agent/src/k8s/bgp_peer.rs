@@ -4,17 +4,21 @@
 
 use std::{
     collections::{BTreeMap, BTreeSet},
+    net::IpAddr,
     sync::Arc,
-    time::Duration,
+    time::{Duration, Instant},
 };
 
 use k8s_openapi::{
-    api::core::v1::{Node, Secret},
+    api::core::v1::{Node, ObjectReference, Secret},
     apimachinery::pkg::apis::meta::v1::LabelSelector,
 };
 use kube::{
     core::{Selector, SelectorExt},
-    runtime::{reflector, watcher, WatchStreamExt},
+    runtime::{
+        events::{Event as KubeEvent, EventType, Recorder, Reporter},
+        reflector, watcher, WatchStreamExt,
+    },
     Api, Client, CustomResource, ResourceExt,
 };
 use schemars::JsonSchema;
@@ -22,8 +26,11 @@ use serde::{Deserialize, Serialize};
 use tokio::sync::{watch, Notify};
 use tracing::{info, warn};
 
-use super::{api_health::QuickRetry, watch::drive};
-use crate::config::{check_peer, BgpPeer, RawBfd, RawPeer};
+use super::{api_health::QuickRetry, watch::drive, CONTROLLER_NAME};
+use crate::{
+    bgp::task::Sessions,
+    config::{check_peer, BgpPeer, RawBfd, RawPeer},
+};
 
 /// A BGP neighbour for the nodes its `nodeSelector` matches (every node
 /// without one). Cluster-scoped: racks differ by node labels.
@@ -261,6 +268,113 @@ pub fn spawn(
     rx
 }
 
+/// A session not established this long after it appeared is reported
+/// (an unreachable peer, or one that does not peer with this node).
+const NOT_ESTABLISHED_AFTER: Duration = Duration::from_secs(30);
+
+/// What a change of the speaker's sessions is reported as: an Event on
+/// this node's Node object (`kubectl describe node`, `kubectl get events`),
+/// one per change, so that the API server's load stays small.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SessionEvent {
+    pub warning: bool,
+    pub reason: &'static str,
+    pub note: String,
+}
+
+/// The Events for the sessions going from `before` to `now`; `waiting`
+/// holds since when each peer was seen without its session (and whether
+/// that was reported), updated here.
+pub fn session_events(
+    before: &Sessions,
+    now: &Sessions,
+    waiting: &mut BTreeMap<IpAddr, (Instant, bool)>,
+    at: Instant,
+) -> Vec<SessionEvent> {
+    let mut out = Vec::new();
+    waiting.retain(|peer, _| now.get(peer) == Some(&false));
+    for (&peer, &up) in now {
+        match (before.get(&peer).copied(), up) {
+            (Some(false) | None, true) => out.push(SessionEvent {
+                warning: false,
+                reason: "BGPSessionEstablished",
+                note: format!("BGP session with {peer} established"),
+            }),
+            (Some(true), false) => {
+                waiting.insert(peer, (at, true));
+                out.push(SessionEvent {
+                    warning: true,
+                    reason: "BGPSessionDown",
+                    note: format!("BGP session with {peer} went down"),
+                });
+            }
+            (_, false) => {
+                let (since, reported) = waiting.entry(peer).or_insert((at, false));
+                if !*reported && at.duration_since(*since) >= NOT_ESTABLISHED_AFTER {
+                    *reported = true;
+                    out.push(SessionEvent {
+                        warning: true,
+                        reason: "BGPSessionNotEstablished",
+                        note: format!(
+                            "no BGP session with {peer} after {}s: is it reachable, and does it peer with this node?",
+                            NOT_ESTABLISHED_AFTER.as_secs()
+                        ),
+                    });
+                }
+            }
+            (Some(true), true) => {}
+        }
+    }
+    out
+}
+
+/// Reports the speaker's session changes as Events on this node's Node.
+pub fn report_sessions(client: Client, node_name: String, mut sessions: watch::Receiver<Sessions>) {
+    let recorder = Recorder::new(
+        client,
+        Reporter {
+            controller: CONTROLLER_NAME.to_string(),
+            instance: Some(node_name.clone()),
+        },
+    );
+    let node = ObjectReference {
+        api_version: Some("v1".into()),
+        kind: Some("Node".into()),
+        name: Some(node_name),
+        ..Default::default()
+    };
+    tokio::spawn(async move {
+        let mut before = Sessions::new();
+        let mut waiting = BTreeMap::new();
+        loop {
+            // Also every few seconds: a session that never comes up
+            // changes nothing.
+            let tick = tokio::time::timeout(Duration::from_secs(5), sessions.changed()).await;
+            if matches!(tick, Ok(Err(_))) {
+                return;
+            }
+            let now = sessions.borrow_and_update().clone();
+            for e in session_events(&before, &now, &mut waiting, Instant::now()) {
+                let event = KubeEvent {
+                    type_: if e.warning {
+                        EventType::Warning
+                    } else {
+                        EventType::Normal
+                    },
+                    reason: e.reason.into(),
+                    note: Some(e.note),
+                    action: "Peer".into(),
+                    secondary: None,
+                };
+                if let Err(err) = recorder.publish(&event, &node).await {
+                    warn!(reason = event.reason, "could not publish an Event: {err}");
+                }
+            }
+            before = now;
+        }
+    });
+}
+
 /// A Secret's key as text; why not, if it cannot be read.
 async fn secret_key(
     secrets: &Api<Secret>,
@@ -396,5 +510,40 @@ mod tests {
             let got = &problems[&bad.name_any()];
             assert!(got.contains(why), "{}: {got}", bad.name_any());
         }
+    }
+
+    #[test]
+    fn session_changes_become_events_once() {
+        let a: IpAddr = "10.0.1.254".parse().unwrap();
+        let b: IpAddr = "10.0.2.254".parse().unwrap();
+        let t0 = Instant::now();
+        let mut waiting = BTreeMap::new();
+        let reasons = |v: Vec<SessionEvent>| v.into_iter().map(|e| e.reason).collect::<Vec<_>>();
+        let s = |pairs: &[(IpAddr, bool)]| pairs.iter().copied().collect::<Sessions>();
+        // a comes up; b is new and down: nothing yet.
+        let e = session_events(&s(&[]), &s(&[(a, true), (b, false)]), &mut waiting, t0);
+        assert_eq!(reasons(e), ["BGPSessionEstablished"]);
+        let same = s(&[(a, true), (b, false)]);
+        assert!(
+            session_events(&same, &same, &mut waiting, t0 + Duration::from_secs(29)).is_empty()
+        );
+        // b still down after 30 s: said once.
+        let e = session_events(&same, &same, &mut waiting, t0 + Duration::from_secs(30));
+        assert_eq!(reasons(e), ["BGPSessionNotEstablished"]);
+        assert!(
+            session_events(&same, &same, &mut waiting, t0 + Duration::from_secs(90)).is_empty()
+        );
+        // a goes down (said at once, and not again as not established).
+        let down = s(&[(a, false), (b, false)]);
+        let e = session_events(&same, &down, &mut waiting, t0 + Duration::from_secs(91));
+        assert_eq!(reasons(e), ["BGPSessionDown"]);
+        assert!(
+            session_events(&down, &down, &mut waiting, t0 + Duration::from_secs(200)).is_empty()
+        );
+        let e = session_events(&down, &s(&[(a, true), (b, true)]), &mut waiting, t0);
+        assert_eq!(
+            reasons(e),
+            ["BGPSessionEstablished", "BGPSessionEstablished"]
+        );
     }
 }

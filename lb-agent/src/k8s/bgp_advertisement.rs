@@ -1,0 +1,282 @@
+//! The `BGPAdvertisement` custom resource: communities and LOCAL_PREF for
+//! the VIPs of some pools, on some nodes; and the task that turns the ones
+//! selecting this node into what its routes carry.
+
+use std::{collections::BTreeMap, sync::Arc};
+
+use k8s_openapi::{api::core::v1::Node, apimachinery::pkg::apis::meta::v1::LabelSelector};
+use kube::{
+    core::{Selector, SelectorExt},
+    runtime::{reflector, watcher, WatchStreamExt},
+    Api, Client, CustomResource, ResourceExt,
+};
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+use tokio::sync::{watch, Notify};
+use tracing::{info, warn};
+
+use super::{api_health::QuickRetry, crd::LoadBalancerPool, ipam::Pool, watch::drive};
+use crate::bgp::Advertisement;
+
+/// BGP attributes for the VIPs of the pools its `poolSelector` matches
+/// (every pool without one), announced by the nodes its `nodeSelector`
+/// matches (every node without one).
+///
+/// ```yaml
+/// apiVersion: xlb.dev/v1alpha1
+/// kind: BGPAdvertisement
+/// metadata: { name: public-edge }
+/// spec:
+///   poolSelector: { matchLabels: { exposure: public } }
+///   communities: ["65000:100"]
+///   localPref: 200
+/// ```
+#[derive(CustomResource, Deserialize, Serialize, Clone, Debug, PartialEq, JsonSchema)]
+#[kube(
+    group = "xlb.dev",
+    version = "v1alpha1",
+    kind = "BGPAdvertisement",
+    plural = "bgpadvertisements",
+    shortname = "bgpadv",
+    printcolumn = r#"{"name":"Communities","type":"string","jsonPath":".spec.communities"}"#,
+    printcolumn = r#"{"name":"LocalPref","type":"integer","jsonPath":".spec.localPref"}"#
+)]
+#[serde(rename_all = "camelCase")]
+pub struct BgpAdvertisementSpec {
+    /// The LoadBalancerPools (by their labels) whose VIPs get these
+    /// attributes; every pool without it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pool_selector: Option<LabelSelector>,
+    /// The nodes (by their labels) that announce with them; every node
+    /// without it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub node_selector: Option<LabelSelector>,
+    /// Standard communities, `ASN:VALUE` (each 0-65535).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub communities: Vec<String>,
+    /// LOCAL_PREF (iBGP peers only).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    // schemars says `uint32`, a format Kubernetes does not know.
+    #[schemars(extend("format" = "int64"))]
+    pub local_pref: Option<u32>,
+}
+
+fn selects(
+    selector: &Option<LabelSelector>,
+    labels: &BTreeMap<String, String>,
+) -> Result<bool, String> {
+    match selector {
+        None => Ok(true),
+        Some(s) => Selector::try_from(s.clone())
+            .map(|s| s.matches(labels))
+            .map_err(|e| e.to_string()),
+    }
+}
+
+/// The advertisements that select a node with `labels`, each with the
+/// address ranges of the pools it selects. One that cannot be used (a bad
+/// selector or community; a selected pool whose addresses do not parse is
+/// only left out of it) is left out with why, by name.
+pub fn advertisements_for_node(
+    objects: &[&BGPAdvertisement],
+    pools: &[&LoadBalancerPool],
+    labels: &BTreeMap<String, String>,
+) -> (Vec<Advertisement>, BTreeMap<String, String>) {
+    let mut out = Vec::new();
+    let mut problems = BTreeMap::new();
+    let mut objects = objects.to_vec();
+    objects.sort_by_key(|o| o.name_any());
+    for o in objects {
+        let name = o.name_any();
+        let spec = &o.spec;
+        let advert = (|| {
+            if !selects(&spec.node_selector, labels).map_err(|e| format!("nodeSelector: {e}"))? {
+                return Ok(None);
+            }
+            let mut communities = Vec::new();
+            for c in &spec.communities {
+                let parsed = c
+                    .split_once(':')
+                    .and_then(|(a, v)| Some((a.trim().parse().ok()?, v.trim().parse().ok()?)));
+                communities.push(parsed.ok_or_else(|| {
+                    format!("{c:?} is not a community ASN:VALUE (each 0 to 65535)")
+                })?);
+            }
+            let mut covers = Vec::new();
+            for p in pools {
+                if !selects(&spec.pool_selector, p.labels())
+                    .map_err(|e| format!("poolSelector: {e}"))?
+                {
+                    continue;
+                }
+                // A pool the allocator refuses hands out nothing to announce.
+                if let Ok(pool) = Pool::parse(&p.name_any(), &p.spec) {
+                    covers.extend(pool.ranges().iter().map(|r| (r.first(), r.last())));
+                }
+            }
+            Ok::<_, String>(Some(Advertisement {
+                name: name.clone(),
+                covers,
+                communities,
+                local_pref: spec.local_pref,
+            }))
+        })();
+        match advert {
+            Ok(Some(a)) => out.push(a),
+            Ok(None) => {}
+            Err(e) => {
+                problems.insert(name, e);
+            }
+        }
+    }
+    (out, problems)
+}
+
+/// Watches the BGPAdvertisements, the pools and this node's labels;
+/// publishes what this node's routes carry whenever it changes. Each
+/// advertisement left out is logged once, with why, while it lasts.
+pub fn spawn(client: Client, node_name: String) -> watch::Receiver<Vec<Advertisement>> {
+    let (tx, rx) = watch::channel(Vec::new());
+    let changed = Arc::new(Notify::new());
+    let (objects, objects_w) = reflector::store::<BGPAdvertisement>();
+    let (pools, pools_w) = reflector::store::<LoadBalancerPool>();
+    let (nodes, nodes_w) = reflector::store::<Node>();
+    drive(
+        "bgpadvertisements",
+        watcher(
+            Api::<BGPAdvertisement>::all(client.clone()),
+            watcher::Config::default(),
+        )
+        .backoff(QuickRetry::default())
+        .reflect(objects_w),
+        changed.clone(),
+    );
+    drive(
+        "loadbalancerpools",
+        watcher(
+            Api::<LoadBalancerPool>::all(client.clone()),
+            watcher::Config::default(),
+        )
+        .backoff(QuickRetry::default())
+        .reflect(pools_w),
+        changed.clone(),
+    );
+    drive(
+        "nodes",
+        watcher(
+            Api::<Node>::all(client),
+            watcher::Config::default().fields(&format!("metadata.name={node_name}")),
+        )
+        .backoff(QuickRetry::default())
+        .reflect(nodes_w),
+        changed.clone(),
+    );
+    tokio::spawn(async move {
+        let ready = futures::future::join3(
+            objects.wait_until_ready(),
+            pools.wait_until_ready(),
+            nodes.wait_until_ready(),
+        )
+        .await;
+        if ready.0.is_err() || ready.1.is_err() || ready.2.is_err() {
+            return;
+        }
+        let mut logged: BTreeMap<String, String> = BTreeMap::new();
+        loop {
+            let state = objects.state();
+            let refs: Vec<&BGPAdvertisement> = state.iter().map(Arc::as_ref).collect();
+            let pool_state = pools.state();
+            let pool_refs: Vec<&LoadBalancerPool> = pool_state.iter().map(Arc::as_ref).collect();
+            let labels = nodes
+                .state()
+                .iter()
+                .find(|n| n.name_any() == node_name)
+                .map(|n| n.labels().clone())
+                .unwrap_or_default();
+            let (adverts, problems) = advertisements_for_node(&refs, &pool_refs, &labels);
+            for (name, why) in &problems {
+                if logged.get(name) != Some(why) {
+                    warn!(bgpadvertisement = %name, "BGPAdvertisement not used on this node: {why}");
+                }
+            }
+            logged = problems;
+            if *tx.borrow() != adverts {
+                info!(
+                    advertisements = ?adverts.iter().map(|a| a.name.as_str()).collect::<Vec<_>>(),
+                    "BGP advertisements of this node"
+                );
+                if tx.send(adverts).is_err() {
+                    return;
+                }
+            }
+            changed.notified().await;
+        }
+    });
+    rx
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn advert(name: &str, spec: serde_json::Value) -> BGPAdvertisement {
+        serde_json::from_value(serde_json::json!({
+            "apiVersion": "xlb.dev/v1alpha1", "kind": "BGPAdvertisement",
+            "metadata": {"name": name}, "spec": spec,
+        }))
+        .unwrap()
+    }
+
+    fn pool(name: &str, labels: serde_json::Value, addresses: &[&str]) -> LoadBalancerPool {
+        serde_json::from_value(serde_json::json!({
+            "apiVersion": "xlb.dev/v1alpha1", "kind": "LoadBalancerPool",
+            "metadata": {"name": name, "labels": labels}, "spec": {"addresses": addresses},
+        }))
+        .unwrap()
+    }
+
+    #[test]
+    fn an_advertisement_covers_the_pools_and_nodes_it_selects() {
+        let public = pool(
+            "public",
+            serde_json::json!({"exposure": "public"}),
+            &["192.0.2.0/28"],
+        );
+        let internal = pool("internal", serde_json::json!({}), &["10.9.0.10-10.9.0.20"]);
+        let edge = advert(
+            "edge",
+            serde_json::json!({"poolSelector": {"matchLabels": {"exposure": "public"}},
+                "nodeSelector": {"matchLabels": {"rack": "a"}},
+                "communities": ["65000:100"], "localPref": 200}),
+        );
+        let everywhere = advert("all", serde_json::json!({"communities": ["65000:7"]}));
+        let bad = advert("bad", serde_json::json!({"communities": ["65000:x"]}));
+        let rack_a: BTreeMap<String, String> = [("rack".to_string(), "a".to_string())].into();
+        let (out, problems) =
+            advertisements_for_node(&[&edge, &everywhere, &bad], &[&public, &internal], &rack_a);
+        assert_eq!(out.len(), 2, "{out:?}");
+        let all = &out[0];
+        assert_eq!(all.name, "all");
+        assert_eq!(all.covers.len(), 2);
+        let edge = &out[1];
+        assert_eq!(
+            edge.covers,
+            [("192.0.2.0".parse().unwrap(), "192.0.2.15".parse().unwrap())]
+        );
+        assert_eq!(
+            (edge.communities.clone(), edge.local_pref),
+            (vec![(65000, 100)], Some(200))
+        );
+        assert!(problems["bad"].contains("65000:x"), "{problems:?}");
+        // Another rack: only the one for every node.
+        let (out, _) = advertisements_for_node(
+            &[&advert(
+                "edge",
+                serde_json::json!({"nodeSelector": {"matchLabels": {"rack": "a"}}}),
+            )],
+            &[&public],
+            &BTreeMap::new(),
+        );
+        assert!(out.is_empty());
+    }
+}
