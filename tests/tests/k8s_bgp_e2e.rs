@@ -192,6 +192,23 @@ fn pod(n: usize, node: &str, services: &[&str]) -> Pod {
     }
 }
 
+/// The agent's config: Kubernetes without the allocator, BGP through the
+/// test's gobgpd, and `bgp_extra` (lines of the `bgp` mapping).
+fn agent_config(k: &mut K8sTopology, bgp_extra: &str) -> String {
+    k.agent_config(&format!(
+        "  allocate_addresses: false\n\
+         bgp:\n\
+         \x20 driver: gobgp\n\
+         \x20 next_hop_ipv4: {NEXT_HOP}\n\
+         \x20 drain_time: 0s\n\
+         \x20 resync_interval: {resync}ms\n\
+         {bgp_extra}\
+         \x20 gobgp:\n\
+         \x20   address: http://127.0.0.1:{GOBGP_PORT}\n",
+        resync = RESYNC.as_millis(),
+    ))
+}
+
 /// Sets (`Some("")`) or removes (`None`) the exclusion label on this node.
 fn set_excluded(k: &K8sTopology, excluded: bool) {
     let value = if excluded { json!("") } else { Value::Null };
@@ -227,17 +244,7 @@ fn vips_are_announced_only_while_this_node_can_serve_them() {
         .run_pod(&pod(1, OTHER_NODE, &[CLUSTER_SVC, LOCAL_SVC]));
 
     start_gobgpd(&mut k.t);
-    let config = k.agent_config(&format!(
-        "  allocate_addresses: false\n\
-         bgp:\n\
-         \x20 driver: gobgp\n\
-         \x20 next_hop_ipv4: {NEXT_HOP}\n\
-         \x20 drain_time: 0s\n\
-         \x20 resync_interval: {resync}ms\n\
-         \x20 gobgp:\n\
-         \x20   address: http://127.0.0.1:{GOBGP_PORT}\n",
-        resync = RESYNC.as_millis(),
-    ));
+    let config = agent_config(&mut k, "");
     let mut agent = k.t.start_agent(&config);
     let t = &k.t;
 
@@ -415,18 +422,7 @@ fn set_rack(k: &K8sTopology, rack: Option<&str>) {
 fn bgppeers_follow_the_nodes_labels() {
     let mut k = K8sTopology::new("k8p", 1);
     start_gobgpd(&mut k.t);
-    let config = k.agent_config(&format!(
-        "  allocate_addresses: false\n\
-         bgp:\n\
-         \x20 driver: gobgp\n\
-         \x20 next_hop_ipv4: {NEXT_HOP}\n\
-         \x20 drain_time: 0s\n\
-         \x20 resync_interval: {resync}ms\n\
-         \x20 peers: [{{ address: 10.0.0.1, asn: 65100 }}]\n\
-         \x20 gobgp:\n\
-         \x20   address: http://127.0.0.1:{GOBGP_PORT}\n",
-        resync = RESYNC.as_millis(),
-    ));
+    let config = agent_config(&mut k, "  peers: [{ address: 10.0.0.1, asn: 65100 }]\n");
     let peer = |name: &str, spec: Value| {
         json!({"apiVersion": "xlb.dev/v1alpha1", "kind": "BGPPeer",
                "metadata": {"name": name}, "spec": spec})
@@ -540,17 +536,7 @@ fn bgp_sessions_show_as_events_on_the_node() {
         k.t.spawn_in(&k.t.client, "bird", &["-f", "-c", &conf_s, "-s", &ctl_s]);
     let router_pid = router.id() as i32;
     k.t.adopt_child(router);
-    let config = k.agent_config(&format!(
-        "  allocate_addresses: false\n\
-         bgp:\n\
-         \x20 driver: gobgp\n\
-         \x20 next_hop_ipv4: {NEXT_HOP}\n\
-         \x20 drain_time: 0s\n\
-         \x20 resync_interval: {resync}ms\n\
-         \x20 gobgp:\n\
-         \x20   address: http://127.0.0.1:{GOBGP_PORT}\n",
-        resync = RESYNC.as_millis(),
-    ));
+    let config = agent_config(&mut k, "");
     k.cluster
         .apply(&json!({"apiVersion": "xlb.dev/v1alpha1", "kind": "BGPPeer",
         "metadata": {"name": "client-router"},
@@ -647,18 +633,7 @@ fn bgpadvertisements_give_a_pools_vips_their_attributes() {
         .apply(&advert("typo", json!({"communities": ["65000:lots"]})));
     set_rack(&k, Some("a"));
     start_gobgpd(&mut k.t);
-    let config = k.agent_config(&format!(
-        "  allocate_addresses: false\n\
-         bgp:\n\
-         \x20 driver: gobgp\n\
-         \x20 next_hop_ipv4: {NEXT_HOP}\n\
-         \x20 drain_time: 0s\n\
-         \x20 resync_interval: {resync}ms\n\
-         \x20 communities: [\"65000:1\"]\n\
-         \x20 gobgp:\n\
-         \x20   address: http://127.0.0.1:{GOBGP_PORT}\n",
-        resync = RESYNC.as_millis(),
-    ));
+    let config = agent_config(&mut k, "  communities: [\"65000:1\"]\n");
     let mut agent = k.t.start_agent(&config);
     let t = &k.t;
     let public = host_route(CLUSTER_VIP);

@@ -412,6 +412,12 @@ pub fn parse_listen_addr(s: &str) -> Result<SocketAddr, String> {
 pub use self::flow_sync::{FlowSyncConfig, FlowSyncReload, DEFAULT_FLOW_SYNC_PORT};
 pub(crate) use self::raw::{RawBfd, RawPeer};
 
+/// A standard community written `ASN:VALUE` (each 0 to 65535).
+pub(crate) fn parse_community(s: &str) -> Option<(u16, u16)> {
+    let (a, v) = s.split_once(':')?;
+    Some((a.trim().parse().ok()?, v.trim().parse().ok()?))
+}
+
 /// Checks one peer as `bgp.peers[]` is checked (a BGPPeer object's spec
 /// converted to those fields); the error names the field.
 pub(crate) fn check_peer(raw: RawPeer) -> Result<BgpPeer, String> {

@@ -348,10 +348,7 @@ impl Validator<'_> {
         };
         let mut communities = Vec::new();
         for (i, c) in b.communities.iter().enumerate() {
-            let parsed = c
-                .split_once(':')
-                .and_then(|(a, v)| Some((a.trim().parse().ok()?, v.trim().parse().ok()?)));
-            match parsed {
+            match parse_community(c) {
                 Some(p) => communities.push(p),
                 None => {
                     return Err(self.err(

@@ -5,18 +5,19 @@
 use std::{collections::BTreeMap, sync::Arc};
 
 use k8s_openapi::{api::core::v1::Node, apimachinery::pkg::apis::meta::v1::LabelSelector};
-use kube::{
-    core::{Selector, SelectorExt},
-    runtime::{reflector, watcher, WatchStreamExt},
-    Api, Client, CustomResource, ResourceExt,
-};
+use kube::{runtime::watcher, Api, Client, CustomResource, ResourceExt};
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 use tokio::sync::{watch, Notify};
 use tracing::{info, warn};
 
-use super::{api_health::QuickRetry, crd::LoadBalancerPool, ipam::Pool, watch::drive};
-use crate::bgp::Advertisement;
+use super::{
+    crd::LoadBalancerPool,
+    ipam::Pool,
+    selects,
+    watch::{store, this_node},
+};
+use crate::{bgp::Advertisement, config::parse_community};
 
 /// BGP attributes for the VIPs of the pools its `poolSelector` matches
 /// (every pool without one), announced by the nodes its `nodeSelector`
@@ -61,18 +62,6 @@ pub struct BgpAdvertisementSpec {
     pub local_pref: Option<u32>,
 }
 
-fn selects(
-    selector: &Option<LabelSelector>,
-    labels: &BTreeMap<String, String>,
-) -> Result<bool, String> {
-    match selector {
-        None => Ok(true),
-        Some(s) => Selector::try_from(s.clone())
-            .map(|s| s.matches(labels))
-            .map_err(|e| e.to_string()),
-    }
-}
-
 /// The advertisements that select a node with `labels`, each with the
 /// address ranges of the pools it selects. One that cannot be used (a bad
 /// selector or community; a selected pool whose addresses do not parse is
@@ -95,10 +84,7 @@ pub fn advertisements_for_node(
             }
             let mut communities = Vec::new();
             for c in &spec.communities {
-                let parsed = c
-                    .split_once(':')
-                    .and_then(|(a, v)| Some((a.trim().parse().ok()?, v.trim().parse().ok()?)));
-                communities.push(parsed.ok_or_else(|| {
+                communities.push(parse_community(c).ok_or_else(|| {
                     format!("{c:?} is not a community ASN:VALUE (each 0 to 65535)")
                 })?);
             }
@@ -138,38 +124,24 @@ pub fn advertisements_for_node(
 pub fn spawn(client: Client, node_name: String) -> watch::Receiver<Vec<Advertisement>> {
     let (tx, rx) = watch::channel(Vec::new());
     let changed = Arc::new(Notify::new());
-    let (objects, objects_w) = reflector::store::<BGPAdvertisement>();
-    let (pools, pools_w) = reflector::store::<LoadBalancerPool>();
-    let (nodes, nodes_w) = reflector::store::<Node>();
-    drive(
+    let all = watcher::Config::default;
+    let objects = store(
         "bgpadvertisements",
-        watcher(
-            Api::<BGPAdvertisement>::all(client.clone()),
-            watcher::Config::default(),
-        )
-        .backoff(QuickRetry::default())
-        .reflect(objects_w),
-        changed.clone(),
+        Api::<BGPAdvertisement>::all(client.clone()),
+        all(),
+        &changed,
     );
-    drive(
+    let pools = store(
         "loadbalancerpools",
-        watcher(
-            Api::<LoadBalancerPool>::all(client.clone()),
-            watcher::Config::default(),
-        )
-        .backoff(QuickRetry::default())
-        .reflect(pools_w),
-        changed.clone(),
+        Api::<LoadBalancerPool>::all(client.clone()),
+        all(),
+        &changed,
     );
-    drive(
+    let nodes = store(
         "nodes",
-        watcher(
-            Api::<Node>::all(client),
-            watcher::Config::default().fields(&format!("metadata.name={node_name}")),
-        )
-        .backoff(QuickRetry::default())
-        .reflect(nodes_w),
-        changed.clone(),
+        Api::<Node>::all(client),
+        this_node(&node_name),
+        &changed,
     );
     tokio::spawn(async move {
         let ready = futures::future::join3(

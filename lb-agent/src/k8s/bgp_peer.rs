@@ -14,10 +14,9 @@ use k8s_openapi::{
     apimachinery::pkg::apis::meta::v1::LabelSelector,
 };
 use kube::{
-    core::{Selector, SelectorExt},
     runtime::{
         events::{Event as KubeEvent, EventType, Recorder, Reporter},
-        reflector, watcher, WatchStreamExt,
+        watcher,
     },
     Api, Client, CustomResource, ResourceExt,
 };
@@ -26,7 +25,11 @@ use serde::{Deserialize, Serialize};
 use tokio::sync::{watch, Notify};
 use tracing::{info, warn};
 
-use super::{api_health::QuickRetry, watch::drive, CONTROLLER_NAME};
+use super::{
+    selects,
+    watch::{store, this_node},
+    CONTROLLER_NAME,
+};
 use crate::{
     bgp::task::Sessions,
     config::{check_peer, BgpPeer, RawBfd, RawPeer},
@@ -134,12 +137,8 @@ pub fn peers_for_node(
     for o in objects {
         let name = o.name_any();
         let spec = &o.spec;
-        let matches = match &spec.node_selector {
-            None => Ok(true),
-            Some(s) => Selector::try_from(s.clone())
-                .map(|s| s.matches(labels))
-                .map_err(|e| format!("nodeSelector: {e}")),
-        };
+        let matches =
+            selects(&spec.node_selector, labels).map_err(|e| format!("nodeSelector: {e}"));
         let peer = matches.and_then(|m| {
             if !m {
                 return Ok(None);
@@ -194,27 +193,17 @@ pub fn spawn(
 ) -> watch::Receiver<Vec<BgpPeer>> {
     let (tx, rx) = watch::channel(config.clone());
     let changed = Arc::new(Notify::new());
-    let (objects, objects_w) = reflector::store::<BGPPeer>();
-    let (nodes, nodes_w) = reflector::store::<Node>();
-    drive(
+    let objects = store(
         "bgppeers",
-        watcher(
-            Api::<BGPPeer>::all(client.clone()),
-            watcher::Config::default(),
-        )
-        .backoff(QuickRetry::default())
-        .reflect(objects_w),
-        changed.clone(),
+        Api::<BGPPeer>::all(client.clone()),
+        watcher::Config::default(),
+        &changed,
     );
-    drive(
+    let nodes = store(
         "nodes",
-        watcher(
-            Api::<Node>::all(client.clone()),
-            watcher::Config::default().fields(&format!("metadata.name={node_name}")),
-        )
-        .backoff(QuickRetry::default())
-        .reflect(nodes_w),
-        changed.clone(),
+        Api::<Node>::all(client.clone()),
+        this_node(&node_name),
+        &changed,
     );
     let secrets = Api::<Secret>::namespaced(client, &namespace);
     tokio::spawn(async move {

@@ -82,6 +82,21 @@ pub fn serves(svc: &Service, class: &str, default_class: bool) -> bool {
     }
 }
 
+/// Whether `selector` (none: everything) matches `labels`; why not, if it
+/// is not a valid selector.
+pub fn selects(
+    selector: &Option<k8s_openapi::apimachinery::pkg::apis::meta::v1::LabelSelector>,
+    labels: &std::collections::BTreeMap<String, String>,
+) -> Result<bool, String> {
+    use kube::core::{Selector, SelectorExt};
+    match selector {
+        None => Ok(true),
+        Some(s) => Selector::try_from(s.clone())
+            .map(|s| s.matches(labels))
+            .map_err(|e| e.to_string()),
+    }
+}
+
 /// The CRDs xlb defines, as the YAML documents the Helm chart ships.
 pub fn crds_yaml() -> String {
     use kube::CustomResourceExt;

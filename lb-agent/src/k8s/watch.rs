@@ -196,6 +196,34 @@ fn compact(event: watcher::Event<EndpointSlice>) -> watcher::Event<Slice> {
 
 const LAST_APPLIED: &str = "kubectl.kubernetes.io/last-applied-configuration";
 
+/// A store of the `K` objects `config` selects, kept by a reflector
+/// (driven as [`drive`] does) that wakes `changed` on every event.
+pub(super) fn store<K>(
+    what: &'static str,
+    api: Api<K>,
+    config: watcher::Config,
+    changed: &Arc<Notify>,
+) -> reflector::Store<K>
+where
+    K: Resource + Clone + std::fmt::Debug + serde::de::DeserializeOwned + Send + Sync + 'static,
+    K::DynamicType: Default + Eq + std::hash::Hash + Clone,
+{
+    let (store, writer) = reflector::store::<K>();
+    drive(
+        what,
+        watcher(api, config)
+            .backoff(QuickRetry::default())
+            .reflect(writer),
+        changed.clone(),
+    );
+    store
+}
+
+/// The watcher config that selects only the Node named `node_name`.
+pub(super) fn this_node(node_name: &str) -> watcher::Config {
+    watcher::Config::default().fields(&format!("metadata.name={node_name}"))
+}
+
 /// Polls one reflector stream forever, waking the desired-state task on
 /// every event. Errors go to the shared API health (logged once per
 /// outage); the watcher retries within a second.
