@@ -142,6 +142,8 @@ pub enum Driver {
     GoBgp,
     Bird,
     ExaBgp,
+    /// FRR's bgpd (with zebra and bfdd beside it), driven through vtysh.
+    Frr,
 }
 
 impl Driver {
@@ -151,6 +153,7 @@ impl Driver {
             Driver::GoBgp => "gobgp",
             Driver::Bird => "bird",
             Driver::ExaBgp => "exabgp",
+            Driver::Frr => "frr",
         }
     }
 
@@ -160,6 +163,7 @@ impl Driver {
             Driver::GoBgp => 'g',
             Driver::Bird => 'b',
             Driver::ExaBgp => 'x',
+            Driver::Frr => 'f',
         }
     }
 
@@ -169,6 +173,7 @@ impl Driver {
             Driver::GoBgp => "gobgpd",
             Driver::Bird => "bird",
             Driver::ExaBgp => "exabgp",
+            Driver::Frr => "bgpd",
         }
     }
 }
@@ -274,6 +279,9 @@ pub struct Node {
     pub asn: u32,
     agent: Option<Child>,
     speaker: Option<Child>,
+    /// FRR's zebra and bfdd (bgpd is `speaker`): they keep running when
+    /// bgpd is killed, as under FRR's watchfrr.
+    frr_helpers: Vec<Child>,
     agent_starts: usize,
     speaker_starts: usize,
     /// The speaker runs with BGP graceful restart (see
@@ -318,6 +326,12 @@ impl Node {
         self.dir.join("xlb-vips")
     }
 
+    /// FRR's directory (its config, vty sockets and pid files), owned
+    /// by the `frr` user its daemons run as.
+    pub fn frr_dir(&self) -> PathBuf {
+        self.dir.join("frr")
+    }
+
     /// The node BIRD's control socket.
     pub fn bird_socket(&self) -> PathBuf {
         self.dir.join("bird.ctl")
@@ -359,16 +373,8 @@ impl Node {
                     self.bird_socket().display()
                 );
                 if let Sessions::Agent { bfd } = self.sessions {
-                    s.push_str(&format!(
-                        "  asn: {asn}\n\
-                         \x20 peers:\n\
-                         \x20   - {{ address: {peer}, asn: {peer_asn}, hold_time: {hold}s, keepalive: 1s{bfd} }}\n",
-                        asn = self.asn,
-                        peer = self.peer_ip,
-                        peer_asn = self.peer_asn,
-                        hold = HOLD_TIME.as_secs(),
-                        bfd = if bfd { ", bfd: {}" } else { "" },
-                    ));
+                    s.push_str(&format!("  asn: {}\n", self.asn));
+                    s.push_str(&self.agent_peers(bfd));
                 }
                 s
             }
@@ -379,7 +385,38 @@ impl Node {
                 self.exabgp_pipe_dir().display(),
                 self.exabgp_pipe_name()
             ),
+            Driver::Frr => {
+                let mut s = format!(
+                    "  asn: {}\n\
+                     \x20 frr:\n\
+                     \x20   socket_dir: {dir}\n\
+                     \x20   config_dir: {dir}\n",
+                    self.asn,
+                    dir = self.frr_dir().display()
+                );
+                if let Sessions::Agent { bfd } = self.sessions {
+                    s.push_str(&self.agent_peers(bfd));
+                }
+                s
+            }
         }
+    }
+
+    /// The agent's `bgp.peers`: the router, with BFD if `bfd`.
+    fn agent_peers(&self, bfd: bool) -> String {
+        format!(
+            "  peers:\n\
+             \x20   - {{ address: {peer}, asn: {peer_asn}, hold_time: {hold}s, keepalive: 1s{bfd}{gr} }}\n",
+            peer = self.peer_ip,
+            peer_asn = self.peer_asn,
+            hold = HOLD_TIME.as_secs(),
+            bfd = if bfd { ", bfd: {}" } else { "" },
+            gr = if self.graceful_restart {
+                format!(", graceful_restart: {}s", GRACEFUL_RESTART_TIME.as_secs())
+            } else {
+                String::new()
+            }
+        )
     }
 
     /// Writes the speaker's configuration files (and, for BIRD, the empty
@@ -450,6 +487,59 @@ protocol static xlb_vips6 {{
 }}
 {session}"#,
                         log = self.dir.join("bird.log").display(),
+                    ),
+                )
+                .unwrap();
+            }
+            Driver::Frr => {
+                let dir = self.frr_dir();
+                fs::create_dir_all(&dir).unwrap();
+                sh(&format!("chown frr:frr {}", dir.display()));
+                // The instance is FRR's own; the agent adds its VIPs (and,
+                // with agent sessions, the router) to it.
+                let session = match self.sessions {
+                    Sessions::Agent { .. } => String::new(),
+                    Sessions::Speaker => format!(
+                        " neighbor {peer} remote-as {peer_asn}\n \
+                         neighbor {peer} timers 1 {hold}\n \
+                         neighbor {peer} timers connect 1\n{gr}",
+                        gr = if self.graceful_restart {
+                            format!(" neighbor {peer} graceful-restart\n")
+                        } else {
+                            String::new()
+                        }
+                    ),
+                };
+                let gr = if self.graceful_restart {
+                    format!(
+                        " bgp graceful-restart restart-time {}\n \
+                         bgp graceful-restart preserve-fw-state\n",
+                        GRACEFUL_RESTART_TIME.as_secs()
+                    )
+                } else {
+                    // FRR offers graceful restart (as a helper) by default,
+                    // and the router would keep a killed bgpd's routes for
+                    // its restart time (120 s): off, as in the other labs.
+                    " bgp graceful-restart-disable\n".to_string()
+                };
+                // vtysh saves the whole config into frr.conf (the agent's
+                // `write memory`); a restarted FRR reads what was saved.
+                fs::write(dir.join("vtysh.conf"), "service integrated-vtysh-config\n").unwrap();
+                if dir.join("frr.conf").exists() {
+                    return;
+                }
+                fs::write(
+                    dir.join("frr.conf"),
+                    format!(
+                        "frr defaults traditional\n\
+                         hostname n{i}\n\
+                         !\n\
+                         router bgp {asn}\n \
+                         bgp router-id {ip}\n \
+                         no bgp ebgp-requires-policy\n\
+                         {gr}{session}\
+                         exit\n",
+                        i = self.index
                     ),
                 )
                 .unwrap();
@@ -558,6 +648,44 @@ protocol static xlb_vips6 {{
                 }
                 spawn_in(&self.ns, &log, Path::new("bird"), &args)
             }
+            Driver::Frr => {
+                let dir = self.frr_dir().display().to_string();
+                let daemon = |name: &str| {
+                    let conf = format!("{dir}/frr.conf");
+                    let pid = format!("{dir}/{name}.pid");
+                    let zserv = format!("{dir}/zserv.api");
+                    let args = [
+                        "-u",
+                        "frr",
+                        "-g",
+                        "frr",
+                        "-P",
+                        "0",
+                        "-f",
+                        &conf,
+                        "--vty_socket",
+                        &dir,
+                        "-z",
+                        &zserv,
+                        "-i",
+                        &pid,
+                        "--log",
+                        "stdout",
+                    ];
+                    let log = self.dir.join(format!("{name}-{}.log", self.speaker_starts));
+                    spawn_in(&self.ns, &log, &Path::new("/usr/lib/frr").join(name), &args)
+                };
+                if self.frr_helpers.is_empty() {
+                    let zebra = daemon("zebra");
+                    let sock = self.frr_dir().join("zserv.api");
+                    poll_until(Duration::from_secs(10), Duration::from_millis(20), || {
+                        sock.exists().then_some(()).ok_or(())
+                    })
+                    .unwrap_or_else(|()| panic!("node {}: zebra did not start", self.index));
+                    self.frr_helpers = vec![zebra, daemon("bfdd")];
+                }
+                daemon("bgpd")
+            }
             Driver::ExaBgp => spawn_in(
                 &self.ns,
                 &log,
@@ -601,6 +729,32 @@ protocol static xlb_vips6 {{
                     )
                 });
             }
+            Driver::Frr => {
+                poll_until(Duration::from_secs(10), Duration::from_millis(20), || {
+                    if self
+                        .vtysh(&["show", "running-config"])
+                        .contains("\nrouter bgp ")
+                    {
+                        return Ok(());
+                    }
+                    let child = self.speaker.as_mut().unwrap();
+                    if let Ok(Some(st)) = child.try_wait() {
+                        panic!(
+                            "node {}: bgpd exited ({st}): {}",
+                            self.index,
+                            tail(&self.speaker_log_path(), 20)
+                        );
+                    }
+                    Err(())
+                })
+                .unwrap_or_else(|()| {
+                    panic!(
+                        "node {}: bgpd did not start: {}",
+                        self.index,
+                        tail(&self.speaker_log_path(), 20)
+                    )
+                });
+            }
             Driver::ExaBgp => {}
         }
     }
@@ -629,7 +783,7 @@ protocol static xlb_vips6 {{
         );
         kill_child(&mut self.speaker);
         match self.driver {
-            Driver::GoBgp => return,
+            Driver::GoBgp | Driver::Frr => return,
             Driver::Bird => {
                 let _ = fs::remove_file(self.bird_socket());
                 return;
@@ -791,6 +945,22 @@ protocol static xlb_vips6 {{
         String::from_utf8_lossy(&out.stdout).into_owned()
     }
 
+    /// `vtysh -c "ARGS"` against this node's FRR (output and errors).
+    pub fn vtysh(&self, args: &[&str]) -> String {
+        let out = Command::new("vtysh")
+            .arg("--vty_socket")
+            .arg(self.frr_dir())
+            .arg("-c")
+            .arg(args.join(" "))
+            .output()
+            .expect("run vtysh");
+        format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        )
+    }
+
     /// The `gobgp` CLI against this node's `gobgpd`.
     pub fn gobgp(&self, args: &[&str]) -> String {
         let port = GOBGP_API_PORT.to_string();
@@ -937,9 +1107,16 @@ impl EcmpLab {
     /// them: 100 ms both ways, 3 missed). The sessions come up with the
     /// agents, not before.
     pub fn start_agent_sessions(tag: char, bfd: bool) -> Self {
+        Self::start_agent_sessions_with(Driver::Bird, tag, bfd)
+    }
+
+    /// [`start_agent_sessions`](Self::start_agent_sessions) with BIRD or
+    /// FRR on the nodes.
+    pub fn start_agent_sessions_with(driver: Driver, tag: char, bfd: bool) -> Self {
         assert!(tag.is_ascii_lowercase() && tag != 'r', "tag {tag:?}");
+        assert!(matches!(driver, Driver::Bird | Driver::Frr), "{driver:?}");
         Self::start_lab(
-            Driver::Bird,
+            driver,
             Topology::Direct,
             Some(tag),
             false,
@@ -1083,6 +1260,7 @@ impl EcmpLab {
                 asn,
                 agent: None,
                 speaker: None,
+                frr_helpers: Vec::new(),
                 agent_starts: 0,
                 speaker_starts: 0,
                 graceful_restart,

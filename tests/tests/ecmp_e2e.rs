@@ -119,6 +119,14 @@ fn check_speaker(lab: &EcmpLab, i: usize, announced: bool) {
                 assert!(!file.contains(&vip), "node {i}: routes file: {file:?}");
             }
         }
+        Driver::Frr => {
+            // bgpd's table: the VIP from the agent's `network`, via the node.
+            let table = node.vtysh(&["show", "bgp", "ipv4", "unicast"]);
+            let has = table
+                .lines()
+                .any(|l| l.contains(&vip) && l.contains(&node.ip().to_string()));
+            assert_eq!(has, announced, "node {i}: bgpd's table:\n{table}");
+        }
         Driver::ExaBgp => {}
     }
 }
@@ -379,6 +387,11 @@ fn ecmp_over_three_nodes_with_exabgp() {
     ecmp_over_three_nodes(Driver::ExaBgp);
 }
 
+#[test]
+fn ecmp_over_three_nodes_with_frr() {
+    ecmp_over_three_nodes(Driver::Frr);
+}
+
 fn ecmp_over_three_nodes(driver: Driver) {
     // Build the binaries (if the sources changed) before the clock starts.
     let _ = (agent_bin(), lbctl_bin());
@@ -570,8 +583,9 @@ fn ecmp_over_three_nodes(driver: Driver) {
         Driver::GoBgp => assert!(log.contains("gobgp: adding BGP neighbor"), "node 2: {log}"),
         // The restarted ExaBGP came up empty: the agent announced again.
         Driver::ExaBgp => assert!(log.contains("BGP routes updated"), "node 2: {log}"),
-        // BIRD announced the routes file again by itself.
-        Driver::Bird => {}
+        // BIRD announced the routes file again by itself, bgpd the
+        // config the agent saved.
+        Driver::Bird | Driver::Frr => {}
     }
     for i in [1, 2] {
         check_speaker(&lab, i, true);
@@ -783,6 +797,11 @@ fn a_rolling_restart_loses_no_connection_with_gobgp() {
     rolling_restart(Driver::GoBgp, "snat");
 }
 
+#[test]
+fn a_rolling_restart_loses_no_connection_with_frr() {
+    rolling_restart(Driver::Frr, "snat");
+}
+
 /// In nat mode the replies come back through any node (the backends route
 /// the client over all three), so this also shows every node translating
 /// replies of flows it did not forward.
@@ -947,6 +966,11 @@ fn a_node_leaving_and_joining_keeps_its_connections_in_nat_mode_with_bird() {
 #[test]
 fn a_node_leaving_and_joining_keeps_its_connections_in_nat_mode_with_gobgp() {
     node_leaves_and_joins(Driver::GoBgp, "nat");
+}
+
+#[test]
+fn a_node_leaving_and_joining_keeps_its_connections_in_nat_mode_with_frr() {
+    node_leaves_and_joins(Driver::Frr, "nat");
 }
 
 /// The same in snat mode, where the backends know each connection by the
@@ -1185,6 +1209,11 @@ fn a_speaker_restart_keeps_routes_and_connections_with_bird() {
     speaker_restart(Driver::Bird);
 }
 
+#[test]
+fn a_speaker_restart_keeps_routes_and_connections_with_frr() {
+    speaker_restart(Driver::Frr);
+}
+
 fn speaker_restart(driver: Driver) {
     let (mut lab, mut conns) = with_connections(EcmpLab::start_graceful(driver, 'g'), "snat");
     let stop = Arc::new(AtomicBool::new(false));
@@ -1254,6 +1283,11 @@ fn a_leaving_node_announces_graceful_shutdown_before_it_withdraws_with_exabgp() 
     graceful_shutdown(Driver::ExaBgp);
 }
 
+#[test]
+fn a_leaving_node_announces_graceful_shutdown_before_it_withdraws_with_frr() {
+    graceful_shutdown(Driver::Frr);
+}
+
 fn graceful_shutdown(driver: Driver) {
     const WAIT: Duration = Duration::from_secs(2);
     let mut lab = EcmpLab::start_tagged(driver, 'g');
@@ -1306,18 +1340,46 @@ fn graceful_shutdown(driver: Driver) {
 /// the hold timer.
 #[test]
 fn a_silent_node_leaves_the_ecmp_set_by_bfd_with_sessions_the_agent_writes() {
-    let mut lab = EcmpLab::start_agent_sessions('b', true);
+    silent_node_leaves_by_bfd(Driver::Bird);
+}
+
+/// As above, the agent configuring FRR's bgpd and bfdd through vtysh.
+#[test]
+fn a_silent_node_leaves_the_ecmp_set_by_bfd_with_sessions_the_agent_writes_with_frr() {
+    silent_node_leaves_by_bfd(Driver::Frr);
+}
+
+fn silent_node_leaves_by_bfd(driver: Driver) {
+    let mut lab = EcmpLab::start_agent_sessions_with(driver, 'b', true);
     start_agents(&mut lab, &[1, 2, 3]);
     wait_fib(&lab, &[1, 2, 3], Duration::from_secs(20), "agents up");
-    // The sessions are the agent's: BIRD has them from bird-peers, with BFD.
-    let peers = std::fs::read_to_string(lab.dir.join("n2/bird-peers")).unwrap();
-    assert!(
-        peers.contains("protocol bgp xlb_peer1")
-            && peers.contains(&format!("neighbor {ROUTER_IP} as 65000"))
-            && peers
-                .contains("bfd { min rx interval 100 ms; min tx interval 100 ms; multiplier 3; }"),
-        "node 2's sessions file:\n{peers}"
-    );
+    // The sessions are the agent's, with BFD.
+    if driver == Driver::Bird {
+        // BIRD has them from bird-peers.
+        let peers = std::fs::read_to_string(lab.dir.join("n2/bird-peers")).unwrap();
+        assert!(
+            peers.contains("protocol bgp xlb_peer1")
+                && peers.contains(&format!("neighbor {ROUTER_IP} as 65000"))
+                && peers.contains(
+                    "bfd { min rx interval 100 ms; min tx interval 100 ms; multiplier 3; }"
+                ),
+            "node 2's sessions file:\n{peers}"
+        );
+    } else {
+        // FRR has them in its running config, marked as the agent's.
+        let running = lab.nodes[1].vtysh(&["show", "running-config"]);
+        for want in [
+            format!("neighbor {ROUTER_IP} remote-as 65000"),
+            format!("neighbor {ROUTER_IP} description xlb:"),
+            format!("neighbor {ROUTER_IP} bfd profile xlb-bfd-3-100-100"),
+            " profile xlb-bfd-3-100-100\n".to_string(),
+        ] {
+            assert!(
+                running.contains(&want),
+                "node 2's FRR lacks {want:?}:\n{running}"
+            );
+        }
+    }
     wait_until(
         "three BFD sessions up at the router",
         Duration::from_secs(10),

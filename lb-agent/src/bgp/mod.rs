@@ -3,7 +3,7 @@
 //!
 //! The agent does not speak BGP itself. An [`Announcer`] drives one speaker
 //! (GoBGP over gRPC, BIRD 2 through an included file and `birdc`, ExaBGP
-//! through its API pipes). The agent computes the whole set of routes this
+//! through its API pipes, FRR through `vtysh`). The agent computes the whole set of routes this
 //! node should announce and calls [`Announcer::apply`]: the driver lists what
 //! the speaker announces, and adds and withdraws the difference. Applying
 //! the same set again is a no-op, and a speaker that restarted empty gets
@@ -11,6 +11,7 @@
 
 pub mod bird;
 pub mod exabgp;
+pub mod frr;
 pub mod gobgp;
 pub mod task;
 
@@ -164,7 +165,7 @@ pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
 
 /// A driver for one BGP speaker.
 pub trait Announcer: Send {
-    /// A short name for logs and metrics ("gobgp", "bird", "exabgp").
+    /// A short name for logs and metrics ("gobgp", "bird", "exabgp", "frr").
     fn name(&self) -> &'static str;
 
     /// The routes the speaker announces for us now.
@@ -239,6 +240,16 @@ pub fn from_config(bgp: &crate::config::BgpConfig) -> Result<Box<dyn Announcer>,
             pipe_name,
         } => Box::new(
             exabgp::ExaBgpAnnouncer::new(pipe_dir.clone()).with_pipe_name(pipe_name.clone()),
+        ),
+        Speaker::Frr {
+            socket_dir,
+            config_dir,
+            vtysh,
+        } => Box::new(
+            frr::FrrAnnouncer::new(socket_dir.clone(), bgp.asn)
+                .with_config_dir(config_dir.clone())
+                .with_vtysh(vtysh.clone())
+                .with_peers(bgp.peers.clone()),
         ),
     })
 }

@@ -145,6 +145,13 @@ pub enum Speaker {
         pipe_dir: PathBuf,
         pipe_name: String,
     },
+    Frr {
+        /// The directory of FRR's vty sockets (`vtysh --vty_socket`).
+        socket_dir: PathBuf,
+        /// Where `write memory` saves FRR's configuration (`vtysh --config_dir`).
+        config_dir: PathBuf,
+        vtysh: PathBuf,
+    },
 }
 
 /// A BGP neighbour the agent configures in its speaker.

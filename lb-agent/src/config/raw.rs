@@ -64,14 +64,16 @@ pub(super) struct RawBgp {
     pub(super) gobgp: Option<RawGoBgp>,
     pub(super) bird: Option<RawBird>,
     pub(super) exabgp: Option<RawExaBgp>,
+    pub(super) frr: Option<RawFrr>,
 }
 
 #[derive(Deserialize)]
-#[serde(rename_all = "snake_case", expecting = "gobgp, bird or exabgp")]
+#[serde(rename_all = "snake_case", expecting = "gobgp, bird, exabgp or frr")]
 pub(super) enum RawDriver {
     Gobgp,
     Bird,
     Exabgp,
+    Frr,
 }
 
 #[derive(Deserialize)]
@@ -126,6 +128,17 @@ pub(super) struct RawBird {
 pub(super) struct RawExaBgp {
     pub(super) pipe_dir: Option<String>,
     pub(super) pipe_name: Option<String>,
+}
+
+#[derive(Deserialize, Default)]
+#[serde(
+    deny_unknown_fields,
+    expecting = "an frr mapping (socket_dir, config_dir, vtysh)"
+)]
+pub(super) struct RawFrr {
+    pub(super) socket_dir: Option<String>,
+    pub(super) config_dir: Option<String>,
+    pub(super) vtysh: Option<String>,
 }
 
 #[derive(Deserialize)]

@@ -378,7 +378,7 @@ impl Validator<'_> {
                 if let Some(i) = peers.iter().position(|p| p.bfd.is_some()) {
                     return Err(self.err(
                         path().key("peers").index(i).key("bfd"),
-                        "GoBGP has no BFD: use the bird driver for BFD, or leave bfd out",
+                        "GoBGP has no BFD: use the bird or frr driver for BFD, or leave bfd out",
                     ));
                 }
                 Speaker::GoBgp {
@@ -432,6 +432,39 @@ impl Validator<'_> {
                 Speaker::ExaBgp {
                     pipe_dir: e.pipe_dir.unwrap_or_else(|| "/run/exabgp".into()).into(),
                     pipe_name: e.pipe_name.unwrap_or_else(|| "exabgp".into()),
+                }
+            }
+            RawDriver::Frr => {
+                if !peers.is_empty() && b.asn.is_none() {
+                    return Err(self.err(
+                        path().key("asn"),
+                        "this node's AS number is required when the agent writes FRR's sessions (bgp.peers)",
+                    ));
+                }
+                if let Some(i) = peers.iter().position(|p| {
+                    p.password
+                        .as_deref()
+                        .is_some_and(|w| w.chars().any(char::is_whitespace))
+                }) {
+                    return Err(self.err(
+                        path().key("peers").index(i).key("password"),
+                        "FRR takes no password with spaces",
+                    ));
+                }
+                let f = b.frr.unwrap_or_default();
+                Speaker::Frr {
+                    socket_dir: f
+                        .socket_dir
+                        .unwrap_or_else(|| crate::bgp::frr::DEFAULT_SOCKET_DIR.into())
+                        .into(),
+                    config_dir: f
+                        .config_dir
+                        .unwrap_or_else(|| crate::bgp::frr::DEFAULT_CONFIG_DIR.into())
+                        .into(),
+                    vtysh: f
+                        .vtysh
+                        .unwrap_or_else(|| crate::bgp::frr::DEFAULT_VTYSH.into())
+                        .into(),
                 }
             }
         };
