@@ -2,6 +2,7 @@
 //! kernel routes, waits, metrics pages, routes.
 
 use std::{
+    path::Path,
     process::Command,
     thread,
     time::{Duration, Instant},
@@ -125,3 +126,78 @@ pub fn route(vip: &str, nh: &str, communities: &[(u16, u16)], local_pref: Option
         local_pref,
     }
 }
+
+/// The arguments that run FRR's daemon `name` (`zebra`, `bgpd`, `bfdd`) in
+/// the foreground with everything in `dir`: `frr.conf`, the vty sockets,
+/// zebra's socket and the pid files; logs on stdout. The daemons run as
+/// the `frr` user (root is not in FRR's vty group), so `dir` must be
+/// theirs.
+pub fn frr_daemon_args(dir: &Path, name: &str) -> Vec<String> {
+    let d = dir.display();
+    [
+        "-u".to_string(),
+        "frr".into(),
+        "-g".into(),
+        "frr".into(),
+        "-P".into(),
+        "0".into(),
+        "-f".into(),
+        format!("{d}/frr.conf"),
+        "--vty_socket".into(),
+        d.to_string(),
+        "-z".into(),
+        format!("{d}/zserv.api"),
+        "-i".into(),
+        format!("{d}/{name}.pid"),
+        "--log".into(),
+        "stdout".into(),
+    ]
+    .into()
+}
+
+/// FRR's daemon `name`, installed by Debian's frr package.
+pub fn frr_daemon(name: &str) -> std::path::PathBuf {
+    Path::new("/usr/lib/frr").join(name)
+}
+
+/// The router of the driver tests: BIRD in a namespace at 10.99.0.2 and
+/// fd99::2, peering with the node at 10.99.0.1 (eBGP, AS 65000 to 65001:
+/// into its kernel FIB, where `ip route` sees it) and at fd99::1 (iBGP in
+/// AS 65001: into the tables ibgp4 and ibgp6 only, where LOCAL_PREF and
+/// the iBGP next hop are seen).
+pub const BIRD_ROUTER_CONF: &str = r#"
+log stderr all;
+router id 10.99.0.2;
+ipv4 table ibgp4;
+ipv6 table ibgp6;
+
+protocol device {}
+
+protocol kernel {
+    ipv4 { export where proto = "node"; };
+}
+protocol kernel {
+    ipv6 { export where proto = "node"; };
+}
+
+protocol bgp node {
+    local 10.99.0.2 as 65000;
+    neighbor 10.99.0.1 as 65001;
+    connect delay time 1;
+    connect retry time 1;
+    error wait time 1, 2;
+    ipv4 { import all; export none; };
+    ipv6 { import all; export none; };
+}
+
+protocol bgp node_ibgp {
+    local fd99::2 as 65001;
+    neighbor fd99::1 as 65001;
+    direct;
+    connect delay time 1;
+    connect retry time 1;
+    error wait time 1, 2;
+    ipv4 { table ibgp4; gateway direct; import all; export none; };
+    ipv6 { table ibgp6; gateway direct; import all; export none; };
+}
+"#;

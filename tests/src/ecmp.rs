@@ -649,31 +649,12 @@ protocol static xlb_vips6 {{
                 spawn_in(&self.ns, &log, Path::new("bird"), &args)
             }
             Driver::Frr => {
-                let dir = self.frr_dir().display().to_string();
+                let dir = self.frr_dir();
                 let daemon = |name: &str| {
-                    let conf = format!("{dir}/frr.conf");
-                    let pid = format!("{dir}/{name}.pid");
-                    let zserv = format!("{dir}/zserv.api");
-                    let args = [
-                        "-u",
-                        "frr",
-                        "-g",
-                        "frr",
-                        "-P",
-                        "0",
-                        "-f",
-                        &conf,
-                        "--vty_socket",
-                        &dir,
-                        "-z",
-                        &zserv,
-                        "-i",
-                        &pid,
-                        "--log",
-                        "stdout",
-                    ];
+                    let args = crate::bgp_lab::frr_daemon_args(&dir, name);
+                    let args: Vec<&str> = args.iter().map(String::as_str).collect();
                     let log = self.dir.join(format!("{name}-{}.log", self.speaker_starts));
-                    spawn_in(&self.ns, &log, &Path::new("/usr/lib/frr").join(name), &args)
+                    spawn_in(&self.ns, &log, &crate::bgp_lab::frr_daemon(name), &args)
                 };
                 if self.frr_helpers.is_empty() {
                     let zebra = daemon("zebra");

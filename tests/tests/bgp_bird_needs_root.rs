@@ -29,7 +29,7 @@ use std::{
 
 use lb_agent::bgp::{bird::BirdAnnouncer, task::AnnounceTask, AnnounceError, Announcer, Route};
 use xlb_tests::bgp_lab::{
-    ip, kernel_route, route, wait_metrics, wait_until, wait_until_blocking, WAIT,
+    ip, kernel_route, route, wait_metrics, wait_until, wait_until_blocking, BIRD_ROUTER_CONF, WAIT,
 };
 
 const NODE_CONF_TAIL: &str = r#"
@@ -52,43 +52,6 @@ protocol bgp upstream_ibgp {
     error wait time 1, 2;
     ipv4 { import none; export where proto = "xlb_vips4"; };
     ipv6 { import none; export where proto = "xlb_vips6"; };
-}
-"#;
-
-const ROUTER_CONF: &str = r#"
-log stderr all;
-router id 10.99.0.2;
-ipv4 table ibgp4;
-ipv6 table ibgp6;
-
-protocol device {}
-
-protocol kernel {
-    ipv4 { export where proto = "node"; };
-}
-protocol kernel {
-    ipv6 { export where proto = "node"; };
-}
-
-protocol bgp node {
-    local 10.99.0.2 as 65000;
-    neighbor 10.99.0.1 as 65001;
-    connect delay time 1;
-    connect retry time 1;
-    error wait time 1, 2;
-    ipv4 { import all; export none; };
-    ipv6 { import all; export none; };
-}
-
-protocol bgp node_ibgp {
-    local fd99::2 as 65001;
-    neighbor fd99::1 as 65001;
-    direct;
-    connect delay time 1;
-    connect retry time 1;
-    error wait time 1, 2;
-    ipv4 { table ibgp4; gateway direct; import all; export none; };
-    ipv6 { table ibgp6; gateway direct; import all; export none; };
 }
 "#;
 
@@ -218,7 +181,7 @@ impl Topology {
     }
 
     fn start_router(&mut self) {
-        fs::write(self.path("router.conf"), ROUTER_CONF).unwrap();
+        fs::write(self.path("router.conf"), BIRD_ROUTER_CONF).unwrap();
         self.router = Some(Bird::start(
             &self.router_ns,
             &self.path("router.conf"),

@@ -1007,6 +1007,7 @@ fn node_leaves_and_joins(driver: Driver, mode: &str) {
     all_answer(&mut conns, "after node 1 left");
     let status = lab.node(1).wait_agent_exit(Duration::from_secs(10));
     let exited_after = signalled.elapsed();
+    eprintln!("node 1's agent exited {exited_after:?} after SIGTERM");
     assert!(status.success(), "node 1's agent: {status}");
     // Its connections now live on the other nodes.
     let moved = flow_holders(&lab, &on_node1);

@@ -143,6 +143,13 @@ impl FrrAnnouncer {
         self
     }
 
+    /// Gives up on a `vtysh` call after `timeout` (FRR hung:
+    /// [`AnnounceError::Unreachable`]).
+    pub fn with_timeout(mut self, timeout: Duration) -> Self {
+        self.timeout = timeout;
+        self
+    }
+
     /// Configures these sessions (see the [module documentation](self)).
     pub fn with_peers(mut self, peers: Vec<BgpPeer>) -> Self {
         self.peers = peers;
@@ -191,9 +198,11 @@ impl FrrAnnouncer {
         let stderr = String::from_utf8_lossy(&out.stderr);
         tracing::trace!(commands = ?commands, %stdout, %stderr, "vtysh");
         let all = format!("{stderr}{stdout}");
+        // bgpd down is a speaker away (retried); another daemon down (bfdd,
+        // for BFD) is a setup to fix, refused below with vtysh's words.
         if let Some(line) = all
             .lines()
-            .find(|l| l.contains("failed to connect") || l.contains("is not running"))
+            .find(|l| l.contains("failed to connect") || l.contains("bgpd is not running"))
         {
             return Err(AnnounceError::Unreachable(format!(
                 "FRR at {}: {}",
@@ -301,7 +310,7 @@ impl Running {
                         r.asn = asn.parse().ok();
                         Block::Bgp
                     }
-                    ["route-map", name, "permit", _] if name.starts_with(MARK) => {
+                    ["route-map", name, "permit" | "deny", _] if name.starts_with(MARK) => {
                         r.route_maps.insert(name.to_string(), Vec::new());
                         Block::RouteMap(name.to_string())
                     }
@@ -480,8 +489,11 @@ fn plan(
         if running.networks.get(vip) == Some(&name) && announced.contains(route) {
             continue;
         }
-        if !announced.iter().any(|r| r.vip == *vip) {
-            p.added += 1;
+        // A changed route counts as one withdrawn and one added (as the
+        // other drivers count a replacement).
+        p.added += 1;
+        if announced.iter().any(|r| r.vip == *vip) {
+            p.withdrawn += 1;
         }
         maps.push(format!("route-map {name} permit 10"));
         maps.extend(set_lines(route));
@@ -538,6 +550,15 @@ fn plan(
         bgp.push(format!("address-family {af} unicast"));
         bgp.extend(lines);
         bgp.push("exit-address-family".into());
+    }
+    // No sessions of ours left: their policy maps go too.
+    if peers.is_empty() {
+        unused_maps.extend(
+            [IMPORT_MAP, EXPORT_MAP]
+                .into_iter()
+                .filter(|m| running.route_maps.contains_key(*m))
+                .map(String::from),
+        );
     }
     unused_maps.sort_unstable();
     unused_maps.dedup();
@@ -805,7 +826,7 @@ end
         let a2 = route("192.0.2.10", "10.0.0.1", vec![(65000, 1), (65535, 0)], None);
         let next: BTreeMap<IpAddr, Route> = [(a2.vip, a2.clone())].into();
         let p = plan(&now, Some(65001), &[], &next).unwrap();
-        assert_eq!((p.added, p.withdrawn), (0, 1));
+        assert_eq!((p.added, p.withdrawn), (1, 2));
         let text = p.commands.join("\n");
         assert_ne!(map_name(&a), map_name(&a2));
         assert!(text.contains(&format!(

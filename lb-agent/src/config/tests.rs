@@ -1240,6 +1240,32 @@ fn bgp_section_parses_and_checks() {
     let exa = text.replace("driver: gobgp", "driver: exabgp");
     let e = AgentConfig::parse(&exa).unwrap_err().to_string();
     assert!(e.contains("bgp.peers") && e.contains("ExaBGP's own"), "{e}");
+    // FRR takes BFD too, needs the AS for its sessions, and no spaces in
+    // a password (vtysh reads one word).
+    let frr = bfd.replace("driver: gobgp", "driver: frr");
+    let e = AgentConfig::parse(&frr).unwrap_err().to_string();
+    assert!(e.contains("bgp.asn") && e.contains("FRR's sessions"), "{e}");
+    let frr = frr.replace("driver: frr", "driver: frr\n  asn: 65001");
+    let b = AgentConfig::parse(&frr).unwrap().bgp.unwrap();
+    assert!(b.peers[0].bfd.is_some());
+    match b.speaker {
+        Speaker::Frr {
+            socket_dir,
+            config_dir,
+            vtysh,
+        } => {
+            assert_eq!(socket_dir, std::path::Path::new("/var/run/frr"));
+            assert_eq!(config_dir, std::path::Path::new("/etc/frr"));
+            assert_eq!(vtysh, std::path::Path::new("vtysh"));
+        }
+        other => panic!("{other:?}"),
+    }
+    let spaced = frr.replace("bfd: { min_rx: 50ms }", "password: 'a b'");
+    let e = AgentConfig::parse(&spaced).unwrap_err().to_string();
+    assert!(
+        e.contains("bgp.peers[0].password") && e.contains("spaces"),
+        "{e}"
+    );
     let bad = format!("{BASE}bgp:\n  driver: gobgp\n  communities: [\"65000:x\"]\n");
     let e = AgentConfig::parse(&bad).unwrap_err().to_string();
     assert!(
