@@ -20,11 +20,13 @@
 //!   node silenced with its link up (the router's bridge drops every frame
 //!   from and to its port, `EcmpLab::silence`: nothing is closed, so the
 //!   hold timer, 3 s, of the node's peer, the router or the reflector, has
-//!   to expire, or in the `bird-bfd` lab BFD, 3 × 100 ms), at random;
+//!   to expire, or in the `bird-bfd` and `frr-bfd` labs BFD, 3 × 100 ms),
+//!   at random;
 //!   back = start the speaker and the agent again, or lift the silence.
 //!
 //! The `bird-bfd` lab is the `bird` one with the sessions written by the
-//! agent (`bgp.peers` with `bfd: {}`) and BFD on the router's side.
+//! agent (`bgp.peers` with `bfd: {}`) and BFD on the router's side;
+//! `frr-bfd` is the same with FRR (zebra, bgpd, bfdd) on the nodes.
 //!
 //! The delay runs from just before the action (the signal, the `nft`
 //! command, the start of the processes) to the moment the router's kernel
@@ -74,7 +76,7 @@ const SVG: &str = "docs/benchmarks-convergence.svg";
     mut_arg("svg", |a| a.help(format!("Where to write the histogram [default: {SVG}]")))
 )]
 struct Opts {
-    /// Labs, comma-separated: gobgp, bird, exabgp (that speaker on every node, peering with the router), gobgp-rr (GoBGP nodes behind a route reflector, the paper's topology), bird-bfd (BIRD with the sessions the agent writes, BFD on) [default: all five]
+    /// Labs, comma-separated: gobgp, bird, exabgp (that speaker on every node, peering with the router), gobgp-rr (GoBGP nodes behind a route reflector, the paper's topology), bird-bfd (BIRD with the sessions the agent writes, BFD on), frr (FRR on every node), frr-bfd (FRR with the sessions the agent writes, BFD on) [default: all seven]
     #[arg(long = "drivers", value_name = "LIST", value_delimiter = ',', value_parser = lab_kind,
           default_values_t = LAB_KINDS, hide_default_value = true)]
     labs: Vec<LabKind>,
@@ -111,7 +113,7 @@ fn seconds(s: &str) -> Result<Duration, std::num::ParseIntError> {
 fn lab_kind(s: &str) -> Result<LabKind, String> {
     let s = s.trim();
     LAB_KINDS.into_iter().find(|l| l.name() == s).ok_or(format!(
-        "unknown lab {s:?} (gobgp, bird, exabgp, gobgp-rr, bird-bfd)"
+        "unknown lab {s:?} (gobgp, bird, exabgp, gobgp-rr, bird-bfd, frr, frr-bfd)"
     ))
 }
 
@@ -123,14 +125,18 @@ enum LabKind {
     ExaBgp,
     GoBgpRouteReflector,
     BirdBfd,
+    Frr,
+    FrrBfd,
 }
 
-const LAB_KINDS: [LabKind; 5] = [
+const LAB_KINDS: [LabKind; 7] = [
     LabKind::GoBgp,
     LabKind::Bird,
     LabKind::ExaBgp,
     LabKind::GoBgpRouteReflector,
     LabKind::BirdBfd,
+    LabKind::Frr,
+    LabKind::FrrBfd,
 ];
 
 impl std::fmt::Display for LabKind {
@@ -148,6 +154,8 @@ impl LabKind {
             LabKind::ExaBgp => "exabgp",
             LabKind::GoBgpRouteReflector => "gobgp-rr",
             LabKind::BirdBfd => "bird-bfd",
+            LabKind::Frr => "frr",
+            LabKind::FrrBfd => "frr-bfd",
         }
     }
 
@@ -159,6 +167,8 @@ impl LabKind {
             LabKind::ExaBgp => "ExaBGP",
             LabKind::GoBgpRouteReflector => "GoBGP via route reflector",
             LabKind::BirdBfd => "BIRD, sessions by the agent, BFD",
+            LabKind::Frr => "FRR",
+            LabKind::FrrBfd => "FRR, sessions by the agent, BFD",
         }
     }
 
@@ -167,6 +177,7 @@ impl LabKind {
             LabKind::GoBgp | LabKind::GoBgpRouteReflector => Driver::GoBgp,
             LabKind::Bird | LabKind::BirdBfd => Driver::Bird,
             LabKind::ExaBgp => Driver::ExaBgp,
+            LabKind::Frr | LabKind::FrrBfd => Driver::Frr,
         }
     }
 
@@ -808,7 +819,9 @@ struct LabRun {
 fn run_lab(o: &Opts, kind: LabKind) -> Result<LabRun, String> {
     let t0 = Instant::now();
     let mut lab = match kind {
-        LabKind::BirdBfd => EcmpLab::start_agent_sessions('f', true),
+        LabKind::BirdBfd | LabKind::FrrBfd => {
+            EcmpLab::start_agent_sessions_with(kind.driver(), 'f', true)
+        }
         _ => EcmpLab::start_with_topology(kind.driver(), kind.topology()),
     };
     let mon = RouteMonitor::start(&lab.router.name.clone())?;
@@ -952,9 +965,12 @@ mod tests {
         assert!(o.svg.path(SVG).unwrap().ends_with(SVG));
         // docs/benchmarks.md
         assert_eq!(
-            parse(&["--drivers", "gobgp,bird,exabgp,gobgp-rr,bird-bfd"])
-                .unwrap()
-                .labs,
+            parse(&[
+                "--drivers",
+                "gobgp,bird,exabgp,gobgp-rr,bird-bfd,frr,frr-bfd"
+            ])
+            .unwrap()
+            .labs,
             LAB_KINDS
         );
         assert_eq!(

@@ -53,11 +53,13 @@ use xlb_tests::{
 const EVENTS: [&str; 4] = ["restart", "crash", "leave", "join"];
 
 /// The labs, by name in `--labs`.
-const LABS: [(&str, Driver, &str); 4] = [
+const LABS: [(&str, Driver, &str); 6] = [
     ("gobgp-nat", Driver::GoBgp, "nat"),
     ("gobgp-snat", Driver::GoBgp, "snat"),
     ("bird-nat", Driver::Bird, "nat"),
     ("bird-snat", Driver::Bird, "snat"),
+    ("frr-nat", Driver::Frr, "nat"),
+    ("frr-snat", Driver::Frr, "snat"),
 ];
 
 /// Established connections lost when a node of the ECMP lab restarts,
@@ -363,6 +365,8 @@ mod tests {
                 (Driver::GoBgp, "snat"),
                 (Driver::Bird, "nat"),
                 (Driver::Bird, "snat"),
+                (Driver::Frr, "nat"),
+                (Driver::Frr, "snat"),
             ]
         );
         assert_eq!(o.events, EVENTS);
