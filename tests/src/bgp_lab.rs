@@ -123,6 +123,7 @@ pub fn route(vip: &str, nh: &str, communities: &[(u16, u16)], local_pref: Option
         vip: vip.parse().unwrap(),
         next_hop: nh.parse().unwrap(),
         communities: communities.to_vec(),
+        large_communities: vec![],
         local_pref,
     }
 }

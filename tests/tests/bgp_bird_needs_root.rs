@@ -325,18 +325,20 @@ async fn bird_announces_withdraws_refuses_and_recovers() {
 
     // Two v4 VIPs and one v6 VIP. Communities out of order and repeated:
     // BIRD keeps a sorted set, and so does announced().
-    let a = route(
+    let mut a = route(
         "192.0.2.10",
         "10.99.0.1",
         &[(65000, 100), (65000, 7), (65000, 100)],
         Some(200),
     );
-    let a_norm = route(
+    a.large_communities = vec![(65000, 1, 2), (65000, 0, 1), (65000, 1, 2)];
+    let mut a_norm = route(
         "192.0.2.10",
         "10.99.0.1",
         &[(65000, 7), (65000, 100)],
         Some(200),
     );
+    a_norm.large_communities = vec![(65000, 0, 1), (65000, 1, 2)];
     let b = route("192.0.2.11", "10.99.0.1", &[], None);
     let c = route("2001:db8::10", "fd99::1", &[(65000, 600)], Some(150));
     let desired = set(&[&a, &b, &c]);
@@ -355,6 +357,7 @@ async fn bird_announces_withdraws_refuses_and_recovers() {
             &["192.0.2.10/32", "protocol", "node"],
             &[
                 "BGP.community: (65000,7) (65000,100)",
+                "BGP.large_community: (65000, 0, 1) (65000, 1, 2)",
                 "BGP.next_hop: 10.99.0.1",
             ],
         ),

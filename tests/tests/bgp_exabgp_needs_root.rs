@@ -303,7 +303,8 @@ fn exabgp_announces_to_a_real_router() {
     assert_eq!(ann.name(), "exabgp");
     assert!(wait_api(&rt, &mut ann).is_empty());
 
-    let a = route("192.0.2.10", NODE_V4, &[(65000, 100)], Some(200));
+    let mut a = route("192.0.2.10", NODE_V4, &[(65000, 100)], Some(200));
+    a.large_communities = vec![(65000, 1, 2)];
     // Given unsorted: compared as a set, sent sorted.
     let b = route("192.0.2.11", NODE_V4, &[(65000, 200), (65000, 100)], None);
     let v6 = route("2001:db8::10", NODE_V6, &[], None);
@@ -332,6 +333,10 @@ fn exabgp_announces_to_a_real_router() {
     // The communities reached the router.
     let shown = bird_route_all(&lab, "192.0.2.10/32");
     assert!(shown.contains("BGP.community: (65000,100)"), "{shown}");
+    assert!(
+        shown.contains("BGP.large_community: (65000, 1, 2)"),
+        "{shown}"
+    );
     let shown = bird_route_all(&lab, "192.0.2.11/32");
     assert!(
         shown.contains("BGP.community: (65000,100) (65000,200)"),

@@ -296,7 +296,8 @@ async fn frr_announces_changes_and_withdraws_what_the_agent_asks_and_survives_re
         with_deadline(frr.announced()).await.unwrap(),
         BTreeSet::new()
     );
-    let a = route("192.0.2.10", "10.99.0.1", &[(65000, 100), (65000, 1)], None);
+    let mut a = route("192.0.2.10", "10.99.0.1", &[(65000, 100), (65000, 1)], None);
+    a.large_communities = vec![(65000, 1, 2), (65000, 0, 1)];
     let b = route("192.0.2.11", "10.99.0.1", &[], None);
     let v6 = route("2001:db8::10", "fd99::1", &[(65000, 6)], Some(300));
     let desired = set(&[&a, &b, &v6]);
@@ -309,7 +310,10 @@ async fn frr_announces_changes_and_withdraws_what_the_agent_asks_and_survives_re
     topo.wait_fib("192.0.2.11", Some("10.99.0.1")).await;
     topo.wait_router_route(
         &["192.0.2.10/32", "protocol", "node"],
-        &["BGP.community: (65000,1) (65000,100)"],
+        &[
+            "BGP.community: (65000,1) (65000,100)",
+            "BGP.large_community: (65000, 0, 1) (65000, 1, 2)",
+        ],
     )
     .await;
     // LOCAL_PREF crosses iBGP only: the IPv6 VIP over the IPv6 session.

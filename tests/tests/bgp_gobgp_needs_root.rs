@@ -326,6 +326,8 @@ fn vip(addr: &str, extra_community: Option<(u16, u16)>) -> Route {
         vip: addr.parse().unwrap(),
         next_hop: next_hop.parse().unwrap(),
         communities,
+        // Carried by gobgpd's API both ways (RFC 8092).
+        large_communities: vec![(65001, 1, 100)],
         local_pref: Some(200),
     }
 }
@@ -425,6 +427,10 @@ fn gobgp_driver_against_gobgpd_and_bird_needs_root() {
         for c in ["(65001,100)", "(65001,200)", "(65001,1)"] {
             assert!(shown.contains(c), "{c} missing at the router: {shown}");
         }
+        assert!(
+            shown.contains("BGP.large_community: (65001, 1, 100)"),
+            "the large community missing at the router: {shown}"
+        );
 
         // Same set: nothing to do.
         assert_eq!(gobgp.apply(&full).await.unwrap(), (0, 0));

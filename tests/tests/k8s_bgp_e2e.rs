@@ -565,7 +565,8 @@ fn bgp_sessions_show_as_events_on_the_node() {
     assert!(status.success(), "{status}\n{}", agent.log());
 }
 
-/// gobgpd's global IPv4 RIB: prefix → (communities as ASN:VALUE, LOCAL_PREF).
+/// gobgpd's global IPv4 RIB: prefix → (communities as ASN:VALUE, then
+/// large communities as GLOBAL:LOCAL1:LOCAL2, LOCAL_PREF).
 fn rib_attributes(t: &Topology) -> BTreeMap<String, (Vec<String>, Option<u64>)> {
     let port = GOBGP_PORT.to_string();
     let out = t.output_in(
@@ -584,13 +585,20 @@ fn rib_attributes(t: &Topology) -> BTreeMap<String, (Vec<String>, Option<u64>)> 
                 .flatten()
                 .flat_map(|p| p["attrs"].as_array().cloned().unwrap_or_default())
                 .collect();
-            let communities = attrs
+            let mut communities: Vec<String> = attrs
                 .iter()
                 .filter(|a| a["type"] == 8)
                 .flat_map(|a| a["communities"].as_array().cloned().unwrap_or_default())
                 .filter_map(|c| c.as_u64())
                 .map(|c| format!("{}:{}", c >> 16, c & 0xffff))
                 .collect();
+            communities.extend(
+                attrs
+                    .iter()
+                    .filter(|a| a["type"] == 32)
+                    .flat_map(|a| a["value"].as_array().cloned().unwrap_or_default())
+                    .map(|c| format!("{}:{}:{}", c["ASN"], c["LocalData1"], c["LocalData2"])),
+            );
             let local_pref = attrs
                 .iter()
                 .find(|a| a["type"] == 5)
@@ -627,7 +635,8 @@ fn bgpadvertisements_give_a_pools_vips_their_attributes() {
         "public-edge",
         json!({"poolSelector": {"matchLabels": {"exposure": "public"}},
                "nodeSelector": {"matchLabels": {"rack": "a"}},
-               "communities": ["65000:100"], "localPref": 200}),
+               "communities": ["65000:100"], "largeCommunities": ["65000:100:1"],
+               "localPref": 200}),
     ));
     k.cluster
         .apply(&advert("typo", json!({"communities": ["65000:lots"]})));
@@ -657,7 +666,7 @@ fn bgpadvertisements_give_a_pools_vips_their_attributes() {
             "want {public} with {want_public:?}; RIB {last:?}"
         );
     };
-    attrs((&["65000:1", "65000:100"], Some(200)));
+    attrs((&["65000:1", "65000:100", "65000:100:1"], Some(200)));
     agent.wait_for_log("bgpadvertisement=typo", 1, CHANGE_TIMEOUT);
     assert!(agent.log().contains("65000:lots"), "{}", agent.log());
 

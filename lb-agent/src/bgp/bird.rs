@@ -623,6 +623,7 @@ struct Parsed {
     bgp_next_hop: Option<IpAddr>,
     gateway: Option<IpAddr>,
     communities: Vec<(u16, u16)>,
+    large_communities: Vec<(u32, u32, u32)>,
     local_pref: Option<u32>,
 }
 
@@ -636,18 +637,19 @@ impl Parsed {
             );
             return None;
         }
-        let mut communities = self.communities;
-        communities.sort_unstable();
-        communities.dedup();
-        Some(Route {
-            vip,
-            next_hop: self
-                .bgp_next_hop
-                .or(self.gateway)
-                .unwrap_or_else(|| family.unspecified()),
-            communities,
-            local_pref: self.local_pref,
-        })
+        Some(
+            Route {
+                vip,
+                next_hop: self
+                    .bgp_next_hop
+                    .or(self.gateway)
+                    .unwrap_or_else(|| family.unspecified()),
+                communities: self.communities,
+                large_communities: self.large_communities,
+                local_pref: self.local_pref,
+            }
+            .normalized(),
+        )
     }
 }
 
@@ -689,9 +691,13 @@ fn parse_routes(reply: &Reply, family: Family) -> Vec<Route> {
             continue;
         }
         if let Some(rest) = text.strip_prefix("\t\t") {
-            if last_attr == "BGP.community" {
-                if let Some(p) = cur.as_mut() {
-                    p.communities.extend(parse_communities(rest));
+            if let Some(p) = cur.as_mut() {
+                match last_attr.as_str() {
+                    "BGP.community" => p.communities.extend(parse_communities(rest)),
+                    "BGP.large_community" => {
+                        p.large_communities.extend(parse_large_communities(rest))
+                    }
+                    _ => {}
                 }
             }
             continue;
@@ -715,6 +721,7 @@ fn parse_routes(reply: &Reply, family: Family) -> Vec<Route> {
                 }
                 "BGP.local_pref" => p.local_pref = value.parse().ok(),
                 "BGP.community" => p.communities.extend(parse_communities(value)),
+                "BGP.large_community" => p.large_communities.extend(parse_large_communities(value)),
                 _ => {}
             }
             continue;
@@ -740,6 +747,7 @@ fn parse_routes(reply: &Reply, family: Family) -> Vec<Route> {
                 bgp_next_hop: None,
                 gateway,
                 communities: Vec::new(),
+                large_communities: Vec::new(),
                 local_pref: None,
             });
         }
@@ -813,6 +821,15 @@ fn parse_communities(s: &str) -> impl Iterator<Item = (u16, u16)> + '_ {
     })
 }
 
+/// `(65000, 1, 2) (65000, 3, 4)` → `[(65000, 1, 2), (65000, 3, 4)]`.
+fn parse_large_communities(s: &str) -> impl Iterator<Item = (u32, u32, u32)> + '_ {
+    s.split(')').filter_map(|t| {
+        let mut parts = t.trim().strip_prefix('(')?.split(',');
+        let mut next = || parts.next()?.trim().parse().ok();
+        Some((next()?, next()?, next()?))
+    })
+}
+
 /// Checks what BIRD would accept but not announce as meant.
 fn validate(desired: &BTreeSet<Route>) -> AnnounceResult<BTreeSet<Route>> {
     Ok(super::check_routes(desired)?.into_values().collect())
@@ -834,6 +851,9 @@ fn render(bird: &BirdAnnouncer, family: Family, routes: &BTreeSet<Route>) -> Str
         );
         for (a, v) in &r.communities {
             let _ = write!(out, " bgp_community.add(({a},{v}));");
+        }
+        for (g, l1, l2) in &r.large_communities {
+            let _ = write!(out, " bgp_large_community.add(({g},{l1},{l2}));");
         }
         if let Some(lp) = r.local_pref {
             let _ = write!(out, " bgp_local_pref = {lp};");

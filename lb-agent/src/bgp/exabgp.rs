@@ -366,6 +366,14 @@ fn announce_command(route: &Route) -> String {
             .collect();
         cmd.push_str(&format!(" community [{}]", list.join(" ")));
     }
+    if !route.large_communities.is_empty() {
+        let list: Vec<String> = route
+            .large_communities
+            .iter()
+            .map(|(g, l1, l2)| format!("{g}:{l1}:{l2}"))
+            .collect();
+        cmd.push_str(&format!(" large-community [{}]", list.join(" ")));
+    }
     cmd
 }
 
@@ -421,6 +429,7 @@ fn parse_route_line(line: &str) -> Option<(String, Route)> {
     let mut next_hop = None;
     let mut local_pref = None;
     let mut communities = Vec::new();
+    let mut large_communities = Vec::new();
     let mut i = family + 3;
     while i < tokens.len() {
         match tokens[i] {
@@ -446,8 +455,22 @@ fn parse_route_line(line: &str) -> Option<(String, Route)> {
                     i += 2;
                 }
             }
-            // Groups of other attributes: `large-community [ ... ]`,
-            // `aggregator ( ... )`, `attribute [ ... ]`.
+            "large-community" => {
+                let first = *tokens.get(i + 1)?;
+                if first == "[" {
+                    i += 2;
+                    while i < tokens.len() && tokens[i] != "]" {
+                        large_communities.push(crate::config::parse_large_community(tokens[i])?);
+                        i += 1;
+                    }
+                    i += 1;
+                } else {
+                    large_communities.push(crate::config::parse_large_community(first)?);
+                    i += 2;
+                }
+            }
+            // Groups of other attributes: `aggregator ( ... )`,
+            // `attribute [ ... ]`.
             "[" | "(" => {
                 let close = if tokens[i] == "[" { "]" } else { ")" };
                 while i < tokens.len() && tokens[i] != close {
@@ -462,6 +485,7 @@ fn parse_route_line(line: &str) -> Option<(String, Route)> {
         vip,
         next_hop: next_hop?,
         communities,
+        large_communities,
         local_pref,
     });
     Some((neighbor, route))
@@ -723,6 +747,7 @@ mod tests {
             vip: vip.parse().unwrap(),
             next_hop: nh.parse().unwrap(),
             communities: communities.to_vec(),
+            large_communities: vec![],
             local_pref: lp,
         }
     }
@@ -806,7 +831,28 @@ mod tests {
     }
 
     #[test]
-    fn skips_other_attributes() {
+    fn reads_and_writes_large_communities() {
+        let line = format!(
+            "{NEIGHBOR} ipv4 unicast 192.0.2.10/32 next-hop 10.200.0.2 \
+             large-community [ 65000:1:2 65000:0:1 ]"
+        );
+        let (_, got) = parse_route_line(&line).unwrap();
+        assert_eq!(got.large_communities, [(65000, 0, 1), (65000, 1, 2)]);
+        let one = format!(
+            "{NEIGHBOR} ipv4 unicast 192.0.2.10/32 next-hop 10.200.0.2 large-community 65000:1:2"
+        );
+        assert_eq!(
+            parse_route_line(&one).unwrap().1.large_communities,
+            [(65000, 1, 2)]
+        );
+        assert_eq!(
+            announce_command(&got),
+            "announce route 192.0.2.10/32 next-hop 10.200.0.2 large-community [65000:0:1 65000:1:2]"
+        );
+    }
+
+    #[test]
+    fn skips_other_attributes_and_reads_large_communities() {
         let line = format!(
             "{NEIGHBOR} ipv4 unicast 192.0.2.10/32 next-hop 10.200.0.2 origin igp as-path [ 65001 65002 ] \
              med 10 local-preference 50 atomic-aggregate aggregator ( 65001:10.0.0.1 ) \
@@ -816,12 +862,15 @@ mod tests {
         assert_eq!(neighbor, NEIGHBOR);
         assert_eq!(
             got,
-            route(
-                "192.0.2.10",
-                "10.200.0.2",
-                &[(65000, 1), (65535, 666)],
-                Some(50)
-            )
+            Route {
+                large_communities: vec![(65000, 1, 1)],
+                ..route(
+                    "192.0.2.10",
+                    "10.200.0.2",
+                    &[(65000, 1), (65535, 666)],
+                    Some(50)
+                )
+            }
         );
     }
 

@@ -370,6 +370,7 @@ fn route_of(vip: IpAddr, sets: &[String]) -> Route {
             IpAddr::from([0u8; 16])
         },
         communities: Vec::new(),
+        large_communities: Vec::new(),
         local_pref: None,
     };
     for set in sets {
@@ -384,6 +385,12 @@ fn route_of(vip: IpAddr, sets: &[String]) -> Route {
                 route.communities.extend(
                     list.iter()
                         .filter_map(|c| crate::config::parse_community(c)),
+                );
+            }
+            ["set", "large-community", list @ ..] => {
+                route.large_communities.extend(
+                    list.iter()
+                        .filter_map(|c| crate::config::parse_large_community(c)),
                 );
             }
             ["set", "local-preference", n] => route.local_pref = n.parse().ok(),
@@ -609,6 +616,14 @@ fn set_lines(route: &Route) -> Vec<String> {
             .collect();
         sets.push(format!("set community {}", list.join(" ")));
     }
+    if !route.large_communities.is_empty() {
+        let list: Vec<String> = route
+            .large_communities
+            .iter()
+            .map(|(g, l1, l2)| format!("{g}:{l1}:{l2}"))
+            .collect();
+        sets.push(format!("set large-community {}", list.join(" ")));
+    }
     if let Some(lp) = route.local_pref {
         sets.push(format!("set local-preference {lp}"));
     }
@@ -690,6 +705,7 @@ mod tests {
             vip: vip.parse().unwrap(),
             next_hop: hop.parse().unwrap(),
             communities: c,
+            large_communities: vec![],
             local_pref: lp,
         }
     }

@@ -655,6 +655,24 @@ fn route_to_path(route: &Route, ownership: Ownership) -> apipb::Path {
             },
         ));
     }
+    if !route.large_communities.is_empty() {
+        let mut large = route.large_communities.clone();
+        large.sort_unstable();
+        large.dedup();
+        pattrs.push(pack(
+            "LargeCommunitiesAttribute",
+            &apipb::LargeCommunitiesAttribute {
+                communities: large
+                    .into_iter()
+                    .map(|(g, l1, l2)| apipb::LargeCommunity {
+                        global_admin: g,
+                        local_data1: l1,
+                        local_data2: l2,
+                    })
+                    .collect(),
+            },
+        ));
+    }
     if let Some(local_pref) = route.local_pref {
         pattrs.push(pack(
             "LocalPrefAttribute",
@@ -682,6 +700,7 @@ fn owned_route(path: &apipb::Path, ownership: Ownership) -> Option<Route> {
     }
     let mut next_hop = None;
     let mut communities = Vec::new();
+    let mut large_communities = Vec::new();
     let mut local_pref = None;
     for attr in &path.pattrs {
         if let Some(a) = unpack::<apipb::NextHopAttribute>("NextHopAttribute", attr) {
@@ -694,6 +713,14 @@ fn owned_route(path: &apipb::Path, ownership: Ownership) -> Option<Route> {
         } else if let Some(a) = unpack::<apipb::CommunitiesAttribute>("CommunitiesAttribute", attr)
         {
             communities.extend(a.communities.into_iter().map(community_from_u32));
+        } else if let Some(a) =
+            unpack::<apipb::LargeCommunitiesAttribute>("LargeCommunitiesAttribute", attr)
+        {
+            large_communities.extend(
+                a.communities
+                    .into_iter()
+                    .map(|c| (c.global_admin, c.local_data1, c.local_data2)),
+            );
         } else if let Some(a) = unpack::<apipb::LocalPrefAttribute>("LocalPrefAttribute", attr) {
             local_pref = Some(a.local_pref);
         }
@@ -704,12 +731,16 @@ fn owned_route(path: &apipb::Path, ownership: Ownership) -> Option<Route> {
         }
     }
     normalize_communities(&mut communities, ownership);
-    Some(Route {
-        vip,
-        next_hop: next_hop?,
-        communities,
-        local_pref,
-    })
+    Some(
+        Route {
+            vip,
+            next_hop: next_hop?,
+            communities,
+            large_communities,
+            local_pref,
+        }
+        .normalized(),
+    )
 }
 
 /// Locally originated: GoBGP gives no neighbor address for paths that were
@@ -861,6 +892,7 @@ mod tests {
             vip: vip.parse().unwrap(),
             next_hop: nh.parse().unwrap(),
             communities,
+            large_communities: vec![],
             local_pref: lp,
         }
     }

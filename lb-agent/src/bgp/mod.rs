@@ -31,6 +31,9 @@ pub struct Route {
     pub next_hop: IpAddr,
     /// Standard communities as (ASN, value).
     pub communities: Vec<(u16, u16)>,
+    /// Large communities (RFC 8092) as (global administrator, local data 1,
+    /// local data 2).
+    pub large_communities: Vec<(u32, u32, u32)>,
     pub local_pref: Option<u32>,
 }
 
@@ -52,6 +55,8 @@ impl Route {
         let mut r = self.clone();
         r.communities.sort_unstable();
         r.communities.dedup();
+        r.large_communities.sort_unstable();
+        r.large_communities.dedup();
         r
     }
 }
@@ -101,6 +106,9 @@ impl fmt::Display for Route {
         for (a, v) in &self.communities {
             write!(f, " community {a}:{v}")?;
         }
+        for (g, l1, l2) in &self.large_communities {
+            write!(f, " large-community {g}:{l1}:{l2}")?;
+        }
         if let Some(lp) = self.local_pref {
             write!(f, " local-pref {lp}")?;
         }
@@ -117,6 +125,7 @@ pub struct Advertisement {
     /// Inclusive address ranges (the selected pools').
     pub covers: Vec<(IpAddr, IpAddr)>,
     pub communities: Vec<(u16, u16)>,
+    pub large_communities: Vec<(u32, u32, u32)>,
     pub local_pref: Option<u32>,
 }
 
@@ -129,7 +138,8 @@ impl Advertisement {
 }
 
 /// The routes with what the advertisements covering each VIP add: the
-/// union of every community (the route's own included), and the highest
+/// union of every community and large community (the route's own
+/// included), and the highest
 /// LOCAL_PREF of the route's and theirs.
 pub fn advertise(routes: &BTreeSet<Route>, adverts: &[Advertisement]) -> BTreeSet<Route> {
     if adverts.is_empty() {
@@ -141,6 +151,7 @@ pub fn advertise(routes: &BTreeSet<Route>, adverts: &[Advertisement]) -> BTreeSe
             let mut r = r.clone();
             for a in adverts.iter().filter(|a| a.covers(r.vip)) {
                 r.communities.extend(&a.communities);
+                r.large_communities.extend(&a.large_communities);
                 r.local_pref = r.local_pref.max(a.local_pref);
             }
             r.normalized()
@@ -264,6 +275,7 @@ mod tests {
             vip: vip.parse().unwrap(),
             next_hop: "10.0.0.1".parse().unwrap(),
             communities: vec![(65000, 1)],
+            large_communities: vec![],
             local_pref: Some(100),
         };
         let routes: BTreeSet<Route> = [
@@ -278,6 +290,7 @@ mod tests {
                 name: name.into(),
                 covers: vec![(first.parse().unwrap(), last.parse().unwrap())],
                 communities: c,
+                large_communities: vec![],
                 local_pref: lp,
             }
         };
@@ -315,6 +328,7 @@ mod tests {
             vip: "192.0.2.10".parse().unwrap(),
             next_hop: "10.0.0.1".parse().unwrap(),
             communities: vec![(65000, 100)],
+            large_communities: vec![],
             local_pref: Some(200),
         };
         assert_eq!(
@@ -325,6 +339,7 @@ mod tests {
             vip: "2001:db8::10".parse().unwrap(),
             next_hop: "fd00::1".parse().unwrap(),
             communities: vec![],
+            large_communities: vec![],
             local_pref: None,
         };
         assert_eq!(v6.prefix_len(), 128);

@@ -355,6 +355,7 @@ mod tests {
             vip: vip.parse().unwrap(),
             next_hop: "10.0.0.1".parse().unwrap(),
             communities: vec![],
+            large_communities: vec![],
             local_pref: None,
         }
     }

@@ -110,6 +110,8 @@ pub struct BgpConfig {
     pub next_hop_ipv4: Option<Ipv4Addr>,
     pub next_hop_ipv6: Option<Ipv6Addr>,
     pub communities: Vec<(u16, u16)>,
+    /// Large communities (RFC 8092) added to every announcement.
+    pub large_communities: Vec<(u32, u32, u32)>,
     pub local_pref: Option<u32>,
     /// On shutdown: withdraw, wait this long for the router to converge, exit.
     pub drain_time: Duration,
@@ -418,6 +420,17 @@ pub fn parse_listen_addr(s: &str) -> Result<SocketAddr, String> {
 
 pub use self::flow_sync::{FlowSyncConfig, FlowSyncReload, DEFAULT_FLOW_SYNC_PORT};
 pub(crate) use self::raw::{RawBfd, RawPeer};
+
+/// A large community written `GLOBAL:LOCAL1:LOCAL2` (each 0 to 4294967295).
+pub(crate) fn parse_large_community(s: &str) -> Option<(u32, u32, u32)> {
+    let mut parts = s.split(':').map(|p| p.trim().parse::<u32>());
+    let c = (
+        parts.next()?.ok()?,
+        parts.next()?.ok()?,
+        parts.next()?.ok()?,
+    );
+    parts.next().is_none().then_some(c)
+}
 
 /// A standard community written `ASN:VALUE` (each 0 to 65535).
 pub(crate) fn parse_community(s: &str) -> Option<(u16, u16)> {

@@ -54,6 +54,8 @@ pub(super) struct RawBgp {
     pub(super) next_hop_ipv6: Option<String>,
     #[serde(default)]
     pub(super) communities: Vec<String>,
+    #[serde(default)]
+    pub(super) large_communities: Vec<String>,
     pub(super) local_pref: Option<u32>,
     pub(super) drain_time: Option<String>,
     pub(super) graceful_shutdown: Option<String>,

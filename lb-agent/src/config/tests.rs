@@ -1272,6 +1272,19 @@ fn bgp_section_parses_and_checks() {
         e.contains("bgp.communities[0]") && e.contains("line"),
         "{e}"
     );
+    let large = format!(
+        "{BASE}bgp:\n  driver: gobgp\n  large_communities: [\"65000:1:2\", \"4294967295:0:7\"]\n"
+    );
+    let b = AgentConfig::parse(&large).unwrap().bgp.unwrap();
+    assert_eq!(b.large_communities, [(65000, 1, 2), (4294967295, 0, 7)]);
+    for bad in ["65000:1", "65000:1:2:3", "4294967296:0:0", "a:b:c"] {
+        let text = format!("{BASE}bgp:\n  driver: gobgp\n  large_communities: [\"{bad}\"]\n");
+        let e = AgentConfig::parse(&text).unwrap_err().to_string();
+        assert!(
+            e.contains("bgp.large_communities[0]") && e.contains("GLOBAL:LOCAL1:LOCAL2"),
+            "{bad}: {e}"
+        );
+    }
     let bad = format!("{BASE}bgp:\n  driver: quagga\n");
     let e = AgentConfig::parse(&bad).unwrap_err().to_string();
     assert!(

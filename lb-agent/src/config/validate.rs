@@ -358,6 +358,20 @@ impl Validator<'_> {
                 }
             }
         }
+        let mut large_communities = Vec::new();
+        for (i, c) in b.large_communities.iter().enumerate() {
+            match super::parse_large_community(c) {
+                Some(p) => large_communities.push(p),
+                None => {
+                    return Err(self.err(
+                        path().key("large_communities").index(i),
+                        format!(
+                            "{c:?} is not a large community GLOBAL:LOCAL1:LOCAL2 (each 0 to 4294967295)"
+                        ),
+                    ))
+                }
+            }
+        }
         let dur = |v: &Option<String>, key: &'static str, default: Duration| match v {
             None => Ok(default),
             Some(s) => self.duration(s, || path().key(key)),
@@ -473,6 +487,7 @@ impl Validator<'_> {
             next_hop_ipv4,
             next_hop_ipv6,
             communities,
+            large_communities,
             local_pref: b.local_pref,
             drain_time,
             graceful_shutdown,

@@ -341,6 +341,7 @@ pub fn routes(
                     vip,
                     next_hop,
                     communities: bgp.communities.clone(),
+                    large_communities: bgp.large_communities.clone(),
                     local_pref: bgp.local_pref,
                 });
             }

@@ -55,6 +55,10 @@ pub struct BgpAdvertisementSpec {
     /// Standard communities, `ASN:VALUE` (each 0-65535).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub communities: Vec<String>,
+    /// Large communities (RFC 8092), `GLOBAL:LOCAL1:LOCAL2` (each
+    /// 0-4294967295).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub large_communities: Vec<String>,
     /// LOCAL_PREF (iBGP peers only).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     // schemars says `uint32`, a format Kubernetes does not know.
@@ -88,6 +92,16 @@ pub fn advertisements_for_node(
                     format!("{c:?} is not a community ASN:VALUE (each 0 to 65535)")
                 })?);
             }
+            let mut large_communities = Vec::new();
+            for c in &spec.large_communities {
+                large_communities.push(crate::config::parse_large_community(c).ok_or_else(
+                    || {
+                        format!(
+                            "{c:?} is not a large community GLOBAL:LOCAL1:LOCAL2 (each 0 to 4294967295)"
+                        )
+                    },
+                )?);
+            }
             let mut covers = Vec::new();
             for p in pools {
                 if !selects(&spec.pool_selector, p.labels())
@@ -104,6 +118,7 @@ pub fn advertisements_for_node(
                 name: name.clone(),
                 covers,
                 communities,
+                large_communities,
                 local_pref: spec.local_pref,
             }))
         })();
@@ -219,13 +234,21 @@ mod tests {
             "edge",
             serde_json::json!({"poolSelector": {"matchLabels": {"exposure": "public"}},
                 "nodeSelector": {"matchLabels": {"rack": "a"}},
-                "communities": ["65000:100"], "localPref": 200}),
+                "communities": ["65000:100"], "largeCommunities": ["65000:100:1"],
+                "localPref": 200}),
         );
         let everywhere = advert("all", serde_json::json!({"communities": ["65000:7"]}));
         let bad = advert("bad", serde_json::json!({"communities": ["65000:x"]}));
+        let bad_large = advert(
+            "bad-large",
+            serde_json::json!({"largeCommunities": ["65000:1"]}),
+        );
         let rack_a: BTreeMap<String, String> = [("rack".to_string(), "a".to_string())].into();
-        let (out, problems) =
-            advertisements_for_node(&[&edge, &everywhere, &bad], &[&public, &internal], &rack_a);
+        let (out, problems) = advertisements_for_node(
+            &[&edge, &everywhere, &bad, &bad_large],
+            &[&public, &internal],
+            &rack_a,
+        );
         assert_eq!(out.len(), 2, "{out:?}");
         let all = &out[0];
         assert_eq!(all.name, "all");
@@ -239,7 +262,12 @@ mod tests {
             (edge.communities.clone(), edge.local_pref),
             (vec![(65000, 100)], Some(200))
         );
+        assert_eq!(edge.large_communities, [(65000, 100, 1)]);
         assert!(problems["bad"].contains("65000:x"), "{problems:?}");
+        assert!(
+            problems["bad-large"].contains("not a large community"),
+            "{problems:?}"
+        );
         // Another rack: only the one for every node.
         let (out, _) = advertisements_for_node(
             &[&advert(

@@ -5,6 +5,7 @@ fn route(vip: &str, nh: &str, communities: &[(u16, u16)], lp: Option<u32>) -> Ro
         vip: vip.parse().unwrap(),
         next_hop: nh.parse().unwrap(),
         communities: communities.to_vec(),
+        large_communities: vec![],
         local_pref: lp,
     }
 }
