@@ -86,6 +86,8 @@ pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(10);
 /// writes.
 const MARK: &str = "xlb";
 const IMPORT_MAP: &str = "xlb-import";
+/// The `bgp route-map delay-timer` the agent sets where none is (seconds).
+const ROUTE_MAP_DELAY: u32 = 1;
 const EXPORT_MAP: &str = "xlb-export";
 
 /// Drives FRR's bgpd through `vtysh`.
@@ -108,6 +110,10 @@ struct Running {
     /// The default instance's AS number (`router bgp N` without `vrf`).
     asn: Option<u32>,
     import_check_off: bool,
+    /// `coalesce-time N` is configured in the instance.
+    coalesce_set: bool,
+    /// `bgp route-map delay-timer N` is configured (not FRR's default).
+    route_map_delay_set: bool,
     /// `network PREFIX route-map xlb-...` statements: VIP → map name.
     networks: BTreeMap<IpAddr, String>,
     /// Route maps named `xlb-...`: name → their `set` lines.
@@ -306,6 +312,10 @@ impl Running {
             let words: Vec<&str> = line.split_whitespace().collect();
             if !line.starts_with(' ') {
                 block = match words.as_slice() {
+                    ["bgp", "route-map", "delay-timer", _] => {
+                        r.route_map_delay_set = true;
+                        Block::Other
+                    }
                     ["router", "bgp", asn] => {
                         r.asn = asn.parse().ok();
                         Block::Bgp
@@ -320,6 +330,7 @@ impl Running {
             }
             match (&block, words.as_slice()) {
                 (Block::Bgp, ["no", "bgp", "network", "import-check"]) => r.import_check_off = true,
+                (Block::Bgp, ["coalesce-time", _]) => r.coalesce_set = true,
                 (Block::Bgp, ["network", prefix, "route-map", name]) if name.starts_with(MARK) => {
                     if let Ok(net) = prefix.parse::<ipnet::IpNet>() {
                         if net.prefix_len() == net.max_prefix_len() {
@@ -477,6 +488,13 @@ fn plan(
         maps.push(format!("route-map {EXPORT_MAP} permit 10"));
         maps.push("exit".into());
     }
+    if !running.route_map_delay_set {
+        // FRR applies route maps defined after the statements that use
+        // them (as its saved config has them: after `router bgp`) only
+        // when this timer fires: 5 s by default, so a restarted FRR would
+        // announce its saved VIPs 5 s late. 0 would stop such updates.
+        maps.insert(0, format!("bgp route-map delay-timer {ROUTE_MAP_DELAY}"));
+    }
     if !bfd_profiles.is_empty() {
         maps.push("bfd".into());
         for (name, b) in &bfd_profiles {
@@ -539,6 +557,13 @@ fn plan(
     );
     if !running.import_check_off {
         bgp.insert(0, "no bgp network import-check".into());
+    }
+    if !running.coalesce_set {
+        // FRR 8.4 loses a withdrawal made within the coalesce time (1 s)
+        // after a session comes up: the router keeps the route (seen in
+        // the ECMP lab, 1 in 3 stops right after a start). Without the
+        // wait, a new session gets the table at once.
+        bgp.insert(0, "coalesce-time 0".into());
     }
     for peer in peers {
         let activate = !bgp.is_empty()
@@ -727,7 +752,9 @@ mod tests {
     /// Applies `plan` to a running config the way FRR shows it: enough of
     /// FRR to check that a second apply sends nothing.
     fn render_running(asn: u32, routes: &BTreeMap<IpAddr, Route>, peers: &[BgpPeer]) -> String {
-        let mut s = format!("!\nrouter bgp {asn}\n no bgp network import-check\n");
+        let mut s = format!(
+            "bgp route-map delay-timer 1\n!\nrouter bgp {asn}\n coalesce-time 0\n no bgp network import-check\n"
+        );
         for p in peers {
             let lines = peer_lines(p).unwrap();
             let mark = format!("{MARK}:{:08x}", fnv1a(lines.join("\n").as_bytes()));
@@ -822,13 +849,16 @@ end
         let p = plan(&empty, Some(65001), &[], &desired).unwrap();
         assert_eq!((p.added, p.withdrawn), (2, 0));
         let text = p.commands.join("\n");
-        assert!(text.starts_with("configure terminal\n"), "{text}");
+        assert!(
+            text.starts_with("configure terminal\nbgp route-map delay-timer 1\n"),
+            "{text}"
+        );
         assert!(text.contains(&format!(
             "route-map {} permit 10\nset ip next-hop 10.0.0.1\nset community 65000:1\nexit",
             map_name(&a)
         )));
         assert!(text.contains(
-            "router bgp 65001\nno bgp network import-check\naddress-family ipv4 unicast\n"
+            "router bgp 65001\ncoalesce-time 0\nno bgp network import-check\naddress-family ipv4 unicast\n"
         ));
         assert!(text.contains(&format!("network 192.0.2.11/32 route-map {}", map_name(&b))));
 
