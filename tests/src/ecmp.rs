@@ -894,6 +894,15 @@ protocol static xlb_vips6 {{
         kill_child(&mut self.agent);
     }
 
+    /// When the current (or last) agent logged its last line containing
+    /// `text` (from the line's timestamp): when the agent did something,
+    /// whatever the test was doing meanwhile.
+    pub fn agent_logged_at(&self, text: &str) -> Option<std::time::SystemTime> {
+        let log = self.agent_log();
+        let line = log.lines().rev().find(|l| l.contains(text))?;
+        humantime::parse_rfc3339_weak(line.split_whitespace().next()?).ok()
+    }
+
     /// The current (or last) agent's output.
     pub fn agent_log(&self) -> String {
         strip_ansi(&fs::read_to_string(self.agent_log_path()).unwrap_or_default())
