@@ -217,10 +217,13 @@ fn a_slowed_backend_loses_share_and_gets_it_back_needs_root() {
         "no lowered weight in the metrics:\n{metrics}"
     );
 
-    // Recovered: back to an equal share.
+    // Recovered: back to an equal share. Rising at its least rate (×1.1 a
+    // 250 ms step) from the floor takes 7-8 s; CI (the whole suite on two
+    // cores) once took longer than 20 s in all, the factor still rising at
+    // that rate at the end (2026-11-28), hence 40 s.
     limit.set(100.0);
     let mut seen = Vec::new();
-    let back = poll_until(Duration::from_secs(20), Duration::from_millis(50), || {
+    let back = poll_until(Duration::from_secs(40), Duration::from_millis(50), || {
         let r = rows(&t);
         let w = weights(&t);
         let ft: Vec<String> = agent
@@ -236,10 +239,11 @@ fn a_slowed_backend_loses_share_and_gets_it_back_needs_root() {
             Err(())
         }
     });
-    let last = &seen[seen.len().saturating_sub(20)..];
+    // The whole window, sampled: when the rise began shows what held it.
+    let sampled: Vec<&String> = seen.iter().step_by((seen.len() / 25).max(1)).collect();
     assert!(
         back.is_ok(),
-        "backend 1 did not get its weight back: {last:?}"
+        "backend 1 did not get its weight back: {sampled:?}"
     );
     let shares = shares_during(&load, Duration::from_secs(2));
     assert!(
