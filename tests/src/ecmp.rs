@@ -1448,6 +1448,29 @@ impl EcmpLab {
         }
     }
 
+    /// Waits (at most 20 s) until the agents of `nodes` have done the flow
+    /// exchange's pulls of their start: the last comes a second after the
+    /// node announced, and takes the flows the others opened meanwhile.
+    /// Connections opened before it may be pulled in the middle of a test
+    /// that counts each flow's owner.
+    pub fn wait_start_pulls(&self, nodes: &[usize]) {
+        for &i in nodes {
+            poll_until(Duration::from_secs(20), Duration::from_millis(50), || {
+                self.nodes[i - 1]
+                    .agent_log()
+                    .contains("the start's pulls are done")
+                    .then_some(())
+                    .ok_or(())
+            })
+            .unwrap_or_else(|()| {
+                panic!(
+                    "node {i}: the start's flow pulls not done within 20 s:\n{}",
+                    self.nodes[i - 1].agent_log()
+                )
+            });
+        }
+    }
+
     /// Node `i`'s config: the snat web service on every backend with `weight`,
     /// announced through the node's speaker.
     pub fn agent_config(&self, i: usize, weight: u32) -> String {

@@ -421,6 +421,7 @@ fn ecmp_over_three_nodes(driver: Driver) {
         check_speaker(&lab, node.index, true);
     }
     mark("1. FIB has 3 next hops", &mut phase);
+    lab.wait_start_pulls(&[1, 2, 3]);
 
     // 2. 300 connections, spread over the three nodes, each on one node.
     let answers = requests(&lab, 20000..20300, "three nodes");
