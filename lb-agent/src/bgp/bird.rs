@@ -94,7 +94,6 @@ use std::{
     io,
     net::{IpAddr, Ipv4Addr, Ipv6Addr},
     path::{Path, PathBuf},
-    process::Stdio,
     time::Duration,
 };
 
@@ -340,29 +339,9 @@ impl BirdAnnouncer {
     /// Runs `birdc -v -s SOCKET ARGS...` and returns BIRD's reply.
     async fn birdc(&self, args: &[&str]) -> AnnounceResult<Reply> {
         let what = format!("birdc {}", args.join(" "));
-        let child = Command::new(&self.birdc)
-            .arg("-v")
-            .arg("-s")
-            .arg(&self.control_socket)
-            .args(args)
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .kill_on_drop(true)
-            .spawn()
-            .map_err(|e| {
-                AnnounceError::Unreachable(format!("running {}: {e}", self.birdc.display()))
-            })?;
-        let out = match tokio::time::timeout(self.timeout, child.wait_with_output()).await {
-            Err(_) => {
-                return Err(AnnounceError::Unreachable(format!(
-                    "`{what}` got no answer within {:?}",
-                    self.timeout
-                )))
-            }
-            Ok(Err(e)) => return Err(AnnounceError::Unreachable(format!("`{what}`: {e}"))),
-            Ok(Ok(out)) => out,
-        };
+        let mut cmd = Command::new(&self.birdc);
+        cmd.arg("-v").arg("-s").arg(&self.control_socket).args(args);
+        let out = super::run_control(cmd, &what, self.timeout).await?;
         let stdout = String::from_utf8_lossy(&out.stdout);
         let stderr = String::from_utf8_lossy(&out.stderr);
         tracing::trace!(command = %what, %stdout, %stderr, "birdc");

@@ -64,7 +64,6 @@ use std::{
     collections::{BTreeMap, BTreeSet},
     net::IpAddr,
     path::{Path, PathBuf},
-    process::Stdio,
     time::Duration,
 };
 
@@ -181,25 +180,7 @@ impl FrrAnnouncer {
         for c in commands {
             cmd.arg("-c").arg(c);
         }
-        let child = cmd
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .kill_on_drop(true)
-            .spawn()
-            .map_err(|e| {
-                AnnounceError::Unreachable(format!("running {}: {e}", self.vtysh.display()))
-            })?;
-        let out = match tokio::time::timeout(self.timeout, child.wait_with_output()).await {
-            Err(_) => {
-                return Err(AnnounceError::Unreachable(format!(
-                    "`vtysh -c {what}` got no answer within {:?}",
-                    self.timeout
-                )))
-            }
-            Ok(Err(e)) => return Err(AnnounceError::Unreachable(format!("`{what}`: {e}"))),
-            Ok(Ok(out)) => out,
-        };
+        let out = super::run_control(cmd, &format!("vtysh -c {what}"), self.timeout).await?;
         let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
         let stderr = String::from_utf8_lossy(&out.stderr);
         tracing::trace!(commands = ?commands, %stdout, %stderr, "vtysh");

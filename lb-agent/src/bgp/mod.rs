@@ -208,6 +208,32 @@ pub trait Announcer: Send {
     ) -> BoxFuture<'a, AnnounceResult<(usize, usize)>>;
 }
 
+/// Runs a speaker's control program (`birdc`, `vtysh`) to completion
+/// within `timeout`, its output captured. Not starting, no answer in time
+/// and a failed wait are [`AnnounceError::Unreachable`]; `what` names the
+/// command in those messages.
+pub(crate) async fn run_control(
+    mut cmd: tokio::process::Command,
+    what: &str,
+    timeout: std::time::Duration,
+) -> AnnounceResult<std::process::Output> {
+    let program = cmd.as_std().get_program().to_string_lossy().into_owned();
+    let child = cmd
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .map_err(|e| AnnounceError::Unreachable(format!("running {program}: {e}")))?;
+    match tokio::time::timeout(timeout, child.wait_with_output()).await {
+        Err(_) => Err(AnnounceError::Unreachable(format!(
+            "`{what}` got no answer within {timeout:?}"
+        ))),
+        Ok(Err(e)) => Err(AnnounceError::Unreachable(format!("`{what}`: {e}"))),
+        Ok(Ok(out)) => Ok(out),
+    }
+}
+
 /// The driver the `bgp` section of the config asks for.
 pub fn from_config(bgp: &crate::config::BgpConfig) -> Result<Box<dyn Announcer>, String> {
     use crate::config::Speaker;
