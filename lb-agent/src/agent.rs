@@ -1154,6 +1154,10 @@ impl Agent {
             desired::servable_vips(programmed(), &state.announce_by_vip, Announce::by_bgp);
         let l2_vips = desired::servable_vips(programmed(), &state.announce_by_vip, Announce::by_l2);
         drop(dp);
+        let host_only: BTreeSet<IpAddr> = bgp_vips
+            .intersection(&state.host_route_vips)
+            .copied()
+            .collect();
 
         let state = Arc::new(state);
         self.state = state.clone();
@@ -1164,7 +1168,7 @@ impl Agent {
         labels.state = state;
         drop(labels);
         if let Some(task) = &self.announce {
-            task.apply(self.routes(&bgp_vips));
+            task.apply(self.routes(&bgp_vips), host_only);
         }
         if let Some(l2) = &self.l2 {
             l2.set_vips(l2_vips.into_iter().map(|v| (v, None)).collect());

@@ -52,6 +52,10 @@ pub struct DesiredService {
     pub announce: Announce,
     /// New flows a second per source prefix; `None`: unlimited.
     pub new_flow_limit: Option<crate::dataplane::NewFlowLimit>,
+    /// Only this node's endpoints serve it (`externalTrafficPolicy:
+    /// Local`), so only the nodes that have some announce the VIP: its
+    /// route is never aggregated into a prefix other nodes announce.
+    pub local_endpoints_only: bool,
 }
 
 /// Tests' one way to build a service: [`DesiredService::for_test`] has the
@@ -76,6 +80,7 @@ impl DesiredService {
             balance: Balance::Static,
             announce: Announce::Both,
             new_flow_limit: None,
+            local_endpoints_only: false,
         }
     }
 

@@ -117,15 +117,26 @@ pub async fn wait_metrics(
     .await
 }
 
-/// A route from its text form.
-pub fn route(vip: &str, nh: &str, communities: &[(u16, u16)], local_pref: Option<u32>) -> Route {
+/// A route from its text form: `prefix` is a VIP (a host route) or a
+/// prefix (`192.0.2.64/27`, a pool's covering prefix).
+pub fn route(prefix: &str, nh: &str, communities: &[(u16, u16)], local_pref: Option<u32>) -> Route {
     Route {
-        vip: vip.parse().unwrap(),
+        prefix: parse_prefix(prefix),
         next_hop: nh.parse().unwrap(),
         communities: communities.to_vec(),
         large_communities: vec![],
         local_pref,
     }
+}
+
+/// `192.0.2.10` as a host route, or `192.0.2.64/27` as it is.
+pub fn parse_prefix(text: &str) -> ipnet::IpNet {
+    text.parse().unwrap_or_else(|_| {
+        ipnet::IpNet::from(
+            text.parse::<std::net::IpAddr>()
+                .unwrap_or_else(|e| panic!("{text}: {e}")),
+        )
+    })
 }
 
 /// The arguments that run FRR's daemon `name` (`zebra`, `bgpd`, `bfdd`) in

@@ -14,6 +14,7 @@ use std::{
     time::Duration,
 };
 
+use ipnet::IpNet;
 use lb_agent::bgp::{exabgp::ExaBgpAnnouncer, task::AnnounceTask, AnnounceError, Announcer, Route};
 use xlb_tests::bgp_lab::{ip, kernel_route, route, run, wait_metrics, wait_until_blocking, WAIT};
 
@@ -215,19 +216,19 @@ impl Lab {
     }
 
     /// `ip route show <vip>` in the router: the kernel route BIRD installed.
-    fn fib(&self, vip: IpAddr) -> String {
-        kernel_route(&self.router, &vip.to_string())
+    fn fib(&self, prefix: IpNet) -> String {
+        kernel_route(&self.router, &prefix.to_string())
     }
 
     /// Waits until the router's FIB routes each of `present` via the node,
     /// and none of `absent`.
-    fn wait_fib(&self, present: &[&Route], absent: &[IpAddr]) {
+    fn wait_fib(&self, present: &[&Route], absent: &[IpNet]) {
         wait_until_blocking("the router's FIB", WAIT, || {
             for r in present {
-                let got = self.fib(r.vip);
+                let got = self.fib(r.prefix);
                 let want = format!("via {}", r.next_hop);
                 if !(got.contains(&want) && got.contains("proto bird")) {
-                    return Err(format!("{}: {got:?}, want {want:?}", r.vip));
+                    return Err(format!("{}: {got:?}, want {want:?}", r.prefix));
                 }
             }
             for vip in absent {
@@ -351,7 +352,7 @@ fn exabgp_announces_to_a_real_router() {
     // Withdraw one: gone from the router's FIB, the others stay.
     let two: BTreeSet<Route> = [a.clone(), v6.clone()].into();
     assert_eq!(rt.block_on(ann.apply(&two)).unwrap(), (0, 1));
-    lab.wait_fib(&[&a, &v6], &[b.vip]);
+    lab.wait_fib(&[&a, &v6], &[b.prefix]);
     assert_eq!(rt.block_on(ann.apply(&two)).unwrap(), (0, 0));
 
     // Changing a route's communities replaces it (one added, one gone).
@@ -366,7 +367,7 @@ fn exabgp_announces_to_a_real_router() {
             Err(shown)
         }
     });
-    lab.wait_fib(&[&a2, &v6], &[b.vip]);
+    lab.wait_fib(&[&a2, &v6], &[b.prefix]);
 
     // A command ExaBGP rejects is Refused, and the pipes stay usable.
     let err = rt
@@ -399,7 +400,7 @@ fn exabgp_announces_to_a_real_router() {
         Ok(()) => Err("still established".into()),
         Err(_) => Ok(()),
     });
-    lab.wait_fib(&[], &[a.vip, b.vip, v6.vip]);
+    lab.wait_fib(&[], &[a.prefix, b.prefix, v6.prefix]);
 
     // ExaBGP restarted empty: the next apply announces the whole set again.
     lab.start_exabgp();
@@ -411,7 +412,7 @@ fn exabgp_announces_to_a_real_router() {
 
     // And an empty set withdraws everything.
     assert_eq!(rt.block_on(ann.apply(&BTreeSet::new())).unwrap(), (0, 3));
-    lab.wait_fib(&[], &[a.vip, b.vip, v6.vip]);
+    lab.wait_fib(&[], &[a.prefix, b.prefix, v6.prefix]);
 }
 
 #[test]

@@ -323,7 +323,7 @@ fn vip(addr: &str, extra_community: Option<(u16, u16)>) -> Route {
     let mut communities = vec![(65001, 100)];
     communities.extend(extra_community);
     Route {
-        vip: addr.parse().unwrap(),
+        prefix: xlb_tests::bgp_lab::parse_prefix(addr),
         next_hop: next_hop.parse().unwrap(),
         communities,
         // Carried by gobgpd's API both ways (RFC 8092).
@@ -437,7 +437,7 @@ fn gobgp_driver_against_gobgpd_and_bird_needs_root() {
 
         // Withdraw one VIP; the others and the foreign path stay.
         let mut fewer = full.clone();
-        fewer.retain(|r| r.vip.to_string() != "192.0.2.11");
+        fewer.retain(|r| r.prefix.to_string() != "192.0.2.11/32");
         assert_eq!(gobgp.apply(&fewer).await.unwrap(), (0, 1));
         assert_eq!(gobgp.announced().await.unwrap(), fewer);
         router_converges(
@@ -456,7 +456,7 @@ fn gobgp_driver_against_gobgpd_and_bird_needs_root() {
         })
         .unwrap();
         let seen = all_local.announced().await.unwrap();
-        let vips: BTreeSet<String> = seen.iter().map(|r| r.vip.to_string()).collect();
+        let vips: BTreeSet<String> = seen.iter().map(|r| r.prefix.addr().to_string()).collect();
         assert_eq!(
             vips,
             ["192.0.2.10", "2001:db8::10", FOREIGN]

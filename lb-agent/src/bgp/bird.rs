@@ -608,17 +608,16 @@ struct Parsed {
 
 impl Parsed {
     fn into_route(self, family: Family) -> Option<Route> {
-        let vip = self.prefix.addr();
-        if Family::of(vip) != family || self.prefix.prefix_len() != self.prefix.max_prefix_len() {
+        if Family::of(self.prefix.addr()) != family {
             tracing::warn!(
                 prefix = %self.prefix,
-                "bird: ignoring a route that is not a VIP host route"
+                "bird: ignoring a route of the other address family"
             );
             return None;
         }
         Some(
             Route {
-                vip,
+                prefix: self.prefix.trunc(),
                 next_hop: self
                     .bgp_next_hop
                     .or(self.gateway)
@@ -820,13 +819,14 @@ fn render(bird: &BirdAnnouncer, family: Family, routes: &BTreeSet<Route>) -> Str
         "# Written by lb-agent (xlb) for `protocol static {}`; every change is overwritten.\n",
         bird.proto(family)
     );
-    for r in routes.iter().filter(|r| Family::of(r.vip) == family) {
+    for r in routes
+        .iter()
+        .filter(|r| Family::of(r.prefix.addr()) == family)
+    {
         let _ = write!(
             out,
-            "route {}/{} blackhole {{ bgp_next_hop = {};",
-            r.vip,
-            r.prefix_len(),
-            r.next_hop
+            "route {} blackhole {{ bgp_next_hop = {};",
+            r.prefix, r.next_hop
         );
         for (a, v) in &r.communities {
             let _ = write!(out, " bgp_community.add(({a},{v}));");

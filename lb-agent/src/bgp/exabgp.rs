@@ -220,12 +220,12 @@ impl ExaBgpAnnouncer {
         let want: BTreeSet<Route> = desired.values().cloned().collect();
         let to_add: Vec<&Route> = want.difference(&current).collect();
         let extra: Vec<&Route> = current.difference(&want).collect();
-        // A route whose VIP stays desired is replaced by its new announce
-        // (same prefix): withdrawing it first would only make it flap.
-        let withdraw_vips: BTreeMap<IpAddr, &Route> = extra
+        // A route whose prefix stays desired is replaced by its new
+        // announce: withdrawing it first would only make it flap.
+        let withdrawn: BTreeMap<IpNet, &Route> = extra
             .iter()
-            .filter(|r| !desired.contains_key(&r.vip))
-            .map(|r| (r.vip, *r))
+            .filter(|r| !desired.contains_key(&r.prefix))
+            .map(|r| (r.prefix, *r))
             .collect();
 
         if to_add.is_empty() && extra.is_empty() {
@@ -241,7 +241,7 @@ impl ExaBgpAnnouncer {
                 Err(e) => return Err(e),
             }
         }
-        for route in withdraw_vips.values() {
+        for route in withdrawn.values() {
             let cmd = withdraw_command(route);
             match session.ack(&cmd).await {
                 Ok(()) => tracing::debug!(route = %route, "exabgp: withdrew"),
@@ -343,17 +343,15 @@ fn parse_neighbors<S: AsRef<str>>(lines: &[S]) -> Option<Vec<(IpAddr, bool)>> {
 
 /// Validates the desired set and normalises it (communities sorted and
 /// deduplicated, as ExaBGP lists them), by VIP.
-fn check_desired(desired: &BTreeSet<Route>) -> AnnounceResult<BTreeMap<IpAddr, Route>> {
+fn check_desired(desired: &BTreeSet<Route>) -> AnnounceResult<BTreeMap<IpNet, Route>> {
     super::check_routes(desired)
 }
 
 /// `announce route 192.0.2.10/32 next-hop 10.0.0.1 local-preference 200 community [65000:100]`
 fn announce_command(route: &Route) -> String {
     let mut cmd = format!(
-        "announce route {}/{} next-hop {}",
-        route.vip,
-        route.prefix_len(),
-        route.next_hop
+        "announce route {} next-hop {}",
+        route.prefix, route.next_hop
     );
     if let Some(lp) = route.local_pref {
         cmd.push_str(&format!(" local-preference {lp}"));
@@ -380,16 +378,15 @@ fn announce_command(route: &Route) -> String {
 /// `withdraw route 192.0.2.10/32 next-hop 10.0.0.1`
 fn withdraw_command(route: &Route) -> String {
     format!(
-        "withdraw route {}/{} next-hop {}",
-        route.vip,
-        route.prefix_len(),
-        route.next_hop
+        "withdraw route {} next-hop {}",
+        route.prefix, route.next_hop
     )
 }
 
-/// Parses the output of `show adj-rib out extensive`: the host routes of
-/// the IPv4 and IPv6 unicast families, over all neighbors. Other lines
-/// (other families, shorter prefixes) are skipped.
+/// Parses the output of `show adj-rib out extensive`: the routes of the
+/// IPv4 and IPv6 unicast families, over all neighbors (every one is the
+/// agent's: `exabgp.conf` declares no routes). Other lines (other
+/// families) are skipped.
 pub fn parse_adj_rib_out<S: AsRef<str>>(lines: &[S]) -> BTreeSet<Route> {
     let mut routes = BTreeSet::new();
     for line in lines {
@@ -419,12 +416,7 @@ fn parse_route_line(line: &str) -> Option<(String, Route)> {
         .find(|&i| matches!(tokens[i], "ipv4" | "ipv6") && tokens[i + 1] == "unicast")?;
     let neighbor = tokens[..family].join(" ");
 
-    // Only host routes are the agent's.
-    let prefix: IpNet = tokens[family + 2].parse().ok()?;
-    if prefix.prefix_len() != prefix.max_prefix_len() {
-        return None;
-    }
-    let vip = prefix.addr();
+    let prefix: IpNet = tokens[family + 2].parse::<IpNet>().ok()?.trunc();
 
     let mut next_hop = None;
     let mut local_pref = None;
@@ -482,7 +474,7 @@ fn parse_route_line(line: &str) -> Option<(String, Route)> {
         }
     }
     let route = Route::normalized(&Route {
-        vip,
+        prefix,
         next_hop: next_hop?,
         communities,
         large_communities,
@@ -744,7 +736,7 @@ mod tests {
 
     fn route(vip: &str, nh: &str, communities: &[(u16, u16)], lp: Option<u32>) -> Route {
         Route {
-            vip: vip.parse().unwrap(),
+            prefix: IpNet::from(vip.parse::<IpAddr>().unwrap()),
             next_hop: nh.parse().unwrap(),
             communities: communities.to_vec(),
             large_communities: vec![],
@@ -775,6 +767,10 @@ mod tests {
             ),
             route("192.0.2.12", "10.200.0.2", &[], None),
             route("2001:db8::10", "fd00:200::2", &[], None),
+            Route {
+                prefix: "198.51.100.0/24".parse().unwrap(),
+                ..route("198.51.100.0", "10.200.0.2", &[], None)
+            },
         ]
         .into_iter()
         .collect();

@@ -67,6 +67,7 @@ use std::{
     time::Duration,
 };
 
+use ipnet::IpNet;
 use tokio::process::Command;
 
 use super::{check_routes, AnnounceError, AnnounceResult, Announcer, BoxFuture, Route};
@@ -113,8 +114,8 @@ struct Running {
     coalesce_set: bool,
     /// `bgp route-map delay-timer N` is configured (not FRR's default).
     route_map_delay_set: bool,
-    /// `network PREFIX route-map xlb-...` statements: VIP → map name.
-    networks: BTreeMap<IpAddr, String>,
+    /// `network PREFIX route-map xlb-...` statements: prefix → map name.
+    networks: BTreeMap<IpNet, String>,
     /// Route maps named `xlb-...`: name → their `set` lines.
     route_maps: BTreeMap<String, Vec<String>>,
     /// Neighbours: address → description (`xlb:HASH` for the agent's).
@@ -220,9 +221,9 @@ impl FrrAnnouncer {
     }
 
     async fn apply_now(&mut self, desired: &BTreeSet<Route>) -> AnnounceResult<(usize, usize)> {
-        let by_vip = check_routes(desired)?;
+        let by_prefix = check_routes(desired)?;
         let running = self.running().await?;
-        let mut plan = plan(&running, self.asn, &self.peers, &by_vip)?;
+        let mut plan = plan(&running, self.asn, &self.peers, &by_prefix)?;
         if !plan.commands.is_empty() {
             plan.commands.push("end".into());
             self.unsaved = true;
@@ -313,10 +314,8 @@ impl Running {
                 (Block::Bgp, ["no", "bgp", "network", "import-check"]) => r.import_check_off = true,
                 (Block::Bgp, ["coalesce-time", _]) => r.coalesce_set = true,
                 (Block::Bgp, ["network", prefix, "route-map", name]) if name.starts_with(MARK) => {
-                    if let Ok(net) = prefix.parse::<ipnet::IpNet>() {
-                        if net.prefix_len() == net.max_prefix_len() {
-                            r.networks.insert(net.addr(), name.to_string());
-                        }
+                    if let Ok(net) = prefix.parse::<IpNet>() {
+                        r.networks.insert(net.trunc(), name.to_string());
                     }
                 }
                 (Block::Bgp, ["neighbor", addr, rest @ ..]) => {
@@ -344,19 +343,19 @@ impl Running {
     fn routes(&self) -> BTreeSet<Route> {
         self.networks
             .iter()
-            .filter_map(|(&vip, map)| {
+            .filter_map(|(&prefix, map)| {
                 let sets = self.route_maps.get(map)?;
-                Some(route_of(vip, sets))
+                Some(route_of(prefix, sets))
             })
             .collect()
     }
 }
 
-/// The route a route map's `set` lines give `vip`.
-fn route_of(vip: IpAddr, sets: &[String]) -> Route {
+/// The route a route map's `set` lines give `prefix`.
+fn route_of(prefix: IpNet, sets: &[String]) -> Route {
     let mut route = Route {
-        vip,
-        next_hop: if vip.is_ipv4() {
+        prefix,
+        next_hop: if prefix.addr().is_ipv4() {
             IpAddr::from([0u8; 4])
         } else {
             IpAddr::from([0u8; 16])
@@ -405,7 +404,7 @@ fn plan(
     running: &Running,
     asn: Option<u32>,
     peers: &[BgpPeer],
-    desired: &BTreeMap<IpAddr, Route>,
+    desired: &BTreeMap<IpNet, Route>,
 ) -> AnnounceResult<Plan> {
     let asn = match (asn, running.asn) {
         (Some(want), Some(has)) if want != has => {
@@ -490,40 +489,39 @@ fn plan(
 
     // Routes.
     let mut per_family: BTreeMap<&str, Vec<String>> = BTreeMap::new();
-    for (vip, route) in desired {
+    for (prefix, route) in desired {
         let name = map_name(route);
-        if running.networks.get(vip) == Some(&name) && announced.contains(route) {
+        if running.networks.get(prefix) == Some(&name) && announced.contains(route) {
             continue;
         }
         // A changed route counts as one withdrawn and one added (as the
         // other drivers count a replacement).
         p.added += 1;
-        if announced.iter().any(|r| r.vip == *vip) {
+        if announced.iter().any(|r| r.prefix == *prefix) {
             p.withdrawn += 1;
         }
         maps.push(format!("route-map {name} permit 10"));
         maps.extend(set_lines(route));
         maps.push("exit".into());
-        per_family.entry(family(*vip)).or_default().push(format!(
-            "network {vip}/{} route-map {name}",
-            route.prefix_len()
-        ));
-        if let Some(old) = running.networks.get(vip).filter(|&o| *o != name) {
+        per_family
+            .entry(family(prefix.addr()))
+            .or_default()
+            .push(format!("network {prefix} route-map {name}"));
+        if let Some(old) = running.networks.get(prefix).filter(|&o| *o != name) {
             unused_maps.push(old.clone());
         }
     }
-    for (vip, old) in &running.networks {
-        if desired.contains_key(vip) {
+    for (prefix, old) in &running.networks {
+        if desired.contains_key(prefix) {
             continue;
         }
-        if announced.iter().any(|r| r.vip == *vip) {
+        if announced.iter().any(|r| r.prefix == *prefix) {
             p.withdrawn += 1;
         }
-        let len = if vip.is_ipv4() { 32 } else { 128 };
         per_family
-            .entry(family(*vip))
+            .entry(family(prefix.addr()))
             .or_default()
-            .push(format!("no network {vip}/{len}"));
+            .push(format!("no network {prefix}"));
         unused_maps.push(old.clone());
     }
     // Maps of ours that no statement uses (left by an earlier apply that
@@ -602,9 +600,8 @@ fn family(a: IpAddr) -> &'static str {
 fn map_name(route: &Route) -> String {
     let attrs = set_lines(route).join("\n");
     format!(
-        "{MARK}-vip-{}/{}-{:08x}",
-        route.vip,
-        route.prefix_len(),
+        "{MARK}-vip-{}-{:08x}",
+        route.prefix,
         fnv1a(attrs.as_bytes())
     )
 }
@@ -708,7 +705,7 @@ mod tests {
 
     fn route(vip: &str, hop: &str, c: Vec<(u16, u16)>, lp: Option<u32>) -> Route {
         Route {
-            vip: vip.parse().unwrap(),
+            prefix: IpNet::from(vip.parse::<IpAddr>().unwrap()),
             next_hop: hop.parse().unwrap(),
             communities: c,
             large_communities: vec![],
@@ -732,7 +729,7 @@ mod tests {
 
     /// Applies `plan` to a running config the way FRR shows it: enough of
     /// FRR to check that a second apply sends nothing.
-    fn render_running(asn: u32, routes: &BTreeMap<IpAddr, Route>, peers: &[BgpPeer]) -> String {
+    fn render_running(asn: u32, routes: &BTreeMap<IpNet, Route>, peers: &[BgpPeer]) -> String {
         let mut s = format!(
             "bgp route-map delay-timer 1\n!\nrouter bgp {asn}\n coalesce-time 0\n no bgp network import-check\n"
         );
@@ -743,8 +740,8 @@ mod tests {
             let _ = writeln!(s, " neighbor {} description {mark}", p.address);
         }
         s.push_str(" !\n address-family ipv4 unicast\n");
-        for (vip, r) in routes {
-            let _ = writeln!(s, "  network {vip}/32 route-map {}", map_name(r));
+        for (prefix, r) in routes {
+            let _ = writeln!(s, "  network {prefix} route-map {}", map_name(r));
         }
         s.push_str(" exit-address-family\nexit\n!\n");
         for r in routes.values() {
@@ -824,8 +821,11 @@ end
     #[test]
     fn plans_additions_changes_and_withdrawals_and_then_nothing() {
         let a = route("192.0.2.10", "10.0.0.1", vec![(65000, 1)], None);
-        let b = route("192.0.2.11", "10.0.0.1", vec![], Some(200));
-        let desired: BTreeMap<IpAddr, Route> = [(a.vip, a.clone()), (b.vip, b.clone())].into();
+        let b = Route {
+            prefix: "192.0.2.0/28".parse().unwrap(),
+            ..route("192.0.2.0", "10.0.0.1", vec![], Some(200))
+        };
+        let desired: BTreeMap<IpNet, Route> = [(a.prefix, a.clone()), (b.prefix, b.clone())].into();
         let empty = Running::parse("router bgp 65001\nexit\n");
         let p = plan(&empty, Some(65001), &[], &desired).unwrap();
         assert_eq!((p.added, p.withdrawn), (2, 0));
@@ -841,7 +841,7 @@ end
         assert!(text.contains(
             "router bgp 65001\ncoalesce-time 0\nno bgp network import-check\naddress-family ipv4 unicast\n"
         ));
-        assert!(text.contains(&format!("network 192.0.2.11/32 route-map {}", map_name(&b))));
+        assert!(text.contains(&format!("network 192.0.2.0/28 route-map {}", map_name(&b))));
 
         // What FRR then shows: nothing more to do.
         let now = Running::parse(&render_running(65001, &desired, &[]));
@@ -851,7 +851,7 @@ end
 
         // a gets a community (a new map, the old deleted after), b goes.
         let a2 = route("192.0.2.10", "10.0.0.1", vec![(65000, 1), (65535, 0)], None);
-        let next: BTreeMap<IpAddr, Route> = [(a2.vip, a2.clone())].into();
+        let next: BTreeMap<IpNet, Route> = [(a2.prefix, a2.clone())].into();
         let p = plan(&now, Some(65001), &[], &next).unwrap();
         assert_eq!((p.added, p.withdrawn), (1, 2));
         let text = p.commands.join("\n");
@@ -860,7 +860,7 @@ end
             "network 192.0.2.10/32 route-map {}",
             map_name(&a2)
         )));
-        assert!(text.contains("no network 192.0.2.11/32"));
+        assert!(text.contains("no network 192.0.2.0/28"));
         let deletions = format!(
             "no route-map {}\nno route-map {}",
             map_name(&a).min(map_name(&b)),

@@ -14,18 +14,17 @@
 //!   CLI rather than learned from a BGP peer (GoBGP reports their
 //!   `neighbor_ip` as `"<nil>"`). Routes learned from peers are never
 //!   touched;
-//! - are host routes (/32, /128), as VIPs are; and
 //! - with [`Ownership::Marked`], carry the marker community. The marker is
 //!   added to every path we announce and left out of the [`Route`]s we
 //!   report, so other local paths in the same `gobgpd` (operator statics,
 //!   another tool) are left alone. With [`Ownership::LocallyOriginated`]
-//!   (the default) every local host route belongs to the agent: use it with a
+//!   (the default) every local route belongs to the agent: use it with a
 //!   `gobgpd` dedicated to the agent.
 //!
 //! GoBGP keeps one local path per prefix (a new AddPath for a prefix replaces
 //! the previous local path), so a changed route (other next hop, communities
 //! or local-pref) is re-added in place, without a withdraw in between, and
-//! the desired set can hold one route per VIP: when it holds several, the
+//! the desired set can hold one route per prefix: when it holds several, the
 //! first one in `Route` order wins. In `Marked` mode, announcing a VIP also
 //! replaces an unmarked local path for the same prefix.
 //!
@@ -50,6 +49,7 @@ use std::{
     time::Duration,
 };
 
+use ipnet::IpNet;
 use prost::Message;
 use prost_types::Any;
 use tonic::transport::{Channel, Endpoint};
@@ -434,8 +434,8 @@ impl GoBgpAnnouncer {
     }
 
     /// Our paths in the global RIB (ListPath, IPv4 and IPv6 unicast), by
-    /// VIP, with the marker community removed.
-    async fn list_owned(&mut self) -> AnnounceResult<BTreeMap<IpAddr, Route>> {
+    /// prefix, with the marker community removed.
+    async fn list_owned(&mut self) -> AnnounceResult<BTreeMap<IpNet, Route>> {
         let ownership = self.config.ownership;
         let mut client = self.client();
         self.call("ListPath", async move {
@@ -454,7 +454,7 @@ impl GoBgpAnnouncer {
                 while let Some(msg) = stream.message().await.map_err(status_error)? {
                     for path in msg.destination.into_iter().flat_map(|d| d.paths) {
                         if let Some(route) = owned_route(&path, ownership) {
-                            owned.insert(route.vip, route);
+                            owned.insert(route.prefix, route);
                         }
                     }
                 }
@@ -535,19 +535,19 @@ impl Announcer for GoBgpAnnouncer {
         desired: &'a BTreeSet<Route>,
     ) -> BoxFuture<'a, AnnounceResult<(usize, usize)>> {
         Box::pin(async move {
-            let desired = desired_by_vip(desired, self.config.ownership);
+            let desired = desired_by_prefix(desired, self.config.ownership);
             let current = self.list_owned().await?;
             let mut added = 0;
-            for (vip, route) in &desired {
-                if current.get(vip) != Some(route) {
+            for (prefix, route) in &desired {
+                if current.get(prefix) != Some(route) {
                     // Replaces our previous path for the VIP, if any.
                     self.add_path(route).await?;
                     added += 1;
                 }
             }
             let mut withdrawn = 0;
-            for (vip, route) in &current {
-                if !desired.contains_key(vip) {
+            for (prefix, route) in &current {
+                if !desired.contains_key(prefix) {
                     self.delete_path(route).await?;
                     withdrawn += 1;
                 }
@@ -561,20 +561,20 @@ impl Announcer for GoBgpAnnouncer {
     }
 }
 
-/// The desired routes, one per VIP (the first in `Route` order), with
+/// The desired routes, one per prefix (the first in `Route` order), with
 /// communities normalized and the marker left out.
-fn desired_by_vip(desired: &BTreeSet<Route>, ownership: Ownership) -> BTreeMap<IpAddr, Route> {
-    let mut by_vip = BTreeMap::new();
+fn desired_by_prefix(desired: &BTreeSet<Route>, ownership: Ownership) -> BTreeMap<IpNet, Route> {
+    let mut by_prefix = BTreeMap::new();
     for route in desired {
-        if by_vip.contains_key(&route.vip) {
-            tracing::warn!(%route, "gobgp: one route per VIP; ignoring this one");
+        if by_prefix.contains_key(&route.prefix) {
+            tracing::warn!(%route, "gobgp: one route per prefix; ignoring this one");
             continue;
         }
         let mut route = route.clone();
         normalize_communities(&mut route.communities, ownership);
-        by_vip.insert(route.vip, route);
+        by_prefix.insert(route.prefix, route);
     }
-    by_vip
+    by_prefix
 }
 
 fn normalize_communities(communities: &mut Vec<(u16, u16)>, ownership: Ownership) {
@@ -613,19 +613,19 @@ fn unpack<M: Message + Default>(name: &str, any: &Any) -> Option<M> {
 /// (NEXT_HOP for IPv4 over IPv4, else MP_REACH_NLRI as GoBGP expects for
 /// IPv6), communities (with the marker) and LOCAL_PREF.
 fn route_to_path(route: &Route, ownership: Ownership) -> apipb::Path {
-    let fam = AddressFamily::of(&route.vip).to_api();
+    let fam = AddressFamily::of(&route.prefix.addr()).to_api();
     let nlri = pack(
         "IPAddressPrefix",
         &apipb::IpAddressPrefix {
-            prefix_len: u32::from(route.prefix_len()),
-            prefix: route.vip.to_string(),
+            prefix_len: u32::from(route.prefix.prefix_len()),
+            prefix: route.prefix.addr().to_string(),
         },
     );
     let mut pattrs = vec![pack(
         "OriginAttribute",
         &apipb::OriginAttribute { origin: ORIGIN_IGP },
     )];
-    if route.vip.is_ipv4() && route.next_hop.is_ipv4() {
+    if route.prefix.addr().is_ipv4() && route.next_hop.is_ipv4() {
         pattrs.push(pack(
             "NextHopAttribute",
             &apipb::NextHopAttribute {
@@ -693,11 +693,8 @@ fn owned_route(path: &apipb::Path, ownership: Ownership) -> Option<Route> {
         return None;
     }
     let prefix: apipb::IpAddressPrefix = unpack("IPAddressPrefix", path.nlri.as_ref()?)?;
-    let vip: IpAddr = prefix.prefix.parse().ok()?;
-    let host_len = if vip.is_ipv4() { 32 } else { 128 };
-    if prefix.prefix_len != host_len {
-        return None;
-    }
+    let addr: IpAddr = prefix.prefix.parse().ok()?;
+    let prefix = IpNet::new(addr, u8::try_from(prefix.prefix_len).ok()?).ok()?;
     let mut next_hop = None;
     let mut communities = Vec::new();
     let mut large_communities = Vec::new();
@@ -733,7 +730,7 @@ fn owned_route(path: &apipb::Path, ownership: Ownership) -> Option<Route> {
     normalize_communities(&mut communities, ownership);
     Some(
         Route {
-            vip,
+            prefix,
             next_hop: next_hop?,
             communities,
             large_communities,
@@ -889,7 +886,7 @@ mod tests {
 
     fn route(vip: &str, nh: &str, communities: Vec<(u16, u16)>, lp: Option<u32>) -> Route {
         Route {
-            vip: vip.parse().unwrap(),
+            prefix: IpNet::from(vip.parse::<IpAddr>().unwrap()),
             next_hop: nh.parse().unwrap(),
             communities,
             large_communities: vec![],
@@ -904,6 +901,10 @@ mod tests {
                 route("192.0.2.10", "10.0.0.1", vec![(65000, 100)], Some(200)),
                 route("2001:db8::10", "fd00::1", vec![], None),
                 route("192.0.2.11", "fd00::1", vec![(1, 2), (0, 1)], None),
+                Route {
+                    prefix: "192.0.2.0/24".parse().unwrap(),
+                    ..route("192.0.2.0", "10.0.0.1", vec![], None)
+                },
             ] {
                 let path = route_to_path(&r, ownership);
                 let mut want = r.clone();
@@ -943,9 +944,9 @@ mod tests {
             route("192.0.2.10", "10.0.0.1", vec![(2, 2), (1, 1), (2, 2)], None),
         ]
         .into();
-        let by_vip = desired_by_vip(&desired, Ownership::LocallyOriginated);
-        assert_eq!(by_vip.len(), 1);
-        let r = &by_vip[&"192.0.2.10".parse::<IpAddr>().unwrap()];
+        let by_prefix = desired_by_prefix(&desired, Ownership::LocallyOriginated);
+        assert_eq!(by_prefix.len(), 1);
+        let r = &by_prefix[&"192.0.2.10/32".parse::<IpNet>().unwrap()];
         assert_eq!(r.next_hop.to_string(), "10.0.0.1");
         assert_eq!(r.communities, vec![(1, 1), (2, 2)]);
     }

@@ -16,6 +16,7 @@ pub mod gobgp;
 pub mod task;
 
 use crate::config::BgpPeer;
+use ipnet::IpNet;
 use std::{
     collections::{BTreeMap, BTreeSet},
     fmt,
@@ -24,10 +25,11 @@ use std::{
     pin::Pin,
 };
 
-/// One announced prefix: a VIP as a /32 or /128, with this node as next hop.
+/// One announced prefix, with this node as next hop: a VIP as a /32 or
+/// /128, or a covering prefix of a pool (a BGPAdvertisement's aggregation).
 #[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct Route {
-    pub vip: IpAddr,
+    pub prefix: IpNet,
     pub next_hop: IpAddr,
     /// Standard communities as (ASN, value).
     pub communities: Vec<(u16, u16)>,
@@ -35,17 +37,6 @@ pub struct Route {
     /// local data 2).
     pub large_communities: Vec<(u32, u32, u32)>,
     pub local_pref: Option<u32>,
-}
-
-impl Route {
-    /// The prefix length: a host route.
-    pub fn prefix_len(&self) -> u8 {
-        if self.vip.is_ipv4() {
-            32
-        } else {
-            128
-        }
-    }
 }
 
 impl Route {
@@ -61,14 +52,20 @@ impl Route {
     }
 }
 
-/// Checks a desired set before any driver sends it: every next hop is of
-/// its VIP's family and specified, and there is one route per VIP (routes
-/// that differ only in the order of their communities are one). Returns the
-/// routes normalized, by VIP.
-pub fn check_routes(desired: &BTreeSet<Route>) -> AnnounceResult<BTreeMap<IpAddr, Route>> {
-    let mut by_vip = BTreeMap::new();
+/// Checks a desired set before any driver sends it: every prefix is in
+/// canonical form (no host bits), every next hop is of its prefix's family
+/// and specified, and there is one route per prefix (routes that differ
+/// only in the order of their communities are one). Returns the routes
+/// normalized, by prefix.
+pub fn check_routes(desired: &BTreeSet<Route>) -> AnnounceResult<BTreeMap<IpNet, Route>> {
+    let mut by_prefix = BTreeMap::new();
     for route in desired {
-        if route.vip.is_ipv4() != route.next_hop.is_ipv4() {
+        if route.prefix != route.prefix.trunc() {
+            return Err(AnnounceError::Refused(format!(
+                "{route}: the prefix has host bits set"
+            )));
+        }
+        if route.prefix.addr().is_ipv4() != route.next_hop.is_ipv4() {
             return Err(AnnounceError::Refused(format!(
                 "{route}: the next hop is not of the VIP's address family"
             )));
@@ -79,30 +76,24 @@ pub fn check_routes(desired: &BTreeSet<Route>) -> AnnounceResult<BTreeMap<IpAddr
             )));
         }
         let normal = route.normalized();
-        match by_vip.get(&route.vip) {
+        match by_prefix.get(&route.prefix) {
             Some(other) if *other == normal => {}
             Some(other) => {
                 return Err(AnnounceError::Refused(format!(
-                    "two routes for one VIP: {other} and {route}"
+                    "two routes for one prefix: {other} and {route}"
                 )))
             }
             None => {
-                by_vip.insert(route.vip, normal);
+                by_prefix.insert(route.prefix, normal);
             }
         }
     }
-    Ok(by_vip)
+    Ok(by_prefix)
 }
 
 impl fmt::Display for Route {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(
-            f,
-            "{}/{} via {}",
-            self.vip,
-            self.prefix_len(),
-            self.next_hop
-        )?;
+        write!(f, "{} via {}", self.prefix, self.next_hop)?;
         for (a, v) in &self.communities {
             write!(f, " community {a}:{v}")?;
         }
@@ -127,6 +118,12 @@ pub struct Advertisement {
     pub communities: Vec<(u16, u16)>,
     pub large_communities: Vec<(u32, u32, u32)>,
     pub local_pref: Option<u32>,
+    /// The prefix length the covered IPv4 VIPs are announced under (the
+    /// covering prefix of each); `None`: host routes. The ranges of
+    /// `covers` are whole prefixes of this length.
+    pub aggregation_length: Option<u8>,
+    /// The same for IPv6.
+    pub aggregation_length_v6: Option<u8>,
 }
 
 impl Advertisement {
@@ -135,28 +132,64 @@ impl Advertisement {
             .iter()
             .any(|&(first, last)| first.is_ipv4() == vip.is_ipv4() && first <= vip && vip <= last)
     }
+
+    /// The prefix length it announces `vip` under.
+    fn prefix_len(&self, vip: IpAddr) -> u8 {
+        let host = IpNet::from(vip).max_prefix_len();
+        if vip.is_ipv4() {
+            self.aggregation_length.unwrap_or(host)
+        } else {
+            self.aggregation_length_v6.unwrap_or(host)
+        }
+    }
 }
 
 /// The routes with what the advertisements covering each VIP add: the
 /// union of every community and large community (the route's own
-/// included), and the highest
-/// LOCAL_PREF of the route's and theirs.
-pub fn advertise(routes: &BTreeSet<Route>, adverts: &[Advertisement]) -> BTreeSet<Route> {
+/// included), and the highest LOCAL_PREF of the route's and theirs.
+///
+/// A VIP that every covering advertisement aggregates is announced as its
+/// covering prefix, of the longest length they ask (the fewest addresses),
+/// one route for all the VIPs in it, with all their attributes. VIPs in
+/// `host_only` (served by some nodes only, so a covering prefix would draw
+/// their traffic to the others) and VIPs no advertisement covers stay host
+/// routes, which routers prefer to any covering prefix.
+pub fn advertise(
+    routes: &BTreeSet<Route>,
+    adverts: &[Advertisement],
+    host_only: &BTreeSet<IpAddr>,
+) -> BTreeSet<Route> {
     if adverts.is_empty() {
         return routes.clone();
     }
-    routes
-        .iter()
-        .map(|r| {
-            let mut r = r.clone();
-            for a in adverts.iter().filter(|a| a.covers(r.vip)) {
-                r.communities.extend(&a.communities);
-                r.large_communities.extend(&a.large_communities);
-                r.local_pref = r.local_pref.max(a.local_pref);
+    let mut out: BTreeMap<IpNet, Route> = BTreeMap::new();
+    for route in routes {
+        let vip = route.prefix.addr();
+        let mut r = route.clone();
+        let mut len: Option<u8> = None;
+        for a in adverts.iter().filter(|a| a.covers(vip)) {
+            r.communities.extend(&a.communities);
+            r.large_communities.extend(&a.large_communities);
+            r.local_pref = r.local_pref.max(a.local_pref);
+            len = len.max(Some(a.prefix_len(vip)));
+        }
+        if let Some(len) = len.filter(|_| !host_only.contains(&vip)) {
+            r.prefix = IpNet::new(vip, len.min(route.prefix.prefix_len()))
+                .expect("a length no longer than the route's")
+                .trunc();
+        }
+        match out.get_mut(&r.prefix) {
+            Some(merged) => {
+                merged.communities.extend(r.communities);
+                merged.large_communities.extend(r.large_communities);
+                merged.local_pref = merged.local_pref.max(r.local_pref);
             }
-            r.normalized()
-        })
-        .collect()
+            None => {
+                out.insert(r.prefix, r);
+            }
+        }
+    }
+    out.into_values().map(|r| r.normalized()).collect()
 }
 
 /// Why talking to a speaker failed. The agent keeps its desired set and
@@ -298,7 +331,7 @@ mod tests {
     #[test]
     fn advertisements_add_their_communities_and_the_highest_local_pref() {
         let route = |vip: &str| Route {
-            vip: vip.parse().unwrap(),
+            prefix: IpNet::from(vip.parse::<IpAddr>().unwrap()),
             next_hop: "10.0.0.1".parse().unwrap(),
             communities: vec![(65000, 1)],
             large_communities: vec![],
@@ -318,6 +351,8 @@ mod tests {
                 communities: c,
                 large_communities: vec![],
                 local_pref: lp,
+                aggregation_length: None,
+                aggregation_length_v6: None,
             }
         };
         let adverts = [
@@ -336,8 +371,14 @@ mod tests {
                 Some(300),
             ),
         ];
-        let out: Vec<Route> = advertise(&routes, &adverts).into_iter().collect();
-        let by = |vip: &str| out.iter().find(|r| r.vip.to_string() == vip).unwrap();
+        let out: Vec<Route> = advertise(&routes, &adverts, &BTreeSet::new())
+            .into_iter()
+            .collect();
+        let by = |vip: &str| {
+            out.iter()
+                .find(|r| r.prefix.addr().to_string() == vip)
+                .unwrap()
+        };
         assert_eq!(
             by("192.0.2.10").communities,
             [(65000, 1), (65000, 100), (65000, 200)]
@@ -351,7 +392,7 @@ mod tests {
     #[test]
     fn routes_print_as_prefixes() {
         let r = Route {
-            vip: "192.0.2.10".parse().unwrap(),
+            prefix: "192.0.2.10/32".parse().unwrap(),
             next_hop: "10.0.0.1".parse().unwrap(),
             communities: vec![(65000, 100)],
             large_communities: vec![],
@@ -362,12 +403,106 @@ mod tests {
             "192.0.2.10/32 via 10.0.0.1 community 65000:100 local-pref 200"
         );
         let v6 = Route {
-            vip: "2001:db8::10".parse().unwrap(),
+            prefix: "2001:db8::/64".parse().unwrap(),
             next_hop: "fd00::1".parse().unwrap(),
             communities: vec![],
             large_communities: vec![],
             local_pref: None,
         };
-        assert_eq!(v6.prefix_len(), 128);
+        assert_eq!(v6.to_string(), "2001:db8::/64 via fd00::1");
+    }
+
+    fn host(vip: &str, communities: Vec<(u16, u16)>) -> Route {
+        Route {
+            prefix: IpNet::from(vip.parse::<IpAddr>().unwrap()),
+            next_hop: if vip.contains(':') {
+                "fd00::1"
+            } else {
+                "10.0.0.1"
+            }
+            .parse()
+            .unwrap(),
+            communities,
+            large_communities: vec![],
+            local_pref: None,
+        }
+    }
+
+    fn aggregating(
+        name: &str,
+        first: &str,
+        last: &str,
+        v4: Option<u8>,
+        v6: Option<u8>,
+    ) -> Advertisement {
+        Advertisement {
+            name: name.into(),
+            covers: vec![(first.parse().unwrap(), last.parse().unwrap())],
+            communities: vec![],
+            large_communities: vec![],
+            local_pref: None,
+            aggregation_length: v4,
+            aggregation_length_v6: v6,
+        }
+    }
+
+    fn prefixes(routes: &BTreeSet<Route>) -> Vec<String> {
+        routes.iter().map(|r| r.prefix.to_string()).collect()
+    }
+
+    #[test]
+    fn aggregated_vips_are_one_covering_route_with_all_their_attributes() {
+        let routes: BTreeSet<Route> = [
+            host("192.0.2.10", vec![(65000, 1)]),
+            host("192.0.2.200", vec![(65000, 2)]),
+            host("192.0.2.77", vec![]),
+            host("198.51.100.1", vec![]),
+            host("2001:db8::1", vec![]),
+            host("2001:db8::2", vec![]),
+        ]
+        .into_iter()
+        .collect();
+        let adverts = [
+            aggregating("pool", "192.0.2.0", "192.0.2.255", Some(24), None),
+            aggregating("v6", "2001:db8::", "2001:db8::ffff", None, Some(112)),
+        ];
+        // 192.0.2.77 is served by some nodes only: a host route.
+        let host_only: BTreeSet<IpAddr> = ["192.0.2.77".parse().unwrap()].into();
+        let out = advertise(&routes, &adverts, &host_only);
+        assert_eq!(
+            prefixes(&out),
+            [
+                "192.0.2.0/24",
+                "192.0.2.77/32",
+                "198.51.100.1/32",
+                "2001:db8::/112"
+            ]
+        );
+        let agg = out.iter().next().unwrap();
+        assert_eq!(agg.communities, [(65000, 1), (65000, 2)]);
+        assert!(check_routes(&out).is_ok());
+    }
+
+    #[test]
+    fn the_most_specific_covering_advertisement_sets_the_length() {
+        let routes: BTreeSet<Route> = [host("192.0.2.10", vec![]), host("192.0.2.130", vec![])]
+            .into_iter()
+            .collect();
+        let wide = aggregating("wide", "192.0.2.0", "192.0.2.255", Some(24), None);
+        let narrow = aggregating("narrow", "192.0.2.0", "192.0.2.255", Some(25), None);
+        let out = advertise(&routes, &[wide.clone(), narrow], &BTreeSet::new());
+        assert_eq!(prefixes(&out), ["192.0.2.0/25", "192.0.2.128/25"]);
+        // One covering advertisement without a length keeps host routes.
+        let hosts = aggregating("hosts", "192.0.2.0", "192.0.2.255", None, None);
+        let out = advertise(&routes, &[wide, hosts], &BTreeSet::new());
+        assert_eq!(prefixes(&out), ["192.0.2.10/32", "192.0.2.130/32"]);
+    }
+
+    #[test]
+    fn a_prefix_with_host_bits_is_refused() {
+        let mut r = host("192.0.2.10", vec![]);
+        r.prefix = "192.0.2.10/24".parse().unwrap();
+        let err = check_routes(&[r].into()).unwrap_err();
+        assert!(err.to_string().contains("host bits"), "{err}");
     }
 }

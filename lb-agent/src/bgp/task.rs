@@ -22,7 +22,9 @@ use crate::config::BgpPeer;
 pub const GRACEFUL_SHUTDOWN: (u16, u16) = (65535, 0);
 
 enum Command {
-    Apply(BTreeSet<Route>),
+    /// The node's host routes, and the VIPs of them that no advertisement
+    /// may aggregate.
+    Apply(BTreeSet<Route>, BTreeSet<IpAddr>),
     /// The peers the agent configures in the speaker (BGPPeers changed).
     Peers(Vec<BgpPeer>),
     /// What BGPAdvertisements add to the routes of their pools' VIPs.
@@ -111,9 +113,11 @@ impl AnnounceTask {
         self.sessions.clone()
     }
 
-    /// Sets the routes this node should announce now.
-    pub fn apply(&self, routes: BTreeSet<Route>) {
-        let _ = self.tx.send(Command::Apply(routes));
+    /// Sets the routes this node should announce now: a host route for
+    /// each VIP it serves; `host_only` are the VIPs that only some nodes
+    /// serve, which stay host routes where an advertisement aggregates.
+    pub fn apply(&self, routes: BTreeSet<Route>, host_only: BTreeSet<IpAddr>) {
+        let _ = self.tx.send(Command::Apply(routes, host_only));
     }
 
     /// Sets the peers the agent configures in the speaker; the speaker's
@@ -153,6 +157,7 @@ async fn run(
     sessions: watch::Sender<Sessions>,
 ) {
     let mut desired: Option<BTreeSet<Route>> = None;
+    let mut host_only: BTreeSet<IpAddr> = BTreeSet::new();
     let mut adverts: Vec<Advertisement> = Vec::new();
     let mut shutting_down = false;
     let mut known_peers: BTreeSet<IpAddr> = BTreeSet::new();
@@ -162,7 +167,10 @@ async fn run(
         tokio::select! {
             cmd = rx.recv() => match cmd {
                 None => return,
-                Some(Command::Apply(routes)) => desired = Some(routes),
+                Some(Command::Apply(routes, only)) => {
+                    desired = Some(routes);
+                    host_only = only;
+                }
                 Some(Command::Advertisements(a)) => adverts = a,
                 Some(Command::Peers(peers)) => {
                     if let Err(e) = announcer.set_peers(&peers) {
@@ -173,7 +181,7 @@ async fn run(
                 Some(Command::GracefulShutdown(done)) => {
                     shutting_down = true;
                     if let Some(d) = &desired {
-                        let d = with_graceful_shutdown(&advertise(d, &adverts));
+                        let d = with_graceful_shutdown(&advertise(d, &adverts, &host_only));
                         apply(announcer.as_mut(), &d, &metrics).await;
                     }
                     let _ = done.send(());
@@ -190,10 +198,13 @@ async fn run(
         }
         match &desired {
             Some(d) if shutting_down => {
-                let d = with_graceful_shutdown(&advertise(d, &adverts));
+                let d = with_graceful_shutdown(&advertise(d, &adverts, &host_only));
                 apply(announcer.as_mut(), &d, &metrics).await
             }
-            Some(d) => apply(announcer.as_mut(), &advertise(d, &adverts), &metrics).await,
+            Some(d) => {
+                let d = advertise(d, &adverts, &host_only);
+                apply(announcer.as_mut(), &d, &metrics).await
+            }
             None => {}
         }
         update_peers(announcer.as_mut(), &metrics, &mut known_peers, &sessions).await;
@@ -352,7 +363,7 @@ mod tests {
 
     fn route(vip: &str) -> Route {
         Route {
-            vip: vip.parse().unwrap(),
+            prefix: ipnet::IpNet::from(vip.parse::<IpAddr>().unwrap()),
             next_hop: "10.0.0.1".parse().unwrap(),
             communities: vec![],
             large_communities: vec![],
@@ -380,7 +391,7 @@ mod tests {
             &registry,
         );
         let want: BTreeSet<_> = [route("192.0.2.10"), route("192.0.2.11")].into();
-        task.apply(want.clone());
+        task.apply(want.clone(), BTreeSet::new());
         let r = speaker.routes.clone();
         eventually(|| *r.lock().unwrap() == want).await;
         let gathered = || {
@@ -425,7 +436,7 @@ mod tests {
         );
         let mut tagged = route("192.0.2.10");
         tagged.communities = vec![(65000, 100)];
-        task.apply([tagged.clone()].into());
+        task.apply([tagged.clone()].into(), BTreeSet::new());
         let r = speaker.routes.clone();
         eventually(|| r.lock().unwrap().len() == 1).await;
         task.graceful_shutdown().await;
@@ -433,7 +444,7 @@ mod tests {
         marked.communities = vec![(65000, 100), GRACEFUL_SHUTDOWN];
         assert_eq!(*r.lock().unwrap(), [marked.clone()].into());
         // A VIP that comes meanwhile is marked too.
-        task.apply([tagged, route("192.0.2.11")].into());
+        task.apply([tagged, route("192.0.2.11")].into(), BTreeSet::new());
         let mut second = route("192.0.2.11");
         second.communities = vec![GRACEFUL_SHUTDOWN];
         eventually(|| *r.lock().unwrap() == [marked.clone(), second.clone()].into()).await;

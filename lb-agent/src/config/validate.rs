@@ -806,6 +806,8 @@ impl Validator<'_> {
             balance,
             announce,
             new_flow_limit,
+            // A node's config file names what it serves itself.
+            local_endpoints_only: false,
         })
     }
 

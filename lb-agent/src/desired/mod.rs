@@ -101,6 +101,9 @@ pub struct State {
     pub shadowed: BTreeMap<Address, String>,
     /// How each VIP is announced: its services' `announce`, together.
     pub announce_by_vip: BTreeMap<IpAddr, Announce>,
+    /// VIPs of a service that only nodes with local endpoints serve: BGP
+    /// announces them as host routes, never aggregated.
+    pub host_route_vips: BTreeSet<IpAddr>,
     /// The services computed afresh (new or changed); the others are as
     /// the previous state had them.
     pub changed: BTreeSet<ServiceKey>,
@@ -175,6 +178,9 @@ pub fn compute(inputs: &Inputs<'_>, previous: &State) -> State {
             .entry(svc.vip)
             .and_modify(|a| *a = a.union(svc.announce))
             .or_insert(svc.announce);
+        if svc.local_endpoints_only {
+            out.host_route_vips.insert(svc.vip);
+        }
         let wanted = match previous.services.get(&key) {
             Some(w) if unchanged(w, svc) && !previous.retry.contains(&key) => w.clone(),
             _ => {
@@ -338,7 +344,7 @@ pub fn routes(
         match if vip.is_ipv4() { hop4 } else { hop6 } {
             Some(next_hop) => {
                 routes.insert(Route {
-                    vip,
+                    prefix: vip.into(),
                     next_hop,
                     communities: bgp.communities.clone(),
                     large_communities: bgp.large_communities.clone(),

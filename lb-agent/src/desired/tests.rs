@@ -395,7 +395,7 @@ fn only_vips_with_a_weighted_backend_are_announced_and_each_by_its_way() {
     let route = routes.iter().next().expect("one route");
     assert_eq!(routes.len(), 1);
     assert_eq!(
-        (route.vip, route.next_hop, route.local_pref),
+        (route.prefix.addr(), route.next_hop, route.local_pref),
         (ip("192.0.2.10"), ip("10.0.0.1"), Some(200))
     );
     assert_eq!(route.communities, [(65000, 100)]);

@@ -2,7 +2,9 @@
 //! the VIPs of some pools, on some nodes; and the task that turns the ones
 //! selecting this node into what its routes carry.
 
-use std::{collections::BTreeMap, sync::Arc};
+use std::{collections::BTreeMap, net::IpAddr, sync::Arc};
+
+use ipnet::IpNet;
 
 use k8s_openapi::{api::core::v1::Node, apimachinery::pkg::apis::meta::v1::LabelSelector};
 use kube::{runtime::watcher, Api, Client, CustomResource, ResourceExt};
@@ -64,6 +66,48 @@ pub struct BgpAdvertisementSpec {
     // schemars says `uint32`, a format Kubernetes does not know.
     #[schemars(extend("format" = "int64"))]
     pub local_pref: Option<u32>,
+    /// Announce each IPv4 VIP as its covering prefix of this length (one
+    /// route for all the VIPs in it) instead of a /32. Every IPv4 range of
+    /// the selected pools must be whole prefixes of this length, so that
+    /// nothing outside a pool is announced.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(max = 32), extend("format" = "int32"))]
+    pub aggregation_length: Option<u8>,
+    /// The same for IPv6 (instead of a /128).
+    #[serde(
+        default,
+        rename = "aggregationLengthV6",
+        skip_serializing_if = "Option::is_none"
+    )]
+    #[schemars(range(max = 128), extend("format" = "int32"))]
+    pub aggregation_length_v6: Option<u8>,
+}
+
+/// Why `len` cannot aggregate the `family` ranges of `ranges`, if so: it is
+/// longer than the family's addresses, or a range is not whole prefixes
+/// of that length (a covering prefix would take in addresses outside it).
+fn aggregation_problem(len: Option<u8>, v4: bool, ranges: &[(IpAddr, IpAddr)]) -> Option<String> {
+    let len = len?;
+    let (field, bits) = if v4 {
+        ("aggregationLength", 32)
+    } else {
+        ("aggregationLengthV6", 128)
+    };
+    if len > bits {
+        return Some(format!("{field} {len} is longer than {bits}"));
+    }
+    for &(first, last) in ranges.iter().filter(|(f, _)| f.is_ipv4() == v4) {
+        let head = IpNet::new(first, len).expect("checked length").trunc();
+        let tail = IpNet::new(last, len).expect("checked length");
+        if head.addr() != first || tail.broadcast() != last {
+            return Some(format!(
+                "{field} {len} would announce addresses outside the pool range {first}-{last} (a /{len} starts at {} and its last address is {})",
+                head.addr(),
+                tail.broadcast()
+            ));
+        }
+    }
+    None
 }
 
 /// The advertisements that select a node with `labels`, each with the
@@ -114,12 +158,22 @@ pub fn advertisements_for_node(
                     covers.extend(pool.ranges().iter().map(|r| (r.first(), r.last())));
                 }
             }
+            for (len, v4) in [
+                (spec.aggregation_length, true),
+                (spec.aggregation_length_v6, false),
+            ] {
+                if let Some(problem) = aggregation_problem(len, v4, &covers) {
+                    return Err(problem);
+                }
+            }
             Ok::<_, String>(Some(Advertisement {
                 name: name.clone(),
                 covers,
                 communities,
                 large_communities,
                 local_pref: spec.local_pref,
+                aggregation_length: spec.aggregation_length,
+                aggregation_length_v6: spec.aggregation_length_v6,
             }))
         })();
         match advert {
@@ -278,5 +332,50 @@ mod tests {
             &BTreeMap::new(),
         );
         assert!(out.is_empty());
+    }
+
+    #[test]
+    fn aggregation_must_keep_to_the_pools() {
+        let cidr = pool(
+            "cidr",
+            serde_json::json!({}),
+            &["192.0.2.0/24", "2001:db8::/112"],
+        );
+        let range = pool(
+            "range",
+            serde_json::json!({}),
+            &["198.51.100.16-198.51.100.31"],
+        );
+        let agg = |name: &str, v4: u8, v6: u8| {
+            advert(
+                name,
+                serde_json::json!({"aggregationLength": v4, "aggregationLengthV6": v6}),
+            )
+        };
+        let fits = agg("fits", 28, 120);
+        let wide = agg("wide", 23, 128);
+        let odd = agg("odd", 27, 128);
+        let long = agg("long", 33, 128);
+        let (out, problems) = advertisements_for_node(
+            &[&fits, &wide, &odd, &long],
+            &[&cidr, &range],
+            &BTreeMap::new(),
+        );
+        assert_eq!(out.len(), 1, "{problems:?}");
+        assert_eq!(
+            (out[0].aggregation_length, out[0].aggregation_length_v6),
+            (Some(28), Some(120))
+        );
+        // A /23 would take in 192.0.2.0/24's neighbour; 198.51.100.16-31 is
+        // a /28, not whole /27s.
+        assert!(
+            problems["wide"].contains("outside the pool range 192.0.2.0-192.0.2.255"),
+            "{problems:?}"
+        );
+        assert!(
+            problems["odd"].contains("198.51.100.16-198.51.100.31"),
+            "{problems:?}"
+        );
+        assert!(problems["long"].contains("longer than 32"), "{problems:?}");
     }
 }

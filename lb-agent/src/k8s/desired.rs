@@ -381,6 +381,7 @@ fn service_configs(
                 balance: balance.clone(),
                 announce,
                 new_flow_limit,
+                local_endpoints_only: local,
             });
         }
     }

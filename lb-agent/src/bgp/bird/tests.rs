@@ -2,7 +2,7 @@ use super::*;
 
 fn route(vip: &str, nh: &str, communities: &[(u16, u16)], lp: Option<u32>) -> Route {
     Route {
-        vip: vip.parse().unwrap(),
+        prefix: ipnet::IpNet::from(vip.parse::<std::net::IpAddr>().unwrap()),
         next_hop: nh.parse().unwrap(),
         communities: communities.to_vec(),
         large_communities: vec![],
@@ -54,6 +54,12 @@ fn reads_birds_show_route() {
                 Some(200)
             ),
             route("192.0.2.12", "10.99.0.7", &[], None),
+            // A covering prefix (aggregation); without a BGP next hop, as
+            // the agent never writes it: replaced on the next apply.
+            Route {
+                prefix: "192.0.2.0/24".parse().unwrap(),
+                ..route("192.0.2.0", "0.0.0.0", &[], None)
+            },
             route("192.0.2.13", "10.99.0.8", &[], None),
         ]
     );
@@ -185,7 +191,7 @@ fn refuses_what_bird_would_not_announce_as_meant() {
     assert!(validate(&two)
         .unwrap_err()
         .to_string()
-        .contains("two routes for one VIP"));
+        .contains("two routes for one prefix"));
 }
 
 #[test]
