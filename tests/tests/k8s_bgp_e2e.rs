@@ -676,3 +676,93 @@ fn bgpadvertisements_give_a_pools_vips_their_attributes() {
     let status = agent.sigterm_and_wait();
     assert!(status.success(), "{status}\n{}", agent.log());
 }
+
+/// Waits until gobgpd's RIB holds exactly `want`: prefix → communities.
+fn wait_rib_communities(t: &Topology, what: &str, want: &[(&str, &[&str])]) {
+    let want: BTreeMap<String, Vec<String>> = want
+        .iter()
+        .map(|(p, c)| (p.to_string(), c.iter().map(|s| s.to_string()).collect()))
+        .collect();
+    let mut last = BTreeMap::new();
+    let seen = poll_until(CHANGE_TIMEOUT, Duration::from_millis(50), || {
+        last = rib_attributes(t)
+            .into_iter()
+            .map(|(p, (c, _))| (p, c))
+            .collect();
+        if last == want {
+            Ok(())
+        } else {
+            Err(())
+        }
+    });
+    assert!(seen.is_ok(), "{what}: RIB {last:?}, want {want:?}");
+}
+
+/// A BGPAdvertisement's aggregationLength announces its pool's VIPs as one
+/// covering prefix with all their attributes; a Service with
+/// `externalTrafficPolicy: Local` (only nodes with its endpoints serve it)
+/// keeps its host route, which the routers prefer. A length that would
+/// announce addresses outside the pool is refused with a log line naming
+/// it, and the VIPs go back to host routes; a Service turned Cluster joins
+/// the covering prefix.
+#[test]
+fn an_aggregated_pool_is_one_prefix_and_local_services_stay_host_routes() {
+    let mut k = K8sTopology::new("k8g", 1);
+    create_service(&k, CLUSTER_SVC, "Cluster", CLUSTER_VIP);
+    create_service(&k, LOCAL_SVC, "Local", LOCAL_VIP);
+    k.cluster.run_pod(&pod(1, NODE, &[CLUSTER_SVC, LOCAL_SVC]));
+    k.cluster.apply(
+        &json!({"apiVersion": "xlb.dev/v1alpha1", "kind": "LoadBalancerPool",
+        "metadata": {"name": "agg", "labels": {"announce": "aggregated"}},
+        "spec": {"addresses": ["192.0.2.0/28"]}}),
+    );
+    let advert = |len: u8| {
+        json!({"apiVersion": "xlb.dev/v1alpha1", "kind": "BGPAdvertisement",
+               "metadata": {"name": "agg"},
+               "spec": {"poolSelector": {"matchLabels": {"announce": "aggregated"}},
+                        "aggregationLength": len, "communities": ["65000:28"]}})
+    };
+    k.cluster.apply(&advert(28));
+    start_gobgpd(&mut k.t);
+    let config = agent_config(&mut k, "  communities: [\"65000:1\"]\n");
+    let mut agent = k.t.start_agent(&config);
+    let t = &k.t;
+    let both: &[&str] = &["65000:1", "65000:28"];
+    wait_rib_communities(
+        t,
+        "the pool aggregated, the Local Service's VIP a host route",
+        &[("192.0.2.0/28", both), ("192.0.2.11/32", both)],
+    );
+
+    // A /27 would take in 192.0.2.16-31, outside the pool: refused.
+    k.cluster.apply(&advert(27));
+    wait_rib_communities(
+        t,
+        "the advertisement refused",
+        &[
+            ("192.0.2.10/32", &["65000:1"]),
+            ("192.0.2.11/32", &["65000:1"]),
+        ],
+    );
+    agent.wait_for_log("bgpadvertisement=agg", 1, CHANGE_TIMEOUT);
+    assert!(
+        agent
+            .log()
+            .contains("aggregationLength 27 would announce addresses outside the pool range 192.0.2.0-192.0.2.15"),
+        "{}",
+        agent.log()
+    );
+
+    // Fixed, and the Local Service turned Cluster: one prefix for both.
+    k.cluster.apply(&advert(28));
+    k.cluster.patch(
+        "service",
+        Some(NS),
+        LOCAL_SVC,
+        &json!({"spec": {"externalTrafficPolicy": "Cluster"}}),
+        false,
+    );
+    wait_rib_communities(t, "both Services Cluster", &[("192.0.2.0/28", both)]);
+    let status = agent.sigterm_and_wait();
+    assert!(status.success(), "{status}\n{}", agent.log());
+}
