@@ -341,14 +341,17 @@ async fn bird_announces_withdraws_refuses_and_recovers() {
     a_norm.large_communities = vec![(65000, 0, 1), (65000, 1, 2)];
     let b = route("192.0.2.11", "10.99.0.1", &[], None);
     let c = route("2001:db8::10", "fd99::1", &[(65000, 600)], Some(150));
-    let desired = set(&[&a, &b, &c]);
-    assert_eq!(with_deadline(bird.apply(&desired)).await.unwrap(), (3, 0));
+    // A pool's covering prefix (a BGPAdvertisement's aggregationLength).
+    let covering = route("192.0.2.64/28", "10.99.0.1", &[(65000, 28)], None);
+    let desired = set(&[&a, &b, &c, &covering]);
+    assert_eq!(with_deadline(bird.apply(&desired)).await.unwrap(), (4, 0));
     assert_eq!(
         with_deadline(bird.announced()).await.unwrap(),
-        set(&[&a_norm, &b, &c])
+        set(&[&a_norm, &b, &c, &covering])
     );
     topo.wait_fib("192.0.2.10", "10.99.0.1").await;
     topo.wait_fib("192.0.2.11", "10.99.0.1").await;
+    topo.wait_fib("192.0.2.64/28", "10.99.0.1").await;
     topo.wait_fib("2001:db8::10", "fd99::1").await;
 
     // Communities crossed eBGP; LOCAL_PREF and the next hop crossed iBGP.
@@ -396,10 +399,11 @@ async fn bird_announces_withdraws_refuses_and_recovers() {
     assert_eq!(with_deadline(bird.apply(&desired)).await.unwrap(), (0, 0));
     assert_eq!(fs::read(bird.routes_file_v4()).unwrap(), file_v4);
 
-    // Withdraw one VIP.
+    // Withdraw one VIP and the covering prefix.
     let desired = set(&[&a, &c]);
-    assert_eq!(with_deadline(bird.apply(&desired)).await.unwrap(), (0, 1));
+    assert_eq!(with_deadline(bird.apply(&desired)).await.unwrap(), (0, 2));
     topo.wait_no_fib("192.0.2.11").await;
+    topo.wait_no_fib("192.0.2.64/28").await;
     topo.wait_fib("192.0.2.10", "10.99.0.1").await;
     topo.wait_fib("2001:db8::10", "fd99::1").await;
 

@@ -331,6 +331,17 @@ fn exabgp_announces_to_a_real_router() {
     let all_sorted: BTreeSet<Route> = [a.clone(), b_sorted.clone(), v6.clone()].into();
     assert_eq!(rt.block_on(ann.apply(&all_sorted)).unwrap(), (0, 0));
 
+    // A pool's covering prefix (a BGPAdvertisement's aggregationLength) is
+    // announced, read back and withdrawn like a VIP.
+    let covering = route("192.0.2.64/28", NODE_V4, &[(65000, 28)], None);
+    let mut with_covering = all.clone();
+    with_covering.insert(covering.clone());
+    assert_eq!(rt.block_on(ann.apply(&with_covering)).unwrap(), (1, 0));
+    assert_eq!(rt.block_on(ann.apply(&with_covering)).unwrap(), (0, 0));
+    lab.wait_fib(&[&covering], &[]);
+    assert_eq!(rt.block_on(ann.apply(&all)).unwrap(), (0, 1));
+    lab.wait_fib(&[], &[covering.prefix]);
+
     // The communities reached the router.
     let shown = bird_route_all(&lab, "192.0.2.10/32");
     assert!(shown.contains("BGP.community: (65000,100)"), "{shown}");

@@ -300,14 +300,19 @@ async fn frr_announces_changes_and_withdraws_what_the_agent_asks_and_survives_re
     a.large_communities = vec![(65000, 1, 2), (65000, 0, 1)];
     let b = route("192.0.2.11", "10.99.0.1", &[], None);
     let v6 = route("2001:db8::10", "fd99::1", &[(65000, 6)], Some(300));
-    let desired = set(&[&a, &b, &v6]);
-    assert_eq!(with_deadline(frr.apply(&desired)).await.unwrap(), (3, 0));
+    // A pool's covering prefix (a BGPAdvertisement's aggregationLength).
+    let covering = route("192.0.2.64/28", "10.99.0.1", &[(65000, 28)], None);
+    let desired = set(&[&a, &b, &v6, &covering]);
+    assert_eq!(with_deadline(frr.apply(&desired)).await.unwrap(), (4, 0));
     assert_eq!(
         with_deadline(frr.announced()).await.unwrap(),
         desired.iter().map(Route::normalized).collect()
     );
     topo.wait_fib("192.0.2.10", Some("10.99.0.1")).await;
     topo.wait_fib("192.0.2.11", Some("10.99.0.1")).await;
+    topo.wait_fib("192.0.2.64/28", Some("10.99.0.1")).await;
+    topo.wait_router_route(&["192.0.2.64/28", "protocol", "node"], &["(65000,28)"])
+        .await;
     topo.wait_router_route(
         &["192.0.2.10/32", "protocol", "node"],
         &[
@@ -345,11 +350,13 @@ async fn frr_announces_changes_and_withdraws_what_the_agent_asks_and_survives_re
         .unwrap();
     assert_eq!(saved, saved_again);
 
-    // Withdraw b; a gets another community (replaced: one in, one out).
+    // Withdraw b and the covering prefix; a gets another community
+    // (replaced: one in, one out).
     let a2 = route("192.0.2.10", "10.99.0.1", &[(65000, 7)], None);
     let desired = set(&[&a2, &v6]);
-    assert_eq!(with_deadline(frr.apply(&desired)).await.unwrap(), (1, 2));
+    assert_eq!(with_deadline(frr.apply(&desired)).await.unwrap(), (1, 3));
     topo.wait_fib("192.0.2.11", None).await;
+    topo.wait_fib("192.0.2.64/28", None).await;
     topo.wait_router_route(
         &["192.0.2.10/32", "protocol", "node"],
         &["BGP.community: (65000,7)\n"],

@@ -435,6 +435,16 @@ fn gobgp_driver_against_gobgpd_and_bird_needs_root() {
         // Same set: nothing to do.
         assert_eq!(gobgp.apply(&full).await.unwrap(), (0, 0));
 
+        // A pool's covering prefix (a BGPAdvertisement's aggregationLength)
+        // is announced and withdrawn like a VIP.
+        let mut with_covering = full.clone();
+        with_covering.insert(vip("192.0.2.64/28", None));
+        assert_eq!(gobgp.apply(&with_covering).await.unwrap(), (1, 0));
+        assert_eq!(gobgp.announced().await.unwrap(), with_covering);
+        router_converges(&lab, &["192.0.2.64/28"], &[]).await;
+        assert_eq!(gobgp.apply(&full).await.unwrap(), (0, 1));
+        router_converges(&lab, &[], &["192.0.2.64/28"]).await;
+
         // Withdraw one VIP; the others and the foreign path stay.
         let mut fewer = full.clone();
         fewer.retain(|r| r.prefix.to_string() != "192.0.2.11/32");
