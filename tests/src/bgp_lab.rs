@@ -129,6 +129,37 @@ pub fn route(prefix: &str, nh: &str, communities: &[(u16, u16)], local_pref: Opt
     }
 }
 
+/// Sessions as (peer, established), for comparing states only.
+pub fn states(sessions: &[lb_agent::bgp::Session]) -> Vec<(std::net::IpAddr, bool)> {
+    sessions.iter().map(|s| (s.peer, s.established)).collect()
+}
+
+/// Whether the established sessions of `sessions` send `want` prefixes
+/// (peer → count), each with an uptime; `Err` says what they are instead.
+pub fn prefixes_sent(
+    sessions: &[lb_agent::bgp::Session],
+    want: &[(&str, u64)],
+) -> Result<(), String> {
+    let want: Vec<(std::net::IpAddr, Option<u64>)> = want
+        .iter()
+        .map(|(p, n)| (p.parse().unwrap(), Some(*n)))
+        .collect();
+    let got: Vec<(std::net::IpAddr, Option<u64>)> = sessions
+        .iter()
+        .filter(|s| s.established)
+        .map(|s| (s.peer, s.prefixes_sent))
+        .collect();
+    if got == want
+        && sessions
+            .iter()
+            .all(|s| !s.established || s.uptime.is_some())
+    {
+        Ok(())
+    } else {
+        Err(format!("want {want:?} sent; sessions {sessions:?}"))
+    }
+}
+
 /// `192.0.2.10` as a host route, or `192.0.2.64/27` as it is.
 pub fn parse_prefix(text: &str) -> ipnet::IpNet {
     text.parse().unwrap_or_else(|_| {

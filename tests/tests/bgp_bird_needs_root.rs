@@ -29,7 +29,8 @@ use std::{
 
 use lb_agent::bgp::{bird::BirdAnnouncer, task::AnnounceTask, AnnounceError, Announcer, Route};
 use xlb_tests::bgp_lab::{
-    ip, kernel_route, route, wait_metrics, wait_until, wait_until_blocking, BIRD_ROUTER_CONF, WAIT,
+    ip, kernel_route, prefixes_sent, route, states, wait_metrics, wait_until, wait_until_blocking,
+    BIRD_ROUTER_CONF, WAIT,
 };
 
 const NODE_CONF_TAIL: &str = r#"
@@ -352,6 +353,15 @@ async fn bird_announces_withdraws_refuses_and_recovers() {
     topo.wait_fib("192.0.2.10", "10.99.0.1").await;
     topo.wait_fib("192.0.2.11", "10.99.0.1").await;
     topo.wait_fib("192.0.2.64/28", "10.99.0.1").await;
+    // What BIRD counts: each session exports the three IPv4 routes and the
+    // IPv6 one.
+    wait_until("BIRD's export counts", WAIT, async || {
+        let sessions = with_deadline(bird.peers())
+            .await
+            .map_err(|e| e.to_string())?;
+        prefixes_sent(&sessions, &[("10.99.0.2", 4), ("fd99::2", 4)])
+    })
+    .await;
     topo.wait_fib("2001:db8::10", "fd99::1").await;
 
     // Communities crossed eBGP; LOCAL_PREF and the next hop crossed iBGP.
@@ -572,9 +582,13 @@ async fn bird_session_state_per_peer() {
 
     let v4: std::net::IpAddr = "10.99.0.2".parse().unwrap();
     let v6: std::net::IpAddr = "fd99::2".parse().unwrap();
-    assert_eq!(
-        with_deadline(bird.peers()).await.unwrap(),
-        vec![(v4, true), (v6, true)]
+    let sessions = with_deadline(bird.peers()).await.unwrap();
+    assert_eq!(states(&sessions), vec![(v4, true), (v6, true)]);
+    // Nothing announced here; up for less than the test has run.
+    prefixes_sent(&sessions, &[("10.99.0.2", 0), ("fd99::2", 0)]).unwrap();
+    assert!(
+        sessions.iter().all(|s| s.uptime < Some(WAIT * 2)),
+        "{sessions:?}"
     );
 
     let registry = prometheus::Registry::new();
@@ -586,10 +600,15 @@ async fn bird_session_state_per_peer() {
     let up = [
         "xlb_bgp_peer_up{peer=\"10.99.0.2\"} 1",
         "xlb_bgp_peer_up{peer=\"fd99::2\"} 1",
+        // Nothing announced in this test.
+        "xlb_bgp_peer_prefixes_sent{peer=\"10.99.0.2\"} 0",
+        "xlb_bgp_peer_prefixes_sent{peer=\"fd99::2\"} 0",
     ];
     let down = [
         "xlb_bgp_peer_up{peer=\"10.99.0.2\"} 0",
         "xlb_bgp_peer_up{peer=\"fd99::2\"} 0",
+        "xlb_bgp_peer_uptime_seconds{peer=\"10.99.0.2\"} 0",
+        "xlb_bgp_peer_uptime_seconds{peer=\"fd99::2\"} 0",
     ];
     wait_metrics("both peers up", WAIT, &registry, &up).await;
 
@@ -597,7 +616,7 @@ async fn bird_session_state_per_peer() {
     topo.router.take().unwrap().stop();
     wait_until("both sessions down", WAIT, async || {
         let peers = with_deadline(bird.peers()).await.unwrap();
-        if peers == vec![(v4, false), (v6, false)] {
+        if states(&peers) == vec![(v4, false), (v6, false)] {
             Ok(())
         } else {
             Err(format!("{peers:?}"))

@@ -16,7 +16,9 @@ use std::{
 
 use ipnet::IpNet;
 use lb_agent::bgp::{exabgp::ExaBgpAnnouncer, task::AnnounceTask, AnnounceError, Announcer, Route};
-use xlb_tests::bgp_lab::{ip, kernel_route, route, run, wait_metrics, wait_until_blocking, WAIT};
+use xlb_tests::bgp_lab::{
+    ip, kernel_route, prefixes_sent, route, run, states, wait_metrics, wait_until_blocking, WAIT,
+};
 
 const NODE_V4: &str = "10.200.0.2";
 const ROUTER_V4: &str = "10.200.0.1";
@@ -490,13 +492,15 @@ fn exabgp_session_state_per_peer() {
     let silent: IpAddr = "10.200.0.9".parse().unwrap();
     let peers = wait_until_blocking("the session with the router", WAIT, || {
         let peers = rt.block_on(ann.peers()).map_err(|e| e.to_string())?;
-        if peers.contains(&(router, true)) {
+        if states(&peers).contains(&(router, true)) {
             Ok(peers)
         } else {
             Err(format!("{peers:?}"))
         }
     });
-    assert_eq!(peers, vec![(router, true), (silent, false)]);
+    assert_eq!(states(&peers), vec![(router, true), (silent, false)]);
+    // Nothing announced yet; up for some time.
+    prefixes_sent(&peers, &[(ROUTER_V4, 0)]).unwrap();
     lab.established().unwrap();
 
     // BIRD stops: ExaBGP's session leaves ESTABLISHED.
@@ -506,7 +510,7 @@ fn exabgp_session_state_per_peer() {
     }
     wait_until_blocking("the session to drop", WAIT, || {
         let peers = rt.block_on(ann.peers()).map_err(|e| e.to_string())?;
-        if peers == vec![(router, false), (silent, false)] {
+        if states(&peers) == vec![(router, false), (silent, false)] {
             Ok(())
         } else {
             Err(format!("{peers:?}"))

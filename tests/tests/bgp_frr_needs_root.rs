@@ -25,8 +25,8 @@ use std::{
 use lb_agent::bgp::{frr::FrrAnnouncer, AnnounceError, Announcer, Route};
 use lb_agent::config::BgpPeer;
 use xlb_tests::bgp_lab::{
-    frr_daemon, frr_daemon_args, ip, kernel_route, route, set_up_veth_end, wait_until,
-    wait_until_blocking, BIRD_ROUTER_CONF, WAIT,
+    frr_daemon, frr_daemon_args, ip, kernel_route, prefixes_sent, route, set_up_veth_end, states,
+    wait_until, wait_until_blocking, BIRD_ROUTER_CONF, WAIT,
 };
 
 /// The namespaces, FRR's daemons, the router's BIRD and the working
@@ -327,9 +327,9 @@ async fn frr_announces_changes_and_withdraws_what_the_agent_asks_and_survives_re
         &["BGP.local_pref: 300", "BGP.community: (65000,6)"],
     )
     .await;
-    let states = with_deadline(frr.peers()).await.unwrap();
+    let sessions = with_deadline(frr.peers()).await.unwrap();
     assert_eq!(
-        states,
+        states(&sessions),
         [
             ("10.99.0.2".parse().unwrap(), true),
             ("fd99::2".parse().unwrap(), true)
@@ -337,6 +337,15 @@ async fn frr_announces_changes_and_withdraws_what_the_agent_asks_and_survives_re
         "{}",
         topo.vtysh("show bgp summary")
     );
+    // FRR's counts: the IPv4 session carries the three IPv4 routes, the
+    // IPv6 one those and the IPv6 VIP.
+    wait_until("FRR's sent-prefix counts", WAIT, async || {
+        let sessions = with_deadline(frr.peers())
+            .await
+            .map_err(|e| e.to_string())?;
+        prefixes_sent(&sessions, &[("10.99.0.2", 3), ("fd99::2", 4)])
+    })
+    .await;
 
     // The same set again: nothing sent (the saved config is not rewritten).
     let saved = fs::metadata(topo.frr_dir().join("frr.conf"))

@@ -25,7 +25,7 @@ use lb_agent::bgp::{
     },
     AnnounceError, Announcer, Route,
 };
-use xlb_tests::bgp_lab::{ip, kernel_route, run, wait_until, WAIT};
+use xlb_tests::bgp_lab::{ip, kernel_route, prefixes_sent, run, wait_until, WAIT};
 
 const NODE_V4: &str = "10.201.0.1";
 const ROUTER_V4: &str = "10.201.0.2";
@@ -420,6 +420,13 @@ fn gobgp_driver_against_gobgpd_and_bird_needs_root() {
             &["192.0.2.10", "192.0.2.11", "2001:db8::10", FOREIGN],
             &[],
         )
+        .await;
+        // gobgpd's count of what it advertises the router: the three VIPs
+        // and the foreign path.
+        wait_until("gobgpd's advertised count", WAIT, async || {
+            let sessions = gobgp.peers().await.map_err(|e| e.to_string())?;
+            prefixes_sent(&sessions, &[(ROUTER_V4, 4)])
+        })
         .await;
         // Communities reach the router (local-pref does not cross eBGP),
         // the marker included.

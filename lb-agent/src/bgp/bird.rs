@@ -89,7 +89,7 @@
 //! every apply fail with BIRD's parse error) at the agent's next change.
 
 use std::{
-    collections::BTreeSet,
+    collections::{BTreeMap, BTreeSet},
     fmt::Write as _,
     io,
     net::{IpAddr, Ipv4Addr, Ipv6Addr},
@@ -101,7 +101,7 @@ use ipnet::IpNet;
 use lb_common::net::Family;
 use tokio::process::Command;
 
-use super::{AnnounceError, AnnounceResult, Announcer, BoxFuture, Route};
+use super::{AnnounceError, AnnounceResult, Announcer, BoxFuture, Route, Session};
 use crate::config::BgpPeer;
 
 /// The default base name of the two static protocols (`xlb_vips4`, `xlb_vips6`).
@@ -490,10 +490,10 @@ impl Announcer for BirdAnnouncer {
 
     /// Every BGP protocol of BIRD's config with a neighbour address, up
     /// while its BGP state is `Established` (`birdc show protocols all`).
-    fn peers(&mut self) -> BoxFuture<'_, AnnounceResult<Vec<(IpAddr, bool)>>> {
+    fn peers(&mut self) -> BoxFuture<'_, AnnounceResult<Vec<Session>>> {
         Box::pin(async move {
             let reply = self.birdc(&["show", "protocols", "all"]).await?;
-            Ok(parse_bgp_sessions(&reply))
+            Ok(parse_bgp_sessions(&reply, local_time_of_day()))
         })
     }
 
@@ -747,30 +747,52 @@ fn parse_routes(reply: &Reply, family: Family) -> Vec<Route> {
 /// ```
 ///
 /// Each `1002` line starts a protocol; a BGP protocol's `1006` block has
-/// its state and neighbour. A protocol without a neighbour address (a
-/// template for dynamic peers, `neighbor range`) is skipped; two protocols
-/// with the same neighbour give one session, up if either is.
-fn parse_bgp_sessions(reply: &Reply) -> Vec<(IpAddr, bool)> {
-    let mut sessions: std::collections::BTreeMap<IpAddr, bool> = Default::default();
-    // The current protocol, if it is a BGP one: (neighbour, established).
-    let mut cur: Option<(Option<IpAddr>, bool)> = None;
-    let mut finish = |cur: &mut Option<(Option<IpAddr>, bool)>| {
-        if let Some((Some(addr), up)) = cur.take() {
-            *sessions.entry(addr).or_default() |= up;
+/// its state, neighbour and, per channel, `Routes: N imported, M exported`.
+/// A protocol without a neighbour address (a template for dynamic peers,
+/// `neighbor range`) is skipped; two protocols with the same neighbour
+/// give one session, up if either is.
+///
+/// An established session's `Since` is when it came up, in BIRD's local
+/// time: a time of day (BIRD's default `timeformat protocol`, for the last
+/// 20 hours) gives the uptime against `now_of_day`, the local time of day
+/// now; anything else (a date) gives none.
+fn parse_bgp_sessions(reply: &Reply, now_of_day: Duration) -> Vec<Session> {
+    let mut sessions: BTreeMap<IpAddr, Session> = BTreeMap::new();
+    // The current protocol, if it is a BGP one: its neighbour, and what is
+    // known of the session.
+    let mut cur: Option<(Option<IpAddr>, Session)> = None;
+    let mut finish = |cur: &mut Option<(Option<IpAddr>, Session)>| {
+        let Some((Some(addr), mut s)) = cur.take() else {
+            return;
+        };
+        s.peer = addr;
+        if s.established {
+            // A channel without `Routes:` has exported nothing.
+            s.prefixes_sent.get_or_insert(0);
+        } else {
+            s.uptime = None;
+            s.prefixes_sent = None;
+        }
+        match sessions.get(&addr) {
+            Some(old) if old.established => {}
+            _ => {
+                sessions.insert(addr, s);
+            }
         }
     };
     for (code, text) in &reply.lines {
         match code {
             1002 => {
                 finish(&mut cur);
-                let mut words = text.split_whitespace();
-                let _name = words.next();
-                if words.next() == Some("BGP") {
-                    cur = Some((None, false));
+                let words: Vec<&str> = text.split_whitespace().collect();
+                if words.get(1) == Some(&"BGP") {
+                    let mut s = Session::new(IpAddr::from([0u8; 4]), false);
+                    s.uptime = words.get(4).and_then(|t| since(t, now_of_day));
+                    cur = Some((None, s));
                 }
             }
             1006 => {
-                let Some((addr, up)) = cur.as_mut() else {
+                let Some((addr, s)) = cur.as_mut() else {
                     continue;
                 };
                 let Some((key, value)) = text.trim().split_once(':') else {
@@ -778,8 +800,18 @@ fn parse_bgp_sessions(reply: &Reply) -> Vec<(IpAddr, bool)> {
                 };
                 let value = value.trim();
                 match key {
-                    "BGP state" => *up = value == "Established",
+                    "BGP state" => s.established = value == "Established",
                     "Neighbor address" => *addr = value.parse().ok(),
+                    // `0 imported, 3 exported, 0 preferred`
+                    "Routes" => {
+                        let exported = value
+                            .split(',')
+                            .find_map(|p| p.trim().strip_suffix(" exported"))
+                            .and_then(|n| n.trim().parse::<u64>().ok());
+                        if let Some(n) = exported {
+                            *s.prefixes_sent.get_or_insert(0) += n;
+                        }
+                    }
                     _ => {}
                 }
             }
@@ -787,7 +819,52 @@ fn parse_bgp_sessions(reply: &Reply) -> Vec<(IpAddr, bool)> {
         }
     }
     finish(&mut cur);
-    sessions.into_iter().collect()
+    sessions.into_values().collect()
+}
+
+/// How long before `now_of_day` BIRD's `Since` was: `06:56:09.543` (a
+/// time of day, earlier today or else yesterday). `None` for anything
+/// else (BIRD prints a date for older times).
+fn since(text: &str, now_of_day: Duration) -> Option<Duration> {
+    let (hms, frac) = match text.split_once('.') {
+        Some((hms, frac)) => (hms, Some(frac)),
+        None => (text, None),
+    };
+    let parts: Vec<u64> = hms
+        .split(':')
+        .map(|p| p.parse().ok())
+        .collect::<Option<_>>()?;
+    let [h, m, s] = parts[..] else {
+        return None;
+    };
+    if h > 23 || m > 59 || s > 60 {
+        return None;
+    }
+    let frac = match frac {
+        Some(f) if f.bytes().all(|b| b.is_ascii_digit()) && !f.is_empty() => {
+            format!("0.{f}").parse::<f64>().ok()?
+        }
+        Some(_) => return None,
+        None => 0.0,
+    };
+    let then = Duration::from_secs(h * 3600 + m * 60 + s) + Duration::from_secs_f64(frac);
+    const DAY: Duration = Duration::from_secs(86_400);
+    // A second's slack: BIRD's clock and ours are read at different times.
+    Some(if then <= now_of_day + Duration::from_secs(1) {
+        now_of_day.saturating_sub(then)
+    } else {
+        now_of_day + DAY - then
+    })
+}
+
+/// The local time of day now (BIRD prints its times in local time).
+fn local_time_of_day() -> Duration {
+    let t = jiff::Zoned::now().time();
+    Duration::from_secs(
+        u64::from(t.hour().unsigned_abs()) * 3600
+            + u64::from(t.minute().unsigned_abs()) * 60
+            + u64::from(t.second().unsigned_abs()),
+    ) + Duration::from_nanos(u64::from(t.subsec_nanosecond().unsigned_abs()))
 }
 
 /// `(65000,100) (65000,7)` → `[(65000, 100), (65000, 7)]`; anything else

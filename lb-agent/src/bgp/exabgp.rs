@@ -140,7 +140,7 @@ use tokio::{
     time::Instant,
 };
 
-use super::{AnnounceError, AnnounceResult, Announcer, BoxFuture, Route};
+use super::{AnnounceError, AnnounceResult, Announcer, BoxFuture, Route, Session as BgpSession};
 
 /// How long the answer pipe must stay quiet before a call that follows an
 /// unanswered command trusts it. ExaBGP's CLI helper retries an answer line
@@ -286,7 +286,7 @@ impl Announcer for ExaBgpAnnouncer {
     /// Every neighbor of ExaBGP's config, up while its state is
     /// `ESTABLISHED` (`show neighbor extensive`; `show neighbor summary`
     /// lists only the established ones).
-    fn peers(&mut self) -> BoxFuture<'_, AnnounceResult<Vec<(IpAddr, bool)>>> {
+    fn peers(&mut self) -> BoxFuture<'_, AnnounceResult<Vec<BgpSession>>> {
         Box::pin(async move {
             let mut session = self.session().await?;
             session.peers().await
@@ -317,28 +317,88 @@ impl Announcer for ExaBgpAnnouncer {
 ///
 /// One block per neighbor; the session is up when `state` is
 /// `ESTABLISHED` (the others: IDLE, ACTIVE, CONNECT, OPENSENT,
-/// OPENCONFIRM). `None` if a line cannot belong to this answer.
-fn parse_neighbors<S: AsRef<str>>(lines: &[S]) -> Option<Vec<(IpAddr, bool)>> {
-    let mut sessions: BTreeMap<IpAddr, bool> = BTreeMap::new();
+/// OPENCONFIRM), for `up for` (`H:MM:SS`, after `N day(s),` past a day;
+/// in the first second ExaBGP says `down for 0:00:00` of it).
+/// `None` if a line cannot belong to this answer.
+fn parse_neighbors<S: AsRef<str>>(lines: &[S]) -> Option<Vec<BgpSession>> {
+    let mut sessions: BTreeMap<IpAddr, BgpSession> = BTreeMap::new();
     let mut cur: Option<IpAddr> = None;
     for line in lines {
         let line = line.as_ref();
         if let Some(addr) = line.strip_prefix("Neighbor ") {
             let addr: IpAddr = addr.trim().parse().ok()?;
-            sessions.entry(addr).or_insert(false);
+            sessions
+                .entry(addr)
+                .or_insert_with(|| BgpSession::new(addr, false));
             cur = Some(addr);
         } else if line.trim().is_empty() {
             continue;
         } else if line.starts_with(' ') {
-            let mut words = line.split_whitespace();
-            if let (Some("state"), Some(state), Some(addr)) = (words.next(), words.next(), cur) {
-                *sessions.get_mut(&addr)? |= state == "ESTABLISHED";
+            let Some(s) = cur.and_then(|a| sessions.get_mut(&a)) else {
+                continue;
+            };
+            let text = line.trim();
+            if let Some(state) = text.strip_prefix("state ") {
+                s.established = state.trim() == "ESTABLISHED";
+            } else if let Some(up) = text
+                .strip_prefix("up for ")
+                // ExaBGP 4.2 says `down for 0:00:00` of a session
+                // established less than a second ago.
+                .or_else(|| text.strip_prefix("down for "))
+            {
+                s.uptime = parse_up_for(up.trim());
             }
         } else {
             return None;
         }
     }
-    Some(sessions.into_iter().collect())
+    Some(
+        sessions
+            .into_values()
+            .map(|mut s| {
+                if !s.established {
+                    s.uptime = None;
+                }
+                s
+            })
+            .collect(),
+    )
+}
+
+/// `0:00:10`, `1 day, 2:03:04`, `3 days, 0:00:01` (Python's timedelta).
+fn parse_up_for(text: &str) -> Option<Duration> {
+    let (days, hms) = match text.split_once(',') {
+        Some((d, hms)) => {
+            let n = d.split_whitespace().next()?.parse::<u64>().ok()?;
+            (n, hms.trim())
+        }
+        None => (0, text),
+    };
+    let parts: Vec<u64> = hms
+        .split(':')
+        .map(|p| p.parse().ok())
+        .collect::<Option<_>>()?;
+    let [h, m, s] = parts[..] else {
+        return None;
+    };
+    Some(Duration::from_secs(((days * 24 + h) * 60 + m) * 60 + s))
+}
+
+/// Routes per neighbor address in `show adj-rib out extensive`.
+fn count_adj_rib_out<S: AsRef<str>>(lines: &[S]) -> BTreeMap<IpAddr, u64> {
+    let mut counts = BTreeMap::new();
+    for line in lines {
+        if let Some((neighbor, _)) = parse_route_line(line.as_ref()) {
+            if let Some(addr) = neighbor
+                .split_whitespace()
+                .nth(1)
+                .and_then(|a| a.parse().ok())
+            {
+                *counts.entry(addr).or_insert(0) += 1;
+            }
+        }
+    }
+    counts
 }
 
 /// Validates the desired set and normalises it (communities sorted and
@@ -587,20 +647,34 @@ impl Session {
         Ok(parse_adj_rib_out(&lines))
     }
 
-    async fn peers(&mut self) -> AnnounceResult<Vec<(IpAddr, bool)>> {
+    /// The sessions, with the routes the adj-rib-out holds for each
+    /// established one as its prefixes sent.
+    async fn peers(&mut self) -> AnnounceResult<Vec<BgpSession>> {
         let command = "show neighbor extensive";
         let lines = self.command(command).await?;
-        match parse_neighbors(&lines) {
-            Some(sessions) => Ok(sessions),
+        let mut sessions = match parse_neighbors(&lines) {
+            Some(sessions) => sessions,
             None => {
                 let odd = lines
                     .iter()
                     .find(|l| parse_neighbors(&[l.as_str()]).is_none())
                     .cloned()
                     .unwrap_or_default();
-                Err(self.out_of_step(command, &odd))
+                return Err(self.out_of_step(command, &odd));
+            }
+        };
+        if sessions.iter().any(|s| s.established) {
+            let command = "show adj-rib out extensive";
+            let lines = self.command(command).await?;
+            if let Some(odd) = lines.iter().find(|l| !l.starts_with("neighbor ")) {
+                return Err(self.out_of_step(command, odd));
+            }
+            let counts = count_adj_rib_out(&lines);
+            for s in sessions.iter_mut().filter(|s| s.established) {
+                s.prefixes_sent = Some(counts.get(&s.peer).copied().unwrap_or(0));
             }
         }
+        Ok(sessions)
     }
 
     /// Sends a command that answers nothing but its acknowledgement.
@@ -806,10 +880,33 @@ mod tests {
         assert_eq!(
             parse_neighbors(&lines),
             Some(vec![
-                ("10.210.0.1".parse().unwrap(), true),
-                ("fd00::9".parse().unwrap(), false),
+                BgpSession {
+                    peer: "10.210.0.1".parse().unwrap(),
+                    established: true,
+                    uptime: Some(Duration::from_secs(10)),
+                    prefixes_sent: None,
+                },
+                BgpSession::new("fd00::9".parse().unwrap(), false),
             ])
         );
+        assert_eq!(
+            parse_up_for("2 days, 1:00:05"),
+            Some(Duration::from_secs(2 * 86_400 + 3605))
+        );
+        assert_eq!(parse_up_for("soon"), None);
+        let first_second = parse_neighbors(&[
+            "Neighbor 10.200.0.1",
+            "   state                    ESTABLISHED",
+            "   down for                     0:00:00",
+        ])
+        .unwrap();
+        assert_eq!(first_second[0].uptime, Some(Duration::ZERO));
+        let rib = [
+            format!("{NEIGHBOR} ipv4 unicast 192.0.2.10/32 next-hop 10.200.0.2"),
+            format!("{NEIGHBOR} ipv6 unicast 2001:db8::10/128 next-hop fd00:200::2"),
+        ];
+        let neighbor: IpAddr = NEIGHBOR.split_whitespace().nth(1).unwrap().parse().unwrap();
+        assert_eq!(count_adj_rib_out(&rib), [(neighbor, 2)].into());
         assert_eq!(parse_neighbors::<&str>(&[]), Some(vec![]));
         // Answers of other commands are not taken for it.
         assert_eq!(

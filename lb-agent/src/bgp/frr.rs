@@ -70,7 +70,7 @@ use std::{
 use ipnet::IpNet;
 use tokio::process::Command;
 
-use super::{check_routes, AnnounceError, AnnounceResult, Announcer, BoxFuture, Route};
+use super::{check_routes, AnnounceError, AnnounceResult, Announcer, BoxFuture, Route, Session};
 use crate::config::{Bfd, BgpPeer};
 
 /// The default `vtysh` binary, looked up in `PATH`.
@@ -246,7 +246,7 @@ impl Announcer for FrrAnnouncer {
 
     /// Every neighbour of bgpd, up while its state is `Established`
     /// (`show bgp neighbors json`).
-    fn peers(&mut self) -> BoxFuture<'_, AnnounceResult<Vec<(IpAddr, bool)>>> {
+    fn peers(&mut self) -> BoxFuture<'_, AnnounceResult<Vec<Session>>> {
         Box::pin(async move {
             let text = self
                 .vtysh(true, &["show bgp neighbors json".to_string()])
@@ -683,7 +683,9 @@ fn fnv1a(bytes: &[u8]) -> u32 {
 }
 
 /// `show bgp neighbors json`: address → `bgpState`.
-fn parse_neighbors(text: &str) -> Result<Vec<(IpAddr, bool)>, String> {
+/// An established session's uptime is `bgpTimerUpMsec`; its prefixes
+/// sent, the sum of `sentPrefixCounter` over `addressFamilyInfo`.
+fn parse_neighbors(text: &str) -> Result<Vec<Session>, String> {
     let v: serde_json::Value = serde_json::from_str(text)
         .map_err(|e| format!("`show bgp neighbors json` is not JSON: {e}"))?;
     let map = v
@@ -693,7 +695,17 @@ fn parse_neighbors(text: &str) -> Result<Vec<(IpAddr, bool)>, String> {
         .iter()
         .filter_map(|(k, v)| {
             let addr: IpAddr = k.parse().ok()?;
-            Some((addr, v["bgpState"].as_str() == Some("Established")))
+            let mut s = Session::new(addr, v["bgpState"].as_str() == Some("Established"));
+            if s.established {
+                s.uptime = v["bgpTimerUpMsec"].as_u64().map(Duration::from_millis);
+                s.prefixes_sent = v["addressFamilyInfo"].as_object().map(|families| {
+                    families
+                        .values()
+                        .filter_map(|f| f["sentPrefixCounter"].as_u64())
+                        .sum()
+                });
+            }
+            Some(s)
         })
         .collect())
 }
@@ -919,13 +931,23 @@ end
 
     #[test]
     fn reads_session_states() {
-        let text = r#"{"10.0.0.254":{"remoteAs":65000,"bgpState":"Established"},
-                       "fd00::fe":{"bgpState":"Active"}}"#;
+        // The keys read, as FRR 8.4 writes them (shortened).
+        let text = r#"{"10.0.0.254":{"remoteAs":65000,"bgpState":"Established",
+                         "bgpTimerUpMsec":92000,"bgpTimerUpString":"00:01:32",
+                         "addressFamilyInfo":{
+                           "ipv4Unicast":{"acceptedPrefixCounter":0,"sentPrefixCounter":3},
+                           "ipv6Unicast":{"acceptedPrefixCounter":0,"sentPrefixCounter":1}}},
+                       "fd00::fe":{"bgpState":"Active","bgpTimerUpMsec":0}}"#;
         assert_eq!(
             parse_neighbors(text).unwrap(),
             [
-                ("10.0.0.254".parse().unwrap(), true),
-                ("fd00::fe".parse().unwrap(), false)
+                Session {
+                    peer: "10.0.0.254".parse().unwrap(),
+                    established: true,
+                    uptime: Some(Duration::from_secs(92)),
+                    prefixes_sent: Some(4),
+                },
+                Session::new("fd00::fe".parse().unwrap(), false)
             ]
         );
     }

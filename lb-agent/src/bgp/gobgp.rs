@@ -54,7 +54,7 @@ use prost::Message;
 use prost_types::Any;
 use tonic::transport::{Channel, Endpoint};
 
-use super::{AnnounceError, AnnounceResult, Announcer, BoxFuture, Route};
+use super::{AnnounceError, AnnounceResult, Announcer, BoxFuture, Route, Session};
 
 /// The generated client and messages of GoBGP's API subset.
 #[allow(
@@ -499,13 +499,27 @@ impl GoBgpAnnouncer {
 }
 
 impl Announcer for GoBgpAnnouncer {
-    fn peers(&mut self) -> BoxFuture<'_, AnnounceResult<Vec<(IpAddr, bool)>>> {
+    fn peers(&mut self) -> BoxFuture<'_, AnnounceResult<Vec<Session>>> {
         Box::pin(async move {
-            let peers = self.list_peers().await?;
-            Ok(peers
-                .into_iter()
-                .map(|(addr, state)| (addr, state == SessionState::Established))
-                .collect())
+            let mut client = self.client();
+            self.call("ListPeer", async move {
+                let req = apipb::ListPeerRequest {
+                    enable_advertised: true,
+                    ..Default::default()
+                };
+                let mut stream = client
+                    .list_peer(req)
+                    .await
+                    .map_err(status_error)?
+                    .into_inner();
+                let mut sessions = Vec::new();
+                let now = std::time::SystemTime::now();
+                while let Some(msg) = stream.message().await.map_err(status_error)? {
+                    sessions.extend(msg.peer.as_ref().and_then(|p| session_of(p, now)));
+                }
+                Ok(sessions)
+            })
+            .await
         })
     }
 
@@ -800,6 +814,7 @@ fn peer_to_api(p: &PeerConfig) -> apipb::Peer {
                     family: Some(f.to_api()),
                     enabled: true,
                 }),
+                state: None,
             })
             .collect(),
         ..Default::default()
@@ -819,6 +834,32 @@ fn peer_address_state(peer: &apipb::Peer) -> (Option<IpAddr>, SessionState) {
         .and_then(|s| SessionState::try_from(s.session_state).ok())
         .unwrap_or(SessionState::Unknown);
     (address, state)
+}
+
+/// The session of a ListPeer answer (asked with `enableAdvertised`): its
+/// uptime from the time it was established, and the prefixes advertised
+/// over all families.
+fn session_of(peer: &apipb::Peer, now: std::time::SystemTime) -> Option<Session> {
+    let (address, state) = peer_address_state(peer);
+    let established = state == SessionState::Established;
+    let mut session = Session::new(address?, established);
+    if established {
+        session.uptime = peer
+            .timers
+            .as_ref()
+            .and_then(|t| t.state.as_ref())
+            .and_then(|s| s.uptime)
+            .and_then(|t| std::time::SystemTime::try_from(t).ok())
+            .map(|since| now.duration_since(since).unwrap_or_default());
+        session.prefixes_sent = Some(
+            peer.afi_safis
+                .iter()
+                .filter_map(|a| a.state.as_ref())
+                .map(|s| s.advertised)
+                .sum(),
+        );
+    }
+    Some(session)
 }
 
 /// Connection-level failures (refused, reset, gone away) are Unreachable;
@@ -929,6 +970,51 @@ mod tests {
         let marked = route_to_path(&r, Ownership::Marked(64512, 1));
         let got = owned_route(&marked, Ownership::Marked(64512, 1)).unwrap();
         assert_eq!(got.communities, vec![(65000, 100)]);
+    }
+
+    #[test]
+    fn a_session_reads_its_uptime_and_advertised_prefixes() {
+        let now = std::time::SystemTime::UNIX_EPOCH + Duration::from_secs(1_000_000);
+        let family = |advertised| apipb::AfiSafi {
+            state: Some(apipb::AfiSafiState {
+                advertised,
+                ..Default::default()
+            }),
+            ..Default::default()
+        };
+        let mut peer = apipb::Peer {
+            conf: Some(apipb::PeerConf {
+                neighbor_address: "10.0.0.254".into(),
+                ..Default::default()
+            }),
+            state: Some(apipb::PeerState {
+                session_state: apipb::peer_state::SessionState::Established as i32,
+                ..Default::default()
+            }),
+            timers: Some(apipb::Timers {
+                config: None,
+                state: Some(apipb::TimersState {
+                    uptime: Some(prost_types::Timestamp {
+                        seconds: 1_000_000 - 90,
+                        nanos: 0,
+                    }),
+                    ..Default::default()
+                }),
+            }),
+            afi_safis: vec![family(3), family(1)],
+            ..Default::default()
+        };
+        let s = session_of(&peer, now).unwrap();
+        assert_eq!(
+            (s.established, s.uptime, s.prefixes_sent),
+            (true, Some(Duration::from_secs(90)), Some(4))
+        );
+        // Down: neither (GoBGP keeps the last uptime and counts).
+        peer.state.as_mut().unwrap().session_state = apipb::peer_state::SessionState::Active as i32;
+        assert_eq!(
+            session_of(&peer, now),
+            Some(Session::new("10.0.0.254".parse().unwrap(), false))
+        );
     }
 
     #[test]

@@ -192,6 +192,31 @@ pub fn advertise(
     out.into_values().map(|r| r.normalized()).collect()
 }
 
+/// One BGP session of the speaker, as read from it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Session {
+    pub peer: IpAddr,
+    pub established: bool,
+    /// How long it has been established; `None` while it is not, or when
+    /// the speaker does not say.
+    pub uptime: Option<std::time::Duration>,
+    /// The prefixes the speaker sends the peer now, over all families;
+    /// `None` while it is not established, or when the speaker does not say.
+    pub prefixes_sent: Option<u64>,
+}
+
+impl Session {
+    /// A session with only its state known.
+    pub fn new(peer: IpAddr, established: bool) -> Self {
+        Session {
+            peer,
+            established,
+            uptime: None,
+            prefixes_sent: None,
+        }
+    }
+}
+
 /// Why talking to a speaker failed. The agent keeps its desired set and
 /// retries; nothing the data plane does depends on the speaker.
 #[derive(Debug, thiserror::Error)]
@@ -215,9 +240,9 @@ pub trait Announcer: Send {
     /// The routes the speaker announces for us now.
     fn announced(&mut self) -> BoxFuture<'_, AnnounceResult<BTreeSet<Route>>>;
 
-    /// The speaker's BGP sessions: (peer, established). A driver that
-    /// cannot tell returns an empty list.
-    fn peers(&mut self) -> BoxFuture<'_, AnnounceResult<Vec<(IpAddr, bool)>>> {
+    /// The speaker's BGP sessions, one per peer. A driver that cannot tell
+    /// returns an empty list.
+    fn peers(&mut self) -> BoxFuture<'_, AnnounceResult<Vec<Session>>> {
         Box::pin(async { Ok(Vec::new()) })
     }
 

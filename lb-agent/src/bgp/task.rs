@@ -49,6 +49,8 @@ pub type Sessions = BTreeMap<IpAddr, bool>;
 struct AnnounceMetrics {
     announced: IntGauge,
     peer_up: IntGaugeVec,
+    peer_uptime: IntGaugeVec,
+    peer_prefixes_sent: IntGaugeVec,
     changes: IntCounterVec,
     errors: IntCounterVec,
 }
@@ -84,14 +86,34 @@ impl AnnounceMetrics {
             &["peer"],
         )
         .expect("metric");
+        let peer_uptime = IntGaugeVec::new(
+            Opts::new(
+                "xlb_bgp_peer_uptime_seconds",
+                "How long the BGP session with the peer has been established (0 while it is not)",
+            ),
+            &["peer"],
+        )
+        .expect("metric");
+        let peer_prefixes_sent = IntGaugeVec::new(
+            Opts::new(
+                "xlb_bgp_peer_prefixes_sent",
+                "Prefixes the BGP speaker sends the peer now, as the speaker counts them",
+            ),
+            &["peer"],
+        )
+        .expect("metric");
         // Registering twice (a second task in tests) is harmless: keep the first.
         let _ = registry.register(Box::new(peer_up.clone()));
+        let _ = registry.register(Box::new(peer_uptime.clone()));
+        let _ = registry.register(Box::new(peer_prefixes_sent.clone()));
         let _ = registry.register(Box::new(announced.clone()));
         let _ = registry.register(Box::new(changes.clone()));
         let _ = registry.register(Box::new(errors.clone()));
         Self {
             announced,
             peer_up,
+            peer_uptime,
+            peer_prefixes_sent,
             changes,
             errors,
         }
@@ -234,14 +256,26 @@ async fn update_peers(
     match announcer.peers().await {
         Ok(peers) => {
             metrics.peer_up.reset();
+            metrics.peer_uptime.reset();
+            metrics.peer_prefixes_sent.reset();
             known.clear();
             let before = sessions.borrow().clone();
-            for &(peer, up) in &peers {
+            for s in &peers {
+                let (peer, up) = (s.peer, s.established);
                 known.insert(peer);
+                let label = [peer.to_string()];
+                metrics.peer_up.with_label_values(&label).set(up as i64);
+                let uptime = s.uptime.filter(|_| up).unwrap_or_default();
                 metrics
-                    .peer_up
-                    .with_label_values(&[&peer.to_string()])
-                    .set(up as i64);
+                    .peer_uptime
+                    .with_label_values(&label)
+                    .set(uptime.as_secs() as i64);
+                if let Some(n) = s.prefixes_sent.filter(|_| up) {
+                    metrics
+                        .peer_prefixes_sent
+                        .with_label_values(&label)
+                        .set(n as i64);
+                }
                 match (before.get(&peer), up) {
                     (Some(false) | None, true) => info!(%peer, "BGP session established"),
                     (Some(true), false) => warn!(%peer, "BGP session down"),
@@ -249,7 +283,7 @@ async fn update_peers(
                 }
             }
             sessions.send_if_modified(|s| {
-                let now: Sessions = peers.into_iter().collect();
+                let now: Sessions = peers.iter().map(|s| (s.peer, s.established)).collect();
                 let changed = *s != now;
                 *s = now;
                 changed
@@ -257,11 +291,12 @@ async fn update_peers(
         }
         Err(e) => {
             tracing::debug!(speaker = announcer.name(), "reading BGP sessions: {e}");
+            // Not known now: down, up for no time, prefixes not counted.
+            metrics.peer_prefixes_sent.reset();
             for peer in known.iter() {
-                metrics
-                    .peer_up
-                    .with_label_values(&[&peer.to_string()])
-                    .set(0);
+                let label = [peer.to_string()];
+                metrics.peer_up.with_label_values(&label).set(0);
+                metrics.peer_uptime.with_label_values(&label).set(0);
             }
             sessions.send_if_modified(|s| {
                 let up = s.values().any(|&up| up);
@@ -317,7 +352,7 @@ mod tests {
     use std::sync::{Arc, Mutex};
 
     use super::*;
-    use crate::bgp::{AnnounceError, AnnounceResult, BoxFuture};
+    use crate::bgp::{AnnounceError, AnnounceResult, BoxFuture, Session};
 
     /// A speaker that keeps what it was told in memory, and can be made to
     /// fail: the task's logic (retry, resync, withdraw on shutdown) is what
@@ -335,13 +370,19 @@ mod tests {
         fn announced(&mut self) -> BoxFuture<'_, AnnounceResult<BTreeSet<Route>>> {
             Box::pin(async move { Ok(self.routes.lock().unwrap().clone()) })
         }
-        fn peers(&mut self) -> BoxFuture<'_, AnnounceResult<Vec<(IpAddr, bool)>>> {
+        fn peers(&mut self) -> BoxFuture<'_, AnnounceResult<Vec<Session>>> {
             let down = *self.down.lock().unwrap();
+            let sent = self.routes.lock().unwrap().len() as u64;
             Box::pin(async move {
                 if down {
                     return Err(AnnounceError::Unreachable("down".into()));
                 }
-                Ok(vec![("10.0.0.254".parse().unwrap(), true)])
+                Ok(vec![Session {
+                    peer: "10.0.0.254".parse().unwrap(),
+                    established: true,
+                    uptime: Some(Duration::from_secs(42)),
+                    prefixes_sent: Some(sent),
+                }])
             })
         }
         fn apply<'a>(
@@ -400,11 +441,21 @@ mod tests {
                 .unwrap()
         };
         eventually(|| gathered().contains("xlb_bgp_peer_up{peer=\"10.0.0.254\"} 1")).await;
+        eventually(|| gathered().contains("xlb_bgp_peer_uptime_seconds{peer=\"10.0.0.254\"} 42"))
+            .await;
+        eventually(|| gathered().contains("xlb_bgp_peer_prefixes_sent{peer=\"10.0.0.254\"} 2"))
+            .await;
         // The speaker restarts empty, and is unreachable for a while: its
         // peer reads 0 meanwhile.
         *speaker.down.lock().unwrap() = true;
         r.lock().unwrap().clear();
         eventually(|| gathered().contains("xlb_bgp_peer_up{peer=\"10.0.0.254\"} 0")).await;
+        let text = gathered();
+        assert!(
+            text.contains("xlb_bgp_peer_uptime_seconds{peer=\"10.0.0.254\"} 0")
+                && !text.contains("xlb_bgp_peer_prefixes_sent{"),
+            "{text}"
+        );
         *speaker.down.lock().unwrap() = false;
         eventually(|| *r.lock().unwrap() == want).await;
         eventually(|| gathered().contains("xlb_bgp_peer_up{peer=\"10.0.0.254\"} 1")).await;

@@ -67,7 +67,8 @@ fn reads_birds_show_route() {
 }
 
 // Captured from BIRD 2.0.12 (`birdc -v show protocols all`), shortened:
-// one session up, one trying to connect, a non-BGP protocol between.
+// one session up (two channels, with their route counts), one trying to
+// connect, a non-BGP protocol between.
 const SHOW_PROTOCOLS: &str = "0001 BIRD 2.0.12 ready.
 2002-Name       Proto      Table      State  Since         Info
 1002-device1    Device     ---        up     23:47:00.160  
@@ -80,7 +81,11 @@ const SHOW_PROTOCOLS: &str = "0001 BIRD 2.0.12 ready.
          Hold timer:       4.070/6
        Channel ipv4
          State:          UP
+         Routes:         0 imported, 3 exported, 0 preferred
          BGP Next hop:   10.210.0.1
+       Channel ipv6
+         State:          UP
+         Routes:         0 imported, 1 exported, 0 preferred
      
 1002-upstream2  BGP        ---        start  23:47:00.160  Connect       
 1006-  BGP state:          Connect
@@ -97,14 +102,37 @@ const SHOW_PROTOCOLS: &str = "0001 BIRD 2.0.12 ready.
 #[test]
 fn reads_bgp_session_states() {
     let reply = Reply::parse(SHOW_PROTOCOLS);
+    // 90 s after the session came up.
+    let now = Duration::from_secs(23 * 3600 + 48 * 60 + 30) + Duration::from_millis(406);
     assert_eq!(
-        parse_bgp_sessions(&reply),
+        parse_bgp_sessions(&reply, now),
         vec![
-            ("10.210.0.2".parse().unwrap(), true),
-            ("fd00::7".parse().unwrap(), false),
+            Session {
+                peer: "10.210.0.2".parse().unwrap(),
+                established: true,
+                uptime: Some(Duration::from_secs(90)),
+                prefixes_sent: Some(4),
+            },
+            Session::new("fd00::7".parse().unwrap(), false),
         ]
     );
-    assert!(parse_bgp_sessions(&Reply::parse("0001 BIRD 2.0.12 ready.\n")).is_empty());
+    assert!(parse_bgp_sessions(&Reply::parse("0001 BIRD 2.0.12 ready.\n"), now).is_empty());
+}
+
+#[test]
+fn a_since_time_of_day_is_an_uptime_and_a_date_is_none() {
+    let at = |h: u64, m: u64| Duration::from_secs(h * 3600 + m * 60);
+    assert_eq!(
+        since("06:56:09.500", at(6, 57)),
+        Some(Duration::from_millis(50_500))
+    );
+    // Yesterday, before midnight.
+    assert_eq!(since("23:59:00", at(0, 1)), Some(Duration::from_secs(120)));
+    // BIRD read its clock a moment after ours: no time yet, not a day.
+    assert_eq!(since("06:57:00.300", at(6, 57)), Some(Duration::ZERO));
+    for odd in ["2026-11-27", "25:00:00", "06:56", "06:56:09.x", ""] {
+        assert_eq!(since(odd, at(6, 57)), None, "{odd}");
+    }
 }
 
 #[test]

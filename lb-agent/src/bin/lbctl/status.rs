@@ -48,6 +48,11 @@ pub struct Bgp {
 pub struct BgpPeer {
     pub peer: String,
     pub up: bool,
+    /// Seconds the session has been established (0 while it is not).
+    pub uptime_seconds: Option<u64>,
+    /// Prefixes the speaker sends the peer; `None` while the session is
+    /// down or the speaker cannot be asked.
+    pub prefixes_sent: Option<u64>,
 }
 
 #[derive(Serialize)]
@@ -77,9 +82,19 @@ fn report(agent: SocketAddr, all: &[Sample]) -> StatusReport {
     let bgp = value(all, "xlb_bgp_announced_prefixes").map(|n| Bgp {
         announced_prefixes: n as u64,
         peers: family(all, "xlb_bgp_peer_up")
-            .map(|s| BgpPeer {
-                peer: s.label("peer").to_string(),
-                up: s.value == 1.0,
+            .map(|s| {
+                let peer = s.label("peer");
+                let of = |name: &str| {
+                    family(all, name)
+                        .find(|p| p.label("peer") == peer)
+                        .map(|p| p.value as u64)
+                };
+                BgpPeer {
+                    peer: peer.to_string(),
+                    up: s.value == 1.0,
+                    uptime_seconds: of("xlb_bgp_peer_uptime_seconds"),
+                    prefixes_sent: of("xlb_bgp_peer_prefixes_sent"),
+                }
             })
             .collect(),
     });
@@ -140,6 +155,16 @@ fn seconds(s: f64) -> String {
         format!("{:.0} min ago", s / 60.0)
     } else {
         format!("{:.1} h ago", s / 3600.0)
+    }
+}
+
+/// A session's age: `42 s`, `17 min`, `5.5 h`, `3.2 d`.
+fn span(s: u64) -> String {
+    match s {
+        0..60 => format!("{s} s"),
+        60..3600 => format!("{} min", s / 60),
+        3600..86_400 => format!("{:.1} h", s as f64 / 3600.0),
+        _ => format!("{:.1} d", s as f64 / 86_400.0),
     }
 }
 
@@ -205,9 +230,23 @@ impl Render for StatusReport {
             format!("{reloaded}, {} reload errors", self.config_reload_errors),
         );
         if let Some(b) = self.bgp.as_ref().filter(|b| !b.peers.is_empty()) {
-            let mut t = Table::new(&[("BGP PEER", Align::Left), ("SESSION", Align::Left)]);
+            let mut t = Table::new(&[
+                ("BGP PEER", Align::Left),
+                ("SESSION", Align::Left),
+                ("UP FOR", Align::Right),
+                ("PREFIXES SENT", Align::Right),
+            ]);
             for p in &b.peers {
-                t.row(vec![p.peer.clone(), yes(p.up, "up", "DOWN")]);
+                let up_for = match p.uptime_seconds {
+                    Some(s) if p.up => span(s),
+                    _ => "-".into(),
+                };
+                t.row(vec![
+                    p.peer.clone(),
+                    yes(p.up, "up", "DOWN"),
+                    up_for,
+                    p.prefixes_sent.map_or("-".into(), |n| n.to_string()),
+                ]);
             }
             out.push('\n');
             out.push_str(&t.render());
@@ -279,6 +318,37 @@ mod tests {
         let human = r.human();
         assert!(human.contains("answers for 10.0.0.200\n"), "{human}");
         assert!(human.contains("never"), "{human}");
+    }
+
+    #[test]
+    fn bgp_sessions_show_their_uptime_and_prefixes_sent() {
+        let text = "xlb_agent_ready 1\nxlb_bgp_announced_prefixes 3\n\
+                    xlb_bgp_peer_up{peer=\"10.0.0.254\"} 1\n\
+                    xlb_bgp_peer_up{peer=\"fd00::fe\"} 0\n\
+                    xlb_bgp_peer_uptime_seconds{peer=\"10.0.0.254\"} 5400\n\
+                    xlb_bgp_peer_uptime_seconds{peer=\"fd00::fe\"} 0\n\
+                    xlb_bgp_peer_prefixes_sent{peer=\"10.0.0.254\"} 3\n";
+        let r = report("10.0.0.11:9469".parse().unwrap(), &parse(text));
+        let bgp = r.bgp.as_ref().unwrap();
+        let (up, down) = (&bgp.peers[0], &bgp.peers[1]);
+        assert_eq!(
+            (up.up, up.uptime_seconds, up.prefixes_sent),
+            (true, Some(5400), Some(3))
+        );
+        assert_eq!((down.up, down.prefixes_sent), (false, None));
+        let human = r.human();
+        assert!(human.contains("1 of 2 sessions up"), "{human}");
+        let row = |peer: &str| {
+            human
+                .lines()
+                .find(|l| l.starts_with(peer))
+                .unwrap_or_else(|| panic!("{peer}: {human}"))
+                .split_whitespace()
+                .collect::<Vec<_>>()
+                .join(" ")
+        };
+        assert_eq!(row("10.0.0.254"), "10.0.0.254 up 1.5 h 3");
+        assert_eq!(row("fd00::fe"), "fd00::fe DOWN - -");
     }
 
     #[test]
