@@ -124,6 +124,10 @@ pub struct Advertisement {
     pub aggregation_length: Option<u8>,
     /// The same for IPv6.
     pub aggregation_length_v6: Option<u8>,
+    /// The only peers the covered VIPs go to (a peerSelector: the
+    /// addresses of the BGPPeers it selects that peer with this node);
+    /// `None`: no limit of its own.
+    pub peers: Option<BTreeSet<IpAddr>>,
 }
 
 impl Advertisement {
@@ -192,6 +196,85 @@ pub fn advertise(
     out.into_values().map(|r| r.normalized()).collect()
 }
 
+/// The routes inside `prefix` (its covering prefixes and host routes) go
+/// to these peers only: every other session of the speaker must not get
+/// them.
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub struct PeerLimit {
+    pub prefix: IpNet,
+    pub peers: BTreeSet<IpAddr>,
+}
+
+/// The peer limits of `adverts`, as disjoint prefixes: an address that
+/// advertisements with a peerSelector cover goes to the union of their
+/// peers; one without a peerSelector does not widen that (its attributes
+/// apply, its "every peer" does not), so that a catch-all advertisement
+/// cannot leak a limited pool. Addresses no limited advertisement covers
+/// are not listed: they go to every peer.
+pub fn peer_limits(adverts: &[Advertisement]) -> Vec<PeerLimit> {
+    let limited: Vec<(u128, u128, bool, &BTreeSet<IpAddr>)> = adverts
+        .iter()
+        .filter_map(|a| a.peers.as_ref().map(|p| (a, p)))
+        .flat_map(|(a, peers)| {
+            a.covers
+                .iter()
+                .map(move |&(first, last)| (num(first), num(last), first.is_ipv4(), peers))
+        })
+        .collect();
+    let mut out = Vec::new();
+    for v4 in [true, false] {
+        // Split at every range's edges: between two edges, one peer set.
+        let mut edges: Vec<u128> = limited
+            .iter()
+            .filter(|r| r.2 == v4)
+            .flat_map(|&(first, last, _, _)| [Some(first), last.checked_add(1)])
+            .flatten()
+            .collect();
+        edges.sort_unstable();
+        edges.dedup();
+        let top = if v4 { u128::from(u32::MAX) } else { u128::MAX };
+        for (i, &start) in edges.iter().enumerate() {
+            let end = edges.get(i + 1).map_or(top, |next| next - 1);
+            let mut peers = BTreeSet::new();
+            let mut covered = false;
+            for &(first, last, _, p) in limited.iter().filter(|r| r.2 == v4) {
+                if first <= start && end <= last {
+                    covered = true;
+                    peers.extend(p.iter().copied());
+                }
+            }
+            if covered {
+                out.extend(cidrs(start, end, v4).into_iter().map(|prefix| PeerLimit {
+                    prefix,
+                    peers: peers.clone(),
+                }));
+            }
+        }
+    }
+    out
+}
+
+fn num(a: IpAddr) -> u128 {
+    match a {
+        IpAddr::V4(a) => u128::from(u32::from(a)),
+        IpAddr::V6(a) => u128::from(a),
+    }
+}
+
+/// The fewest prefixes that cover `first..=last` exactly.
+fn cidrs(first: u128, last: u128, v4: bool) -> Vec<IpNet> {
+    if v4 {
+        let (a, b) = (first as u32, last as u32);
+        ipnet::Ipv4Subnets::new(a.into(), b.into(), 0)
+            .map(IpNet::V4)
+            .collect()
+    } else {
+        ipnet::Ipv6Subnets::new(first.into(), last.into(), 0)
+            .map(IpNet::V6)
+            .collect()
+    }
+}
+
 /// One BGP session of the speaker, as read from it.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Session {
@@ -244,6 +327,20 @@ pub trait Announcer: Send {
     /// returns an empty list.
     fn peers(&mut self) -> BoxFuture<'_, AnnounceResult<Vec<Session>>> {
         Box::pin(async { Ok(Vec::new()) })
+    }
+
+    /// Takes the peer limits of routes from now on (the next
+    /// [`apply`](Self::apply) makes the speaker export so). A speaker that
+    /// cannot hold its routes back from some sessions refuses any.
+    fn set_peer_limits(&mut self, limits: &[PeerLimit]) -> Result<(), String> {
+        if limits.is_empty() {
+            Ok(())
+        } else {
+            Err(format!(
+                "{} cannot send routes to some peers only",
+                self.name()
+            ))
+        }
     }
 
     /// Takes the peers the agent configures in the speaker from now on
@@ -378,6 +475,7 @@ mod tests {
                 local_pref: lp,
                 aggregation_length: None,
                 aggregation_length_v6: None,
+                peers: None,
             }
         };
         let adverts = [
@@ -468,6 +566,7 @@ mod tests {
             local_pref: None,
             aggregation_length: v4,
             aggregation_length_v6: v6,
+            peers: None,
         }
     }
 
@@ -521,6 +620,49 @@ mod tests {
         let hosts = aggregating("hosts", "192.0.2.0", "192.0.2.255", None, None);
         let out = advertise(&routes, &[wide, hosts], &BTreeSet::new());
         assert_eq!(prefixes(&out), ["192.0.2.10/32", "192.0.2.130/32"]);
+    }
+
+    fn limited(name: &str, first: &str, last: &str, peers: &[&str]) -> Advertisement {
+        Advertisement {
+            peers: Some(peers.iter().map(|p| p.parse().unwrap()).collect()),
+            ..aggregating(name, first, last, None, None)
+        }
+    }
+
+    fn limits(adverts: &[Advertisement]) -> Vec<(String, Vec<String>)> {
+        peer_limits(adverts)
+            .into_iter()
+            .map(|l| {
+                let peers = l.peers.iter().map(ToString::to_string).collect();
+                (l.prefix.to_string(), peers)
+            })
+            .collect()
+    }
+
+    #[test]
+    fn peer_limits_are_disjoint_prefixes_with_the_union_of_their_peers() {
+        let tor = limited("tor", "10.9.0.0", "10.9.0.255", &["10.0.1.254"]);
+        // Overlaps the upper half, and adds the edge router there.
+        let edge = limited("edge", "10.9.0.128", "10.9.1.9", &["10.0.9.1"]);
+        // No peerSelector: it does not widen the limits.
+        let all = aggregating("all", "0.0.0.0", "255.255.255.255", None, None);
+        let nowhere = limited("nowhere", "2001:db8::", "2001:db8::ff", &[]);
+        assert_eq!(
+            limits(&[tor, edge, all, nowhere]),
+            [
+                ("10.9.0.0/25".to_string(), vec!["10.0.1.254".to_string()]),
+                (
+                    "10.9.0.128/25".to_string(),
+                    vec!["10.0.1.254".to_string(), "10.0.9.1".to_string()]
+                ),
+                ("10.9.1.0/29".to_string(), vec!["10.0.9.1".to_string()]),
+                ("10.9.1.8/31".to_string(), vec!["10.0.9.1".to_string()]),
+                ("2001:db8::/120".to_string(), vec![]),
+            ]
+        );
+        assert!(
+            peer_limits(&[aggregating("all", "0.0.0.0", "255.255.255.255", None, None)]).is_empty()
+        );
     }
 
     #[test]

@@ -13,7 +13,7 @@ use prometheus::{IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry};
 use tokio::sync::{mpsc, oneshot, watch};
 use tracing::{info, warn};
 
-use super::{advertise, Advertisement, Announcer, Route};
+use super::{advertise, peer_limits, Advertisement, Announcer, PeerLimit, Route};
 use crate::config::BgpPeer;
 
 /// The well-known community GRACEFUL_SHUTDOWN (RFC 8326): a router that
@@ -181,6 +181,10 @@ async fn run(
     let mut desired: Option<BTreeSet<Route>> = None;
     let mut host_only: BTreeSet<IpAddr> = BTreeSet::new();
     let mut adverts: Vec<Advertisement> = Vec::new();
+    let mut limits: Vec<PeerLimit> = Vec::new();
+    // Limited prefixes the speaker cannot keep from other peers: their
+    // routes are not announced at all.
+    let mut withheld: Vec<PeerLimit> = Vec::new();
     let mut shutting_down = false;
     let mut known_peers: BTreeSet<IpAddr> = BTreeSet::new();
     let mut tick = tokio::time::interval(resync);
@@ -193,7 +197,23 @@ async fn run(
                     desired = Some(routes);
                     host_only = only;
                 }
-                Some(Command::Advertisements(a)) => adverts = a,
+                Some(Command::Advertisements(a)) => {
+                    let new_limits = peer_limits(&a);
+                    adverts = a;
+                    if new_limits != limits {
+                        withheld = match announcer.set_peer_limits(&new_limits) {
+                            Ok(()) => Vec::new(),
+                            Err(e) => {
+                                warn!(
+                                    speaker = announcer.name(),
+                                    "BGPAdvertisement peerSelector: {e}; the VIPs it limits are not announced"
+                                );
+                                new_limits.clone()
+                            }
+                        };
+                        limits = new_limits;
+                    }
+                }
                 Some(Command::Peers(peers)) => {
                     if let Err(e) = announcer.set_peers(&peers) {
                         warn!(speaker = announcer.name(), "the BGP peers cannot be set: {e}");
@@ -203,7 +223,7 @@ async fn run(
                 Some(Command::GracefulShutdown(done)) => {
                     shutting_down = true;
                     if let Some(d) = &desired {
-                        let d = with_graceful_shutdown(&advertise(d, &adverts, &host_only));
+                        let d = with_graceful_shutdown(&announced(d, &adverts, &host_only, &withheld));
                         apply(announcer.as_mut(), &d, &metrics).await;
                     }
                     let _ = done.send(());
@@ -220,17 +240,30 @@ async fn run(
         }
         match &desired {
             Some(d) if shutting_down => {
-                let d = with_graceful_shutdown(&advertise(d, &adverts, &host_only));
+                let d = with_graceful_shutdown(&announced(d, &adverts, &host_only, &withheld));
                 apply(announcer.as_mut(), &d, &metrics).await
             }
             Some(d) => {
-                let d = advertise(d, &adverts, &host_only);
+                let d = announced(d, &adverts, &host_only, &withheld);
                 apply(announcer.as_mut(), &d, &metrics).await
             }
             None => {}
         }
         update_peers(announcer.as_mut(), &metrics, &mut known_peers, &sessions).await;
     }
+}
+
+/// The routes to announce: the desired ones with what the advertisements
+/// make of them, less those inside `withheld`.
+fn announced(
+    desired: &BTreeSet<Route>,
+    adverts: &[Advertisement],
+    host_only: &BTreeSet<IpAddr>,
+    withheld: &[PeerLimit],
+) -> BTreeSet<Route> {
+    let mut routes = advertise(desired, adverts, host_only);
+    routes.retain(|r| !withheld.iter().any(|w| w.prefix.contains(&r.prefix)));
+    routes
 }
 
 fn with_graceful_shutdown(routes: &BTreeSet<Route>) -> BTreeSet<Route> {

@@ -2,7 +2,11 @@
 //! the VIPs of some pools, on some nodes; and the task that turns the ones
 //! selecting this node into what its routes carry.
 
-use std::{collections::BTreeMap, net::IpAddr, sync::Arc};
+use std::{
+    collections::{BTreeMap, BTreeSet},
+    net::IpAddr,
+    sync::Arc,
+};
 
 use ipnet::IpNet;
 
@@ -14,6 +18,7 @@ use tokio::sync::{watch, Notify};
 use tracing::{info, warn};
 
 use super::{
+    bgp_peer::BGPPeer,
     crd::LoadBalancerPool,
     ipam::Pool,
     selects,
@@ -54,6 +59,13 @@ pub struct BgpAdvertisementSpec {
     /// without it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub node_selector: Option<LabelSelector>,
+    /// The BGPPeers (by their labels) the VIPs go to: with it, the
+    /// selected pools' VIPs go only to the selected BGPPeers that peer
+    /// with the node (and to those of other advertisements with a
+    /// peerSelector covering them), never to any other session. Without
+    /// it, no limit of its own.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub peer_selector: Option<LabelSelector>,
     /// Standard communities, `ASN:VALUE` (each 0-65535).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub communities: Vec<String>,
@@ -111,12 +123,14 @@ fn aggregation_problem(len: Option<u8>, v4: bool, ranges: &[(IpAddr, IpAddr)]) -
 }
 
 /// The advertisements that select a node with `labels`, each with the
-/// address ranges of the pools it selects. One that cannot be used (a bad
-/// selector or community; a selected pool whose addresses do not parse is
-/// only left out of it) is left out with why, by name.
+/// address ranges of the pools it selects and the addresses of the
+/// BGPPeers its peerSelector selects among this node's. One that cannot be
+/// used (a bad selector or community; a selected pool whose addresses do
+/// not parse is only left out of it) is left out with why, by name.
 pub fn advertisements_for_node(
     objects: &[&BGPAdvertisement],
     pools: &[&LoadBalancerPool],
+    bgp_peers: &[&BGPPeer],
     labels: &BTreeMap<String, String>,
 ) -> (Vec<Advertisement>, BTreeMap<String, String>) {
     let mut out = Vec::new();
@@ -158,6 +172,25 @@ pub fn advertisements_for_node(
                     covers.extend(pool.ranges().iter().map(|r| (r.first(), r.last())));
                 }
             }
+            let peers = match &spec.peer_selector {
+                None => None,
+                Some(selector) => {
+                    let mut selected = BTreeSet::new();
+                    for b in bgp_peers {
+                        let chosen = selects(&Some(selector.clone()), b.labels())
+                            .map_err(|e| format!("peerSelector: {e}"))?;
+                        // A BGPPeer whose own selector is broken peers with
+                        // no node.
+                        let here = selects(&b.spec.node_selector, labels).unwrap_or(false);
+                        if let (true, true, Ok(addr)) =
+                            (chosen, here, b.spec.address.parse::<IpAddr>())
+                        {
+                            selected.insert(addr);
+                        }
+                    }
+                    Some(selected)
+                }
+            };
             for (len, v4) in [
                 (spec.aggregation_length, true),
                 (spec.aggregation_length_v6, false),
@@ -174,6 +207,7 @@ pub fn advertisements_for_node(
                 local_pref: spec.local_pref,
                 aggregation_length: spec.aggregation_length,
                 aggregation_length_v6: spec.aggregation_length_v6,
+                peers,
             }))
         })();
         match advert {
@@ -206,6 +240,12 @@ pub fn spawn(client: Client, node_name: String) -> watch::Receiver<Vec<Advertise
         all(),
         &changed,
     );
+    let peers = store(
+        "bgppeers",
+        Api::<BGPPeer>::all(client.clone()),
+        all(),
+        &changed,
+    );
     let nodes = store(
         "nodes",
         Api::<Node>::all(client),
@@ -213,16 +253,18 @@ pub fn spawn(client: Client, node_name: String) -> watch::Receiver<Vec<Advertise
         &changed,
     );
     tokio::spawn(async move {
-        let ready = futures::future::join3(
+        let ready = futures::future::join4(
             objects.wait_until_ready(),
             pools.wait_until_ready(),
+            peers.wait_until_ready(),
             nodes.wait_until_ready(),
         )
         .await;
-        if ready.0.is_err() || ready.1.is_err() || ready.2.is_err() {
+        if ready.0.is_err() || ready.1.is_err() || ready.2.is_err() || ready.3.is_err() {
             return;
         }
         let mut logged: BTreeMap<String, String> = BTreeMap::new();
+        let mut to_no_one_logged: BTreeSet<String> = BTreeSet::new();
         loop {
             let state = objects.state();
             let refs: Vec<&BGPAdvertisement> = state.iter().map(Arc::as_ref).collect();
@@ -234,13 +276,25 @@ pub fn spawn(client: Client, node_name: String) -> watch::Receiver<Vec<Advertise
                 .find(|n| n.name_any() == node_name)
                 .map(|n| n.labels().clone())
                 .unwrap_or_default();
-            let (adverts, problems) = advertisements_for_node(&refs, &pool_refs, &labels);
+            let peer_state = peers.state();
+            let peer_refs: Vec<&BGPPeer> = peer_state.iter().map(Arc::as_ref).collect();
+            let (adverts, problems) =
+                advertisements_for_node(&refs, &pool_refs, &peer_refs, &labels);
             for (name, why) in &problems {
                 if logged.get(name) != Some(why) {
                     warn!(bgpadvertisement = %name, "BGPAdvertisement not used on this node: {why}");
                 }
             }
             logged = problems;
+            let to_no_one: BTreeSet<String> = adverts
+                .iter()
+                .filter(|a| a.peers.as_ref().is_some_and(BTreeSet::is_empty))
+                .map(|a| a.name.clone())
+                .collect();
+            for name in to_no_one.difference(&to_no_one_logged) {
+                warn!(bgpadvertisement = %name, "BGPAdvertisement's peerSelector selects no BGPPeer of this node: the VIPs it covers are announced to no peer from here");
+            }
+            to_no_one_logged = to_no_one;
             if *tx.borrow() != adverts {
                 info!(
                     advertisements = ?adverts.iter().map(|a| a.name.as_str()).collect::<Vec<_>>(),
@@ -301,6 +355,7 @@ mod tests {
         let (out, problems) = advertisements_for_node(
             &[&edge, &everywhere, &bad, &bad_large],
             &[&public, &internal],
+            &[],
             &rack_a,
         );
         assert_eq!(out.len(), 2, "{out:?}");
@@ -329,6 +384,7 @@ mod tests {
                 serde_json::json!({"nodeSelector": {"matchLabels": {"rack": "a"}}}),
             )],
             &[&public],
+            &[],
             &BTreeMap::new(),
         );
         assert!(out.is_empty());
@@ -359,6 +415,7 @@ mod tests {
         let (out, problems) = advertisements_for_node(
             &[&fits, &wide, &odd, &long],
             &[&cidr, &range],
+            &[],
             &BTreeMap::new(),
         );
         assert_eq!(out.len(), 1, "{problems:?}");
@@ -377,5 +434,69 @@ mod tests {
             "{problems:?}"
         );
         assert!(problems["long"].contains("longer than 32"), "{problems:?}");
+    }
+
+    #[test]
+    fn a_peer_selector_picks_the_bgppeers_of_this_node_by_their_labels() {
+        let bgp_peer =
+            |name: &str, labels: serde_json::Value, spec: serde_json::Value| -> BGPPeer {
+                serde_json::from_value(serde_json::json!({
+                    "apiVersion": "xlb.dev/v1alpha1", "kind": "BGPPeer",
+                    "metadata": {"name": name, "labels": labels}, "spec": spec,
+                }))
+                .unwrap()
+            };
+        let tor_a = bgp_peer(
+            "tor-a",
+            serde_json::json!({"role": "tor"}),
+            serde_json::json!({"address": "10.0.1.254", "asn": 65000,
+                "nodeSelector": {"matchLabels": {"rack": "a"}}}),
+        );
+        let tor_b = bgp_peer(
+            "tor-b",
+            serde_json::json!({"role": "tor"}),
+            serde_json::json!({"address": "10.0.2.254", "asn": 65000,
+                "nodeSelector": {"matchLabels": {"rack": "b"}}}),
+        );
+        let edge = bgp_peer(
+            "edge",
+            serde_json::json!({"role": "edge"}),
+            serde_json::json!({"address": "10.0.9.1", "asn": 65200}),
+        );
+        let internal = pool("internal", serde_json::json!({}), &["10.9.0.0/24"]);
+        let to_tor = advert(
+            "internal-to-tor",
+            serde_json::json!({"peerSelector": {"matchLabels": {"role": "tor"}}}),
+        );
+        let to_nobody = advert(
+            "nobody",
+            serde_json::json!({"peerSelector": {"matchLabels": {"role": "spine"}}}),
+        );
+        let broken = advert(
+            "broken",
+            serde_json::json!({"peerSelector": {"matchExpressions": [{"key": "role", "operator": "Sideways"}]}}),
+        );
+        let rack_a: BTreeMap<String, String> = [("rack".to_string(), "a".to_string())].into();
+        let (out, problems) = advertisements_for_node(
+            &[&to_tor, &to_nobody, &broken],
+            &[&internal],
+            &[&tor_a, &tor_b, &edge],
+            &rack_a,
+        );
+        let peers = |name: &str| {
+            out.iter()
+                .find(|a| a.name == name)
+                .unwrap()
+                .peers
+                .clone()
+                .unwrap()
+                .into_iter()
+                .map(|p| p.to_string())
+                .collect::<Vec<_>>()
+        };
+        // Rack a's router only: rack b's does not peer with this node.
+        assert_eq!(peers("internal-to-tor"), ["10.0.1.254"]);
+        assert!(peers("nobody").is_empty());
+        assert!(problems["broken"].contains("peerSelector"), "{problems:?}");
     }
 }
