@@ -27,7 +27,9 @@ use std::{
     time::Duration,
 };
 
-use lb_agent::bgp::{bird::BirdAnnouncer, task::AnnounceTask, AnnounceError, Announcer, Route};
+use lb_agent::bgp::{
+    bird::BirdAnnouncer, task::AnnounceTask, AnnounceError, Announcer, PeerLimit, Route,
+};
 use xlb_tests::bgp_lab::{
     ip, kernel_route, prefixes_sent, route, states, wait_metrics, wait_until, wait_until_blocking,
     BIRD_ROUTER_CONF, WAIT,
@@ -638,4 +640,115 @@ async fn bird_session_state_per_peer() {
     ));
     wait_metrics("peers 0 while BIRD is gone", WAIT, &registry, &down).await;
     drop(task);
+}
+
+/// Peer limits (a BGPAdvertisement's peerSelector) are written into the
+/// export filters of the sessions the agent writes: a covering prefix
+/// limited to no session of its family leaves the router while the other
+/// routes stay; allowed again, it comes back; an IPv6 limit takes the
+/// IPv6 VIP from the IPv6 session.
+#[tokio::test]
+async fn bird_holds_limited_routes_back_from_the_sessions_it_writes() {
+    let mut topo = Topology::new("l");
+    let peer = |address: &str, asn: u32| lb_agent::config::BgpPeer {
+        address: address.parse().unwrap(),
+        asn,
+        port: None,
+        hold_time: Duration::from_secs(3),
+        keepalive: Duration::from_secs(1),
+        password: None,
+        multihop_ttl: None,
+        graceful_restart: None,
+        bfd: None,
+    };
+    let sessions_file = topo.path("xlb-sessions.conf");
+    let mut bird = BirdAnnouncer::new(topo.path("xlb-vips"), topo.path("node.ctl")).with_sessions(
+        &sessions_file,
+        65001,
+        vec![peer("10.99.0.2", 65000), peer("fd99::2", 65001)],
+    );
+    bird.ensure_files().unwrap();
+    fs::write(
+        topo.path("node.conf"),
+        format!(
+            "log stderr all;\nrouter id 10.99.0.1;\nprotocol device {{}}\n\n{}\ninclude \"{}\";\n",
+            bird.static_protocols_config(),
+            sessions_file.display()
+        ),
+    )
+    .unwrap();
+    topo.start_router();
+    topo.start_node();
+    // BIRD's control socket is there once it answers.
+    wait_until("the node's BIRD to answer", WAIT, async || {
+        with_deadline(bird.peers()).await.map_err(|e| e.to_string())
+    })
+    .await;
+
+    let vip = route("192.0.2.10", "10.99.0.1", &[], None);
+    let covering = route("192.0.2.64/28", "10.99.0.1", &[], None);
+    let v6 = route("2001:db8::10", "fd99::1", &[], None);
+    let desired = set(&[&vip, &covering, &v6]);
+    let limit = |prefix: &str, peers: &[&str]| PeerLimit {
+        prefix: prefix.parse().unwrap(),
+        peers: peers.iter().map(|p| p.parse().unwrap()).collect(),
+    };
+    let steps = [
+        // First everything, so that what goes is seen going.
+        (
+            vec![],
+            vec!["192.0.2.10", "192.0.2.64/28", "2001:db8::10"],
+            vec![],
+        ),
+        // Allowed on the IPv6 session only, which carries no IPv4.
+        (
+            vec![limit("192.0.2.64/26", &["fd99::2"])],
+            vec!["192.0.2.10", "2001:db8::10"],
+            vec!["192.0.2.64/28"],
+        ),
+        (
+            vec![limit("192.0.2.64/26", &["10.99.0.2"])],
+            vec!["192.0.2.64/28", "2001:db8::10"],
+            vec![],
+        ),
+        (
+            vec![limit("2001:db8::/64", &[])],
+            vec!["192.0.2.10", "192.0.2.64/28"],
+            vec!["2001:db8::10"],
+        ),
+        (vec![], vec!["192.0.2.64/28", "2001:db8::10"], vec![]),
+    ];
+    for (limits, present, absent) in steps {
+        bird.set_peer_limits(&limits).unwrap();
+        with_deadline(bird.apply(&desired)).await.unwrap();
+        // IPv4 over the eBGP session lands in the router's FIB; IPv6 over
+        // the iBGP session in its table ibgp6.
+        let v6_table = |dst: &str| format!("{dst}/128");
+        for dst in present {
+            if dst.contains(':') {
+                topo.wait_router_route(
+                    &["table", "ibgp6", &v6_table(dst)],
+                    &["BGP.next_hop: fd99::1"],
+                )
+                .await;
+            } else {
+                topo.wait_fib(dst, "10.99.0.1").await;
+            }
+        }
+        for dst in absent {
+            if dst.contains(':') {
+                let query = ["show", "route", "table", "ibgp6", &v6_table(dst)];
+                wait_until("the IPv6 VIP gone from ibgp6", WAIT, async || {
+                    match topo.router().birdc(&query) {
+                        Err(e) if e.contains("Network not found") => Ok(()),
+                        Err(e) => Err(e),
+                        Ok(out) => Err(out),
+                    }
+                })
+                .await;
+            } else {
+                topo.wait_no_fib(dst).await;
+            }
+        }
+    }
 }

@@ -23,7 +23,7 @@ use lb_agent::bgp::{
     gobgp::{
         AddressFamily, GoBgpAnnouncer, GoBgpConfig, Ownership, PeerConfig, PeerEvents, SessionState,
     },
-    AnnounceError, Announcer, Route,
+    AnnounceError, Announcer, PeerLimit, Route,
 };
 use xlb_tests::bgp_lab::{ip, kernel_route, prefixes_sent, run, wait_until, WAIT};
 
@@ -449,6 +449,41 @@ fn gobgp_driver_against_gobgpd_and_bird_needs_root() {
         assert_eq!(gobgp.apply(&with_covering).await.unwrap(), (1, 0));
         assert_eq!(gobgp.announced().await.unwrap(), with_covering);
         router_converges(&lab, &["192.0.2.64/28"], &[]).await;
+
+        // Peer limits (a BGPAdvertisement's peerSelector) live in gobgpd's
+        // export policy: limited to no peer, or to another, the router
+        // loses the prefix and keeps the rest; limited to the router, it
+        // has it; without limits, nothing of the agent's stays in gobgpd.
+        let limit = |prefix: &str, peers: &[IpAddr]| PeerLimit {
+            prefix: prefix.parse().unwrap(),
+            peers: peers.iter().copied().collect(),
+        };
+        let elsewhere: IpAddr = "10.201.0.99".parse().unwrap();
+        for (limits, present, absent) in [
+            (
+                vec![limit("192.0.2.64/26", &[])],
+                "192.0.2.10",
+                "192.0.2.64/28",
+            ),
+            (vec![limit("192.0.2.64/26", &[router])], "192.0.2.64/28", ""),
+            (
+                vec![limit("192.0.2.64/28", &[elsewhere])],
+                "192.0.2.10",
+                "192.0.2.64/28",
+            ),
+            (vec![], "192.0.2.64/28", ""),
+        ] {
+            gobgp.set_peer_limits(&limits).unwrap();
+            assert_eq!(gobgp.apply(&with_covering).await.unwrap(), (0, 0));
+            let absent: &[&str] = if absent.is_empty() { &[] } else { &[absent] };
+            router_converges(&lab, &[present, "2001:db8::10"], absent).await;
+            let policies = lab.gobgp_cli(&["policy"]);
+            assert_eq!(
+                policies.contains("xlb-peer-limits"),
+                !limits.is_empty(),
+                "{limits:?}: {policies}"
+            );
+        }
         assert_eq!(gobgp.apply(&full).await.unwrap(), (0, 1));
         router_converges(&lab, &[], &["192.0.2.64/28"]).await;
 

@@ -101,7 +101,7 @@ use ipnet::IpNet;
 use lb_common::net::Family;
 use tokio::process::Command;
 
-use super::{AnnounceError, AnnounceResult, Announcer, BoxFuture, Route, Session};
+use super::{AnnounceError, AnnounceResult, Announcer, BoxFuture, PeerLimit, Route, Session};
 use crate::config::BgpPeer;
 
 /// The default base name of the two static protocols (`xlb_vips4`, `xlb_vips6`).
@@ -154,6 +154,8 @@ struct Sessions {
     file: PathBuf,
     local_asn: u32,
     peers: Vec<BgpPeer>,
+    /// What each session may export of the limited prefixes.
+    limits: Vec<PeerLimit>,
 }
 
 /// What BIRD calls a family: the file suffix and protocol name suffix
@@ -216,6 +218,7 @@ impl BirdAnnouncer {
             file: file.into(),
             local_asn,
             peers,
+            limits: Vec::new(),
         });
         self
     }
@@ -499,6 +502,22 @@ impl Announcer for BirdAnnouncer {
 
     fn announced(&mut self) -> BoxFuture<'_, AnnounceResult<BTreeSet<Route>>> {
         Box::pin(self.announced_now())
+    }
+
+    /// Written into the export filters of the sessions the agent writes.
+    /// Sessions of BIRD's own config export what their filters say.
+    fn set_peer_limits(&mut self, limits: &[PeerLimit]) -> Result<(), String> {
+        match &mut self.sessions {
+            Some(s) => {
+                s.limits = limits.to_vec();
+                Ok(())
+            }
+            None if limits.is_empty() => Ok(()),
+            None => Err(
+                "this BIRD driver writes no sessions (no peers file), so it cannot limit them"
+                    .into(),
+            ),
+        }
     }
 
     fn set_peers(&mut self, peers: &[BgpPeer]) -> Result<(), String> {
@@ -973,9 +992,22 @@ fn render_sessions(bird: &BirdAnnouncer, sessions: &Sessions) -> String {
             );
         }
         let family = Family::of(p.address);
+        // The limited prefixes (and everything inside) this peer may not
+        // have.
+        let denied: Vec<String> = sessions
+            .limits
+            .iter()
+            .filter(|l| Family::of(l.prefix.addr()) == family && !l.peers.contains(&p.address))
+            .map(|l| format!("{}+", l.prefix))
+            .collect();
+        let deny = if denied.is_empty() {
+            String::new()
+        } else {
+            format!(" && !(net ~ [ {} ])", denied.join(", "))
+        };
         let _ = writeln!(
             out,
-            "    {} {{ import none; export where proto = \"{}\"; }};\n}}",
+            "    {} {{ import none; export where proto = \"{}\"{deny}; }};\n}}",
             family.channel(),
             bird.proto(family)
         );

@@ -70,7 +70,9 @@ use std::{
 use ipnet::IpNet;
 use tokio::process::Command;
 
-use super::{check_routes, AnnounceError, AnnounceResult, Announcer, BoxFuture, Route, Session};
+use super::{
+    check_routes, fnv1a, AnnounceError, AnnounceResult, Announcer, BoxFuture, Route, Session,
+};
 use crate::config::{Bfd, BgpPeer};
 
 /// The default `vtysh` binary, looked up in `PATH`.
@@ -672,14 +674,6 @@ fn peer_lines(peer: &BgpPeer) -> AnnounceResult<Vec<String>> {
         lines.push(format!("neighbor {a} bfd profile {}", bfd_profile(b)));
     }
     Ok(lines)
-}
-
-/// FNV-1a, 32 bits: a hash that stays the same across builds (names in
-/// FRR's running config outlive the agent).
-fn fnv1a(bytes: &[u8]) -> u32 {
-    bytes.iter().fold(0x811c_9dc5, |h, &b| {
-        (h ^ u32::from(b)).wrapping_mul(0x0100_0193)
-    })
 }
 
 /// `show bgp neighbors json`: address → `bgpState`.

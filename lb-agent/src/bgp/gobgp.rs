@@ -54,7 +54,9 @@ use prost::Message;
 use prost_types::Any;
 use tonic::transport::{Channel, Endpoint};
 
-use super::{AnnounceError, AnnounceResult, Announcer, BoxFuture, Route, Session};
+use super::{
+    fnv1a, AnnounceError, AnnounceResult, Announcer, BoxFuture, PeerLimit, Route, Session,
+};
 
 /// The generated client and messages of GoBGP's API subset.
 #[allow(
@@ -271,6 +273,11 @@ pub struct GoBgpAnnouncer {
     /// Neighbors dropped from `config.peers` (a BGPPeer no longer
     /// selecting this node): deleted from `gobgpd` at the next apply.
     removed: BTreeSet<IpAddr>,
+    /// The peer limits to keep in `gobgpd`'s export policy.
+    limits: Vec<PeerLimit>,
+    /// The limits `gobgpd` was last given; `None`: not known (the agent
+    /// started, or the last change failed).
+    limits_installed: Option<Vec<PeerLimit>>,
 }
 
 impl GoBgpAnnouncer {
@@ -284,6 +291,8 @@ impl GoBgpAnnouncer {
             endpoint,
             client: None,
             removed: BTreeSet::new(),
+            limits: Vec::new(),
+            limits_installed: None,
         })
     }
 
@@ -389,6 +398,258 @@ impl GoBgpAnnouncer {
             self.add_peer(peer).await?;
         }
         Ok(missing.len())
+    }
+
+    /// Keeps `gobgpd`'s global export policy holding back the routes of
+    /// each limited prefix from every neighbor but its peers. When it
+    /// changes, our paths in the prefixes whose limits changed are
+    /// withdrawn under the old policy and added again under the new one:
+    /// gobgpd 3.10 withdraws nothing that a new policy rejects (its soft
+    /// reset out only sends what the policy accepts), so a peer that is no
+    /// longer allowed a route would keep it. A peer still allowed sees the
+    /// route withdrawn and announced again at once.
+    async fn keep_limits(&mut self) -> AnnounceResult<()> {
+        let desired = self.limits.clone();
+        let unchanged = self.limits_installed.as_ref() == Some(&desired);
+        if unchanged && desired.is_empty() {
+            return Ok(());
+        }
+        let assigned = self.export_policies().await?;
+        let name = limits_policy_name(&desired);
+        let ours_assigned: Vec<&String> = assigned
+            .iter()
+            .filter(|n| n.starts_with(LIMITS_POLICY))
+            .collect();
+        if ours_assigned == [&name] {
+            // In force already (also after the agent restarted).
+            self.limits_installed = Some(desired);
+            return Ok(());
+        }
+        // Unknown before (the agent started): every limited prefix.
+        let before = self.limits_installed.clone().unwrap_or_default();
+        let changed: Vec<IpNet> = before
+            .iter()
+            .filter(|l| !desired.contains(l))
+            .chain(desired.iter().filter(|l| !before.contains(l)))
+            .map(|l| l.prefix)
+            .collect();
+        let affected: Vec<Route> = self
+            .list_owned()
+            .await?
+            .into_values()
+            .filter(|r| changed.iter().any(|p| p.contains(&r.prefix)))
+            .collect();
+        for r in &affected {
+            self.delete_path(r).await?;
+        }
+        self.sync_limits(&assigned).await?;
+        for r in &affected {
+            self.add_path(r).await?;
+        }
+        Ok(())
+    }
+
+    /// Makes `gobgpd`'s global export policy the one for `self.limits`
+    /// (`assigned`: the global export policies now): one statement per
+    /// set of peers (prefixes in it, the neighbor not one of them:
+    /// reject). The new policy is assigned before the old one goes, so no
+    /// route slips out between; then every neighbor gets what the policy
+    /// accepts (a soft reset out).
+    async fn sync_limits(&mut self, assigned: &[String]) -> AnnounceResult<()> {
+        let desired = self.limits.clone();
+        let name = limits_policy_name(&desired);
+        self.limits_installed = None;
+        let ours = |n: &String| n.starts_with(LIMITS_POLICY);
+        let adding = !desired.is_empty() && !assigned.contains(&name);
+        if adding {
+            let (sets, policy) = limits_policy(&desired);
+            let mut client = self.client();
+            self.call("AddPolicy", async move {
+                for set in sets {
+                    let name = set.name.clone();
+                    // Left by an earlier attempt: replaced.
+                    let _ = client
+                        .delete_defined_set(apipb::DeleteDefinedSetRequest {
+                            defined_set: Some(apipb::DefinedSet {
+                                defined_type: set.defined_type,
+                                name: name.clone(),
+                                ..Default::default()
+                            }),
+                            all: true,
+                        })
+                        .await;
+                    client
+                        .add_defined_set(apipb::AddDefinedSetRequest {
+                            defined_set: Some(set),
+                        })
+                        .await
+                        .map_err(status_error)?;
+                }
+                let _ = client
+                    .delete_policy(apipb::DeletePolicyRequest {
+                        policy: Some(apipb::Policy {
+                            name: policy.name.clone(),
+                            statements: Vec::new(),
+                        }),
+                        preserve_statements: false,
+                        all: true,
+                    })
+                    .await;
+                let name = policy.name.clone();
+                client
+                    .add_policy(apipb::AddPolicyRequest {
+                        policy: Some(policy),
+                        refer_existing_statements: false,
+                    })
+                    .await
+                    .map_err(status_error)?;
+                client
+                    .add_policy_assignment(apipb::AddPolicyAssignmentRequest {
+                        assignment: Some(global_export(&name)),
+                    })
+                    .await
+                    .map_err(status_error)?;
+                Ok(())
+            })
+            .await?;
+        }
+        // Then the old ones go: their assignment, policy and sets.
+        let old: Vec<String> = assigned
+            .iter()
+            .filter(|n| ours(n) && **n != name)
+            .cloned()
+            .collect();
+        let mut client = self.client();
+        let keep = name.clone();
+        let deleted = self
+            .call("DeletePolicy", async move {
+                let mut deleted = old.len();
+                for old in &old {
+                    client
+                        .delete_policy_assignment(apipb::DeletePolicyAssignmentRequest {
+                            assignment: Some(global_export(old)),
+                            all: false,
+                        })
+                        .await
+                        .map_err(status_error)?;
+                }
+                let mut policies = client
+                    .list_policy(apipb::ListPolicyRequest::default())
+                    .await
+                    .map_err(status_error)?
+                    .into_inner();
+                let mut stale = Vec::new();
+                while let Some(msg) = policies.message().await.map_err(status_error)? {
+                    if let Some(p) = msg.policy.filter(|p| ours(&p.name) && p.name != keep) {
+                        stale.push(p.name);
+                    }
+                }
+                deleted += stale.len();
+                for name in stale {
+                    client
+                        .delete_policy(apipb::DeletePolicyRequest {
+                            policy: Some(apipb::Policy {
+                                name,
+                                statements: Vec::new(),
+                            }),
+                            preserve_statements: false,
+                            all: true,
+                        })
+                        .await
+                        .map_err(status_error)?;
+                }
+                let keep_sets = format!("{keep}-");
+                for defined_type in [apipb::DefinedType::Prefix, apipb::DefinedType::Neighbor] {
+                    let mut sets = client
+                        .list_defined_set(apipb::ListDefinedSetRequest {
+                            defined_type: defined_type as i32,
+                            name: String::new(),
+                        })
+                        .await
+                        .map_err(status_error)?
+                        .into_inner();
+                    let mut stale = Vec::new();
+                    while let Some(msg) = sets.message().await.map_err(status_error)? {
+                        if let Some(s) = msg.defined_set.filter(|s| {
+                            s.name.starts_with(LIMITS_POLICY) && !s.name.starts_with(&keep_sets)
+                        }) {
+                            stale.push(s.name);
+                        }
+                    }
+                    deleted += stale.len();
+                    for name in stale {
+                        client
+                            .delete_defined_set(apipb::DeleteDefinedSetRequest {
+                                defined_set: Some(apipb::DefinedSet {
+                                    defined_type: defined_type as i32,
+                                    name,
+                                    ..Default::default()
+                                }),
+                                all: true,
+                            })
+                            .await
+                            .map_err(status_error)?;
+                    }
+                }
+                Ok(deleted)
+            })
+            .await?;
+        if !adding && deleted == 0 {
+            self.limits_installed = Some(desired);
+            return Ok(());
+        }
+        // Every neighbor's routes again, under the policy now in force.
+        let neighbors: Vec<IpAddr> = self
+            .list_peers()
+            .await?
+            .into_iter()
+            .map(|(a, _)| a)
+            .collect();
+        let mut client = self.client();
+        self.call("ResetPeer", async move {
+            for address in neighbors {
+                client
+                    .reset_peer(apipb::ResetPeerRequest {
+                        address: address.to_string(),
+                        communication: String::new(),
+                        soft: true,
+                        direction: apipb::reset_peer_request::SoftResetDirection::Out as i32,
+                    })
+                    .await
+                    .map_err(status_error)?;
+            }
+            Ok(())
+        })
+        .await?;
+        tracing::info!(limits = desired.len(), policy = %name, "gobgp: peer limits in the export policy");
+        self.limits_installed = Some(desired);
+        Ok(())
+    }
+
+    /// The policies assigned to the global export policy.
+    async fn export_policies(&mut self) -> AnnounceResult<Vec<String>> {
+        let mut client = self.client();
+        self.call("ListPolicyAssignment", async move {
+            let mut stream = client
+                .list_policy_assignment(apipb::ListPolicyAssignmentRequest {
+                    name: "global".into(),
+                    direction: apipb::PolicyDirection::Export as i32,
+                })
+                .await
+                .map_err(status_error)?
+                .into_inner();
+            let mut names = Vec::new();
+            while let Some(msg) = stream.message().await.map_err(status_error)? {
+                names.extend(
+                    msg.assignment
+                        .into_iter()
+                        .flat_map(|a| a.policies)
+                        .map(|p| p.name),
+                );
+            }
+            Ok(names)
+        })
+        .await
     }
 
     /// Every neighbor and its session state (ListPeer).
@@ -544,11 +805,20 @@ impl Announcer for GoBgpAnnouncer {
         Ok(())
     }
 
+    /// Kept in `gobgpd`'s global export policy, so that every session is
+    /// held to them, the agent's and any other.
+    fn set_peer_limits(&mut self, limits: &[PeerLimit]) -> Result<(), String> {
+        self.limits = limits.to_vec();
+        Ok(())
+    }
+
     fn apply<'a>(
         &'a mut self,
         desired: &'a BTreeSet<Route>,
     ) -> BoxFuture<'a, AnnounceResult<(usize, usize)>> {
         Box::pin(async move {
+            // The policy first: a limited route never leaves unfiltered.
+            self.keep_limits().await?;
             let desired = desired_by_prefix(desired, self.config.ownership);
             let current = self.list_owned().await?;
             let mut added = 0;
@@ -834,6 +1104,92 @@ fn peer_address_state(peer: &apipb::Peer) -> (Option<IpAddr>, SessionState) {
         .and_then(|s| SessionState::try_from(s.session_state).ok())
         .unwrap_or(SessionState::Unknown);
     (address, state)
+}
+
+/// The name the agent's export policy starts with; its defined sets start
+/// with the policy's name.
+const LIMITS_POLICY: &str = "xlb-peer-limits";
+
+/// The policy for `limits`: named after a hash of them, so that a change
+/// is a new policy beside the old one.
+fn limits_policy_name(limits: &[PeerLimit]) -> String {
+    let text: String = limits
+        .iter()
+        .map(|l| format!("{} {:?};", l.prefix, l.peers))
+        .collect();
+    format!("{LIMITS_POLICY}-{:08x}", fnv1a(text.as_bytes()))
+}
+
+/// The defined sets and the policy for `limits`: per set of peers, a
+/// prefix set (each limited prefix and every longer one inside it), a
+/// neighbor set (the peers), and a statement rejecting a route of the
+/// prefixes to any neighbor not in it (to every neighbor when no peer is
+/// allowed).
+fn limits_policy(limits: &[PeerLimit]) -> (Vec<apipb::DefinedSet>, apipb::Policy) {
+    let name = limits_policy_name(limits);
+    let mut by_peers: BTreeMap<&BTreeSet<IpAddr>, Vec<IpNet>> = BTreeMap::new();
+    for l in limits {
+        by_peers.entry(&l.peers).or_default().push(l.prefix);
+    }
+    let mut sets = Vec::new();
+    let mut statements = Vec::new();
+    for (i, (peers, prefixes)) in by_peers.into_iter().enumerate() {
+        let prefix_set = format!("{name}-{i}-prefixes");
+        sets.push(apipb::DefinedSet {
+            defined_type: apipb::DefinedType::Prefix as i32,
+            name: prefix_set.clone(),
+            list: Vec::new(),
+            prefixes: prefixes
+                .iter()
+                .map(|p| apipb::Prefix {
+                    ip_prefix: p.to_string(),
+                    mask_length_min: u32::from(p.prefix_len()),
+                    mask_length_max: u32::from(p.max_prefix_len()),
+                })
+                .collect(),
+        });
+        let neighbor_set = (!peers.is_empty()).then(|| {
+            let set = format!("{name}-{i}-peers");
+            sets.push(apipb::DefinedSet {
+                defined_type: apipb::DefinedType::Neighbor as i32,
+                name: set.clone(),
+                list: peers.iter().map(|p| IpNet::from(*p).to_string()).collect(),
+                prefixes: Vec::new(),
+            });
+            apipb::MatchSet {
+                r#type: apipb::match_set::Type::Invert as i32,
+                name: set,
+            }
+        });
+        statements.push(apipb::Statement {
+            name: format!("{name}-{i}"),
+            conditions: Some(apipb::Conditions {
+                prefix_set: Some(apipb::MatchSet {
+                    r#type: apipb::match_set::Type::Any as i32,
+                    name: prefix_set,
+                }),
+                neighbor_set,
+            }),
+            actions: Some(apipb::Actions {
+                route_action: apipb::RouteAction::Reject as i32,
+            }),
+        });
+    }
+    (sets, apipb::Policy { name, statements })
+}
+
+/// The global export assignment of policy `name`; routes no statement
+/// rejects are accepted.
+fn global_export(name: &str) -> apipb::PolicyAssignment {
+    apipb::PolicyAssignment {
+        name: "global".into(),
+        direction: apipb::PolicyDirection::Export as i32,
+        policies: vec![apipb::Policy {
+            name: name.into(),
+            statements: Vec::new(),
+        }],
+        default_action: apipb::RouteAction::Accept as i32,
+    }
 }
 
 /// The session of a ListPeer answer (asked with `enableAdvertised`): its

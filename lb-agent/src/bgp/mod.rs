@@ -363,6 +363,14 @@ pub trait Announcer: Send {
     ) -> BoxFuture<'a, AnnounceResult<(usize, usize)>>;
 }
 
+/// FNV-1a, 32 bits: a hash that stays the same across builds (names the
+/// agent gives things in a speaker's config outlive the agent).
+pub(crate) fn fnv1a(bytes: &[u8]) -> u32 {
+    bytes.iter().fold(0x811c_9dc5, |h, &b| {
+        (h ^ u32::from(b)).wrapping_mul(0x0100_0193)
+    })
+}
+
 /// Runs a speaker's control program (`birdc`, `vtysh`) to completion
 /// within `timeout`, its output captured. Not starting, no answer in time
 /// and a failed wait are [`AnnounceError::Unreachable`]; `what` names the
