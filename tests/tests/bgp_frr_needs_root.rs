@@ -22,7 +22,7 @@ use std::{
     time::Duration,
 };
 
-use lb_agent::bgp::{frr::FrrAnnouncer, AnnounceError, Announcer, Route};
+use lb_agent::bgp::{frr::FrrAnnouncer, AnnounceError, Announcer, PeerLimit, Route};
 use lb_agent::config::BgpPeer;
 use xlb_tests::bgp_lab::{
     frr_daemon, frr_daemon_args, ip, kernel_route, prefixes_sent, route, set_up_veth_end, states,
@@ -346,6 +346,44 @@ async fn frr_announces_changes_and_withdraws_what_the_agent_asks_and_survives_re
         prefixes_sent(&sessions, &[("10.99.0.2", 3), ("fd99::2", 4)])
     })
     .await;
+
+    // Peer limits (a BGPAdvertisement's peerSelector) become the sessions'
+    // outbound route maps, in both families. The router's FIB has what the
+    // eBGP session (10.99.0.2) brings, its table ibgp4 what the iBGP one
+    // (fd99::2) brings.
+    let in_ibgp4 = |want: bool| {
+        let topo = &topo;
+        async move {
+            let what = format!("192.0.2.64/28 in the router's ibgp4: {want}");
+            wait_until(&what, WAIT, async || {
+                let out = topo.birdc(&["show", "route", "table", "ibgp4", "192.0.2.64/28"]);
+                if out.contains("192.0.2.64/28") == want {
+                    Ok(())
+                } else {
+                    Err(out)
+                }
+            })
+            .await
+        }
+    };
+    let limit = |peers: &[&str]| PeerLimit {
+        prefix: "192.0.2.64/26".parse().unwrap(),
+        peers: peers.iter().map(|p| p.parse().unwrap()).collect(),
+    };
+    for (limits, ebgp, ibgp) in [
+        (vec![limit(&["fd99::2"])], false, true),
+        (vec![limit(&[])], false, false),
+        (vec![limit(&["10.99.0.2"])], true, false),
+        (vec![], true, true),
+    ] {
+        frr.set_peer_limits(&limits).unwrap();
+        assert_eq!(with_deadline(frr.apply(&desired)).await.unwrap(), (0, 0));
+        topo.wait_fib("192.0.2.64/28", ebgp.then_some("10.99.0.1"))
+            .await;
+        in_ibgp4(ibgp).await;
+        // The other routes stay.
+        topo.wait_fib("192.0.2.10", Some("10.99.0.1")).await;
+    }
 
     // The same set again: nothing sent (the saved config is not rewritten).
     let saved = fs::metadata(topo.frr_dir().join("frr.conf"))

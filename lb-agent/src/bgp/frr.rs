@@ -71,7 +71,8 @@ use ipnet::IpNet;
 use tokio::process::Command;
 
 use super::{
-    check_routes, fnv1a, AnnounceError, AnnounceResult, Announcer, BoxFuture, Route, Session,
+    check_routes, fnv1a, AnnounceError, AnnounceResult, Announcer, BoxFuture, PeerLimit, Route,
+    Session,
 };
 use crate::config::{Bfd, BgpPeer};
 
@@ -103,6 +104,9 @@ pub struct FrrAnnouncer {
     /// `router bgp ASN`; `None`: the instance FRR already has.
     asn: Option<u32>,
     peers: Vec<BgpPeer>,
+    /// What each of the agent's sessions may export of the limited
+    /// prefixes.
+    limits: Vec<PeerLimit>,
     timeout: Duration,
 }
 
@@ -122,6 +126,11 @@ struct Running {
     route_maps: BTreeMap<String, Vec<String>>,
     /// Neighbours: address → description (`xlb:HASH` for the agent's).
     neighbors: BTreeMap<IpAddr, Option<String>>,
+    /// Neighbours' outbound route maps (`neighbor A route-map M out`), by
+    /// address family (`ipv4`, `ipv6`).
+    exports: BTreeMap<(IpAddr, String), String>,
+    /// Prefix lists named `xlb-...`, with their command (`ip`, `ipv6`).
+    prefix_lists: BTreeSet<(String, String)>,
 }
 
 impl FrrAnnouncer {
@@ -135,6 +144,7 @@ impl FrrAnnouncer {
             unsaved: false,
             asn,
             peers: Vec::new(),
+            limits: Vec::new(),
             timeout: DEFAULT_TIMEOUT,
         }
     }
@@ -225,7 +235,7 @@ impl FrrAnnouncer {
     async fn apply_now(&mut self, desired: &BTreeSet<Route>) -> AnnounceResult<(usize, usize)> {
         let by_prefix = check_routes(desired)?;
         let running = self.running().await?;
-        let mut plan = plan(&running, self.asn, &self.peers, &by_prefix)?;
+        let mut plan = plan(&running, self.asn, &self.peers, &self.limits, &by_prefix)?;
         if !plan.commands.is_empty() {
             plan.commands.push("end".into());
             self.unsaved = true;
@@ -261,6 +271,13 @@ impl Announcer for FrrAnnouncer {
         Box::pin(async move { Ok(self.running().await?.routes()) })
     }
 
+    /// Written as outbound route maps of the sessions the agent writes.
+    /// Neighbours of FRR's own config export what their maps say.
+    fn set_peer_limits(&mut self, limits: &[PeerLimit]) -> Result<(), String> {
+        self.limits = limits.to_vec();
+        Ok(())
+    }
+
     fn set_peers(&mut self, peers: &[BgpPeer]) -> Result<(), String> {
         if self.asn.is_none() && !peers.is_empty() {
             return Err(
@@ -292,6 +309,8 @@ impl Running {
             Other,
         }
         let mut block = Block::Other;
+        // The address family block of the instance a line is in.
+        let mut af = String::new();
         for line in text.lines() {
             let words: Vec<&str> = line.split_whitespace().collect();
             if !line.starts_with(' ') {
@@ -305,8 +324,12 @@ impl Running {
                         Block::Bgp
                     }
                     ["route-map", name, "permit" | "deny", _] if name.starts_with(MARK) => {
-                        r.route_maps.insert(name.to_string(), Vec::new());
+                        r.route_maps.entry(name.to_string()).or_default();
                         Block::RouteMap(name.to_string())
+                    }
+                    [kind @ ("ip" | "ipv6"), "prefix-list", name, ..] if name.starts_with(MARK) => {
+                        r.prefix_lists.insert((kind.to_string(), name.to_string()));
+                        Block::Other
                     }
                     _ => Block::Other,
                 };
@@ -315,6 +338,8 @@ impl Running {
             match (&block, words.as_slice()) {
                 (Block::Bgp, ["no", "bgp", "network", "import-check"]) => r.import_check_off = true,
                 (Block::Bgp, ["coalesce-time", _]) => r.coalesce_set = true,
+                (Block::Bgp, ["address-family", family, ..]) => af = family.to_string(),
+                (Block::Bgp, ["exit-address-family"]) => af.clear(),
                 (Block::Bgp, ["network", prefix, "route-map", name]) if name.starts_with(MARK) => {
                     if let Ok(net) = prefix.parse::<IpNet>() {
                         r.networks.insert(net.trunc(), name.to_string());
@@ -323,8 +348,12 @@ impl Running {
                 (Block::Bgp, ["neighbor", addr, rest @ ..]) => {
                     if let Ok(addr) = addr.parse::<IpAddr>() {
                         let entry = r.neighbors.entry(addr).or_default();
-                        if let ["description", d] = rest {
-                            *entry = Some(d.to_string());
+                        match rest {
+                            ["description", d] => *entry = Some(d.to_string()),
+                            ["route-map", m, "out"] => {
+                                r.exports.insert((addr, af.clone()), m.to_string());
+                            }
+                            _ => {}
                         }
                     }
                 }
@@ -406,6 +435,7 @@ fn plan(
     running: &Running,
     asn: Option<u32>,
     peers: &[BgpPeer],
+    limits: &[PeerLimit],
     desired: &BTreeMap<IpNet, Route>,
 ) -> AnnounceResult<Plan> {
     let asn = match (asn, running.asn) {
@@ -468,6 +498,53 @@ fn plan(
         maps.push(format!("route-map {IMPORT_MAP} deny 10"));
         maps.push("exit".into());
         maps.push(format!("route-map {EXPORT_MAP} permit 10"));
+        maps.push("exit".into());
+    }
+    // Each session's outbound map: the shared one, or one that denies the
+    // limited prefixes the peer may not have (shared by the peers with the
+    // same denials).
+    let exports: BTreeMap<IpAddr, String> = peers
+        .iter()
+        .map(|peer| (peer.address, export_map(limits, peer.address)))
+        .collect();
+    let mut limit_maps = BTreeSet::new();
+    for (peer, name) in &exports {
+        if name == EXPORT_MAP || !limit_maps.insert(name.clone()) {
+            continue;
+        }
+        if running.route_maps.contains_key(name) {
+            continue;
+        }
+        let denied: Vec<IpNet> = limits
+            .iter()
+            .filter(|l| !l.peers.contains(peer))
+            .map(|l| l.prefix)
+            .collect();
+        let mut seq = 10;
+        for (kind, v4) in [("ip", true), ("ipv6", false)] {
+            let list = format!("{name}-{}", if v4 { "4" } else { "6" });
+            let family: Vec<&IpNet> = denied.iter().filter(|p| p.addr().is_ipv4() == v4).collect();
+            if family.is_empty() {
+                continue;
+            }
+            for (i, prefix) in family.iter().enumerate() {
+                // `le` must be longer than the prefix: none for a host route.
+                let le = if prefix.prefix_len() < prefix.max_prefix_len() {
+                    format!(" le {}", prefix.max_prefix_len())
+                } else {
+                    String::new()
+                };
+                maps.push(format!(
+                    "{kind} prefix-list {list} seq {} permit {prefix}{le}",
+                    (i + 1) * 5
+                ));
+            }
+            maps.push(format!("route-map {name} deny {seq}"));
+            maps.push(format!("match {kind} address prefix-list {list}"));
+            maps.push("exit".into());
+            seq += 10;
+        }
+        maps.push(format!("route-map {name} permit {seq}"));
         maps.push("exit".into());
     }
     if !running.route_map_delay_set {
@@ -551,14 +628,49 @@ fn plan(
             && bgp
                 .iter()
                 .any(|l| l == &format!("neighbor {} remote-as {}", peer.address, peer.asn));
+        let export = &exports[&peer.address];
+        let a = peer.address;
         if activate {
-            per_family.entry(family(peer.address)).or_default().extend([
-                format!("neighbor {} activate", peer.address),
-                format!("neighbor {} route-map {IMPORT_MAP} in", peer.address),
-                format!("neighbor {} route-map {EXPORT_MAP} out", peer.address),
-            ]);
+            per_family
+                .entry(family(a))
+                .or_default()
+                .push(format!("neighbor {a} activate"));
+        }
+        // Both families, whichever FRR activates (IPv4 unicast is on for
+        // every neighbour by default, IPv6 ones included).
+        for af in ["ipv4", "ipv6"] {
+            let lines = per_family.entry(af).or_default();
+            if activate {
+                lines.push(format!("neighbor {a} route-map {IMPORT_MAP} in"));
+            }
+            if activate || running.exports.get(&(a, af.to_string())) != Some(export) {
+                lines.push(format!("neighbor {a} route-map {export} out"));
+            }
         }
     }
+    per_family.retain(|_, lines| !lines.is_empty());
+    // Limit maps and their lists no session uses any more (after the
+    // sessions moved to their new maps).
+    let limit_prefix = format!("{EXPORT_MAP}-");
+    unused_maps.extend(
+        running
+            .route_maps
+            .keys()
+            .filter(|m| m.starts_with(&limit_prefix) && !limit_maps.contains(*m))
+            .cloned(),
+    );
+    let unused_lists: Vec<String> = running
+        .prefix_lists
+        .iter()
+        .filter(|(_, l)| {
+            l.starts_with(&limit_prefix)
+                && !limit_maps.iter().any(|m| {
+                    l.strip_prefix(m.as_str())
+                        .is_some_and(|s| s == "-4" || s == "-6")
+                })
+        })
+        .map(|(kind, l)| format!("no {kind} prefix-list {l}"))
+        .collect();
     for (af, lines) in per_family {
         bgp.push(format!("address-family {af} unicast"));
         bgp.extend(lines);
@@ -575,7 +687,7 @@ fn plan(
     }
     unused_maps.sort_unstable();
     unused_maps.dedup();
-    if maps.is_empty() && bgp.is_empty() && unused_maps.is_empty() {
+    if maps.is_empty() && bgp.is_empty() && unused_maps.is_empty() && unused_lists.is_empty() {
         return Ok(p);
     }
     p.commands.push("configure terminal".into());
@@ -587,7 +699,23 @@ fn plan(
     }
     p.commands
         .extend(unused_maps.into_iter().map(|m| format!("no route-map {m}")));
+    p.commands.extend(unused_lists);
     Ok(p)
+}
+
+/// The outbound route map of the agent's session with `peer`: the shared
+/// one, or one named after the limited prefixes it may not have.
+fn export_map(limits: &[PeerLimit], peer: IpAddr) -> String {
+    let denied: String = limits
+        .iter()
+        .filter(|l| !l.peers.contains(&peer))
+        .map(|l| format!("{};", l.prefix))
+        .collect();
+    if denied.is_empty() {
+        EXPORT_MAP.into()
+    } else {
+        format!("{EXPORT_MAP}-{:08x}", fnv1a(denied.as_bytes()))
+    }
 }
 
 fn family(a: IpAddr) -> &'static str {
@@ -735,7 +863,12 @@ mod tests {
 
     /// Applies `plan` to a running config the way FRR shows it: enough of
     /// FRR to check that a second apply sends nothing.
-    fn render_running(asn: u32, routes: &BTreeMap<IpNet, Route>, peers: &[BgpPeer]) -> String {
+    fn render_running(
+        asn: u32,
+        routes: &BTreeMap<IpNet, Route>,
+        peers: &[BgpPeer],
+        limits: &[PeerLimit],
+    ) -> String {
         let mut s = format!(
             "bgp route-map delay-timer 1\n!\nrouter bgp {asn}\n coalesce-time 0\n no bgp network import-check\n"
         );
@@ -745,11 +878,38 @@ mod tests {
             let _ = writeln!(s, " neighbor {} remote-as {}", p.address, p.asn);
             let _ = writeln!(s, " neighbor {} description {mark}", p.address);
         }
-        s.push_str(" !\n address-family ipv4 unicast\n");
-        for (prefix, r) in routes {
-            let _ = writeln!(s, "  network {prefix} route-map {}", map_name(r));
+        for v4 in [true, false] {
+            let af = if v4 { "ipv4" } else { "ipv6" };
+            let _ = writeln!(s, " !\n address-family {af} unicast");
+            for (prefix, r) in routes.iter().filter(|(p, _)| p.addr().is_ipv4() == v4) {
+                let _ = writeln!(s, "  network {prefix} route-map {}", map_name(r));
+            }
+            for p in peers {
+                if p.address.is_ipv4() == v4 {
+                    let _ = writeln!(s, "  neighbor {} activate", p.address);
+                }
+                let _ = writeln!(s, "  neighbor {} route-map {IMPORT_MAP} in", p.address);
+                let export = export_map(limits, p.address);
+                let _ = writeln!(s, "  neighbor {} route-map {export} out", p.address);
+            }
+            s.push_str(" exit-address-family\n");
         }
-        s.push_str(" exit-address-family\nexit\n!\n");
+        s.push_str("exit\n!\n");
+        // The limit maps, as FRR shows them (names are all the plan reads).
+        for p in peers {
+            let export = export_map(limits, p.address);
+            if export != EXPORT_MAP {
+                let _ = writeln!(
+                    s,
+                    "ip prefix-list {export}-4 seq 5 permit 192.0.2.0/24 le 32"
+                );
+                let _ = writeln!(
+                    s,
+                    "route-map {export} deny 10\n match ip address prefix-list {export}-4\nexit\n!"
+                );
+                let _ = writeln!(s, "route-map {export} permit 20\nexit\n!");
+            }
+        }
         for r in routes.values() {
             let _ = writeln!(s, "route-map {} permit 10", map_name(r));
             for l in set_lines(r) {
@@ -758,6 +918,63 @@ mod tests {
             s.push_str("exit\n!\n");
         }
         s
+    }
+
+    #[test]
+    fn limited_prefixes_get_a_session_an_outbound_map_that_denies_them() {
+        let peers = [peer("10.9.0.254", None), peer("10.9.0.253", None)];
+        let limits = [
+            PeerLimit {
+                prefix: "192.0.2.64/26".parse().unwrap(),
+                peers: ["10.9.0.253".parse().unwrap()].into(),
+            },
+            PeerLimit {
+                prefix: "192.0.2.200/32".parse().unwrap(),
+                peers: BTreeSet::new(),
+            },
+        ];
+        let sessions = Running::parse(&render_running(65001, &BTreeMap::new(), &peers, &[]));
+        let p = plan(&sessions, Some(65001), &peers, &limits, &BTreeMap::new()).unwrap();
+        let text = p.commands.join("\n");
+        let denies_both = export_map(&limits, "10.9.0.254".parse().unwrap());
+        let denies_one = export_map(&limits, "10.9.0.253".parse().unwrap());
+        assert_ne!(denies_both, denies_one);
+        // Lists first (a host route without `le`), then the maps, then
+        // the sessions moved to them.
+        assert!(
+            text.contains(&format!(
+                "ip prefix-list {denies_both}-4 seq 5 permit 192.0.2.64/26 le 32\n\
+                 ip prefix-list {denies_both}-4 seq 10 permit 192.0.2.200/32\n\
+                 route-map {denies_both} deny 10\n\
+                 match ip address prefix-list {denies_both}-4\nexit\n\
+                 route-map {denies_both} permit 20\nexit"
+            )),
+            "{text}"
+        );
+        assert!(text.contains(&format!("neighbor 10.9.0.254 route-map {denies_both} out")));
+        assert!(text.contains(&format!("neighbor 10.9.0.253 route-map {denies_one} out")));
+        // As FRR then shows it: nothing more to do.
+        let limited = Running::parse(&render_running(65001, &BTreeMap::new(), &peers, &limits));
+        let p = plan(&limited, Some(65001), &peers, &limits, &BTreeMap::new()).unwrap();
+        assert!(p.commands.is_empty(), "{:?}", p.commands);
+        // Limits gone: back to the shared map, the limit maps and lists go.
+        let p = plan(&limited, Some(65001), &peers, &[], &BTreeMap::new()).unwrap();
+        let text = p.commands.join("\n");
+        assert!(text.contains(&format!("neighbor 10.9.0.254 route-map {EXPORT_MAP} out")));
+        assert!(
+            text.contains(&format!("no route-map {denies_both}")),
+            "{text}"
+        );
+        // The lists go last, once no map uses them.
+        let lists = text.split("no ip prefix-list").skip(1).count();
+        assert!(
+            lists == 2 && text.contains(&format!("no ip prefix-list {denies_one}-4")),
+            "{text}"
+        );
+        assert!(
+            text.rfind("no route-map") < text.find("no ip prefix-list"),
+            "{text}"
+        );
     }
 
     #[test]
@@ -833,7 +1050,7 @@ end
         };
         let desired: BTreeMap<IpNet, Route> = [(a.prefix, a.clone()), (b.prefix, b.clone())].into();
         let empty = Running::parse("router bgp 65001\nexit\n");
-        let p = plan(&empty, Some(65001), &[], &desired).unwrap();
+        let p = plan(&empty, Some(65001), &[], &[], &desired).unwrap();
         assert_eq!((p.added, p.withdrawn), (2, 0));
         let text = p.commands.join("\n");
         assert!(
@@ -850,15 +1067,15 @@ end
         assert!(text.contains(&format!("network 192.0.2.0/28 route-map {}", map_name(&b))));
 
         // What FRR then shows: nothing more to do.
-        let now = Running::parse(&render_running(65001, &desired, &[]));
+        let now = Running::parse(&render_running(65001, &desired, &[], &[]));
         assert_eq!(now.routes(), desired.values().cloned().collect());
-        let p = plan(&now, Some(65001), &[], &desired).unwrap();
+        let p = plan(&now, Some(65001), &[], &[], &desired).unwrap();
         assert!(p.commands.is_empty(), "{:?}", p.commands);
 
         // a gets a community (a new map, the old deleted after), b goes.
         let a2 = route("192.0.2.10", "10.0.0.1", vec![(65000, 1), (65535, 0)], None);
         let next: BTreeMap<IpNet, Route> = [(a2.prefix, a2.clone())].into();
-        let p = plan(&now, Some(65001), &[], &next).unwrap();
+        let p = plan(&now, Some(65001), &[], &[], &next).unwrap();
         assert_eq!((p.added, p.withdrawn), (1, 2));
         let text = p.commands.join("\n");
         assert_ne!(map_name(&a), map_name(&a2));
@@ -880,7 +1097,7 @@ end
         let bfd = Bfd::DEFAULT;
         let peers = [peer("10.0.0.254", Some(bfd))];
         let empty = Running::parse("router bgp 65001\nexit\n");
-        let p = plan(&empty, Some(65001), &peers, &BTreeMap::new()).unwrap();
+        let p = plan(&empty, Some(65001), &peers, &[], &BTreeMap::new()).unwrap();
         let text = p.commands.join("\n");
         for want in [
             "route-map xlb-import deny 10",
@@ -893,13 +1110,13 @@ end
             assert!(text.contains(want), "missing {want:?} in:\n{text}");
         }
         // Once FRR has it: nothing; changed: deleted and added again; gone: deleted.
-        let now = Running::parse(&render_running(65001, &BTreeMap::new(), &peers));
-        assert!(plan(&now, Some(65001), &peers, &BTreeMap::new())
+        let now = Running::parse(&render_running(65001, &BTreeMap::new(), &peers, &[]));
+        assert!(plan(&now, Some(65001), &peers, &[], &BTreeMap::new())
             .unwrap()
             .commands
             .is_empty());
         let changed = [peer("10.0.0.254", None)];
-        let text = plan(&now, Some(65001), &changed, &BTreeMap::new())
+        let text = plan(&now, Some(65001), &changed, &[], &BTreeMap::new())
             .unwrap()
             .commands
             .join("\n");
@@ -907,7 +1124,7 @@ end
             text.contains("no neighbor 10.0.0.254\nneighbor 10.0.0.254 remote-as 65000"),
             "{text}"
         );
-        let text = plan(&now, Some(65001), &[], &BTreeMap::new())
+        let text = plan(&now, Some(65001), &[], &[], &BTreeMap::new())
             .unwrap()
             .commands
             .join("\n");
@@ -915,11 +1132,11 @@ end
 
         let operators =
             Running::parse("router bgp 65001\n neighbor 10.0.0.254 remote-as 65000\nexit\n");
-        let e = plan(&operators, Some(65001), &peers, &BTreeMap::new()).unwrap_err();
+        let e = plan(&operators, Some(65001), &peers, &[], &BTreeMap::new()).unwrap_err();
         assert!(e.to_string().contains("from its own configuration"), "{e}");
-        let e = plan(&empty, Some(65002), &[], &BTreeMap::new()).unwrap_err();
+        let e = plan(&empty, Some(65002), &[], &[], &BTreeMap::new()).unwrap_err();
         assert!(e.to_string().contains("router bgp 65001"), "{e}");
-        let e = plan(&Running::default(), None, &[], &BTreeMap::new()).unwrap_err();
+        let e = plan(&Running::default(), None, &[], &[], &BTreeMap::new()).unwrap_err();
         assert!(e.to_string().contains("no `router bgp`"), "{e}");
     }
 
