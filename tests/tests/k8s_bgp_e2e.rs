@@ -766,3 +766,97 @@ fn an_aggregated_pool_is_one_prefix_and_local_services_stay_host_routes() {
     let status = agent.sigterm_and_wait();
     assert!(status.success(), "{status}\n{}", agent.log());
 }
+
+/// What gobgpd holds of the agent's peer limits: its export policy, prefix
+/// sets and neighbor sets, as the `gobgp` CLI prints them.
+fn gobgp_limits(t: &Topology) -> String {
+    let port = GOBGP_PORT.to_string();
+    ["policy", "prefix", "neighbor"]
+        .iter()
+        .map(|what| {
+            let args: Vec<&str> = if *what == "policy" {
+                vec!["-p", &port, "global", "policy", "export"]
+            } else {
+                vec!["-p", &port, "policy", what]
+            };
+            let out = t.output_in(&t.lb, "gobgp", &args);
+            String::from_utf8_lossy(&out.stdout).into_owned()
+        })
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
+fn wait_limits(t: &Topology, what: &str, check: impl Fn(&str) -> bool) {
+    let mut last = String::new();
+    let seen = poll_until(CHANGE_TIMEOUT, Duration::from_millis(100), || {
+        last = gobgp_limits(t);
+        if check(&last) {
+            Ok(())
+        } else {
+            Err(())
+        }
+    });
+    assert!(seen.is_ok(), "{what}: gobgpd has\n{last}");
+}
+
+/// A BGPAdvertisement's peerSelector picks BGPPeers by their labels, among
+/// those that peer with this node: the pool's prefix goes into gobgpd's
+/// export policy with the selected router as the only neighbor allowed.
+/// Relabelled so that it selects none, the pool goes to no peer (said in
+/// the log); the advertisement deleted, nothing of the agent's stays in
+/// gobgpd's policy.
+#[test]
+fn a_peer_selector_keeps_a_pool_to_the_bgppeers_it_selects() {
+    let mut k = K8sTopology::new("k8l", 1);
+    create_service(&k, CLUSTER_SVC, "Cluster", CLUSTER_VIP);
+    k.cluster.run_pod(&pod(1, NODE, &[CLUSTER_SVC]));
+    let bgp_peer = |name: &str, role: &str, address: &str| {
+        json!({"apiVersion": "xlb.dev/v1alpha1", "kind": "BGPPeer",
+               "metadata": {"name": name, "labels": {"role": role}},
+               "spec": {"address": address, "asn": 65000}})
+    };
+    k.cluster.apply(&bgp_peer("tor", "tor", "10.0.1.254"));
+    k.cluster.apply(&bgp_peer("edge", "edge", "10.0.9.1"));
+    k.cluster.apply(
+        &json!({"apiVersion": "xlb.dev/v1alpha1", "kind": "LoadBalancerPool",
+        "metadata": {"name": "internal", "labels": {"exposure": "internal"}},
+        "spec": {"addresses": ["192.0.2.0/28"]}}),
+    );
+    let advert = json!({"apiVersion": "xlb.dev/v1alpha1", "kind": "BGPAdvertisement",
+        "metadata": {"name": "internal-to-tor"},
+        "spec": {"poolSelector": {"matchLabels": {"exposure": "internal"}},
+                 "peerSelector": {"matchLabels": {"role": "tor"}}}});
+    k.cluster.apply(&advert);
+    start_gobgpd(&mut k.t);
+    let config = agent_config(&mut k, "  asn: 65001\n");
+    let mut agent = k.t.start_agent(&config);
+    let t = &k.t;
+    wait_announced(t, "the VIP, limited", &[CLUSTER_VIP]);
+    wait_limits(t, "the pool limited to the top of rack router", |s| {
+        s.contains("xlb-peer-limits")
+            && s.contains("192.0.2.0/28")
+            && s.contains("10.0.1.254/32")
+            && !s.contains("10.0.9.1")
+    });
+
+    // The router relabelled: the advertisement selects no peer.
+    k.cluster.apply(&bgp_peer("tor", "spine", "10.0.1.254"));
+    wait_limits(t, "the pool limited to no peer", |s| {
+        s.contains("192.0.2.0/28") && !s.contains("10.0.1.254/32")
+    });
+    agent.wait_for_log(
+        "BGPAdvertisement's peerSelector selects no BGPPeer of this node",
+        1,
+        CHANGE_TIMEOUT,
+    );
+
+    // The advertisement deleted: no limits left in gobgpd.
+    k.cluster
+        .kubectl_ok(&["delete", "bgpadvertisement", "internal-to-tor"]);
+    wait_limits(t, "no limits", |s| {
+        !s.contains("xlb-peer-limits") && !s.contains("192.0.2.0/28")
+    });
+    stays_announced(t, "the VIP, no longer limited", &[CLUSTER_VIP]);
+    let status = agent.sigterm_and_wait();
+    assert!(status.success(), "{status}\n{}", agent.log());
+}
