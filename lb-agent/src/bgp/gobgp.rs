@@ -812,6 +812,10 @@ impl Announcer for GoBgpAnnouncer {
         Ok(())
     }
 
+    fn limits_every_session(&self) -> bool {
+        true
+    }
+
     fn apply<'a>(
         &'a mut self,
         desired: &'a BTreeSet<Route>,

@@ -343,6 +343,12 @@ pub trait Announcer: Send {
         }
     }
 
+    /// Whether the peer limits hold for every session of the speaker, not
+    /// only for those the agent configures.
+    fn limits_every_session(&self) -> bool {
+        false
+    }
+
     /// Takes the peers the agent configures in the speaker from now on
     /// (the next [`apply`](Self::apply) makes the speaker's sessions so). A
     /// speaker that takes no peers from the agent refuses any.

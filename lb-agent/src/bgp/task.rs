@@ -187,6 +187,9 @@ async fn run(
     let mut withheld: Vec<PeerLimit> = Vec::new();
     let mut shutting_down = false;
     let mut known_peers: BTreeSet<IpAddr> = BTreeSet::new();
+    // The sessions the agent configures, and the others last warned of.
+    let mut agent_peers: BTreeSet<IpAddr> = BTreeSet::new();
+    let mut unheld_warned: BTreeSet<IpAddr> = BTreeSet::new();
     let mut tick = tokio::time::interval(resync);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
@@ -219,6 +222,7 @@ async fn run(
                         warn!(speaker = announcer.name(), "the BGP peers cannot be set: {e}");
                         continue;
                     }
+                    agent_peers = peers.iter().map(|p| p.address).collect();
                 }
                 Some(Command::GracefulShutdown(done)) => {
                     shutting_down = true;
@@ -250,6 +254,36 @@ async fn run(
             None => {}
         }
         update_peers(announcer.as_mut(), &metrics, &mut known_peers, &sessions).await;
+        // A limit the speaker keeps only on the agent's sessions: the
+        // others may leak the limited VIPs.
+        let in_force = !limits.is_empty() && withheld.is_empty();
+        let unheld = unheld_sessions(
+            in_force && !announcer.limits_every_session(),
+            &known_peers,
+            &agent_peers,
+        );
+        if !unheld.is_empty() && unheld != unheld_warned {
+            warn!(
+                speaker = announcer.name(),
+                sessions = ?unheld,
+                "BGP sessions the agent does not configure are not held to the BGPAdvertisement peerSelector limits: their own export filters decide whether they get the limited VIPs"
+            );
+        }
+        unheld_warned = unheld;
+    }
+}
+
+/// The speaker's sessions that peer limits in force on the agent's
+/// sessions only (`limited_here`) do not hold: the others.
+fn unheld_sessions(
+    limited_here: bool,
+    sessions: &BTreeSet<IpAddr>,
+    agent_peers: &BTreeSet<IpAddr>,
+) -> BTreeSet<IpAddr> {
+    if limited_here {
+        sessions.difference(agent_peers).copied().collect()
+    } else {
+        BTreeSet::new()
     }
 }
 
@@ -534,5 +568,48 @@ mod tests {
         eventually(|| *r.lock().unwrap() == [marked.clone(), second.clone()].into()).await;
         task.withdraw_all().await;
         assert!(r.lock().unwrap().is_empty());
+    }
+
+    #[tokio::test]
+    async fn a_speaker_that_cannot_limit_its_sessions_does_not_get_the_limited_vips() {
+        let speaker = MemorySpeaker::default();
+        let task = AnnounceTask::start(
+            Box::new(speaker.clone()),
+            Duration::from_secs(60),
+            &Registry::new(),
+        );
+        task.set_advertisements(vec![Advertisement {
+            name: "internal-to-tor".into(),
+            covers: vec![("192.0.2.0".parse().unwrap(), "192.0.2.255".parse().unwrap())],
+            communities: vec![],
+            large_communities: vec![],
+            local_pref: None,
+            aggregation_length: None,
+            aggregation_length_v6: None,
+            peers: Some(["10.0.0.254".parse().unwrap()].into()),
+        }]);
+        task.apply(
+            [route("192.0.2.10"), route("198.51.100.1")].into(),
+            BTreeSet::new(),
+        );
+        let r = speaker.routes.clone();
+        eventually(|| *r.lock().unwrap() == [route("198.51.100.1")].into()).await;
+        // The limit gone: announced.
+        task.set_advertisements(Vec::new());
+        task.apply(
+            [route("192.0.2.10"), route("198.51.100.1")].into(),
+            BTreeSet::new(),
+        );
+        eventually(|| r.lock().unwrap().len() == 2).await;
+    }
+
+    #[test]
+    fn sessions_the_agent_does_not_configure_are_named_where_limits_miss_them() {
+        let set =
+            |a: &[&str]| -> BTreeSet<IpAddr> { a.iter().map(|s| s.parse().unwrap()).collect() };
+        let sessions = set(&["10.0.1.254", "10.0.9.9"]);
+        let agent = set(&["10.0.1.254"]);
+        assert_eq!(unheld_sessions(true, &sessions, &agent), set(&["10.0.9.9"]));
+        assert!(unheld_sessions(false, &sessions, &agent).is_empty());
     }
 }
