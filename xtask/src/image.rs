@@ -4,7 +4,9 @@
 //! - `localhost/xlb-agent:<version>` (also tagged `xlb-agent:dev`) from
 //!   lb-agent/Containerfile: static musl builds of lb-agent and lbctl;
 //! - `localhost/xlb-gobgpd:<version>`: Debian's gobgpd and gobgp with the C
-//!   library they link against, for the chart's BGP sidecar.
+//!   library they link against, for the chart's BGP sidecar;
+//! - `localhost/xlb-bird:<version>`: Debian's BIRD 2 (bird, birdc) and its
+//!   libraries, for the chart's BIRD sidecar (`bgpSpeaker.driver: bird`).
 //!
 //! - `localhost/xlb-pause:<version>` and `localhost/xlb-backend:<version>`
 //!   from tests/images: the Pod sandbox and the HTTP/UDP backend the
@@ -27,6 +29,7 @@ pub const MUSL_TARGET: &str = "x86_64-unknown-linux-musl";
 /// Debian's busybox-static: a shell for the init container and for debugging.
 pub const BUSYBOX: &str = "/bin/busybox";
 const GOBGP_BINARIES: &[&str] = &["/usr/bin/gobgpd", "/usr/bin/gobgp"];
+const BIRD_BINARIES: &[&str] = &["/usr/sbin/bird", "/usr/sbin/birdc"];
 
 /// buildah with the settings this machine needs: vfs storage (no overlay
 /// in a container) and chroot isolation (no user namespaces for runc).
@@ -41,6 +44,7 @@ pub fn run() -> Result<()> {
     let context = repo_root().join("target/image");
     agent_image(&version, &context.join("agent"))?;
     gobgpd_image(&version, &context.join("gobgpd"))?;
+    bird_image(&version, &context.join("bird"))?;
     test_images(&version, &context.join("test"))?;
     let archives = context.join("oci");
     fresh_dir(&archives)?;
@@ -63,7 +67,13 @@ pub fn run() -> Result<()> {
 }
 
 /// Every image this command builds, as `localhost/<name>:<version>`.
-const IMAGES: &[&str] = &["xlb-agent", "xlb-gobgpd", "xlb-pause", "xlb-backend"];
+const IMAGES: &[&str] = &[
+    "xlb-agent",
+    "xlb-gobgpd",
+    "xlb-bird",
+    "xlb-pause",
+    "xlb-backend",
+];
 
 /// The pause and backend images: one static binary each, FROM scratch.
 fn test_images(version: &str, context: &Path) -> Result<()> {
@@ -173,15 +183,20 @@ fn agent_image(version: &str, context: &Path) -> Result<()> {
     })
 }
 
-fn gobgpd_image(version: &str, context: &Path) -> Result<()> {
-    fresh_dir(context)?;
-    let image = format!("localhost/xlb-gobgpd:{version}");
-    remove_previous(&[&image]);
-    let container = format!("xlb-gobgpd-build-{}", std::process::id());
+/// An image of Debian's `binaries`, the libraries they link against and
+/// busybox (a shell, for the chart's start scripts), FROM scratch.
+fn debian_binaries_image(
+    image: &str,
+    binaries: &[&str],
+    entrypoint: &str,
+    description: &str,
+) -> Result<()> {
+    remove_previous(&[image]);
+    let container = format!("xlb-image-build-{}", std::process::id());
     run_cmd(buildah().args(["from", "--name", &container, "scratch"]))?;
     let result = (|| {
-        let mut files: Vec<PathBuf> = GOBGP_BINARIES.iter().map(PathBuf::from).collect();
-        for binary in GOBGP_BINARIES {
+        let mut files: Vec<PathBuf> = binaries.iter().map(PathBuf::from).collect();
+        for binary in binaries {
             files.extend(shared_libraries(Path::new(binary))?);
         }
         files.push(PathBuf::from(BUSYBOX));
@@ -206,24 +221,71 @@ fn gobgpd_image(version: &str, context: &Path) -> Result<()> {
             "-s",
             "/bin",
         ]))?;
+        let version = image.rsplit(':').next().unwrap_or_default();
         run_cmd(buildah().args([
             "config",
             "--env",
-            "PATH=/usr/bin:/bin",
+            "PATH=/usr/sbin:/usr/bin:/bin",
             "--entrypoint",
-            r#"["/usr/bin/gobgpd"]"#,
+            &format!(r#"["{entrypoint}"]"#),
             "--label",
             &format!("org.opencontainers.image.version={version}"),
             "--label",
-            "org.opencontainers.image.description=Debian's gobgpd for xlb's BGP sidecar",
+            &format!("org.opencontainers.image.description={description}"),
             &container,
         ]))?;
-        run_cmd(buildah().args(["commit", "--rm", &container, &image]))
+        run_cmd(buildah().args(["commit", "--rm", &container, image]))
     })();
     if result.is_err() {
         let _ = buildah().args(["rm", &container]).status();
     }
-    result.context("building the gobgpd image")?;
+    result.with_context(|| format!("building {image}"))
+}
+
+fn bird_image(version: &str, context: &Path) -> Result<()> {
+    fresh_dir(context)?;
+    let image = format!("localhost/xlb-bird:{version}");
+    debian_binaries_image(
+        &image,
+        BIRD_BINARIES,
+        "/usr/sbin/bird",
+        "Debian's BIRD 2 for xlb's BGP sidecar",
+    )?;
+    in_container(&image, |run| {
+        // The sidecar's start (charts/xlb/templates/daemonset.yaml): the
+        // agent's files created empty, then a config that includes them
+        // parses.
+        let out = run(&[
+            "sh",
+            "-c",
+            "set -e; mkdir -p /run/xlb-bird; cd /run/xlb-bird; \
+             touch xlb-vips4 xlb-vips6 bird-peers; \
+             printf 'router id 192.0.2.7;\nprotocol device {}\n\
+             protocol static xlb_vips4 {\n  ipv4;\n  include \"/run/xlb-bird/xlb-vips4\";\n}\n\
+             protocol static xlb_vips6 {\n  ipv6;\n  include \"/run/xlb-bird/xlb-vips6\";\n}\n\
+             include \"/run/xlb-bird/bird-peers\";\n' > bird.conf; \
+             bird -p -c bird.conf && echo parsed; bird --version 2>&1; \
+             birdc -s /run/xlb-bird/none show status 2>&1 || true",
+        ])?;
+        ensure!(
+            out.contains("parsed")
+                && out.contains("BIRD version 2")
+                && out.contains("Unable to connect"),
+            "{out}"
+        );
+        Ok(())
+    })
+}
+
+fn gobgpd_image(version: &str, context: &Path) -> Result<()> {
+    fresh_dir(context)?;
+    let image = format!("localhost/xlb-gobgpd:{version}");
+    debian_binaries_image(
+        &image,
+        GOBGP_BINARIES,
+        "/usr/bin/gobgpd",
+        "Debian's gobgpd for xlb's BGP sidecar",
+    )?;
 
     in_container(&image, |run| {
         let out = run(&["gobgpd", "--version"])?;
