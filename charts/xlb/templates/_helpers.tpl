@@ -109,8 +109,14 @@ The agent's configuration file: .Values.config plus what the release decides
 {{- with $.Values.bgpSpeaker.gracefulRestart }}{{ $_ := set $peer "graceful_restart" . }}{{ end -}}
 {{- $peers = append $peers $peer -}}
 {{- end -}}
+{{- if eq .Values.bgpSpeaker.speaker "bird" -}}
+{{- $_ := set $bgp "driver" "bird" -}}
+{{- $_ := set $bgp "asn" (int64 .Values.bgpSpeaker.asn) -}}
+{{- $_ := set $bgp "bird" (dict "routes_file" "/run/xlb-bird/xlb-vips" "peers_file" "/run/xlb-bird/bird-peers" "socket" "/run/xlb-bird/bird.ctl") -}}
+{{- else -}}
 {{- $_ := set $bgp "driver" "gobgp" -}}
 {{- $_ := set $bgp "gobgp" (dict "address" (printf "http://127.0.0.1:%d" (int .Values.bgpSpeaker.apiPort))) -}}
+{{- end -}}
 {{- $_ := set $bgp "peers" $peers -}}
 {{- $_ := set $config "bgp" $bgp -}}
 {{- end -}}
@@ -126,6 +132,24 @@ The agent's configuration file: .Values.config plus what the release decides
 {{- $graceful := include "xlb.seconds" (get $bgp "graceful_shutdown" | default "0s") | atoi -}}
 {{- add $drain $graceful -}}
 {{- else -}}0{{- end -}}
+{{- end -}}
+
+{{/* BIRD's file: the agent's routes (xlb-vips4, xlb-vips6) and sessions
+(bird-peers) included from the volume the agent writes them into;
+@ROUTER_ID@ is replaced at start with this node's router id. */}}
+{{- define "xlb.birdConfig" -}}
+log stderr all;
+router id @ROUTER_ID@;
+protocol device {}
+protocol static xlb_vips4 {
+  ipv4;
+  include "/run/xlb-bird/xlb-vips4";
+}
+protocol static xlb_vips6 {
+  ipv6;
+  include "/run/xlb-bird/xlb-vips6";
+}
+include "/run/xlb-bird/bird-peers";
 {{- end -}}
 
 {{/* gobgpd's file; @ROUTER_ID@ is replaced at start with this node's router id. */}}
