@@ -599,7 +599,13 @@ state = "{state}"
 
     fn import_images(&self, i: usize) {
         let node = &self.nodes[i];
-        for name in ["xlb-pause", "xlb-agent", "xlb-gobgpd", "xlb-bird", "xlb-backend"] {
+        for name in [
+            "xlb-pause",
+            "xlb-agent",
+            "xlb-gobgpd",
+            "xlb-bird",
+            "xlb-backend",
+        ] {
             let out = node.ctr(&[
                 "images",
                 "import",

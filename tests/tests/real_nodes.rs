@@ -732,6 +732,46 @@ fn bgp_install_reaches_pods_on_every_node() {
     uninstall_leaves_nothing(&c);
 }
 
+/// BGP mode with the chart's BIRD sidecar (`bgpSpeaker.speaker: bird`):
+/// the agent writes the session to the router and the VIP's route into
+/// the volume BIRD reads, and drives it through its control socket there;
+/// the router routes the VIP through both nodes, and both Pods answer.
+/// Uninstalled, nothing of xlb stays on the nodes.
+#[test]
+fn bird_sidecar_install_reaches_pods_on_every_node() {
+    let _one = one_cluster();
+    let mut c = NodeCluster::start("rnd", 2, PodNetwork::HostGw);
+    c.start_bird();
+    deploy_backend(&c, 2);
+    let peers = format!(
+        r#"bgpSpeaker.peers=[{{"address":"{ROUTER_LAN}","asn":{ROUTER_ASN},"holdTime":"9s"}}]"#
+    );
+    install(
+        &c,
+        &[
+            "--set",
+            "bgpSpeaker.enabled=true",
+            "--set",
+            "bgpSpeaker.speaker=bird",
+            "--set",
+            &format!("bgpSpeaker.asn={CLUSTER_ASN}"),
+            "--set-json",
+            &peers,
+            "--set-json",
+            &format!(r#"pools={{"public":{{"addresses":["{BGP_POOL}"]}}}}"#),
+        ],
+    );
+    let vip = create_service(&c, "Cluster");
+    let want: Vec<IpAddr> = (1..=2).map(|i| node_ip(i).into()).collect();
+    routed_through(&c, vip, &want);
+    let answered: BTreeSet<String> = requests(&c, vip, 20, false)
+        .into_iter()
+        .map(|(pod, _)| pod)
+        .collect();
+    assert_eq!(answered, pods_on(&c, None), "the Pods that answered");
+    uninstall_leaves_nothing(&c);
+}
+
 /// Waits until the router's route to `vip` goes through the next hops `want`.
 fn routed_through(c: &NodeCluster, vip: impl Into<IpAddr>, want: &[IpAddr]) {
     let vip: IpAddr = vip.into();

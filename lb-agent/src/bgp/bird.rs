@@ -1,7 +1,9 @@
 //! BIRD 2 driver: the agent writes the VIP routes into files that BIRD's
 //! configuration includes, and asks BIRD to re-read its configuration with
-//! `birdc configure`. What BIRD announces is read back from BIRD itself
-//! (`birdc show route protocol ... all`), never from the files.
+//! `configure`. What BIRD announces is read back from BIRD itself (`show
+//! route protocol ... all`), never from the files. The commands go over
+//! BIRD's control socket, as `birdc` sends them, without `birdc` itself
+//! (the Helm chart's agent container has none; BIRD runs in a sidecar).
 //!
 //! # The BIRD configuration the driver expects
 //!
@@ -99,15 +101,13 @@ use std::{
 
 use ipnet::IpNet;
 use lb_common::net::Family;
-use tokio::process::Command;
+use tokio::io::{AsyncBufReadExt, AsyncWriteExt};
 
 use super::{AnnounceError, AnnounceResult, Announcer, BoxFuture, PeerLimit, Route, Session};
 use crate::config::BgpPeer;
 
 /// The default base name of the two static protocols (`xlb_vips4`, `xlb_vips6`).
 pub const DEFAULT_PROTOCOL: &str = "xlb_vips";
-/// The default `birdc` binary, looked up in `PATH`.
-pub const DEFAULT_BIRDC: &str = "birdc";
 /// The default limit for one `birdc` command.
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(10);
 
@@ -140,7 +140,6 @@ pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(10);
 pub struct BirdAnnouncer {
     routes_file: PathBuf,
     control_socket: PathBuf,
-    birdc: PathBuf,
     protocol: String,
     timeout: Duration,
     sessions: Option<Sessions>,
@@ -197,7 +196,6 @@ impl BirdAnnouncer {
         Self {
             routes_file: routes_file.into(),
             control_socket: control_socket.into(),
-            birdc: DEFAULT_BIRDC.into(),
             protocol: DEFAULT_PROTOCOL.into(),
             timeout: DEFAULT_TIMEOUT,
             sessions: None,
@@ -226,12 +224,6 @@ impl BirdAnnouncer {
     /// The contents of the sessions file, if the agent writes one.
     pub fn render_sessions(&self) -> Option<String> {
         self.sessions.as_ref().map(|s| render_sessions(self, s))
-    }
-
-    /// Uses this `birdc` binary.
-    pub fn with_birdc(mut self, birdc: impl Into<PathBuf>) -> Self {
-        self.birdc = birdc.into();
-        self
     }
 
     /// Uses the static protocols `<protocol>4` and `<protocol>6`.
@@ -339,48 +331,72 @@ impl BirdAnnouncer {
         )
     }
 
-    /// Runs `birdc -v -s SOCKET ARGS...` and returns BIRD's reply.
+    /// Sends the command `args` (as `birdc ARGS...` would) on BIRD's
+    /// control socket and returns its reply. The socket speaks lines: a
+    /// greeting, then per command reply lines `CODE-text` (more follow),
+    /// ` text` (continuing the last code) and `CODE text` (the last). No
+    /// `birdc` is needed, so the agent's container has none.
     async fn birdc(&self, args: &[&str]) -> AnnounceResult<Reply> {
         let what = format!("birdc {}", args.join(" "));
-        let mut cmd = Command::new(&self.birdc);
-        cmd.arg("-v").arg("-s").arg(&self.control_socket).args(args);
-        let out = super::run_control(cmd, &what, self.timeout).await?;
-        let stdout = String::from_utf8_lossy(&out.stdout);
-        let stderr = String::from_utf8_lossy(&out.stderr);
-        tracing::trace!(command = %what, %stdout, %stderr, "birdc");
-        if let Some(line) = stderr
-            .lines()
-            .chain(stdout.lines())
-            .find(|l| CONNECTION_ERRORS.iter().any(|e| l.contains(e)))
-        {
-            return Err(AnnounceError::Unreachable(format!(
-                "{} ({}): {}",
-                self.control_socket.display(),
-                what,
-                line.trim()
+        let unreachable = |e: String| {
+            AnnounceError::Unreachable(format!("{} ({what}): {e}", self.control_socket.display()))
+        };
+        let exchange = async {
+            let stream = tokio::net::UnixStream::connect(&self.control_socket)
+                .await
+                .map_err(|e| unreachable(format!("connecting: {e}")))?;
+            let (read, mut write) = stream.into_split();
+            let mut lines = tokio::io::BufReader::new(read).lines();
+            let mut text = String::new();
+            // The greeting, then the reply to the command.
+            for send in [None, Some(args.join(" "))] {
+                if let Some(command) = send {
+                    write
+                        .write_all(format!("{command}\n").as_bytes())
+                        .await
+                        .map_err(|e| unreachable(format!("sending: {e}")))?;
+                }
+                loop {
+                    let line = lines
+                        .next_line()
+                        .await
+                        .map_err(|e| unreachable(format!("reading: {e}")))?
+                        .ok_or_else(|| unreachable("BIRD closed the connection".into()))?;
+                    if let Some(more) = line.strip_prefix(' ') {
+                        // As `birdc -v` prints a continuation line.
+                        text.push_str("     ");
+                        text.push_str(more);
+                        text.push('\n');
+                        continue;
+                    }
+                    if line.starts_with('+') {
+                        continue; // an asynchronous message
+                    }
+                    text.push_str(&line);
+                    text.push('\n');
+                    if line.len() >= 5 && line.as_bytes()[4] == b' ' {
+                        break;
+                    }
+                }
+            }
+            Ok::<_, AnnounceError>(text)
+        };
+        let text = tokio::time::timeout(self.timeout, exchange)
+            .await
+            .map_err(|_| unreachable(format!("no answer within {:?}", self.timeout)))??;
+        tracing::trace!(command = %what, reply = %text, "bird");
+        let reply = Reply::parse(&text);
+        if !reply.has(CODE_WELCOME) {
+            return Err(unreachable(format!(
+                "no greeting from BIRD: {}",
+                text.trim()
             )));
         }
-        let reply = Reply::parse(&stdout);
         let errors = reply.errors();
         if !errors.is_empty() {
             return Err(AnnounceError::Refused(format!(
                 "`{what}`: {}",
                 errors.join("; ")
-            )));
-        }
-        if !out.status.success() {
-            return Err(AnnounceError::Refused(format!(
-                "`{what}` failed ({}): {}{}",
-                out.status,
-                stderr.trim(),
-                stdout.trim()
-            )));
-        }
-        if !reply.has(CODE_WELCOME) {
-            return Err(AnnounceError::Unreachable(format!(
-                "`{what}`: no greeting from BIRD: {}{}",
-                stderr.trim(),
-                stdout.trim()
             )));
         }
         Ok(reply)
@@ -541,16 +557,6 @@ impl Announcer for BirdAnnouncer {
         Box::pin(self.apply_now(desired))
     }
 }
-
-/// What birdc prints when it cannot talk to BIRD at all.
-const CONNECTION_ERRORS: [&str; 6] = [
-    "Unable to connect to server control socket",
-    "Connection closed by server",
-    "Server read error",
-    "Server write error",
-    "Cannot create socket",
-    "server_connect: path too long",
-];
 
 /// BIRD's reply codes (doc/reply_codes in BIRD's sources).
 const CODE_WELCOME: u16 = 1;
