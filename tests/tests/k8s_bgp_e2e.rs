@@ -860,3 +860,152 @@ fn a_peer_selector_keeps_a_pool_to_the_bgppeers_it_selects() {
     let status = agent.sigterm_and_wait();
     assert!(status.success(), "{status}\n{}", agent.log());
 }
+
+/// Starts BIRD in the LB namespace with the static protocols of the
+/// agent's routes files and an include of its sessions file (both created
+/// empty first, as the chart's BIRD sidecar does); returns the agent's
+/// `bgp` lines for it. Waits until BIRD answers on its socket.
+fn start_bird(t: &mut Topology) -> String {
+    let dir = t.dir.join("bird");
+    std::fs::create_dir_all(&dir).unwrap();
+    for f in ["xlb-vips4", "xlb-vips6", "bird-peers"] {
+        std::fs::write(dir.join(f), "").unwrap();
+    }
+    let conf = dir.join("bird.conf");
+    std::fs::write(
+        &conf,
+        format!(
+            "router id {NEXT_HOP};\nprotocol device {{}}\n\
+             protocol static xlb_vips4 {{\n  ipv4;\n  include \"{d}/xlb-vips4\";\n}}\n\
+             protocol static xlb_vips6 {{\n  ipv6;\n  include \"{d}/xlb-vips6\";\n}}\n\
+             include \"{d}/bird-peers\";\n",
+            d = dir.display()
+        ),
+    )
+    .unwrap();
+    let socket = dir.join("bird.ctl");
+    let log = File::create(t.dir.join("bird.log")).unwrap();
+    let child = Command::new("nsenter")
+        .arg(format!("--net=/var/run/netns/{}", t.lb.name))
+        .args(["bird", "-f", "-c"])
+        .arg(&conf)
+        .arg("-s")
+        .arg(&socket)
+        .stdin(Stdio::null())
+        .stdout(log.try_clone().unwrap())
+        .stderr(log)
+        .spawn()
+        .expect("start bird (Debian package bird2)");
+    t.adopt_child(child);
+    let sock = socket.to_str().unwrap().to_string();
+    poll_until(CHANGE_TIMEOUT, Duration::from_millis(50), || {
+        let out = t.output_in(&t.lb, "birdc", &["-s", &sock, "show", "status"]);
+        out.status.success().then_some(()).ok_or(())
+    })
+    .expect("BIRD answers on its socket");
+    format!(
+        "  asn: 65001\n  bird:\n    routes_file: {d}/xlb-vips\n    peers_file: {d}/bird-peers\n    socket: {sock}\n",
+        d = dir.display()
+    )
+}
+
+/// The agent's config for BIRD: as [`agent_config`] with the bird driver.
+fn bird_agent_config(k: &mut K8sTopology, bird: &str) -> String {
+    k.agent_config(&format!(
+        "  allocate_addresses: false\n\
+         bgp:\n\
+         \x20 driver: bird\n\
+         \x20 next_hop_ipv4: {NEXT_HOP}\n\
+         \x20 drain_time: 0s\n\
+         \x20 resync_interval: {resync}ms\n\
+         {bird}",
+        resync = RESYNC.as_millis(),
+    ))
+}
+
+/// BGPPeers with the BIRD driver: the sessions file the agent writes has
+/// the router of the node's rack, with the BFD timers and the password
+/// from its Secret, and BIRD runs it (`birdc show protocols all`);
+/// relabelled, the node's session moves to the other rack's router.
+#[test]
+fn bgppeers_become_birds_sessions_with_bfd_and_passwords() {
+    let mut k = K8sTopology::new("k8b", 1);
+    let bird = start_bird(&mut k.t);
+    let config = bird_agent_config(&mut k, &bird);
+    k.cluster
+        .apply(&json!({"apiVersion": "v1", "kind": "Secret",
+        "metadata": {"name": "bgp-auth", "namespace": "xlb-system"},
+        "stringData": {"rack-a": "s3cret"}}));
+    let peer = |name: &str, spec: Value| {
+        json!({"apiVersion": "xlb.dev/v1alpha1", "kind": "BGPPeer",
+               "metadata": {"name": name}, "spec": spec})
+    };
+    k.cluster.apply(&peer(
+        "rack-a",
+        json!({"address": "10.0.1.254", "asn": 65000,
+               "passwordSecret": {"name": "bgp-auth", "key": "rack-a"},
+               "bfd": {"minRx": "200ms", "minTx": "200ms", "multiplier": 4},
+               "nodeSelector": {"matchLabels": {"rack": "a"}}}),
+    ));
+    k.cluster.apply(&peer(
+        "rack-b",
+        json!({"address": "10.0.2.254", "asn": 65000,
+               "nodeSelector": {"matchLabels": {"rack": "b"}}}),
+    ));
+    set_rack(&k, Some("a"));
+    let mut agent = k.t.start_agent(&config);
+    let t = &k.t;
+    let sessions_file = t.dir.join("bird/bird-peers");
+    let sock = t.dir.join("bird/bird.ctl");
+    let protocols = || {
+        let out = t.output_in(
+            &t.lb,
+            "birdc",
+            &["-s", sock.to_str().unwrap(), "show", "protocols", "all"],
+        );
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    let wait = |what: &str, want: &[&str], not: &[&str]| {
+        let mut last = (String::new(), String::new());
+        let ok = poll_until(CHANGE_TIMEOUT, Duration::from_millis(100), || {
+            last = (
+                std::fs::read_to_string(&sessions_file).unwrap_or_default(),
+                protocols(),
+            );
+            let both = format!("{}\n{}", last.0, last.1);
+            if want.iter().all(|w| both.contains(w)) && !not.iter().any(|n| both.contains(n)) {
+                Ok(())
+            } else {
+                Err(())
+            }
+        });
+        assert!(
+            ok.is_ok(),
+            "{what}: sessions file\n{}\nbirdc\n{}",
+            last.0,
+            last.1
+        );
+    };
+    wait(
+        "rack a's router",
+        &[
+            "neighbor 10.0.1.254 as 65000;",
+            "password \"s3cret\";",
+            "bfd { min rx interval 200 ms; min tx interval 200 ms; multiplier 4; };",
+            "protocol bfd xlb_bfd",
+            "Neighbor address: 10.0.1.254",
+        ],
+        &["10.0.2.254"],
+    );
+    set_rack(&k, Some("b"));
+    wait(
+        "moved to rack b",
+        &[
+            "neighbor 10.0.2.254 as 65000;",
+            "Neighbor address: 10.0.2.254",
+        ],
+        &["10.0.1.254", "password", "bfd"],
+    );
+    let status = agent.sigterm_and_wait();
+    assert!(status.success(), "{status}\n{}", agent.log());
+}
