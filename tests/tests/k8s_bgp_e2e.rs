@@ -1009,3 +1009,132 @@ fn bgppeers_become_birds_sessions_with_bfd_and_passwords() {
     let status = agent.sigterm_and_wait();
     assert!(status.success(), "{status}\n{}", agent.log());
 }
+
+/// `vtysh -c COMMAND` against the FRR in `dir`.
+fn vtysh(dir: &std::path::Path, command: &str) -> String {
+    let out = Command::new("vtysh")
+        .arg("--vty_socket")
+        .arg(dir)
+        .args(["-c", command])
+        .output()
+        .expect("run vtysh (Debian package frr)");
+    format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    )
+}
+
+/// BGPPeers with the FRR driver: bgpd gets the rack's router as a
+/// neighbour of the agent's, with the Secret's password; relabelled, the
+/// neighbour is replaced by the other rack's.
+#[test]
+fn bgppeers_become_frr_neighbours_with_passwords() {
+    use xlb_tests::bgp_lab::{frr_daemon, frr_daemon_args};
+    let mut k = K8sTopology::new("k8f", 1);
+    let dir = k.t.dir.join("frr");
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::write(
+        dir.join("frr.conf"),
+        format!("frr defaults traditional\nrouter bgp 65001\n bgp router-id {NEXT_HOP}\nexit\n"),
+    )
+    .unwrap();
+    std::fs::write(dir.join("vtysh.conf"), "service integrated-vtysh-config\n").unwrap();
+    let status = Command::new("chown")
+        .args(["-R", "frr:frr"])
+        .arg(&dir)
+        .status()
+        .unwrap();
+    assert!(status.success());
+    for daemon in ["zebra", "bgpd"] {
+        let log = File::create(k.t.dir.join(format!("{daemon}.log"))).unwrap();
+        let child = Command::new("nsenter")
+            .arg(format!("--net=/var/run/netns/{}", k.t.lb.name))
+            .arg(frr_daemon(daemon))
+            .args(frr_daemon_args(&dir, daemon))
+            .stdin(Stdio::null())
+            .stdout(log.try_clone().unwrap())
+            .stderr(log)
+            .spawn()
+            .expect("start FRR (Debian package frr)");
+        k.t.adopt_child(child);
+        if daemon == "zebra" {
+            let sock = dir.join("zserv.api");
+            poll_until(CHANGE_TIMEOUT, Duration::from_millis(50), || {
+                sock.exists().then_some(()).ok_or(())
+            })
+            .expect("zebra's socket");
+        }
+    }
+    poll_until(CHANGE_TIMEOUT, Duration::from_millis(100), || {
+        vtysh(&dir, "show running-config")
+            .contains("router bgp 65001")
+            .then_some(())
+            .ok_or(())
+    })
+    .expect("bgpd answering vtysh");
+    let config = k.agent_config(&format!(
+        "  allocate_addresses: false\n\
+         bgp:\n\
+         \x20 driver: frr\n\
+         \x20 asn: 65001\n\
+         \x20 next_hop_ipv4: {NEXT_HOP}\n\
+         \x20 drain_time: 0s\n\
+         \x20 resync_interval: {resync}ms\n\
+         \x20 frr:\n\
+         \x20   socket_dir: {d}\n\
+         \x20   config_dir: {d}\n",
+        resync = RESYNC.as_millis(),
+        d = dir.display()
+    ));
+    k.cluster
+        .apply(&json!({"apiVersion": "v1", "kind": "Secret",
+        "metadata": {"name": "bgp-auth", "namespace": "xlb-system"},
+        "stringData": {"rack-a": "s3cret"}}));
+    let peer = |name: &str, spec: Value| {
+        json!({"apiVersion": "xlb.dev/v1alpha1", "kind": "BGPPeer",
+               "metadata": {"name": name}, "spec": spec})
+    };
+    k.cluster.apply(&peer(
+        "rack-a",
+        json!({"address": "10.0.1.254", "asn": 65000,
+               "passwordSecret": {"name": "bgp-auth", "key": "rack-a"},
+               "nodeSelector": {"matchLabels": {"rack": "a"}}}),
+    ));
+    k.cluster.apply(&peer(
+        "rack-b",
+        json!({"address": "10.0.2.254", "asn": 65000,
+               "nodeSelector": {"matchLabels": {"rack": "b"}}}),
+    ));
+    set_rack(&k, Some("a"));
+    let mut agent = k.t.start_agent(&config);
+    let wait = |what: &str, want: &[&str], not: &[&str]| {
+        let mut last = String::new();
+        let ok = poll_until(CHANGE_TIMEOUT, Duration::from_millis(100), || {
+            last = vtysh(&dir, "show running-config");
+            if want.iter().all(|w| last.contains(w)) && !not.iter().any(|n| last.contains(n)) {
+                Ok(())
+            } else {
+                Err(())
+            }
+        });
+        assert!(ok.is_ok(), "{what}: FRR runs\n{last}");
+    };
+    wait(
+        "rack a's router",
+        &[
+            "neighbor 10.0.1.254 remote-as 65000",
+            "neighbor 10.0.1.254 password s3cret",
+            "neighbor 10.0.1.254 description xlb:",
+        ],
+        &["10.0.2.254"],
+    );
+    set_rack(&k, Some("b"));
+    wait(
+        "moved to rack b",
+        &["neighbor 10.0.2.254 remote-as 65000"],
+        &["10.0.1.254", "s3cret"],
+    );
+    let status = agent.sigterm_and_wait();
+    assert!(status.success(), "{status}\n{}", agent.log());
+}
