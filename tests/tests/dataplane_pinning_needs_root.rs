@@ -83,6 +83,11 @@ fn a_new_driver_adopts_pinned_services_and_tables() {
     // Applying the same spec again: same service id, same table contents
     // (Maglev is deterministic), written to a table no packet reads: the
     // inactive half, or a fresh region while the adopted table is new.
+    // The half it retires is retired within this call: no earlier than
+    // `retired` (taken before it; CI once took more than the quarantine
+    // between the flip and the call's return, so a clock started after
+    // the call measured less than the data plane did).
+    let retired = std::time::Instant::now();
     dp.set_service(&web).unwrap();
     let info = dp.service_info(&web.key()).unwrap();
     assert_eq!(info.id, web_info.id);
@@ -96,7 +101,6 @@ fn a_new_driver_adopts_pinned_services_and_tables() {
     // A change at once: the half just retired may still be read by a
     // packet, so it is not written within the quarantine (20 ms); the
     // change goes to a fresh region instead of waiting.
-    let retired = std::time::Instant::now();
     let web = spec(80, None, &[1, 2, 3, 7]);
     dp.set_service(&web).unwrap();
     let again = dp.service_info(&web.key()).unwrap();
