@@ -129,6 +129,22 @@ pub fn route(prefix: &str, nh: &str, communities: &[(u16, u16)], local_pref: Opt
     }
 }
 
+/// A peer the agent writes a session for: 3 s hold time, 1 s keepalive,
+/// nothing else.
+pub fn peer(address: &str, asn: u32) -> lb_agent::config::BgpPeer {
+    lb_agent::config::BgpPeer {
+        address: address.parse().unwrap(),
+        asn,
+        port: None,
+        hold_time: Duration::from_secs(3),
+        keepalive: Duration::from_secs(1),
+        password: None,
+        multihop_ttl: None,
+        graceful_restart: None,
+        bfd: None,
+    }
+}
+
 /// Sessions as (peer, established), for comparing states only.
 pub fn states(sessions: &[lb_agent::bgp::Session]) -> Vec<(std::net::IpAddr, bool)> {
     sessions.iter().map(|s| (s.peer, s.established)).collect()

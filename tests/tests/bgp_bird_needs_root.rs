@@ -31,8 +31,8 @@ use lb_agent::bgp::{
     bird::BirdAnnouncer, task::AnnounceTask, AnnounceError, Announcer, PeerLimit, Route,
 };
 use xlb_tests::bgp_lab::{
-    ip, kernel_route, prefixes_sent, route, states, wait_metrics, wait_until, wait_until_blocking,
-    BIRD_ROUTER_CONF, WAIT,
+    ip, kernel_route, peer, prefixes_sent, route, states, wait_metrics, wait_until,
+    wait_until_blocking, BIRD_ROUTER_CONF, WAIT,
 };
 
 const NODE_CONF_TAIL: &str = r#"
@@ -650,17 +650,6 @@ async fn bird_session_state_per_peer() {
 #[tokio::test]
 async fn bird_holds_limited_routes_back_from_the_sessions_it_writes() {
     let mut topo = Topology::new("l");
-    let peer = |address: &str, asn: u32| lb_agent::config::BgpPeer {
-        address: address.parse().unwrap(),
-        asn,
-        port: None,
-        hold_time: Duration::from_secs(3),
-        keepalive: Duration::from_secs(1),
-        password: None,
-        multihop_ttl: None,
-        graceful_restart: None,
-        bfd: None,
-    };
     let sessions_file = topo.path("xlb-sessions.conf");
     let mut bird = BirdAnnouncer::new(topo.path("xlb-vips"), topo.path("node.ctl")).with_sessions(
         &sessions_file,

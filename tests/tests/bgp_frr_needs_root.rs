@@ -23,10 +23,9 @@ use std::{
 };
 
 use lb_agent::bgp::{frr::FrrAnnouncer, AnnounceError, Announcer, PeerLimit, Route};
-use lb_agent::config::BgpPeer;
 use xlb_tests::bgp_lab::{
-    frr_daemon, frr_daemon_args, ip, kernel_route, prefixes_sent, route, set_up_veth_end, states,
-    wait_until, wait_until_blocking, BIRD_ROUTER_CONF, WAIT,
+    frr_daemon, frr_daemon_args, ip, kernel_route, peer, prefixes_sent, route, set_up_veth_end,
+    states, wait_until, wait_until_blocking, BIRD_ROUTER_CONF, WAIT,
 };
 
 /// The namespaces, FRR's daemons, the router's BIRD and the working
@@ -260,20 +259,6 @@ async fn with_deadline<T>(f: impl Future<Output = T>) -> T {
     tokio::time::timeout(WAIT, f)
         .await
         .expect("announcer call hung")
-}
-
-fn peer(address: &str, asn: u32) -> BgpPeer {
-    BgpPeer {
-        address: address.parse().unwrap(),
-        asn,
-        port: None,
-        hold_time: Duration::from_secs(3),
-        keepalive: Duration::from_secs(1),
-        password: None,
-        multihop_ttl: None,
-        graceful_restart: None,
-        bfd: None,
-    }
 }
 
 fn set(routes: &[&Route]) -> BTreeSet<Route> {

@@ -786,17 +786,22 @@ fn gobgp_limits(t: &Topology) -> String {
         .join("\n")
 }
 
-fn wait_limits(t: &Topology, what: &str, check: impl Fn(&str) -> bool) {
+/// Reads `read` until its text has every one of `want` and none of `not`;
+/// fails with `what` and the last text read.
+fn wait_text(what: &str, mut read: impl FnMut() -> String, want: &[&str], not: &[&str]) {
     let mut last = String::new();
     let seen = poll_until(CHANGE_TIMEOUT, Duration::from_millis(100), || {
-        last = gobgp_limits(t);
-        if check(&last) {
+        last = read();
+        if want.iter().all(|w| last.contains(w)) && !not.iter().any(|n| last.contains(n)) {
             Ok(())
         } else {
             Err(())
         }
     });
-    assert!(seen.is_ok(), "{what}: gobgpd has\n{last}");
+    assert!(
+        seen.is_ok(),
+        "{what}: want {want:?} and none of {not:?} in\n{last}"
+    );
 }
 
 /// A BGPAdvertisement's peerSelector picks BGPPeers by their labels, among
@@ -832,18 +837,22 @@ fn a_peer_selector_keeps_a_pool_to_the_bgppeers_it_selects() {
     let mut agent = k.t.start_agent(&config);
     let t = &k.t;
     wait_announced(t, "the VIP, limited", &[CLUSTER_VIP]);
-    wait_limits(t, "the pool limited to the top of rack router", |s| {
-        s.contains("xlb-peer-limits")
-            && s.contains("192.0.2.0/28")
-            && s.contains("10.0.1.254/32")
-            && !s.contains("10.0.9.1")
-    });
+    let limits = || gobgp_limits(t);
+    wait_text(
+        "the pool limited to the top of rack router",
+        limits,
+        &["xlb-peer-limits", "192.0.2.0/28", "10.0.1.254/32"],
+        &["10.0.9.1"],
+    );
 
     // The router relabelled: the advertisement selects no peer.
     k.cluster.apply(&bgp_peer("tor", "spine", "10.0.1.254"));
-    wait_limits(t, "the pool limited to no peer", |s| {
-        s.contains("192.0.2.0/28") && !s.contains("10.0.1.254/32")
-    });
+    wait_text(
+        "the pool limited to no peer",
+        limits,
+        &["192.0.2.0/28"],
+        &["10.0.1.254/32"],
+    );
     agent.wait_for_log(
         "BGPAdvertisement's peerSelector selects no BGPPeer of this node",
         1,
@@ -853,9 +862,12 @@ fn a_peer_selector_keeps_a_pool_to_the_bgppeers_it_selects() {
     // The advertisement deleted: no limits left in gobgpd.
     k.cluster
         .kubectl_ok(&["delete", "bgpadvertisement", "internal-to-tor"]);
-    wait_limits(t, "no limits", |s| {
-        !s.contains("xlb-peer-limits") && !s.contains("192.0.2.0/28")
-    });
+    wait_text(
+        "no limits",
+        limits,
+        &[],
+        &["xlb-peer-limits", "192.0.2.0/28"],
+    );
     stays_announced(t, "the VIP, no longer limited", &[CLUSTER_VIP]);
     let status = agent.sigterm_and_wait();
     assert!(status.success(), "{status}\n{}", agent.log());
@@ -965,27 +977,16 @@ fn bgppeers_become_birds_sessions_with_bfd_and_passwords() {
         );
         String::from_utf8_lossy(&out.stdout).into_owned()
     };
-    let wait = |what: &str, want: &[&str], not: &[&str]| {
-        let mut last = (String::new(), String::new());
-        let ok = poll_until(CHANGE_TIMEOUT, Duration::from_millis(100), || {
-            last = (
-                std::fs::read_to_string(&sessions_file).unwrap_or_default(),
-                protocols(),
-            );
-            let both = format!("{}\n{}", last.0, last.1);
-            if want.iter().all(|w| both.contains(w)) && !not.iter().any(|n| both.contains(n)) {
-                Ok(())
-            } else {
-                Err(())
-            }
-        });
-        assert!(
-            ok.is_ok(),
-            "{what}: sessions file\n{}\nbirdc\n{}",
-            last.0,
-            last.1
-        );
+    // The sessions file, then what BIRD runs.
+    let written_and_running = || {
+        format!(
+            "{}\n{}",
+            std::fs::read_to_string(&sessions_file).unwrap_or_default(),
+            protocols()
+        )
     };
+    let wait =
+        |what: &str, want: &[&str], not: &[&str]| wait_text(what, written_and_running, want, not);
     wait(
         "rack a's router",
         &[
@@ -1109,16 +1110,7 @@ fn bgppeers_become_frr_neighbours_with_passwords() {
     set_rack(&k, Some("a"));
     let mut agent = k.t.start_agent(&config);
     let wait = |what: &str, want: &[&str], not: &[&str]| {
-        let mut last = String::new();
-        let ok = poll_until(CHANGE_TIMEOUT, Duration::from_millis(100), || {
-            last = vtysh(&dir, "show running-config");
-            if want.iter().all(|w| last.contains(w)) && !not.iter().any(|n| last.contains(n)) {
-                Ok(())
-            } else {
-                Err(())
-            }
-        });
-        assert!(ok.is_ok(), "{what}: FRR runs\n{last}");
+        wait_text(what, || vtysh(&dir, "show running-config"), want, not)
     };
     wait(
         "rack a's router",

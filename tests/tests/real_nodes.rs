@@ -235,6 +235,30 @@ fn install(c: &NodeCluster, values: &[&str]) {
     c.wait_agents_ready();
 }
 
+/// [`install`] with the BGP sidecar `speaker` (`bgpSpeaker.speaker`)
+/// peering with the router, and the pool `public` of `addresses`.
+fn install_bgp(c: &NodeCluster, speaker: &str, addresses: &[&str]) {
+    let peers = format!(
+        r#"bgpSpeaker.peers=[{{"address":"{ROUTER_LAN}","asn":{ROUTER_ASN},"holdTime":"9s"}}]"#
+    );
+    let pools = json!({"public": {"addresses": addresses}});
+    install(
+        c,
+        &[
+            "--set",
+            "bgpSpeaker.enabled=true",
+            "--set",
+            &format!("bgpSpeaker.speaker={speaker}"),
+            "--set",
+            &format!("bgpSpeaker.asn={CLUSTER_ASN}"),
+            "--set-json",
+            &peers,
+            "--set-json",
+            &format!("pools={pools}"),
+        ],
+    );
+}
+
 /// The Pods on `nodes` (all of them when None) are reached over TCP and
 /// UDP, and no other, first in snat (the chart's default: the Pods see a
 /// node's address) then after the annotation `xlb.dev/mode: nat`. In nat
@@ -649,22 +673,7 @@ fn bgp_install_reaches_pods_on_every_node() {
     let mut c = NodeCluster::start("rnb", 2, PodNetwork::HostGw);
     c.start_bird();
     deploy_backend(&c, 4);
-    let peers = format!(
-        r#"bgpSpeaker.peers=[{{"address":"{ROUTER_LAN}","asn":{ROUTER_ASN},"holdTime":"9s"}}]"#
-    );
-    install(
-        &c,
-        &[
-            "--set",
-            "bgpSpeaker.enabled=true",
-            "--set",
-            &format!("bgpSpeaker.asn={CLUSTER_ASN}"),
-            "--set-json",
-            &peers,
-            "--set-json",
-            &format!(r#"pools={{"public":{{"addresses":["{BGP_POOL}","{BGP_POOL6}"]}}}}"#),
-        ],
-    );
+    install_bgp(&c, "gobgp", &[BGP_POOL, BGP_POOL6]);
     let vip = create_service(&c, "Cluster");
     let want: Vec<IpAddr> = (1..=2).map(|i| node_ip(i).into()).collect();
     routed_through(&c, vip, &want);
@@ -743,24 +752,7 @@ fn bird_sidecar_install_reaches_pods_on_every_node() {
     let mut c = NodeCluster::start("rnd", 2, PodNetwork::HostGw);
     c.start_bird();
     deploy_backend(&c, 2);
-    let peers = format!(
-        r#"bgpSpeaker.peers=[{{"address":"{ROUTER_LAN}","asn":{ROUTER_ASN},"holdTime":"9s"}}]"#
-    );
-    install(
-        &c,
-        &[
-            "--set",
-            "bgpSpeaker.enabled=true",
-            "--set",
-            "bgpSpeaker.speaker=bird",
-            "--set",
-            &format!("bgpSpeaker.asn={CLUSTER_ASN}"),
-            "--set-json",
-            &peers,
-            "--set-json",
-            &format!(r#"pools={{"public":{{"addresses":["{BGP_POOL}"]}}}}"#),
-        ],
-    );
+    install_bgp(&c, "bird", &[BGP_POOL]);
     let vip = create_service(&c, "Cluster");
     let want: Vec<IpAddr> = (1..=2).map(|i| node_ip(i).into()).collect();
     routed_through(&c, vip, &want);

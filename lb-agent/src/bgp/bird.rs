@@ -855,13 +855,7 @@ fn since(text: &str, now_of_day: Duration) -> Option<Duration> {
         Some((hms, frac)) => (hms, Some(frac)),
         None => (text, None),
     };
-    let parts: Vec<u64> = hms
-        .split(':')
-        .map(|p| p.parse().ok())
-        .collect::<Option<_>>()?;
-    let [h, m, s] = parts[..] else {
-        return None;
-    };
+    let (h, m, s) = super::parse_hms(hms)?;
     if h > 23 || m > 59 || s > 60 {
         return None;
     }

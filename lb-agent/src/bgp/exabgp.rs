@@ -374,13 +374,7 @@ fn parse_up_for(text: &str) -> Option<Duration> {
         }
         None => (0, text),
     };
-    let parts: Vec<u64> = hms
-        .split(':')
-        .map(|p| p.parse().ok())
-        .collect::<Option<_>>()?;
-    let [h, m, s] = parts[..] else {
-        return None;
-    };
+    let (h, m, s) = super::parse_hms(hms)?;
     Some(Duration::from_secs(((days * 24 + h) * 60 + m) * 60 + s))
 }
 

@@ -369,6 +369,18 @@ pub trait Announcer: Send {
     ) -> BoxFuture<'a, AnnounceResult<(usize, usize)>>;
 }
 
+/// `H:MM:SS` (as speakers print times and durations) → (H, M, S).
+pub(crate) fn parse_hms(text: &str) -> Option<(u64, u64, u64)> {
+    let parts: Vec<u64> = text
+        .split(':')
+        .map(|p| p.parse().ok())
+        .collect::<Option<_>>()?;
+    let [h, m, s] = parts[..] else {
+        return None;
+    };
+    Some((h, m, s))
+}
+
 /// FNV-1a, 32 bits: a hash that stays the same across builds (names the
 /// agent gives things in a speaker's config outlive the agent).
 pub(crate) fn fnv1a(bytes: &[u8]) -> u32 {
