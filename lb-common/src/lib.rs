@@ -102,10 +102,11 @@ pub mod map_names {
     pub const FLOW_LIMITS: &str = "FLOW_LIMITS";
     pub const SOURCE_RATES: &str = "SOURCE_RATES";
     pub const HELD_FLOWS: &str = "HELD_FLOWS";
+    pub const FLOW_TIMES: &str = "FLOW_TIMES";
     /// Not pinned: the agent writes them whenever it attaches.
     pub const IFACE_MACS: &str = "IFACE_MACS";
     pub const IFACE_MACS_SPILL: &str = "IFACE_MACS_SPILL";
-    pub const ALL: [&str; 22] = [
+    pub const ALL: [&str; 23] = [
         SERVICES,
         BACKENDS,
         MAGLEV,
@@ -128,6 +129,7 @@ pub mod map_names {
         FLOW_LIMITS,
         SOURCE_RATES,
         HELD_FLOWS,
+        FLOW_TIMES,
     ];
 }
 
@@ -352,6 +354,54 @@ pub const FLOW_F_COUNTED: u32 = 2;
 /// `Flow::flags`, set by the agent only: another node opened the flow and
 /// handed it over (`flow_sync`); this node does not hand it on as its own.
 pub const FLOW_F_HANDED: u32 = 4;
+
+/// Buckets of `FlowTimes`.
+pub const FLOW_TIME_BUCKETS: usize = 16;
+
+/// Value of `FLOW_TIMES`, per backend id: how many of its flows closed
+/// (`FLOW_F_CLOSED`) after how long open, in buckets that double: bucket 0
+/// holds flows shorter than 2^20 ns (1 ms), bucket k the span
+/// [2^(19+k), 2^(20+k)) ns, and the last every flow of 2^34 ns (17 s) or
+/// more. The agent's load-aware flow time is their mean over a backend's
+/// recent closes, which neither its rate of new flows nor its long-lived
+/// flows move.
+pub type FlowTimes = [u32; FLOW_TIME_BUCKETS];
+
+/// The `FlowTimes` bucket of a flow open for `ns`. Compares, no loop and no
+/// count of leading zeros (which the BPF target lowers to a long sequence).
+#[inline(always)]
+pub fn flow_time_bucket(ns: u64) -> usize {
+    let mut v = ns >> 19;
+    if v >= 1 << (FLOW_TIME_BUCKETS - 1) {
+        return FLOW_TIME_BUCKETS - 1;
+    }
+    let mut b = 0;
+    if v >= 1 << 8 {
+        v >>= 8;
+        b += 8;
+    }
+    if v >= 1 << 4 {
+        v >>= 4;
+        b += 4;
+    }
+    if v >= 1 << 2 {
+        v >>= 2;
+        b += 2;
+    }
+    if v >= 2 {
+        b += 1;
+    }
+    b
+}
+
+/// Where bucket `b` of `FlowTimes` starts, in ns.
+pub const fn flow_time_bucket_start(b: usize) -> u64 {
+    if b == 0 {
+        0
+    } else {
+        1 << (19 + b)
+    }
+}
 
 /// Value of `BACKEND_LOAD`, indexed by backend id: what the agent's
 /// load-aware controller decided and why, for `lbctl backends`. The data
@@ -738,3 +788,29 @@ const _: () = {
     assert!(core::mem::size_of::<L2Iface>() == 16);
     assert!(core::mem::size_of::<IfaceMac>() == 16);
 };
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn each_flow_time_falls_in_the_bucket_that_spans_it() {
+        let mut edges = [0u64, 1, (1 << 20) - 1, 1 << 20, u64::MAX].to_vec();
+        for k in 19..=40 {
+            edges.extend([(1u64 << k) - 1, 1 << k, (1 << k) + 1, 3 << (k - 1)]);
+        }
+        for ns in edges {
+            let b = flow_time_bucket(ns);
+            // The bucket by its definition: the highest set bit above 2^19.
+            let want = (63 - (ns >> 19).max(1).leading_zeros() as usize).min(FLOW_TIME_BUCKETS - 1);
+            assert_eq!(b, want, "{ns} ns");
+            assert!(flow_time_bucket_start(b) <= ns, "{ns} ns below bucket {b}");
+            if b + 1 < FLOW_TIME_BUCKETS {
+                assert!(
+                    ns < flow_time_bucket_start(b + 1),
+                    "{ns} ns above bucket {b}"
+                );
+            }
+        }
+    }
+}

@@ -202,15 +202,17 @@ fn hold_unknown(key: &FlowKey, t: u64) -> bool {
     }
 }
 
-/// Marks a flow closed (once): counted in `BACKEND_CLOSED`, and taken off
-/// `BACKEND_ACTIVE` if it was counted there.
+/// Marks a flow closed (once) at `t`: counted in `BACKEND_CLOSED` and, by
+/// how long it was open, in `FLOW_TIMES`; taken off `BACKEND_ACTIVE` if it
+/// was counted there.
 #[inline(always)]
-pub fn close_flow(flow: &mut Flow) {
+pub fn close_flow(flow: &mut Flow, t: u64) {
     if flow.flags & FLOW_F_CLOSED != 0 {
         return;
     }
     flow.flags |= FLOW_F_CLOSED;
     crate::stats::count_closed(flow.backend_id);
+    crate::stats::count_flow_time(flow.backend_id, t.saturating_sub(flow.created_ns));
     if flow.flags & FLOW_F_COUNTED != 0 {
         count_active(flow.backend_id, -1);
     }
@@ -266,7 +268,7 @@ pub fn lookup_or_create(
             {
                 set_target(s, flow, 0);
                 if closing {
-                    close_flow(flow);
+                    close_flow(flow, t);
                 }
                 if idle > REFRESH_NS || closing {
                     let cfg = config();
@@ -621,7 +623,7 @@ pub fn close_from_backend(r: &ReplyNat, key: &mut FlowKey, proto: u8, family: u8
         // SAFETY: shared entry; a racing CPU sets the same bit.
         let f = unsafe { &mut *f };
         if f.backend_id == r.backend_id {
-            close_flow(f);
+            close_flow(f, crate::clock::now());
         }
     }
 }

@@ -7,9 +7,9 @@ use aya_ebpf::{
     macros::btf_map,
 };
 use lb_common::{
-    BackendEntry, BackendLoad, Config, Flow, FlowKey, FlowLimit, IfaceMac, L2Iface, L2Vip,
-    L2VipKey, RangeKey, ReplyNat, ReverseKey, ReverseNat, ServiceInfo, ServiceKey, SourceKey,
-    TrafficStats, FLOWS_ENTRIES, FLOW_EVENT_COUNT, HELD_FLOWS_ENTRIES, IFACE_SLOTS,
+    BackendEntry, BackendLoad, Config, Flow, FlowKey, FlowLimit, FlowTimes, IfaceMac, L2Iface,
+    L2Vip, L2VipKey, RangeKey, ReplyNat, ReverseKey, ReverseNat, ServiceInfo, ServiceKey,
+    SourceKey, TrafficStats, FLOWS_ENTRIES, FLOW_EVENT_COUNT, HELD_FLOWS_ENTRIES, IFACE_SLOTS,
     MAGLEV_POOL_ENTRIES, MAX_BACKENDS, MAX_IFACE_SPILL, MAX_L2_IFACES, MAX_L2_VIPS, MAX_SERVICES,
     MAX_SOURCE_RANGES, MAX_TX_PORTS, PORT_FLAGS_ENTRIES, REASON_COUNT, REPLY_NAT_ENTRIES,
     SOURCE_RATES_ENTRIES,
@@ -111,6 +111,12 @@ pub static BACKEND_STATS: PerCpuArray<TrafficStats, { MAX_BACKENDS as usize }> =
 /// agent's count of a backend's open flows (load-aware balancing).
 #[btf_map]
 pub static BACKEND_CLOSED: PerCpuArray<u64, { MAX_BACKENDS as usize }> = PerCpuArray::new();
+
+/// Per backend id: how long its closed flows were open, in doubling
+/// buckets (`FlowTimes`), shared by all CPUs (atomic adds): the load-aware
+/// controller's flow time.
+#[btf_map]
+pub static FLOW_TIMES: Array<FlowTimes, { MAX_BACKENDS as usize }> = Array::new();
 
 /// Per backend id: the load-aware controller's decision, for lbctl. Not
 /// read here; declared so that it is created and pinned with the others.

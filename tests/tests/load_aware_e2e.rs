@@ -248,9 +248,10 @@ fn a_slowed_backend_loses_share_and_gets_it_back_needs_root() {
     let shares = shares_during(&load, Duration::from_secs(2));
     assert!(
         shares[0] > 0.2,
-        "recovered backend kept only {shares:?}; then {} {}",
+        "recovered backend kept only {shares:?}; then {} {}; {} failed connections",
         rows(&t)[&1]["load"],
-        rows(&t)[&2]["load"]
+        rows(&t)[&2]["load"],
+        load.snapshot()[0]
     );
     assert_eq!(
         held.get().unwrap(),

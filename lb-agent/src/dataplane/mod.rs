@@ -38,12 +38,12 @@ pub use lb_common::net::Protocol;
 use lb_common::{
     maglev, map_names as names,
     net::{ip_words, service_key, words_ip, Family},
-    BackendEntry, BackendLoad, Config, Flow, FlowKey, FlowLimit, L2Iface, L2Vip, L2VipKey,
-    ReplyNat, ReverseKey, ReverseNat, ServiceInfo, ServiceKey, TrafficStats, FAMILY_V4, FAMILY_V6,
-    FLOWS_ENTRIES, FLOW_EVENT_COUNT, FLOW_EVENT_REPICKED, FLOW_F_CLOSED, MAGLEV_POOL_ENTRIES,
-    MAX_BACKENDS, MAX_SERVICES, PORT_F_BACKEND, PORT_F_SERVICE, PROTO_ICMP, PROTO_ICMPV6,
-    REASON_COUNT, SERVICE_F_CLIENT_AFFINITY, SERVICE_F_FLOW_LIMIT, SERVICE_F_HOLD_UNKNOWN,
-    SERVICE_F_LEAST_LOADED, SERVICE_F_SNAT, SERVICE_F_SOURCE_RANGES,
+    BackendEntry, BackendLoad, Config, Flow, FlowKey, FlowLimit, FlowTimes, L2Iface, L2Vip,
+    L2VipKey, ReplyNat, ReverseKey, ReverseNat, ServiceInfo, ServiceKey, TrafficStats, FAMILY_V4,
+    FAMILY_V6, FLOWS_ENTRIES, FLOW_EVENT_COUNT, FLOW_EVENT_REPICKED, FLOW_F_CLOSED,
+    MAGLEV_POOL_ENTRIES, MAX_BACKENDS, MAX_SERVICES, PORT_F_BACKEND, PORT_F_SERVICE, PROTO_ICMP,
+    PROTO_ICMPV6, REASON_COUNT, SERVICE_F_CLIENT_AFFINITY, SERVICE_F_FLOW_LIMIT,
+    SERVICE_F_HOLD_UNKNOWN, SERVICE_F_LEAST_LOADED, SERVICE_F_SNAT, SERVICE_F_SOURCE_RANGES,
 };
 
 pub use self::flow_limit::NewFlowLimit;
@@ -379,6 +379,7 @@ struct Maps {
     reason_stats: PerCpuArray<MapData, u64>,
     flow_events: PerCpuArray<MapData, u64>,
     backend_closed: PerCpuArray<MapData, u64>,
+    flow_times: Array<MapData, FlowTimes>,
     backend_load: Array<MapData, BackendLoad>,
     backend_active: Array<MapData, i64>,
     ranges: SourceRanges,
@@ -495,6 +496,8 @@ impl Dataplane {
                 .map_err(map_err(names::FLOW_EVENTS))?,
             backend_closed: PerCpuArray::try_from(take(&mut ebpf, names::BACKEND_CLOSED)?)
                 .map_err(map_err(names::BACKEND_CLOSED))?,
+            flow_times: Array::try_from(take(&mut ebpf, names::FLOW_TIMES)?)
+                .map_err(map_err(names::FLOW_TIMES))?,
             backend_load: Array::try_from(take(&mut ebpf, names::BACKEND_LOAD)?)
                 .map_err(map_err(names::BACKEND_LOAD))?,
             backend_active: Array::try_from(take(&mut ebpf, names::BACKEND_ACTIVE)?)

@@ -32,12 +32,13 @@ pub(super) fn check_bpffs(dir: &Path) -> Result<()> {
 
 /// Counters: each one's pin is started afresh alone when its layout
 /// changed. Everything else is the data plane's state, one whole.
-pub(super) const COUNTERS: [&str; 8] = [
+pub(super) const COUNTERS: [&str; 9] = [
     names::SERVICE_STATS,
     names::BACKEND_STATS,
     names::REASON_STATS,
     names::FLOW_EVENTS,
     names::BACKEND_CLOSED,
+    names::FLOW_TIMES,
     names::BACKEND_ACTIVE,
     names::BACKEND_LOAD,
     names::SOURCE_RATES,

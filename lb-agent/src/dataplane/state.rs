@@ -32,6 +32,14 @@ impl Dataplane {
         Ok((opened, closed))
     }
 
+    /// How long a backend id's closed flows were open (`FLOW_TIMES`).
+    pub fn backend_flow_times(&self, id: u32) -> Result<FlowTimes> {
+        self.maps
+            .flow_times
+            .get(&id, 0)
+            .map_err(map_err(names::FLOW_TIMES))
+    }
+
     /// Records the load-aware controller's decision for a backend id (read
     /// by `lbctl backends`).
     pub fn set_backend_load(&mut self, id: u32, load: &BackendLoad) -> Result<()> {
@@ -192,6 +200,10 @@ impl Dataplane {
             zero_stats(&mut self.maps.backend_stats, id).map_err(map_err(names::BACKEND_STATS))?;
             zero_stats(&mut self.maps.backend_closed, id)
                 .map_err(map_err(names::BACKEND_CLOSED))?;
+            self.maps
+                .flow_times
+                .set(id, FlowTimes::default(), 0)
+                .map_err(map_err(names::FLOW_TIMES))?;
         }
         Ok(())
     }

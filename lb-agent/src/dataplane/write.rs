@@ -5,8 +5,8 @@
 use std::net::IpAddr;
 
 use lb_common::{
-    maglev, map_names as names, Backend, BackendEntry, BackendLoad, ServiceInfo, ServiceKey,
-    SERVICE_F_CLIENT_AFFINITY, SERVICE_F_FLOW_LIMIT, SERVICE_F_HOLD_UNKNOWN,
+    maglev, map_names as names, Backend, BackendEntry, BackendLoad, FlowTimes, ServiceInfo,
+    ServiceKey, SERVICE_F_CLIENT_AFFINITY, SERVICE_F_FLOW_LIMIT, SERVICE_F_HOLD_UNKNOWN,
     SERVICE_F_LEAST_LOADED, SERVICE_F_SNAT, SERVICE_F_SOURCE_RANGES,
 };
 
@@ -137,6 +137,9 @@ impl Maps {
         for &id in fresh {
             zero_stats(&mut self.backend_stats, id).map_err(map_err(names::BACKEND_STATS))?;
             zero_stats(&mut self.backend_closed, id).map_err(map_err(names::BACKEND_CLOSED))?;
+            self.flow_times
+                .set(id, FlowTimes::default(), 0)
+                .map_err(map_err(names::FLOW_TIMES))?;
             self.backend_load
                 .set(id, BackendLoad::default(), 0)
                 .map_err(map_err(names::BACKEND_LOAD))?;

@@ -25,10 +25,10 @@ use std::{
     collections::{BTreeMap, BTreeSet},
     net::SocketAddr,
     sync::{Arc, Mutex},
-    time::{Duration, Instant},
+    time::Duration,
 };
 
-use lb_common::ServiceKey;
+use lb_common::{flow_time_bucket_start, FlowTimes, ServiceKey};
 use tokio::{sync::watch, task::JoinHandle, time::MissedTickBehavior};
 use tracing::{info, warn};
 
@@ -50,9 +50,9 @@ const SAMPLES: u64 = 10;
 /// Flows not seen for this long are not counted as open by the walk.
 const ACTIVE: Duration = Duration::from_secs(30);
 
-/// A backend's flows are timed over the steps it takes to open this many:
+/// A backend's flows are timed over the steps it takes to close this many:
 /// fewer say little.
-const MIN_TIMED_FLOWS: u64 = 5;
+const MIN_TIMED_FLOWS: u32 = 5;
 
 /// A load-aware service, as the agent's reconcile sees it.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -143,7 +143,7 @@ impl LoadTask {
             tx,
             controllers: BTreeMap::new(),
             flows: BTreeMap::new(),
-            opened: BTreeMap::new(),
+            timed: BTreeMap::new(),
             agents: BTreeMap::new(),
             cgroups,
             cpu: BTreeMap::new(),
@@ -198,9 +198,9 @@ struct Run {
     tx: watch::Sender<LoadWeights>,
     controllers: BTreeMap<ServiceKey, Controller>,
     flows: BTreeMap<(ServiceKey, SocketAddr), FlowCount>,
-    /// Each backend's id and new-flow counter when its flows were last
-    /// timed (or first seen), and when.
-    opened: BTreeMap<(ServiceKey, SocketAddr), (u32, u64, Instant)>,
+    /// Each backend's id and `FLOW_TIMES` when its flows were last timed
+    /// (or first seen).
+    timed: BTreeMap<(ServiceKey, SocketAddr), (u32, FlowTimes)>,
     agents: BTreeMap<SocketAddr, AgentState>,
     cgroups: Hierarchies,
     cpu: BTreeMap<SocketAddr, CpuState>,
@@ -247,7 +247,7 @@ impl Run {
                 .iter()
                 .any(|t| t.key == *k && t.backends.iter().any(|b| b.0 == *a))
         });
-        let flow_times = self.flow_times(targets, &open);
+        let flow_times = self.flow_times(targets);
         let reports = self.agent_reports(targets).await;
         let cpu = self.cpu_loads(targets);
         let health = self.health.borrow().clone();
@@ -375,18 +375,19 @@ impl Run {
         out
     }
 
-    /// How long each backend's flows stay open: its open flows averaged
-    /// over the step, over its new flows a second (Little's law), the rate
-    /// taken since the backend was last timed. A backend is timed once it
-    /// opened at least `MIN_TIMED_FLOWS` since then, however many steps
-    /// that takes: one whose weight was cut to a trickle is still timed,
-    /// so that its flow time can show that it recovered.
+    /// How long each backend's flows stay open: the mean time of the flows
+    /// that closed since it was last timed (`FLOW_TIMES`, `mean_flow_time`). A backend
+    /// is timed once at least `MIN_TIMED_FLOWS` closed since then, however
+    /// many steps that takes: one whose weight was cut to a trickle is
+    /// still timed, so that its flow time can show that it recovered. Not
+    /// open flows over new flows a second (Little's law): a few long-lived
+    /// flows, which least-loaded placement counts against a backend's new
+    /// ones, make that time look longer the fewer new flows a backend gets,
+    /// and a cut backend then stayed cut.
     fn flow_times(
         &mut self,
         targets: &[LoadTarget],
-        open: &BTreeMap<(ServiceKey, SocketAddr), f64>,
     ) -> BTreeMap<(ServiceKey, SocketAddr), Duration> {
-        let now = Instant::now();
         let dp = self.dp.lock().expect("data plane lock");
         let mut baselines = BTreeMap::new();
         let mut out = BTreeMap::new();
@@ -396,29 +397,27 @@ impl Run {
                 let Some(id) = dp.backend_id(&t.key, addr) else {
                     continue;
                 };
-                let Ok((opened, _)) = dp.backend_flows(id) else {
+                let Ok(now) = dp.backend_flow_times(id) else {
                     continue;
                 };
-                let baseline = match self.opened.get(&key) {
-                    Some(&(last_id, last, since)) if last_id == id => {
-                        let new = opened.saturating_sub(last);
-                        let elapsed = now - since;
-                        if new < MIN_TIMED_FLOWS || elapsed.is_zero() {
-                            (id, last, since)
-                        } else {
-                            if let Some(open) = open.get(&key) {
-                                let per_second = new as f64 / elapsed.as_secs_f64();
-                                out.insert(key, Duration::from_secs_f64(open / per_second));
+                let baseline = match self.timed.get(&key) {
+                    Some(&(last_id, last)) if last_id == id => {
+                        let closed: FlowTimes =
+                            std::array::from_fn(|b| now[b].wrapping_sub(last[b]));
+                        match mean_flow_time(&closed) {
+                            Some(time) => {
+                                out.insert(key, time);
+                                (id, now)
                             }
-                            (id, opened, now)
+                            None => (id, last),
                         }
                     }
-                    _ => (id, opened, now),
+                    _ => (id, now),
                 };
                 baselines.insert(key, baseline);
             }
         }
-        self.opened = baselines;
+        self.timed = baselines;
         out
     }
 
@@ -538,4 +537,89 @@ pub fn weights_differ(
             .collect()
     };
     view(a) != view(b)
+}
+
+/// Flows open this long or longer (2^33 ns, 8.6 s: bucket 14 of
+/// `FlowTimes` on) are long-lived connections (keep-alive pools,
+/// WebSockets), whose time is their client's, not their backend's load.
+const LONG_LIVED_BUCKET: usize = 14;
+
+/// The mean time of the closed flows counted in `closed` (a difference of
+/// two `FLOW_TIMES` readings), each taken at its bucket's middle (0.5 ms
+/// in the first), long-lived ones left out. A mean, not a median: a
+/// backend held back now and then (a CPU quota spent early in each period)
+/// serves most flows at once and a few late, and the late few are its
+/// load. `None` for fewer than `MIN_TIMED_FLOWS`.
+fn mean_flow_time(closed: &FlowTimes) -> Option<Duration> {
+    let (mut count, mut sum_ns) = (0u64, 0.0);
+    for (b, &n) in closed.iter().enumerate().take(LONG_LIVED_BUCKET) {
+        let middle = match b {
+            0 => flow_time_bucket_start(1) as f64 / 2.0,
+            _ => flow_time_bucket_start(b) as f64 * std::f64::consts::SQRT_2,
+        };
+        count += u64::from(n);
+        sum_ns += f64::from(n) * middle;
+    }
+    (count >= u64::from(MIN_TIMED_FLOWS))
+        .then(|| Duration::from_nanos((sum_ns / count as f64) as u64))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use lb_common::flow_time_bucket;
+
+    fn closed(times_ms: &[f64]) -> FlowTimes {
+        let mut h = FlowTimes::default();
+        for ms in times_ms {
+            h[flow_time_bucket((ms * 1e6) as u64)] += 1;
+        }
+        h
+    }
+
+    fn time(times_ms: &[f64]) -> Duration {
+        mean_flow_time(&closed(times_ms)).expect("timed")
+    }
+
+    #[test]
+    fn too_few_closed_flows_are_not_timed() {
+        assert_eq!(mean_flow_time(&closed(&[5.0; 4])), None);
+        assert!(mean_flow_time(&closed(&[5.0; 5])).is_some());
+    }
+
+    #[test]
+    fn equal_flows_are_timed_within_their_bucket() {
+        for ms in [0.2, 1.5, 5.0, 40.0, 300.0, 2500.0] {
+            let t = time(&[ms; 9]);
+            let b = flow_time_bucket((ms * 1e6) as u64);
+            let ns = t.as_nanos() as u64;
+            assert!(
+                flow_time_bucket_start(b) <= ns && ns <= flow_time_bucket_start(b + 1),
+                "{ms} ms gave {t:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn long_lived_flows_are_left_out() {
+        let long = [3.0, 3.0, 3.0, 3.0, 3.0, 9_000.0, 600_000.0];
+        assert_eq!(time(&long), time(&[3.0; 5]));
+        assert_eq!(
+            mean_flow_time(&closed(&[3.0, 3.0, 3.0, 3.0, 9_000.0])),
+            None
+        );
+    }
+
+    #[test]
+    fn a_late_few_are_load() {
+        let fast = time(&[0.5; 30]);
+        let mut held_back = vec![0.5; 27];
+        held_back.extend([90.0; 3]);
+        assert!(
+            time(&held_back) > fast * 10,
+            "{fast:?} and {:?}",
+            time(&held_back)
+        );
+        assert!(time(&[200.0; 20]) > time(&[2.0; 20]) * 50);
+    }
 }

@@ -47,6 +47,7 @@ pub fn expected_layout(name: &str) -> Option<(usize, usize)> {
         names::SERVICE_STATS | names::BACKEND_STATS => (4, size_of::<TrafficStats>()),
         names::REASON_STATS | names::FLOW_EVENTS | names::BACKEND_CLOSED => (4, 8),
         names::BACKEND_LOAD => (4, size_of::<BackendLoad>()),
+        names::FLOW_TIMES => (4, size_of::<lb_common::FlowTimes>()),
         names::BACKEND_ACTIVE => (4, 8),
         names::SOURCE_RANGES => (4 + size_of::<RangeKey>(), 1),
         names::L2_VIPS => (size_of::<L2VipKey>(), size_of::<L2Vip>()),
