@@ -702,18 +702,21 @@ impl Agent {
     }
 
     /// A step of the load controllers. The data plane changes only if a
-    /// weight did, and then the metrics show the step once the data plane
-    /// has it (`reconcile`): shown earlier, a weight of 0 would claim that
-    /// no new connection reaches a backend while the old table still sends
-    /// them there. Signals alone are shown at once.
+    /// weight did, and then the metrics and lbctl show the step once the
+    /// data plane has it (`reconcile`): shown earlier, a weight of 0 would
+    /// claim that no new connection reaches a backend while the old table
+    /// still sends them there. Signals alone are shown at once.
     fn load_changed(&mut self) {
         let new = self.load_rx.borrow_and_update().clone();
         let mut labels = self.labels.lock().expect("labels lock");
         let differ = crate::load_aware::weights_differ(&labels.load, &new);
         if !differ {
-            labels.load = new;
+            labels.load = new.clone();
         }
         drop(labels);
+        if !differ {
+            crate::load_aware::record(&mut self.dp.lock().expect("data plane lock"), &new);
+        }
         if differ {
             if let Err(e) = self.reconcile() {
                 error!("applying load-aware weights: {e:#}");
@@ -1165,8 +1168,12 @@ impl Agent {
         labels.no_backend_series = !self.config.backend_metrics;
         labels.health = state.context().health.clone();
         labels.load = state.context().load.clone();
-        labels.state = state;
+        labels.state = state.clone();
         drop(labels);
+        crate::load_aware::record(
+            &mut self.dp.lock().expect("data plane lock"),
+            &state.context().load,
+        );
         if let Some(task) = &self.announce {
             task.apply(self.routes(&bgp_vips), host_only);
         }

@@ -399,10 +399,18 @@ fn agent_checks_scale_drain_and_restore_needs_root() {
 
     // Drain: no new connections reach it, the established one stays.
     std::fs::write(&files[1], "drain\n").unwrap();
+    // Out of the live table (no slot), not only decided: the agent swaps
+    // the table after the controller's decision, and a connection in
+    // between still reached backend 2 once (under load, 2026-11-28).
     wait_until(
         "backend 2 out of the table",
         Duration::from_secs(10),
-        || (weights(&t)[1] == 0).then_some(()),
+        || {
+            rows(&t)
+                .get(&2)
+                .is_none_or(|r| r["entries"] == 0)
+                .then_some(())
+        },
     );
     let shares = shares_during(&load, Duration::from_secs(1));
     assert_eq!(

@@ -299,26 +299,10 @@ impl Run {
                 },
             );
         }
-        self.record(&all);
-        // Every step, for the metrics; the agent reprograms the data
-        // plane only when a weight changed (`weights_differ`).
+        // Every step, for the metrics and lbctl; the agent reprograms the
+        // data plane only when a weight changed (`weights_differ`), and
+        // records the decisions (`record`) once the data plane has them.
         self.tx.send_replace(Arc::new(all));
-    }
-
-    /// Writes each decision to `BACKEND_LOAD` for lbctl.
-    fn record(&self, all: &BTreeMap<ServiceKey, ServiceLoad>) {
-        let mut dp = self.dp.lock().expect("data plane lock");
-        for (key, s) in all {
-            for (addr, l) in &s.backends {
-                let Some(id) = dp.backend_id(key, *addr) else {
-                    continue;
-                };
-                if let Err(e) = dp.set_backend_load(id, &l.record()) {
-                    warn!("recording a backend's load: {e}");
-                    return;
-                }
-            }
-        }
     }
 
     /// Open flows per backend: the last walk's count plus flows opened
@@ -537,6 +521,24 @@ pub fn weights_differ(
             .collect()
     };
     view(a) != view(b)
+}
+
+/// Writes each decision to `BACKEND_LOAD` for lbctl. The agent calls it
+/// once the data plane has the weights: recorded earlier, a weight of 0
+/// would say that no new connection reaches a backend while the old table
+/// still sends them there (a test that trusted it saw one, 2026-11-28).
+pub fn record(dp: &mut Dataplane, all: &BTreeMap<ServiceKey, ServiceLoad>) {
+    for (key, s) in all {
+        for (addr, l) in &s.backends {
+            let Some(id) = dp.backend_id(key, *addr) else {
+                continue;
+            };
+            if let Err(e) = dp.set_backend_load(id, &l.record()) {
+                warn!("recording a backend's load: {e}");
+                return;
+            }
+        }
+    }
 }
 
 /// Flows open this long or longer (2^33 ns, 8.6 s: bucket 14 of
