@@ -25,6 +25,14 @@
 //! ```
 //! and the same in IPv6 (fd00:81::2, fd00:81::1 and fd00:80::1, the nodes
 //! fd00:80::11 and ::12): the cluster is dual-stack.
+//!
+//! [`NodeCluster::start_rack_b_router`] adds a second rack's router on the
+//! same LAN, also in front of the client (IPv4 only):
+//!
+//! ```text
+//!   client eth1 10.83.0.2 ── 10.83.0.1 router B (BIRD) 10.80.0.2 ── br0
+//! ```
+//! Which router a node peers with is up to the BGPPeers that select it.
 //! The nodes' Pods get 10.244.N.0/24 and fd00:10:244:N::/64 from the
 //! controller-manager; flanneld
 //! (VXLAN, or host-gw) carries Pod traffic between nodes. Pod networking is
@@ -55,6 +63,10 @@ use crate::{
 pub const ROUTER_LAN: Ipv4Addr = Ipv4Addr::new(10, 80, 0, 1);
 pub const ROUTER_CLIENT_SIDE: Ipv4Addr = Ipv4Addr::new(10, 81, 0, 1);
 pub const CLIENT: Ipv4Addr = Ipv4Addr::new(10, 81, 0, 2);
+/// Rack B's router ([`NodeCluster::start_rack_b_router`]).
+pub const ROUTER_B_LAN: Ipv4Addr = Ipv4Addr::new(10, 80, 0, 2);
+pub const ROUTER_B_CLIENT_SIDE: Ipv4Addr = Ipv4Addr::new(10, 83, 0, 1);
+pub const CLIENT_B_SIDE: Ipv4Addr = Ipv4Addr::new(10, 83, 0, 2);
 pub const POD_NETWORK: &str = "10.244.0.0/16";
 pub const POD_NETWORK6: &str = "fd00:10:244::/56";
 pub const ROUTER_LAN6: Ipv6Addr = Ipv6Addr::new(0xfd00, 0x80, 0, 0, 0, 0, 0, 1);
@@ -373,6 +385,9 @@ pub struct NodeCluster {
     pub nodes: Vec<Node>,
     pub network: PodNetwork,
     bird: Option<Child>,
+    /// Rack B's router and its BIRD ([`NodeCluster::start_rack_b_router`]).
+    pub router_b: Option<Netns>,
+    bird_b: Option<Child>,
     /// XDP_PASS on the router's node ports ([`crate::xdp::attach_pass`]).
     port_xdp: Option<aya::Ebpf>,
 }
@@ -416,6 +431,8 @@ impl NodeCluster {
             nodes: Vec::new(),
             network,
             bird: None,
+            router_b: None,
+            bird_b: None,
             port_xdp: None,
         };
         sh(&format!(
@@ -845,11 +862,54 @@ conntrack:
     /// gobgpd sidecar) and installing what they announce as ECMP routes:
     /// IPv4 and IPv6 VIPs over one IPv4 session per node (MP-BGP).
     pub fn start_bird(&mut self) {
-        let dir = Path::new(ROOT).join(format!("{}-router", self.prefix));
+        self.bird = Some(self.spawn_bird(&self.router, "router", ROUTER_LAN));
+    }
+
+    /// Rack B's router: a second router on the nodes' LAN (its port on
+    /// the first router's bridge) with a link of its own to the client,
+    /// running BIRD as the first one does. The first router routes the
+    /// client's second address through it, so that answers to what the
+    /// client sends this way come back.
+    pub fn start_rack_b_router(&mut self) {
+        let ns = Netns::new(&format!("{}-rt2", self.prefix));
+        let p = &self.prefix;
+        sh(&format!(
+            "ip link add {p}-r2e type veth peer name lan0 netns {b} && \
+             ip link set {p}-r2e netns {r} && \
+             ip link add {p}-c2v type veth peer name eth1 netns {c} && \
+             ip link set {p}-c2v netns {b}",
+            b = ns.name,
+            r = self.router.name,
+            c = self.client.name
+        ));
+        self.router.run(&format!(
+            "ip link set {p}-r2e master br0 && ip link set {p}-r2e up && \
+             ethtool -K {p}-r2e tx off >/dev/null && \
+             ip route add {CLIENT_B_SIDE}/32 via {ROUTER_B_LAN}"
+        ));
+        ns.run(&format!(
+            "sysctl -qw net.ipv4.ip_forward=1 && \
+             ip addr add {ROUTER_B_LAN}/24 dev lan0 && ip link set lan0 up && \
+             ethtool -K lan0 tx off >/dev/null && \
+             ip link set {p}-c2v name cl0 && ip addr add {ROUTER_B_CLIENT_SIDE}/24 dev cl0 && \
+             ip link set cl0 up && ethtool -K cl0 tx off >/dev/null"
+        ));
+        self.client.run(&format!(
+            "ip addr add {CLIENT_B_SIDE}/24 dev eth1 && ip link set eth1 up && \
+             ethtool -K eth1 tx off >/dev/null"
+        ));
+        self.bird_b = Some(self.spawn_bird(&ns, "router-b", ROUTER_B_LAN));
+        self.router_b = Some(ns);
+    }
+
+    /// BIRD in `ns` with its files in `<ROOT>/<prefix>-<name>`, speaking
+    /// from `lan` to every node.
+    fn spawn_bird(&self, ns: &Netns, name: &str, lan: Ipv4Addr) -> Child {
+        let dir = Path::new(ROOT).join(format!("{}-{name}", self.prefix));
         let _ = fs::remove_dir_all(&dir);
         fs::create_dir_all(&dir).unwrap();
         let mut conf = format!(
-            r#"router id {ROUTER_LAN};
+            r#"router id {lan};
 log "{log}" all;
 protocol device {{ scan time 1; }}
 protocol kernel {{
@@ -861,7 +921,7 @@ protocol kernel {{
   merge paths on;
 }}
 template bgp node {{
-  local {ROUTER_LAN} as {ROUTER_ASN};
+  local {lan} as {ROUTER_ASN};
   hold time 9;
   keepalive time 3;
   connect retry time 1;
@@ -885,23 +945,32 @@ template bgp node {{
         let sock = dir.join("bird.ctl");
         let child = spawn(
             Command::new("ip")
-                .args(["netns", "exec", &self.router.name, "bird", "-f", "-c"])
+                .args(["netns", "exec", &ns.name, "bird", "-f", "-c"])
                 .arg(&path)
                 .arg("-s")
                 .arg(&sock),
             &dir.join("bird.out"),
         );
-        self.bird = Some(child);
         poll_until(Duration::from_secs(10), Duration::from_millis(50), || {
             sock.exists().then_some(()).ok_or(())
         })
         .unwrap_or_else(|()| panic!("BIRD did not start: {}", tail(&dir.join("bird.out"), 20)));
+        child
     }
 
     /// `birdc ARGS` against the router's BIRD.
     pub fn birdc(&self, args: &[&str]) -> String {
+        self.birdc_of("router", args)
+    }
+
+    /// `birdc ARGS` against rack B's router's BIRD.
+    pub fn birdc_b(&self, args: &[&str]) -> String {
+        self.birdc_of("router-b", args)
+    }
+
+    fn birdc_of(&self, name: &str, args: &[&str]) -> String {
         let sock = Path::new(ROOT)
-            .join(format!("{}-router", self.prefix))
+            .join(format!("{}-{name}", self.prefix))
             .join("bird.ctl");
         let out = Command::new("birdc")
             .arg("-s")
@@ -912,31 +981,18 @@ template bgp node {{
         String::from_utf8_lossy(&out.stdout).into_owned()
     }
 
-    /// The router's next hops for `ip` (the nodes that announce it).
-    pub fn router_next_hops(&self, ip: impl Into<IpAddr>) -> Vec<IpAddr> {
-        let ip: IpAddr = ip.into();
-        let family = if ip.is_ipv4() { "-4" } else { "-6" };
-        let out = Command::new("ip")
-            .args(["-n", &self.router.name, "-j", family, "route", "show"])
-            .arg(ip.to_string())
-            .output()
-            .unwrap();
-        let routes: Value = serde_json::from_slice(&out.stdout).unwrap_or(Value::Null);
-        let mut hops: Vec<IpAddr> = routes
-            .as_array()
-            .into_iter()
-            .flatten()
-            .flat_map(|r| {
-                let mut v: Vec<Value> = r["nexthops"].as_array().cloned().unwrap_or_default();
-                if r.get("gateway").is_some() {
-                    v.push(r.clone());
-                }
-                v
-            })
-            .filter_map(|h| h["gateway"].as_str()?.parse().ok())
-            .collect();
-        hops.sort();
-        hops
+    /// The router's next hops for `route` (an address, or a prefix: the
+    /// nodes that announce it).
+    pub fn router_next_hops(&self, route: impl ToString) -> Vec<IpAddr> {
+        next_hops(&self.router, &route.to_string())
+    }
+
+    /// Rack B's router's next hops for `route`.
+    pub fn router_b_next_hops(&self, route: impl ToString) -> Vec<IpAddr> {
+        next_hops(
+            self.router_b.as_ref().expect("rack B's router"),
+            &route.to_string(),
+        )
     }
 
     /// The node whose MAC the router learned for `vip` (L2 mode's owner).
@@ -1109,6 +1165,7 @@ template bgp node {{
 impl Drop for NodeCluster {
     fn drop(&mut self) {
         kill(&mut self.bird);
+        kill(&mut self.bird_b);
         // Nodes before the control plane (the Cluster field drops after).
         self.nodes.clear();
     }
@@ -1173,4 +1230,31 @@ pub fn from_client<T: Send + 'static>(
     crate::topology::in_netns(&cluster.client, f)
         .join()
         .expect("client thread")
+}
+
+/// `ns`'s next hops for `route` (its kernel's route of exactly that
+/// address or prefix, ECMP or not).
+fn next_hops(ns: &Netns, route: &str) -> Vec<IpAddr> {
+    let family = if route.contains(':') { "-6" } else { "-4" };
+    let out = Command::new("ip")
+        .args(["-n", &ns.name, "-j", family, "route", "show"])
+        .arg(route)
+        .output()
+        .unwrap();
+    let routes: Value = serde_json::from_slice(&out.stdout).unwrap_or(Value::Null);
+    let mut hops: Vec<IpAddr> = routes
+        .as_array()
+        .into_iter()
+        .flatten()
+        .flat_map(|r| {
+            let mut v: Vec<Value> = r["nexthops"].as_array().cloned().unwrap_or_default();
+            if r.get("gateway").is_some() {
+                v.push(r.clone());
+            }
+            v
+        })
+        .filter_map(|h| h["gateway"].as_str()?.parse().ok())
+        .collect();
+    hops.sort();
+    hops
 }

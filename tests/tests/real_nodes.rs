@@ -16,7 +16,7 @@ use xlb_tests::{
     cluster::AGENT_NAMESPACE,
     nodes::{
         from_client, from_node, from_pod, image, node_ip, node_ip6, NodeCluster, PodNetwork,
-        CLIENT, CLIENT6, CLUSTER_ASN, ROUTER_ASN, ROUTER_LAN,
+        CLIENT, CLIENT6, CLUSTER_ASN, ROUTER_ASN, ROUTER_B_CLIENT_SIDE, ROUTER_B_LAN, ROUTER_LAN,
     },
     traffic::{poll_until, ConnectionStream, KeepAlive},
 };
@@ -761,6 +761,131 @@ fn bird_sidecar_install_reaches_pods_on_every_node() {
         .map(|(pod, _)| pod)
         .collect();
     assert_eq!(answered, pods_on(&c, None), "the Pods that answered");
+    uninstall_leaves_nothing(&c);
+}
+
+/// Two racks, as docs/helm.md's "Two racks" sets them up: node 1 is in
+/// rack A and peers only with rack A's router, node 2 only with rack B's,
+/// both routers in front of the client. The chart's gobgpd gets its peers
+/// from BGPPeer objects alone (no `bgpSpeaker.peers`), and the pool's
+/// BGPAdvertisement gives it a community, a large community and one
+/// aggregated prefix, which both routers show. The client reaches the
+/// Service through either router. Relabelling node 2 into rack A moves its
+/// session from rack B's router to rack A's.
+#[test]
+fn two_racks_peer_with_their_own_routers() {
+    let _one = one_cluster();
+    let mut c = NodeCluster::start("rnr", 2, PodNetwork::HostGw);
+    c.start_bird();
+    c.start_rack_b_router();
+    let (node_a, node_b) = (c.nodes[0].name.clone(), c.nodes[1].name.clone());
+    c.cp.kubectl_ok(&["label", "node", &node_a, "rack=a"]);
+    c.cp.kubectl_ok(&["label", "node", &node_b, "rack=b"]);
+    deploy_backend(&c, 2);
+    install(
+        &c,
+        &[
+            "--set",
+            "bgpSpeaker.enabled=true",
+            "--set",
+            &format!("bgpSpeaker.asn={CLUSTER_ASN}"),
+        ],
+    );
+    for (rack, router) in [("a", ROUTER_LAN), ("b", ROUTER_B_LAN)] {
+        c.cp.apply(&json!({
+            "apiVersion": "xlb.dev/v1alpha1", "kind": "BGPPeer",
+            "metadata": {"name": format!("rack-{rack}-tor")},
+            "spec": {
+                "address": router.to_string(), "asn": ROUTER_ASN, "holdTime": "9s",
+                "nodeSelector": {"matchLabels": {"rack": rack}},
+            },
+        }));
+    }
+    c.cp.apply(&json!({
+        "apiVersion": "xlb.dev/v1alpha1", "kind": "LoadBalancerPool",
+        "metadata": {"name": "public", "labels": {"exposure": "public"}},
+        "spec": {"addresses": [BGP_POOL]},
+    }));
+    c.cp.apply(&json!({
+        "apiVersion": "xlb.dev/v1alpha1", "kind": "BGPAdvertisement",
+        "metadata": {"name": "public-edge"},
+        "spec": {
+            "poolSelector": {"matchLabels": {"exposure": "public"}},
+            "communities": ["65000:100"],
+            "largeCommunities": ["65000:100:1"],
+            "aggregationLength": 28,
+        },
+    }));
+    let vip = create_service(&c, "Cluster");
+    let racks = |a: &[usize], b: &[usize]| {
+        let hops =
+            |nodes: &[usize]| -> Vec<IpAddr> { nodes.iter().map(|&i| node_ip(i).into()).collect() };
+        let (want_a, want_b) = (hops(a), hops(b));
+        poll_until(Duration::from_secs(60), Duration::from_millis(200), || {
+            (c.router_next_hops(BGP_POOL) == want_a && c.router_b_next_hops(BGP_POOL) == want_b)
+                .then_some(())
+                .ok_or(())
+        })
+        .unwrap_or_else(|()| {
+            panic!(
+                "{BGP_POOL}: want rack A's router through {want_a:?}, rack B's through {want_b:?}; \
+                 they go through {:?} and {:?}\n{}\n{}\n{}",
+                c.router_next_hops(BGP_POOL),
+                c.router_b_next_hops(BGP_POOL),
+                c.birdc(&["show", "protocols"]),
+                c.birdc_b(&["show", "protocols"]),
+                c.describe_agents()
+            )
+        });
+    };
+    racks(&[1], &[2]);
+    for (router, shown) in [
+        ("A", c.birdc(&["show", "route", "all", BGP_POOL])),
+        ("B", c.birdc_b(&["show", "route", "all", BGP_POOL])),
+    ] {
+        for want in [
+            "BGP.community: (65000,100)",
+            "BGP.large_community: (65000, 100, 1)",
+        ] {
+            assert!(
+                shown.contains(want),
+                "rack {router}'s router lacks {want}:\n{shown}"
+            );
+        }
+    }
+    let host_route = format!("{vip}/32");
+    for shown in [c.birdc(&["show", "route"]), c.birdc_b(&["show", "route"])] {
+        assert!(
+            !shown.contains(&host_route),
+            "a host route beside the aggregate:\n{shown}"
+        );
+    }
+
+    // Through rack A's router (the client's default route), then rack B's.
+    let answered = || -> BTreeSet<String> {
+        requests(&c, vip, 20, false)
+            .into_iter()
+            .map(|(pod, _)| pod)
+            .collect()
+    };
+    let every_pod = pods_on(&c, None);
+    assert_eq!(
+        answered(),
+        every_pod,
+        "the Pods that answered through rack A's router"
+    );
+    c.client
+        .run(&format!("ip route add {vip}/32 via {ROUTER_B_CLIENT_SIDE}"));
+    assert_eq!(
+        answered(),
+        every_pod,
+        "the Pods that answered through rack B's router"
+    );
+    c.client.run(&format!("ip route del {vip}/32"));
+
+    // Node 2 moves to rack A: its session moves with it.
+    c.cp.kubectl_ok(&["label", "node", &node_b, "rack=a", "--overwrite"]);
+    racks(&[1, 2], &[]);
     uninstall_leaves_nothing(&c);
 }
 
