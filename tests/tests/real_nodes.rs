@@ -756,11 +756,11 @@ fn bird_sidecar_install_reaches_pods_on_every_node() {
     let vip = create_service(&c, "Cluster");
     let want: Vec<IpAddr> = (1..=2).map(|i| node_ip(i).into()).collect();
     routed_through(&c, vip, &want);
-    let answered: BTreeSet<String> = requests(&c, vip, 20, false)
-        .into_iter()
-        .map(|(pod, _)| pod)
-        .collect();
-    assert_eq!(answered, pods_on(&c, None), "the Pods that answered");
+    assert_eq!(
+        pods_answering(&c, vip),
+        pods_on(&c, None),
+        "the Pods that answered"
+    );
     uninstall_leaves_nothing(&c);
 }
 
@@ -862,22 +862,16 @@ fn two_racks_peer_with_their_own_routers() {
     }
 
     // Through rack A's router (the client's default route), then rack B's.
-    let answered = || -> BTreeSet<String> {
-        requests(&c, vip, 20, false)
-            .into_iter()
-            .map(|(pod, _)| pod)
-            .collect()
-    };
     let every_pod = pods_on(&c, None);
     assert_eq!(
-        answered(),
+        pods_answering(&c, vip),
         every_pod,
         "the Pods that answered through rack A's router"
     );
     c.client
         .run(&format!("ip route add {vip}/32 via {ROUTER_B_CLIENT_SIDE}"));
     assert_eq!(
-        answered(),
+        pods_answering(&c, vip),
         every_pod,
         "the Pods that answered through rack B's router"
     );
@@ -887,6 +881,14 @@ fn two_racks_peer_with_their_own_routers() {
     c.cp.kubectl_ok(&["label", "node", &node_b, "rack=a", "--overwrite"]);
     racks(&[1, 2], &[]);
     uninstall_leaves_nothing(&c);
+}
+
+/// The Pods that answered 20 new TCP connections to `vip` from the client.
+fn pods_answering(c: &NodeCluster, vip: impl Into<IpAddr>) -> BTreeSet<String> {
+    requests(c, vip, 20, false)
+        .into_iter()
+        .map(|(pod, _)| pod)
+        .collect()
 }
 
 /// Waits until the router's route to `vip` goes through the next hops `want`.
