@@ -621,6 +621,7 @@ state = "{state}"
             "xlb-agent",
             "xlb-gobgpd",
             "xlb-bird",
+            "xlb-frr",
             "xlb-backend",
         ] {
             let out = node.ctr(&[

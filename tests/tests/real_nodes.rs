@@ -532,6 +532,22 @@ fn ipv6_reaches_pods_on_every_node(c: &NodeCluster) {
 /// (`kubectl exec`; the chart points lbctl at its agent with `XLB_AGENT`):
 /// per Pod, its exit code and output.
 fn lbctl_in_agents(c: &NodeCluster, args: &[&str]) -> Vec<(String, Value)> {
+    let mut argv = vec!["lbctl", "--json"];
+    argv.extend_from_slice(args);
+    in_agents(c, &argv)
+        .into_iter()
+        .map(|(pod, out)| {
+            let json = serde_json::from_str(&out).unwrap_or_else(|e| {
+                panic!("kubectl exec {pod} -- lbctl {args:?}: not JSON ({e}): {out}")
+            });
+            (pod, json)
+        })
+        .collect()
+}
+
+/// `argv` run in every agent container (`kubectl exec`): each Pod with
+/// what it printed.
+fn in_agents(c: &NodeCluster, argv: &[&str]) -> Vec<(String, String)> {
     let pods = c.cp.kubectl_ok(&[
         "-n",
         AGENT_NAMESPACE,
@@ -544,27 +560,18 @@ fn lbctl_in_agents(c: &NodeCluster, args: &[&str]) -> Vec<(String, Value)> {
     ]);
     pods.split_whitespace()
         .map(|pod| {
-            let mut argv = vec![
-                "-n",
-                AGENT_NAMESPACE,
-                "exec",
-                pod,
-                "-c",
-                "agent",
-                "--",
-                "lbctl",
-                "--json",
-            ];
-            argv.extend_from_slice(args);
-            let out = c.cp.kubectl(&argv);
-            let json = serde_json::from_slice(&out.stdout).unwrap_or_else(|e| {
-                panic!(
-                    "kubectl exec {pod} -- lbctl {args:?}: not JSON ({e}): {}{}",
-                    String::from_utf8_lossy(&out.stdout),
-                    String::from_utf8_lossy(&out.stderr)
-                )
-            });
-            (pod.to_string(), json)
+            let mut exec = vec!["-n", AGENT_NAMESPACE, "exec", pod, "-c", "agent", "--"];
+            exec.extend_from_slice(argv);
+            let out = c.cp.kubectl(&exec);
+            assert!(
+                out.status.success(),
+                "kubectl exec {pod} -- {argv:?}: {}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+            (
+                pod.to_string(),
+                String::from_utf8_lossy(&out.stdout).into_owned(),
+            )
         })
         .collect()
 }
@@ -764,6 +771,52 @@ fn bird_sidecar_install_reaches_pods_on_every_node() {
     uninstall_leaves_nothing(&c);
 }
 
+/// BGP mode with the chart's FRR sidecar (`bgpSpeaker.speaker: frr`): the
+/// agent writes the session to the router and the VIP into FRR's bgpd
+/// through the sidecar's own vtysh, and saves FRR's configuration in the
+/// Pod; the router routes the VIP through both nodes, and both Pods
+/// answer. In a rollout (new Pods, FRR among them, under graceful restart)
+/// no connection is lost and no new one fails. Uninstalled, nothing of xlb stays on the nodes.
+#[test]
+fn frr_sidecar_reaches_pods_and_rolls_out() {
+    let _one = one_cluster();
+    let mut c = NodeCluster::start("rnf", 2, PodNetwork::HostGw);
+    c.start_bird();
+    deploy_backend(&c, 2);
+    install_bgp(&c, "frr", &[BGP_POOL]);
+    let vip = create_service(&c, "Cluster");
+    let want: Vec<IpAddr> = (1..=2).map(|i| node_ip(i).into()).collect();
+    routed_through(&c, vip, &want);
+    assert_eq!(
+        pods_answering(&c, vip),
+        pods_on(&c, None),
+        "the Pods that answered"
+    );
+    for (pod, saved) in in_agents(&c, &["cat", "/run/xlb-frr/frr.conf"]) {
+        assert!(
+            saved.contains(&format!("network {vip}/32 route-map xlb-")),
+            "{pod}: FRR's saved configuration has no route for {vip}:\n{saved}"
+        );
+    }
+    let next = tag_next_agent_image(&c);
+    let settled = || routed_through(&c, vip, &want);
+    let toll = through(&c, vip, "helm upgrade to a new image, FRR sidecar", || {
+        upgrade_agent_image(&c, &next, &settled)
+    });
+    assert_eq!(
+        (toll.lost, toll.failed),
+        (0, 0),
+        "{}: {} of {} keep-alive connections lost ({:?}), {} of {} new connections failed",
+        toll.step,
+        toll.lost,
+        toll.kept,
+        toll.why,
+        toll.failed,
+        toll.opened
+    );
+    uninstall_leaves_nothing(&c);
+}
+
 /// Two racks, as docs/helm.md's "Two racks" sets them up: node 1 is in
 /// rack A and peers only with rack A's router, node 2 only with rack B's,
 /// both routers in front of the client. The chart's gobgpd gets its peers
@@ -934,44 +987,11 @@ fn bgp_ipv6_reaches_pods_on_every_node(c: &NodeCluster) {
 /// No new connection may fail, and no keep-alive connection may be lost
 /// but in the layout change, where the loss is reported.
 fn upgrade_and_roll_back(c: &NodeCluster, vip: Ipv4Addr, settled: &dyn Fn()) {
-    let next = format!("{}-next", image("xlb-agent").rsplit(':').next().unwrap());
-    for n in &c.nodes {
-        let out = n.ctr(&[
-            "images",
-            "tag",
-            &image("xlb-agent"),
-            &format!("localhost/xlb-agent:{next}"),
-        ]);
-        assert!(out.status.success(), "{out:?}");
-    }
+    let next = tag_next_agent_image(c);
     let chart = NodeCluster::chart();
     let chart = chart.to_str().unwrap();
-    let rollout = || {
-        c.cp.kubectl_ok(&[
-            "-n",
-            AGENT_NAMESPACE,
-            "rollout",
-            "status",
-            "daemonset/xlb",
-            "--timeout=300s",
-        ]);
-        c.wait_agents_ready();
-        settled();
-    };
-    // The DaemonSet's rolling update to the image tagged `next`.
-    let upgrade_image = || {
-        c.helm_ok(&[
-            "upgrade",
-            "xlb",
-            chart,
-            "-n",
-            AGENT_NAMESPACE,
-            "--reuse-values",
-            "--set",
-            &format!("image.tag={next}"),
-        ]);
-        rollout();
-    };
+    let rollout = || rolled_out(c, settled);
+    let upgrade_image = || upgrade_agent_image(c, &next, settled);
     let mut tolls = vec![through(
         c,
         vip,
@@ -1053,6 +1073,51 @@ fn upgrade_and_roll_back(c: &NodeCluster, vip: Ipv4Addr, settled: &dyn Fn()) {
             t.opened
         );
     }
+}
+
+/// Tags the agent's image again as `<version>-next` on every node: an
+/// upgrade to it is a new image for the DaemonSet (new Pods).
+fn tag_next_agent_image(c: &NodeCluster) -> String {
+    let next = format!("{}-next", image("xlb-agent").rsplit(':').next().unwrap());
+    for n in &c.nodes {
+        let out = n.ctr(&[
+            "images",
+            "tag",
+            &image("xlb-agent"),
+            &format!("localhost/xlb-agent:{next}"),
+        ]);
+        assert!(out.status.success(), "{out:?}");
+    }
+    next
+}
+
+/// The DaemonSet's rolling update to the agent image tagged `tag`, waited
+/// for until every agent is ready and `settled` holds.
+fn upgrade_agent_image(c: &NodeCluster, tag: &str, settled: &dyn Fn()) {
+    c.helm_ok(&[
+        "upgrade",
+        "xlb",
+        NodeCluster::chart().to_str().unwrap(),
+        "-n",
+        AGENT_NAMESPACE,
+        "--reuse-values",
+        "--set",
+        &format!("image.tag={tag}"),
+    ]);
+    rolled_out(c, settled);
+}
+
+fn rolled_out(c: &NodeCluster, settled: &dyn Fn()) {
+    c.cp.kubectl_ok(&[
+        "-n",
+        AGENT_NAMESPACE,
+        "rollout",
+        "status",
+        "daemonset/xlb",
+        "--timeout=300s",
+    ]);
+    c.wait_agents_ready();
+    settled();
 }
 
 const LAYOUT_CHANGE: &str = "helm upgrade across a pinned-map layout change";

@@ -79,6 +79,7 @@ pub fn run() -> Result<()> {
         }
         agent_accepts_config(&agent, &all, &out.join(format!("{name}.config.yaml")))?;
         gobgpd_accepts_config(&all, &out.join(format!("{name}.gobgpd.toml")))?;
+        frr_accepts_config(&rendered, &out.join(format!("{name}.frr.conf")))?;
         alert_metrics_exist(&rendered)?;
     }
 
@@ -313,6 +314,46 @@ fn gobgpd_accepts_config(rendered: &Path, out: &Path) -> Result<()> {
     )
     .context("gobgpd refuses the file the chart renders")?;
     println!("ok  gobgpd --dry-run {}", out.display());
+    Ok(())
+}
+
+/// FRR's bgpd parses the first frr.conf the FRR sidecar writes (the
+/// here-document in its start script, after the router-id substitution).
+/// `bgpd --dryrun` exits 0 either way, so its complaints are what fail.
+fn frr_accepts_config(rendered: &str, out: &Path) -> Result<()> {
+    let mut lines = rendered.lines();
+    if !lines.any(|l| l.contains("> frr.conf <<'EOF'")) {
+        return Ok(());
+    }
+    let body: Vec<&str> = lines.by_ref().take_while(|l| l.trim() != "EOF").collect();
+    let indent = body
+        .iter()
+        .map(|l| l.len() - l.trim_start().len())
+        .min()
+        .unwrap_or(0);
+    let config: String = body.iter().map(|l| format!("{}\n", &l[indent..])).collect();
+    ensure!(
+        config.contains("@ROUTER_ID@"),
+        "the FRR sidecar's frr.conf has no @ROUTER_ID@ for it to replace"
+    );
+    fs::write(out, config.replace("@ROUTER_ID@", "192.0.2.1"))?;
+    let scratch = out.with_extension("vty");
+    fs::create_dir_all(&scratch)?;
+    let (stdout, stderr) = capture(
+        Command::new("/usr/lib/frr/bgpd")
+            .args(["--dryrun", "--skip_runas", "--vty_socket"])
+            .arg(&scratch)
+            .arg("-f")
+            .arg(out),
+    )
+    .context("bgpd --dryrun")?;
+    let said = format!("{stdout}{stderr}");
+    ensure!(
+        !said.contains("[EC "),
+        "bgpd refuses the frr.conf the chart renders ({}):\n{said}",
+        out.display()
+    );
+    println!("ok  bgpd --dryrun {}", out.display());
     Ok(())
 }
 

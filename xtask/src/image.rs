@@ -6,7 +6,11 @@
 //! - `localhost/xlb-gobgpd:<version>`: Debian's gobgpd and gobgp with the C
 //!   library they link against, for the chart's BGP sidecar;
 //! - `localhost/xlb-bird:<version>`: Debian's BIRD 2 (bird, birdc) and its
-//!   libraries, for the chart's BIRD sidecar (`bgpSpeaker.driver: bird`).
+//!   libraries, for the chart's BIRD sidecar (`bgpSpeaker.speaker: bird`);
+//! - `localhost/xlb-frr:<version>`: Debian's FRR (zebra, bgpd, bfdd, vtysh)
+//!   for the chart's FRR sidecar (`bgpSpeaker.speaker: frr`), with a copy of
+//!   vtysh that runs through its own loader, which the sidecar hands to the
+//!   agent (whose image has no C library).
 //!
 //! - `localhost/xlb-pause:<version>` and `localhost/xlb-backend:<version>`
 //!   from tests/images: the Pod sandbox and the HTTP/UDP backend the
@@ -30,6 +34,15 @@ pub const MUSL_TARGET: &str = "x86_64-unknown-linux-musl";
 pub const BUSYBOX: &str = "/bin/busybox";
 const GOBGP_BINARIES: &[&str] = &["/usr/bin/gobgpd", "/usr/bin/gobgp"];
 const BIRD_BINARIES: &[&str] = &["/usr/sbin/bird", "/usr/sbin/birdc"];
+const FRR_BINARIES: &[&str] = &[
+    "/usr/lib/frr/zebra",
+    "/usr/lib/frr/bgpd",
+    "/usr/lib/frr/bfdd",
+    "/usr/bin/vtysh",
+];
+/// Where the FRR image keeps the vtysh it hands to the agent: the binary,
+/// every library it loads and the loader, in one directory.
+const FRR_AGENT_VTYSH: &str = "opt/xlb-vtysh";
 
 /// buildah with the settings this machine needs: vfs storage (no overlay
 /// in a container) and chroot isolation (no user namespaces for runc).
@@ -45,6 +58,7 @@ pub fn run() -> Result<()> {
     agent_image(&version, &context.join("agent"))?;
     gobgpd_image(&version, &context.join("gobgpd"))?;
     bird_image(&version, &context.join("bird"))?;
+    frr_image(&version, &context.join("frr"))?;
     test_images(&version, &context.join("test"))?;
     let archives = context.join("oci");
     fresh_dir(&archives)?;
@@ -71,6 +85,7 @@ const IMAGES: &[&str] = &[
     "xlb-agent",
     "xlb-gobgpd",
     "xlb-bird",
+    "xlb-frr",
     "xlb-pause",
     "xlb-backend",
 ];
@@ -183,11 +198,13 @@ fn agent_image(version: &str, context: &Path) -> Result<()> {
     })
 }
 
-/// An image of Debian's `binaries`, the libraries they link against and
-/// busybox (a shell, for the chart's start scripts), FROM scratch.
+/// An image of Debian's `binaries`, the libraries they link against,
+/// busybox (a shell, for the chart's start scripts) and the files staged
+/// under `root` (at the same paths), FROM scratch.
 fn debian_binaries_image(
     image: &str,
     binaries: &[&str],
+    root: &Path,
     entrypoint: &str,
     description: &str,
 ) -> Result<()> {
@@ -209,6 +226,9 @@ fn debian_binaries_image(
             let source =
                 fs::canonicalize(file).with_context(|| format!("resolving {}", file.display()))?;
             run_cmd(buildah().arg("copy").arg(&container).arg(source).arg(file))?;
+        }
+        if fs::read_dir(root)?.next().is_some() {
+            run_cmd(buildah().arg("copy").arg(&container).arg(root).arg("/"))?;
         }
         run_cmd(buildah().args([
             "run",
@@ -248,6 +268,7 @@ fn bird_image(version: &str, context: &Path) -> Result<()> {
     debian_binaries_image(
         &image,
         BIRD_BINARIES,
+        context,
         "/usr/sbin/bird",
         "Debian's BIRD 2 for xlb's BGP sidecar",
     )?;
@@ -277,12 +298,74 @@ fn bird_image(version: &str, context: &Path) -> Result<()> {
     })
 }
 
+/// FRR for the chart's sidecar. Its daemons run as root (the agent, root
+/// without CAP_DAC_OVERRIDE, must reach their vty sockets and they must
+/// read the frr.conf the agent's vtysh saves), and FRR insists root be in
+/// its vty group. The agent's vtysh looks itself up as root too.
+fn frr_image(version: &str, context: &Path) -> Result<()> {
+    fresh_dir(context)?;
+    let etc = context.join("etc");
+    fs::create_dir_all(&etc)?;
+    fs::write(etc.join("passwd"), "root:x:0:0:root:/:/bin/sh\n")?;
+    fs::write(etc.join("group"), "root:x:0:\nfrrvty:x:85:root\n")?;
+    // FRR's crash logs; the chart mounts a volume here (read-only root).
+    fs::create_dir_all(context.join("var/tmp/frr"))?;
+    let vtysh = context.join(FRR_AGENT_VTYSH);
+    fs::create_dir_all(&vtysh)?;
+    for lib in shared_libraries(Path::new("/usr/bin/vtysh"))? {
+        let name = lib.file_name().context("a library without a name")?;
+        copy(&fs::canonicalize(&lib)?, &vtysh.join(name))?;
+    }
+    copy(Path::new("/usr/bin/vtysh"), &vtysh.join("vtysh.bin"))?;
+    let wrapper = vtysh.join("vtysh");
+    // Run from wherever the directory is copied to.
+    fs::write(
+        &wrapper,
+        "#!/bin/sh\n\
+         # FRR's vtysh with its own loader and libraries (the agent's image has no C library).\n\
+         d=$(dirname \"$0\")\n\
+         exec \"$d/ld-linux-x86-64.so.2\" --library-path \"$d\" \"$d/vtysh.bin\" \"$@\"\n",
+    )?;
+    use std::os::unix::fs::PermissionsExt;
+    fs::set_permissions(&wrapper, fs::Permissions::from_mode(0o755))?;
+
+    let image = format!("localhost/xlb-frr:{version}");
+    debian_binaries_image(
+        &image,
+        FRR_BINARIES,
+        context,
+        "/usr/lib/frr/bgpd",
+        "Debian's FRR (zebra, bgpd, bfdd, vtysh) for xlb's BGP sidecar",
+    )?;
+    in_container(&image, |run| {
+        let out = run(&["/usr/lib/frr/bgpd", "--version"])?;
+        ensure!(out.contains("bgpd version"), "{out:?}");
+        for daemon in ["zebra", "bfdd"] {
+            run(&[&format!("/usr/lib/frr/{daemon}"), "--version"])?;
+        }
+        // The agent's copy runs from where it is copied to, and finds no
+        // daemon there.
+        let out = run(&[
+            "sh",
+            "-c",
+            &format!(
+                "set -e; mkdir -p /tmp/v /tmp/s; cp -a /{FRR_AGENT_VTYSH}/. /tmp/v/; \
+                 printf 'username root nopassword\\n' > /tmp/s/vtysh.conf; \
+                 /tmp/v/vtysh --vty_socket /tmp/s --config_dir /tmp/s -c 'show version' 2>&1 || true"
+            ),
+        ])?;
+        ensure!(out.contains("failed to connect to any daemons"), "{out}");
+        Ok(())
+    })
+}
+
 fn gobgpd_image(version: &str, context: &Path) -> Result<()> {
     fresh_dir(context)?;
     let image = format!("localhost/xlb-gobgpd:{version}");
     debian_binaries_image(
         &image,
         GOBGP_BINARIES,
+        context,
         "/usr/bin/gobgpd",
         "Debian's gobgpd for xlb's BGP sidecar",
     )?;

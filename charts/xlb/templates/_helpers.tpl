@@ -113,6 +113,10 @@ The agent's configuration file: .Values.config plus what the release decides
 {{- $_ := set $bgp "driver" "bird" -}}
 {{- $_ := set $bgp "asn" (int64 .Values.bgpSpeaker.asn) -}}
 {{- $_ := set $bgp "bird" (dict "routes_file" "/run/xlb-bird/xlb-vips" "peers_file" "/run/xlb-bird/bird-peers" "socket" "/run/xlb-bird/bird.ctl") -}}
+{{- else if eq .Values.bgpSpeaker.speaker "frr" -}}
+{{- $_ := set $bgp "driver" "frr" -}}
+{{- $_ := set $bgp "asn" (int64 .Values.bgpSpeaker.asn) -}}
+{{- $_ := set $bgp "frr" (dict "socket_dir" "/run/xlb-frr" "config_dir" "/run/xlb-frr" "vtysh" "/run/xlb-frr/vtysh/vtysh") -}}
 {{- else -}}
 {{- $_ := set $bgp "driver" "gobgp" -}}
 {{- $_ := set $bgp "gobgp" (dict "address" (printf "http://127.0.0.1:%d" (int .Values.bgpSpeaker.apiPort))) -}}
@@ -150,6 +154,26 @@ protocol static xlb_vips6 {
   include "/run/xlb-bird/xlb-vips6";
 }
 include "/run/xlb-bird/bird-peers";
+{{- end -}}
+
+{{/* FRR's first frr.conf (the agent adds its sessions and VIPs and saves
+the whole into it); @ROUTER_ID@ is replaced at start with this node's
+router id. Graceful restart as the gobgpd and BIRD sidecars have it: off,
+FRR would still offer it as a helper, and the routers would keep a dead
+bgpd's routes for 120 s. */}}
+{{- define "xlb.frrConfig" -}}
+frr defaults traditional
+log stdout
+!
+router bgp {{ int64 .Values.bgpSpeaker.asn }}
+ bgp router-id @ROUTER_ID@
+{{- with .Values.bgpSpeaker.gracefulRestart }}
+ bgp graceful-restart restart-time {{ include "xlb.seconds" . }}
+ bgp graceful-restart preserve-fw-state
+{{- else }}
+ bgp graceful-restart-disable
+{{- end }}
+exit
 {{- end -}}
 
 {{/* gobgpd's file; @ROUTER_ID@ is replaced at start with this node's router id. */}}
