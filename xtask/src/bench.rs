@@ -35,6 +35,9 @@ pub fn run(args: &[String]) -> Result<()> {
         let rest: Vec<&String> = args[1..].iter().collect();
         return run_bench(bin, &rest);
     }
+    if args.first().map(String::as_str) == Some("katran") {
+        return katran(&args[1..]);
+    }
     let e2e_only = args.iter().any(|a| a == "--e2e-only");
     let per_packet_only = args.iter().any(|a| a == "--per-packet-only");
     let args: Vec<&String> = args
@@ -71,6 +74,52 @@ pub fn run(args: &[String]) -> Result<()> {
     run_bench("xlb-convergence-bench", &[])?;
     // Connections lost when a node restarts, leaves or joins.
     run_bench("xlb-rollout-bench", &[])
+}
+
+/// Katran's XDP balancer and xlb's program side by side per packet
+/// (tests/katran-bench): built from Katran's source (`KATRAN_SRC`, default
+/// /tmp/katran, or unpacked from the git dir `KATRAN_GIT`), which no
+/// package registry serves, so this is not part of the default run. Katran
+/// gets per-CPU LRUs as deployed, each the size of one CPU's share of
+/// xlb's flow table; `ARGS` go to kbench after that.
+fn katran(args: &[String]) -> Result<()> {
+    let source = std::env::var("KATRAN_SRC").unwrap_or_else(|_| "/tmp/katran".into());
+    let source_there = std::path::Path::new(&source)
+        .join("katran/lib/bpf/balancer.bpf.c")
+        .exists();
+    anyhow::ensure!(
+        source_there || std::env::var_os("KATRAN_GIT").is_some(),
+        "no Katran source in {source}: clone https://github.com/facebookincubator/katran \
+         there (commit 19f08fec), or set KATRAN_GIT to a git dir holding it \
+         (tests/katran-bench/README.md)"
+    );
+    let dir = crate::util::repo_root().join("tests/katran-bench");
+    let cpus = std::thread::available_parallelism().map_or(1, |n| n.get()) as u32;
+    let per_cpu = (lb_flows_entries()? / cpus).to_string();
+    run_cmd(
+        std::process::Command::new("bash")
+            .arg(dir.join("build.sh"))
+            .env("XLB", crate::util::repo_root()),
+    )?;
+    run_cmd(
+        std::process::Command::new("bash")
+            .arg(dir.join("run.sh"))
+            .args(["--katran-lru", &per_cpu])
+            .args(args)
+            .env("XLB", crate::util::repo_root()),
+    )
+}
+
+/// xlb's flow table size (lb-common's `FLOWS_ENTRIES`), read from its
+/// source: xtask does not link the workspace's crates.
+fn lb_flows_entries() -> Result<u32> {
+    let path = crate::util::repo_root().join("lb-common/src/lib.rs");
+    let src = std::fs::read_to_string(&path)?;
+    src.lines()
+        .find_map(|l| l.strip_prefix("pub const FLOWS_ENTRIES: u32 = 1 << "))
+        .and_then(|rest| rest.trim_end_matches(';').parse::<u32>().ok())
+        .map(|shift| 1 << shift)
+        .ok_or_else(|| anyhow::anyhow!("no `FLOWS_ENTRIES: u32 = 1 << N` in {}", path.display()))
 }
 
 /// `cargo run --release -p xlb-bench --bin BIN -- ARGS`.
