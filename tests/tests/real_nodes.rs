@@ -756,10 +756,21 @@ fn bgp_install_reaches_pods_on_every_node() {
 #[test]
 fn bird_sidecar_install_reaches_pods_on_every_node() {
     let _one = one_cluster();
-    let mut c = NodeCluster::start("rnd", 2, PodNetwork::HostGw);
+    let c = NodeCluster::start("rnd", 2, PodNetwork::HostGw);
+    let (c, _, _) = sidecar_serves_a_service(c, "bird");
+    uninstall_leaves_nothing(&c);
+}
+
+/// Two nodes, the router, two backend Pods and the chart with the sidecar
+/// `speaker`: the router routes a Cluster Service's VIP through both nodes,
+/// and both Pods answer. Returns the cluster, the VIP and its next hops.
+fn sidecar_serves_a_service(
+    mut c: NodeCluster,
+    speaker: &str,
+) -> (NodeCluster, Ipv4Addr, Vec<IpAddr>) {
     c.start_bird();
     deploy_backend(&c, 2);
-    install_bgp(&c, "bird", &[BGP_POOL]);
+    install_bgp(&c, speaker, &[BGP_POOL]);
     let vip = create_service(&c, "Cluster");
     let want: Vec<IpAddr> = (1..=2).map(|i| node_ip(i).into()).collect();
     routed_through(&c, vip, &want);
@@ -768,7 +779,7 @@ fn bird_sidecar_install_reaches_pods_on_every_node() {
         pods_on(&c, None),
         "the Pods that answered"
     );
-    uninstall_leaves_nothing(&c);
+    (c, vip, want)
 }
 
 /// BGP mode with the chart's FRR sidecar (`bgpSpeaker.speaker: frr`): the
@@ -780,18 +791,8 @@ fn bird_sidecar_install_reaches_pods_on_every_node() {
 #[test]
 fn frr_sidecar_reaches_pods_and_rolls_out() {
     let _one = one_cluster();
-    let mut c = NodeCluster::start("rnf", 2, PodNetwork::HostGw);
-    c.start_bird();
-    deploy_backend(&c, 2);
-    install_bgp(&c, "frr", &[BGP_POOL]);
-    let vip = create_service(&c, "Cluster");
-    let want: Vec<IpAddr> = (1..=2).map(|i| node_ip(i).into()).collect();
-    routed_through(&c, vip, &want);
-    assert_eq!(
-        pods_answering(&c, vip),
-        pods_on(&c, None),
-        "the Pods that answered"
-    );
+    let c = NodeCluster::start("rnf", 2, PodNetwork::HostGw);
+    let (c, vip, want) = sidecar_serves_a_service(c, "frr");
     for (pod, saved) in in_agents(&c, &["cat", "/run/xlb-frr/frr.conf"]) {
         assert!(
             saved.contains(&format!("network {vip}/32 route-map xlb-")),
