@@ -84,6 +84,21 @@ struct kb_orig {
 	uint8_t data[KB_MAXPKT];
 };
 
+/* Opens and loads the BPF object at `path`. */
+static int open_and_load(const char *path, struct bpf_object **obj)
+{
+	*obj = bpf_object__open_file(path, NULL);
+	if (!*obj) {
+		int err = -errno;
+		fprintf(stderr, "kb_loader: open %s: %s\n", path, strerror(-err));
+		return err;
+	}
+	int err = bpf_object__load(*obj);
+	if (err)
+		fprintf(stderr, "kb_loader: load %s: %s\n", path, strerror(-err));
+	return err;
+}
+
 static int map_fd_checked(struct bpf_object *obj, const char *name,
 			  uint32_t key_size, uint32_t value_size)
 {
@@ -130,17 +145,9 @@ int kb_katran_load(const char *path, uint32_t vip, uint16_t tcp_port,
 {
 	int err;
 	memset(out, 0, sizeof(*out));
-	struct bpf_object *obj = bpf_object__open_file(path, NULL);
-	if (!obj) {
-		err = -errno;
-		fprintf(stderr, "kb_loader: open %s: %s\n", path, strerror(-err));
+	struct bpf_object *obj;
+	if ((err = open_and_load(path, &obj)))
 		return err;
-	}
-	err = bpf_object__load(obj);
-	if (err) {
-		fprintf(stderr, "kb_loader: load %s: %s\n", path, strerror(-err));
-		return err;
-	}
 	struct bpf_program *p = bpf_object__find_program_by_name(obj, "balancer_ingress");
 	if (!p) {
 		fprintf(stderr, "kb_loader: no program balancer_ingress in %s\n", path);
@@ -271,17 +278,9 @@ int kb_wrap_load(const char *path, struct kb_wrap *out)
 {
 	int err;
 	memset(out, 0, sizeof(*out));
-	struct bpf_object *obj = bpf_object__open_file(path, NULL);
-	if (!obj) {
-		err = -errno;
-		fprintf(stderr, "kb_loader: open %s: %s\n", path, strerror(-err));
+	struct bpf_object *obj;
+	if ((err = open_and_load(path, &obj)))
 		return err;
-	}
-	err = bpf_object__load(obj);
-	if (err) {
-		fprintf(stderr, "kb_loader: load %s: %s\n", path, strerror(-err));
-		return err;
-	}
 	struct bpf_program *w = bpf_object__find_program_by_name(obj, "kb_wrap");
 	struct bpf_program *p = bpf_object__find_program_by_name(obj, "kb_pass");
 	if (!w || !p)
