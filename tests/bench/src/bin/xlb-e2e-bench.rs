@@ -22,10 +22,10 @@ use std::{
     fmt::Write as _,
     fs,
     io::ErrorKind,
-    net::{SocketAddr, UdpSocket},
+    net::UdpSocket,
     os::fd::AsRawFd,
     path::PathBuf,
-    process::{Child, ExitCode},
+    process::ExitCode,
     sync::{
         atomic::{AtomicBool, AtomicU64, Ordering},
         Arc,
@@ -38,18 +38,15 @@ use clap::Parser;
 use xlb_bench::{
     args::{E2eArgs, Mech, E2E_SVG},
     support::{
-        check_interrupt, http_get, in_ns, install_sigint_flag, interrupted, median, metric,
-        parse_wrk, run_in, sh_in, sleep_interruptible, spawn_logged, strip_ansi, tail, terminate,
-        thousands, wait_tcp, xdp_attached, Agent, Bins, Res, Wrk,
+        check_interrupt, in_ns, install_sigint_flag, interrupted,
+        mechanisms::{check_serves, start, stop, write, Ctx, BACKENDS, UDP_BACKEND_PORT, UDP_PORT},
+        median, metric, parse_wrk, run_in, sh_in, sleep_interruptible, strip_ansi, thousands,
+        Agent, Bins, Res, Wrk,
     },
 };
-use xlb_tests::topology::{backend_ip, Topology, BACKEND_PORT, CLIENT_IP, VIP};
+use xlb_tests::topology::{Topology, CLIENT_IP, VIP};
 
 const PREFIX: &str = "xbench";
-const BACKENDS: usize = 3;
-const UDP_PORT: u16 = 53;
-const UDP_BACKEND_PORT: u16 = 5353;
-const METRICS: &str = "127.0.0.1:9469";
 const MEM_METRICS: &str = "127.0.0.1:9470";
 
 /// xlb end to end against iptables, nftables, nginx and HAProxy, UDP
@@ -59,264 +56,6 @@ const MEM_METRICS: &str = "127.0.0.1:9470";
 struct Cli {
     #[command(flatten)]
     opts: E2eArgs,
-}
-
-/// What is running for a case, until it is torn down.
-enum Running {
-    Xlb(Agent),
-    Rules,
-    Proxy(Child),
-}
-
-struct Ctx<'a> {
-    t: &'a Topology,
-    bins: &'a Bins,
-    xdp_mode: String,
-}
-
-fn vip80() -> SocketAddr {
-    SocketAddr::new(VIP.into(), 80)
-}
-
-fn xlb_config(xdp_mode: &str) -> String {
-    let mut s = format!(
-        "interfaces: [lbc, lbb1, lbb2, lbb3]\nxdp_mode: {xdp_mode}\nmetrics_addr: {METRICS}\nservices:\n"
-    );
-    for (name, port, proto, bport) in [
-        ("web", 80, "tcp", BACKEND_PORT),
-        ("dns", UDP_PORT, "udp", UDP_BACKEND_PORT),
-    ] {
-        let _ = writeln!(
-            s,
-            "  - name: {name}\n    vip: {VIP}\n    port: {port}\n    protocol: {proto}\n    mode: nat\n    backends:"
-        );
-        for n in 1..=BACKENDS {
-            let _ = writeln!(s, "      - {{ ip: {}, port: {bport} }}", backend_ip(n));
-        }
-    }
-    s
-}
-
-/// kube-proxy's iptables mode: a services chain, a chain per service that
-/// picks an endpoint with `statistic --mode random`, a DNAT chain per endpoint.
-fn iptables_rules() -> String {
-    let mut s = String::from(
-        "*nat\n:PREROUTING ACCEPT [0:0]\n:XLB-SERVICES - [0:0]\n:XLB-SVC-WEB - [0:0]\n",
-    );
-    for n in 1..=BACKENDS {
-        let _ = writeln!(s, ":XLB-SEP-WEB{n} - [0:0]");
-    }
-    s.push_str("-A PREROUTING -j XLB-SERVICES\n");
-    let _ = writeln!(
-        s,
-        "-A XLB-SERVICES -d {VIP}/32 -p tcp -m tcp --dport 80 -j XLB-SVC-WEB"
-    );
-    for n in 1..=BACKENDS {
-        let left = BACKENDS - n + 1;
-        if left > 1 {
-            let _ = writeln!(
-                s,
-                "-A XLB-SVC-WEB -m statistic --mode random --probability {:.11} -j XLB-SEP-WEB{n}",
-                1.0 / left as f64
-            );
-        } else {
-            let _ = writeln!(s, "-A XLB-SVC-WEB -j XLB-SEP-WEB{n}");
-        }
-    }
-    for n in 1..=BACKENDS {
-        let _ = writeln!(
-            s,
-            "-A XLB-SEP-WEB{n} -p tcp -m tcp -j DNAT --to-destination {}:{BACKEND_PORT}",
-            backend_ip(n)
-        );
-    }
-    s.push_str("COMMIT\n");
-    s
-}
-
-/// kube-proxy's nftables mode in one rule per service: `numgen random` into
-/// a map of endpoints.
-fn nft_rules() -> String {
-    let map = |port: u16| {
-        (1..=BACKENDS)
-            .map(|n| format!("{} : {} . {port}", n - 1, backend_ip(n)))
-            .collect::<Vec<_>>()
-            .join(", ")
-    };
-    format!(
-        "table ip xlb_bench {{\n  chain prerouting {{\n    type nat hook prerouting priority dstnat; policy accept;\n\
-         \x20   ip daddr {VIP} tcp dport 80 dnat to numgen random mod {BACKENDS} map {{ {} }}\n\
-         \x20   ip daddr {VIP} udp dport {UDP_PORT} dnat to numgen random mod {BACKENDS} map {{ {} }}\n  }}\n}}\n",
-        map(BACKEND_PORT),
-        map(UDP_BACKEND_PORT)
-    )
-}
-
-fn nginx_stream_conf(dir: &std::path::Path) -> String {
-    let servers: String = (1..=BACKENDS)
-        .map(|n| format!("server {}:{BACKEND_PORT}; ", backend_ip(n)))
-        .collect();
-    format!(
-        "load_module /usr/lib/nginx/modules/ngx_stream_module.so;\n\
-         daemon off; pid {d}/nginx.pid; error_log {d}/nginx-error.log; worker_processes auto;\n\
-         events {{ worker_connections 8192; }}\n\
-         stream {{ upstream b {{ {servers}}} server {{ listen {VIP}:80; proxy_pass b; }} }}\n",
-        d = dir.display()
-    )
-}
-
-fn haproxy_conf() -> String {
-    let mut s = format!(
-        "global\n    maxconn 8000\n\ndefaults\n    mode tcp\n    timeout connect 5s\n    timeout client 1m\n    timeout server 1m\n\n\
-         frontend vip\n    bind {VIP}:80\n    default_backend nginx\n\nbackend nginx\n    balance roundrobin\n"
-    );
-    for n in 1..=BACKENDS {
-        let _ = writeln!(s, "    server b{n} {}:{BACKEND_PORT}", backend_ip(n));
-    }
-    s
-}
-
-fn write(path: &std::path::Path, text: &str) -> Res<()> {
-    fs::write(path, text).map_err(|e| format!("{}: {e}", path.display()))
-}
-
-/// Sets `mech` up in the LB namespace and waits until it serves.
-fn start(ctx: &Ctx, mech: Mech) -> Res<Running> {
-    let t = ctx.t;
-    let dir = &t.dir;
-    Ok(match mech {
-        Mech::Xlb => {
-            let cfg = dir.join("xlb.yaml");
-            write(&cfg, &xlb_config(&ctx.xdp_mode))?;
-            let mut agent = Agent::spawn(
-                ctx.bins,
-                &t.lb,
-                &cfg,
-                &t.pin_dir,
-                METRICS.parse().unwrap(),
-                &dir.join("lb-agent.log"),
-            )?;
-            agent.wait_ready(Duration::from_secs(30))?;
-            Running::Xlb(agent)
-        }
-        Mech::Iptables => {
-            let f = dir.join("iptables.rules");
-            write(&f, &iptables_rules())?;
-            sh_in(
-                &t.lb,
-                &format!("iptables-restore --noflush < {}", f.display()),
-            )?;
-            Running::Rules
-        }
-        Mech::Nftables => {
-            let f = dir.join("xlb_bench.nft");
-            write(&f, &nft_rules())?;
-            sh_in(&t.lb, &format!("nft -f {}", f.display()))?;
-            Running::Rules
-        }
-        Mech::Nginx | Mech::Haproxy => {
-            sh_in(&t.lb, &format!("ip addr add {VIP}/32 dev lo"))?;
-            let log = dir.join(format!("{}.log", mech.id()));
-            let child = if mech == Mech::Nginx {
-                let conf = dir.join("nginx-stream.conf");
-                write(&conf, &nginx_stream_conf(dir))?;
-                let err = dir.join("nginx-error.log");
-                spawn_logged(
-                    &t.lb,
-                    "nginx",
-                    &["-c", &conf.to_string_lossy(), "-e", &err.to_string_lossy()],
-                    &log,
-                )?
-            } else {
-                let conf = dir.join("haproxy.cfg");
-                write(&conf, &haproxy_conf())?;
-                spawn_logged(
-                    &t.lb,
-                    "haproxy",
-                    &["-db", "-f", &conf.to_string_lossy()],
-                    &log,
-                )?
-            };
-            let mut running = Running::Proxy(child);
-            if !wait_tcp(&t.lb, vip80(), Duration::from_secs(10)) {
-                let _ = stop(ctx, mech, &mut running);
-                return Err(format!(
-                    "{} did not listen on {VIP}:80; {}:\n{}",
-                    mech.short(),
-                    log.display(),
-                    tail(&log, 10)
-                ));
-            }
-            running
-        }
-    })
-}
-
-/// Removes `mech` completely and checks that it is gone.
-fn stop(ctx: &Ctx, mech: Mech, running: &mut Running) -> Res<()> {
-    let t = ctx.t;
-    match running {
-        Running::Xlb(agent) => {
-            agent.stop()?;
-            if let Some(i) = t.lb_interfaces().iter().find(|i| xdp_attached(&t.lb, i)) {
-                return Err(format!("XDP still attached to {i} after cleanup"));
-            }
-        }
-        Running::Rules => {
-            if mech == Mech::Iptables {
-                sh_in(&t.lb, "iptables -t nat -F && iptables -t nat -X")?;
-                // iptables-nft leaves its (empty) table behind.
-                let _ = sh_in(&t.lb, "nft delete table ip nat");
-            } else {
-                sh_in(&t.lb, "nft delete table ip xlb_bench")?;
-            }
-            let rules = sh_in(&t.lb, "nft list ruleset")?;
-            if !rules.trim().is_empty() {
-                return Err(format!("rules left after removing {}:\n{rules}", mech.id()));
-            }
-        }
-        Running::Proxy(child) => {
-            terminate(child, Duration::from_secs(5));
-            // The address was added by start(); after a failed start it may be missing.
-            let _ = sh_in(&t.lb, &format!("ip addr del {VIP}/32 dev lo"));
-            if sh_in(&t.lb, "ip -4 addr show dev lo")?.contains(&VIP.to_string()) {
-                return Err(format!("{VIP} still on lo"));
-            }
-        }
-    }
-    // Whatever it was, the VIP must not answer any more.
-    let vip = vip80();
-    let answer = run_in(&t.client, move || {
-        http_get(vip, "/", Duration::from_millis(700))
-    })?;
-    if let Ok((status, body)) = answer {
-        return Err(format!(
-            "{VIP}:80 still answers after removing {} (HTTP {status} {})",
-            mech.id(),
-            body.trim()
-        ));
-    }
-    Ok(())
-}
-
-/// `n` requests from the client, each on a new connection: all must answer
-/// 200; returns how many distinct backends answered.
-fn check_serves(t: &Topology, n: usize) -> Res<usize> {
-    let vip = vip80();
-    let r = run_in(&t.client, move || {
-        let mut seen = std::collections::BTreeSet::new();
-        for _ in 0..n {
-            match http_get(vip, "/", Duration::from_secs(2)) {
-                Ok((200, body)) => {
-                    seen.insert(body.trim().to_string());
-                }
-                Ok((s, _)) => return Err(format!("HTTP {s}")),
-                Err(e) => return Err(e),
-            }
-        }
-        Ok(seen.len())
-    })??;
-    Ok(r)
 }
 
 fn run_wrk(t: &Topology, o: &E2eArgs) -> Res<Wrk> {
@@ -1407,6 +1146,8 @@ fn svg(tcp: &[TcpSummary], udp: &[UdpSummary], o: &E2eArgs, machine: &str) -> St
 
 #[cfg(test)]
 mod tests {
+    use xlb_bench::support::mechanisms::xlb_config;
+
     use super::*;
 
     #[test]
