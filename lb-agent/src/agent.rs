@@ -204,6 +204,7 @@ impl Agent {
             );
         }
         dp.set_config(config.dataplane_config())?;
+        dp.set_flood_threshold(config.flood_threshold)?;
         let dp = Arc::new(Mutex::new(dp));
         let metrics = Arc::new(Metrics::new());
         let ready = Arc::new(AtomicBool::new(false));
@@ -859,6 +860,7 @@ impl Agent {
                 }
             }
             dp.set_config(self.config.dataplane_config())?;
+            dp.set_flood_threshold(self.config.flood_threshold)?;
         }
         let mut targets = Vec::new();
         for s in &self.config.services {
@@ -1380,6 +1382,7 @@ fn snapshot(dp: &Mutex<Dataplane>, labels: &Mutex<Labels>) -> DataplaneSnapshot 
     }
     snap.conntrack_entries = dp.shared_flows().map(|c| c.len() as u64).unwrap_or(0);
     snap.flows_repicked = dp.flows_repicked().unwrap_or(0);
+    snap.flows_untracked = dp.flows_untracked().unwrap_or(0);
     snap.load = load_samples(&labels.load);
     if labels.no_backend_series {
         snap.backends.clear();

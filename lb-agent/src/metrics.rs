@@ -140,6 +140,7 @@ pub struct DataplaneSnapshot {
     pub conntrack_capacity: u64,
     /// TCP packets (not SYNs) whose flow was not in the table: re-picked.
     pub flows_repicked: u64,
+    pub flows_untracked: u64,
     pub load: LoadSamples,
 }
 
@@ -181,6 +182,7 @@ enum Source {
     ConntrackEntries,
     ConntrackCapacity,
     FlowsRepicked,
+    FlowsUntracked,
 }
 
 impl Source {
@@ -195,7 +197,10 @@ impl Source {
             Source::BackendState => BACKEND_STATE_LABELS,
             Source::AllDraining => SERVICE_NAME_LABELS,
             Source::Reason => REASON_LABELS,
-            Source::ConntrackEntries | Source::ConntrackCapacity | Source::FlowsRepicked => &[],
+            Source::ConntrackEntries
+            | Source::ConntrackCapacity
+            | Source::FlowsRepicked
+            | Source::FlowsUntracked => &[],
         }
     }
 }
@@ -372,6 +377,11 @@ const DP_FAMILIES: &[DpFamily] = &[
         "TCP packets (not SYNs) whose flow was not in the flow table (evicted when it was full, or begun before this node saw it): sent where Maglev says now.",
         Source::FlowsRepicked,
     ),
+    counter(
+        "xlb_flows_untracked_total",
+        "Packets forwarded in flood mode without a flow-table entry: new flows above flood_threshold a second on a CPU, and the later packets of those flows, which Maglev picks again.",
+        Source::FlowsUntracked,
+    ),
 ];
 
 fn sample(kind: MetricType, labels: &[&str], values: &[&str], value: f64) -> proto::Metric {
@@ -410,7 +420,10 @@ fn series_count(source: Source, snap: &DataplaneSnapshot) -> usize {
         Source::Load(values) => values(&snap.load).len(),
         Source::AllDraining => snap.load.all_draining.len(),
         Source::Reason => snap.reasons.len(),
-        Source::ConntrackEntries | Source::ConntrackCapacity | Source::FlowsRepicked => 1,
+        Source::ConntrackEntries
+        | Source::ConntrackCapacity
+        | Source::FlowsRepicked
+        | Source::FlowsUntracked => 1,
     }
 }
 
@@ -464,6 +477,7 @@ fn series(f: &DpFamily, snap: &DataplaneSnapshot, i: usize) -> proto::Metric {
         Source::ConntrackEntries => sample(f.kind, &[], &[], snap.conntrack_entries as f64),
         Source::ConntrackCapacity => sample(f.kind, &[], &[], snap.conntrack_capacity as f64),
         Source::FlowsRepicked => sample(f.kind, &[], &[], snap.flows_repicked as f64),
+        Source::FlowsUntracked => sample(f.kind, &[], &[], snap.flows_untracked as f64),
     }
 }
 
@@ -771,6 +785,7 @@ mod tests {
             conntrack_entries: 42,
             conntrack_capacity: 1 << 20,
             flows_repicked: 9,
+            flows_untracked: 4,
             load: LoadSamples {
                 open_flows: vec![value("10.1.0.1:8080", 12.0)],
                 factor: vec![value("10.1.0.1:8080", 0.5)],
@@ -882,6 +897,7 @@ mod tests {
         has_line(t, "xlb_conntrack_entries 42");
         has_line(t, "xlb_conntrack_capacity 1048576");
         has_line(t, "xlb_flows_repicked_total 9");
+        has_line(t, "xlb_flows_untracked_total 4");
 
         has_line(t, r#"xlb_config_reloads_total{result="ok"} 2"#);
         has_line(t, r#"xlb_config_reloads_total{result="error"} 1"#);
@@ -949,6 +965,7 @@ mod tests {
             "xlb_conntrack_entries",
             "xlb_conntrack_capacity",
             "xlb_flows_repicked_total",
+            "xlb_flows_untracked_total",
             "xlb_config_reloads_total",
             "xlb_config_reload_duration_seconds",
             "xlb_config_last_reload_success_timestamp_seconds",

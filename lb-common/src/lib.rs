@@ -76,7 +76,29 @@ pub const SNAT_PROBES: u32 = 16;
 /// saw it): re-picked by Maglev, so they keep their backend while the
 /// backend set is unchanged.
 pub const FLOW_EVENT_REPICKED: u32 = 0;
-pub const FLOW_EVENT_COUNT: u32 = 1;
+/// `FLOW_EVENTS[1]`: packets forwarded in flood mode without a flow-table
+/// entry (see [`FloodWindow`]): Maglev alone carries their flows.
+pub const FLOW_EVENT_UNTRACKED: u32 = 1;
+pub const FLOW_EVENT_COUNT: u32 = 2;
+
+/// Flood mode's default: new flows a second on one CPU above which flows
+/// that Maglev alone re-derives are forwarded without a flow-table entry.
+/// Katran's default (`MAX_CONN_RATE`).
+pub const DEFAULT_FLOOD_THRESHOLD: u32 = 125_000;
+
+/// `FLOOD` (per CPU, index 0): this CPU's count of new flows in the current
+/// one-second window, and the threshold the agent wrote (0: flood mode off).
+/// Not pinned: the agent writes the threshold whenever it loads the program.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[repr(C)]
+pub struct FloodWindow {
+    /// When the window began (`bpf_ktime_get_ns`); the data plane's to write.
+    pub start_ns: u64,
+    /// New flows since `start_ns`; the data plane's to write.
+    pub new_flows: u32,
+    /// The agent's: above this many new flows in a window, flood mode.
+    pub threshold: u32,
+}
 
 /// Names of the maps as they are pinned under `/sys/fs/bpf/xlb/`.
 pub mod map_names {
@@ -103,6 +125,9 @@ pub mod map_names {
     pub const SOURCE_RATES: &str = "SOURCE_RATES";
     pub const HELD_FLOWS: &str = "HELD_FLOWS";
     pub const FLOW_TIMES: &str = "FLOW_TIMES";
+    /// Not pinned: the agent writes them whenever it attaches (the MACs) or
+    /// loads the program (`FLOOD`'s threshold).
+    pub const FLOOD: &str = "FLOOD";
     /// Not pinned: the agent writes them whenever it attaches.
     pub const IFACE_MACS: &str = "IFACE_MACS";
     pub const IFACE_MACS_SPILL: &str = "IFACE_MACS_SPILL";
@@ -768,6 +793,7 @@ mod pod {
     unsafe impl aya::Pod for ReverseNat {}
     unsafe impl aya::Pod for FlowLimit {}
     unsafe impl aya::Pod for SourceKey {}
+    unsafe impl aya::Pod for FloodWindow {}
 }
 
 // Layouts are part of the pinned-map ABI: a change here needs a new map name.

@@ -21,7 +21,7 @@ use crate::{
         BACKENDS, BACKEND_ACTIVE, BACKEND_REVERSE, CONFIG, FLOWS, HELD_FLOWS, MAGLEV, REPLY_NAT,
     },
     parse::Headers,
-    scratch::{Scratch, NEW_FLOW},
+    scratch::{Scratch, NEW_FLOW, NEW_FLOW_STATELESS},
 };
 
 use crate::clock::now;
@@ -247,7 +247,11 @@ pub fn lookup_or_create(
     t: u64,
     s: &mut Scratch,
 ) -> u32 {
+    // In the scratch, not a register: a pointer that is null on some paths
+    // and not on others would make the verifier walk `create` twice.
+    s.target.replaces = 0;
     if let Some(flow) = FLOWS.get_ptr_mut(&s.key) {
+        s.target.replaces = 1;
         // SAFETY: shared entry; plain stores, a racing CPU writes similar values.
         let flow = unsafe { &mut *flow };
         let idle = t.saturating_sub(flow.last_seen_ns);
@@ -337,12 +341,20 @@ fn create(svc: &ServiceInfo, closing: bool, t: u64, s: &mut Scratch) -> u32 {
         t + lifetime_ns(&cfg, s.key.proto, closing),
     );
     let mut snat_port = 0u16;
+    let mut new_flow = NEW_FLOW;
     if svc.flags & SERVICE_F_SNAT != 0 {
         snat_port = claim_snat_port(svc, backend, &cfg, s);
         if snat_port == 0 {
             return Reason::DropSnatExhausted as u32;
         }
-    } else if !reversible(svc, &backend.addr, backend.port, s) {
+    } else if reversible(svc, &backend.addr, backend.port, s) {
+        // A closing flow is always written: its close is counted once. An
+        // entry this flow does not take (a SYN reusing the tuple, another
+        // service's) must be replaced, or the next packet would follow it.
+        if svc.flags & STATEFUL == 0 && !closing && s.target.replaces == 0 {
+            new_flow = NEW_FLOW_STATELESS;
+        }
+    } else {
         // NAT mode, a backend shared by services: the reply entry is made
         // now (its key holds the client tuple, so it is this flow's own).
         // Otherwise the first reply makes it from `BACKEND_REVERSE`.
@@ -374,9 +386,13 @@ fn create(svc: &ServiceInfo, closing: bool, t: u64, s: &mut Scratch) -> u32 {
     s.target.backend.family = backend.family;
     s.target.backend_id = backend_id;
     s.target.snat_port = snat_port;
-    s.target.new_flow = NEW_FLOW;
+    s.target.new_flow = new_flow;
     FOUND
 }
+
+/// Service flags whose flows keep state of their own in the flow table:
+/// never left out of it in flood mode.
+const STATEFUL: u32 = SERVICE_F_LEAST_LOADED | SERVICE_F_FLOW_LIMIT | SERVICE_F_HOLD_UNKNOWN;
 
 /// Whether `BACKEND_REVERSE` translates this NAT flow's replies (its
 /// backend belongs to this service only).

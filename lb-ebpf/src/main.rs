@@ -14,6 +14,7 @@ mod bench;
 mod clock;
 mod conntrack;
 mod csum;
+mod flood;
 mod forward;
 mod icmp;
 mod l2;
@@ -234,10 +235,17 @@ fn to_backend(ctx: &XdpContext, h: &Headers, svc: &lb_common::ServiceInfo) -> Ve
     scratch.key.dport = dport;
     scratch.key.proto = h.proto;
     scratch.key.family = h.family;
-    let found = conntrack::lookup_or_create(svc, closing, syn, clock::now(), scratch);
+    let now = clock::now();
+    let found = conntrack::lookup_or_create(svc, closing, syn, now, scratch);
     if found != conntrack::FOUND {
         return Verdict::new_raw(xdp_action::XDP_DROP, found);
     }
+    let new_flow = scratch.target.new_flow;
+    // Every new flow counts toward this CPU's rate; above the threshold a
+    // stateless one goes untracked (`flood`).
+    let untracked =
+        new_flow != 0 && flood::over_threshold(now) && new_flow == scratch::NEW_FLOW_STATELESS;
+    let insert = new_flow != 0 && !untracked;
     let t = &scratch.target;
     let snat = svc.flags & SERVICE_F_SNAT != 0;
     let src = if snat {
@@ -249,13 +257,18 @@ fn to_backend(ctx: &XdpContext, h: &Headers, svc: &lb_common::ServiceInfo) -> Ve
         return drop(Reason::DropMalformed);
     }
     let bytes = (ctx.data_end() - ctx.data()) as u64;
+    // An untracked flow's later packets are picked afresh: only its SYN
+    // counts as a new flow.
     stats::count_traffic(
         svc.id,
         t.backend_id,
         bytes,
-        t.new_flow == scratch::NEW_FLOW,
+        insert || (untracked && syn),
         false,
     );
+    if untracked {
+        stats::count_flow_event(lb_common::FLOW_EVENT_UNTRACKED);
+    }
     // The route to a backend is cached in its BACKENDS entry, shared by
     // all its flows. A flow whose backend id has since been given to another
     // backend (it left the service, its flows stay) looks its route up itself.
@@ -283,7 +296,7 @@ fn to_backend(ctx: &XdpContext, h: &Headers, svc: &lb_common::ServiceInfo) -> Ve
         &scratch.target.backend.addr,
         cache,
     );
-    if scratch.target.new_flow == scratch::NEW_FLOW {
+    if insert {
         // A full LRU evicts its oldest entry; failure only costs a re-pick later.
         let _ = FLOWS.insert(&scratch.key, &scratch.flow, 0);
     }

@@ -7,8 +7,8 @@ use aya_ebpf::{
     macros::btf_map,
 };
 use lb_common::{
-    BackendEntry, BackendLoad, Config, Flow, FlowKey, FlowLimit, FlowTimes, IfaceMac, L2Iface,
-    L2Vip, L2VipKey, RangeKey, ReplyNat, ReverseKey, ReverseNat, ServiceInfo, ServiceKey,
+    BackendEntry, BackendLoad, Config, FloodWindow, Flow, FlowKey, FlowLimit, FlowTimes, IfaceMac,
+    L2Iface, L2Vip, L2VipKey, RangeKey, ReplyNat, ReverseKey, ReverseNat, ServiceInfo, ServiceKey,
     SourceKey, TrafficStats, FLOWS_ENTRIES, FLOW_EVENT_COUNT, HELD_FLOWS_ENTRIES, IFACE_SLOTS,
     MAGLEV_POOL_ENTRIES, MAX_BACKENDS, MAX_IFACE_SPILL, MAX_L2_IFACES, MAX_L2_VIPS, MAX_SERVICES,
     MAX_SOURCE_RANGES, MAX_TX_PORTS, PORT_FLAGS_ENTRIES, REASON_COUNT, REPLY_NAT_ENTRIES,
@@ -160,3 +160,8 @@ pub static IFACE_MACS: Array<IfaceMac, { IFACE_SLOTS as usize }> = Array::new();
 /// interface holds.
 #[btf_map]
 pub static IFACE_MACS_SPILL: HashMap<u32, IfaceMac, { MAX_IFACE_SPILL as usize }> = HashMap::new();
+
+/// Per CPU: new flows in the current second and the agent's flood threshold
+/// (`FloodWindow`, `flood::over_threshold`).
+#[btf_map]
+pub static FLOOD: PerCpuArray<FloodWindow, 1> = PerCpuArray::new();

@@ -16,14 +16,23 @@ pub struct Target {
     pub backend_id: u32,
     /// Network order; 0 in NAT mode. The address is `Scratch::flow`'s.
     pub snat_port: u16,
-    /// [`NEW_FLOW`] when this packet created the flow, else 0. (Not a
+    /// [`NEW_FLOW`] or [`NEW_FLOW_STATELESS`] when this packet created the
+    /// flow, else 0. (Not a
     /// bool: a bool's niche would put `Result<Target, _>`'s tag mid-struct,
     /// which kernel BTF rejects.)
     pub new_flow: u16,
+    /// 1 when the flow table has an entry for the packet's tuple that a new
+    /// flow replaces (`lookup_or_create`).
+    pub replaces: u16,
 }
 
 /// `Target::new_flow`: a new flow, counted and written to the flow table.
 pub const NEW_FLOW: u16 = 1;
+/// `Target::new_flow`: a new flow that Maglev alone re-derives (NAT mode,
+/// its replies translated from `BACKEND_REVERSE`, no state of its own:
+/// no SNAT port, open-flow count, per-prefix limit or hold), which flood
+/// mode may leave out of the flow table (`flood`).
+pub const NEW_FLOW_STATELESS: u16 = 2;
 
 /// Per-CPU scratch space for the new-flow path: these values would not
 /// fit the verifier's 512-byte stack limit across the call chain.

@@ -2067,6 +2067,96 @@ fn a_full_flow_table_evicts_and_evicted_flows_keep_their_backend_needs_root() {
     );
 }
 
+/// Flood mode: above the threshold of new flows a second on a CPU, a NAT
+/// flow that Maglev alone re-derives is forwarded without a flow-table
+/// entry. Its SYN and its later packets reach Maglev's backend and are
+/// counted untracked, the SYN once as a new flow. SNAT flows, and a SYN
+/// that must replace an entry for its tuple, are still written; with the
+/// threshold at 0 every new flow is.
+#[test]
+fn flood_mode_forwards_stateless_flows_without_an_entry_needs_root() {
+    let mut bed = FixtureBed::new("xlb-fix-flood");
+    pin_to_cpu(0);
+    let (dp, cl0) = (&mut bed.dp, bed.cl0);
+    let three = [(B2.into(), 8080), (B3.into(), 8080), (B4.into(), 8080)];
+    dp.set_service(&svc(VIP.into(), 80, Protocol::Tcp, None, &three))
+        .unwrap();
+    dp.set_service(&svc(
+        VIP.into(),
+        443,
+        Protocol::Tcp,
+        Some(SNAT4.into()),
+        &[(B3.into(), 8443)],
+    ))
+    .unwrap();
+    let id80 = dp
+        .service_id(&lb_common::net::service_key(VIP.into(), 80, 6))
+        .unwrap();
+    let backend_of = |out: &[u8]| xlb_tests::packet::parse(out).unwrap().dst;
+    let in_table = |dp: &Dataplane| -> std::collections::BTreeSet<u16> {
+        let flows = dp.shared_flows().unwrap();
+        flows.iter().map(|(k, _)| u16::from_be(k.sport)).collect()
+    };
+    dp.set_flood_threshold(3).unwrap();
+
+    // Ten new flows in one second: the first three are written.
+    let picked: Vec<(u16, IpAddr)> = (21000..21010)
+        .map(|p| {
+            let (v, out) = run(dp, cl0, &c4(syn(p, 80)));
+            assert_eq!(v, XDP_REDIRECT, "SYN from {p}");
+            (p, backend_of(&out))
+        })
+        .collect();
+    assert_eq!(in_table(dp), (21000..21003).collect());
+    assert_eq!(dp.flows_untracked().unwrap(), 7);
+    assert_eq!(dp.service_stats(id80).unwrap().new_flows, 10);
+    let spread: std::collections::BTreeSet<IpAddr> = picked.iter().map(|f| f.1).collect();
+    assert!(spread.len() > 1, "Maglev spreads the flows: {spread:?}");
+
+    // Their next packets reach the SYN's backend; the untracked ones stay
+    // untracked (still above the threshold) and are not new flows again.
+    for (p, b) in &picked {
+        let (v, out) = run(dp, cl0, &c4(ack(*p, 80)));
+        assert_eq!(v, XDP_REDIRECT);
+        assert_eq!(backend_of(&out), *b, "ACK from {p}");
+    }
+    assert_eq!(in_table(dp), (21000..21003).collect());
+    assert_eq!(dp.flows_untracked().unwrap(), 14);
+    assert_eq!(dp.service_stats(id80).unwrap().new_flows, 10);
+
+    // An SNAT flow keeps its port in its entry: written in flood mode too.
+    assert_eq!(run(dp, cl0, &c4(syn(21100, 443))).0, XDP_REDIRECT);
+    assert!(
+        in_table(dp).contains(&21100),
+        "the SNAT flow is in the table"
+    );
+
+    // A SYN reusing a written tuple after the backends changed goes to
+    // Maglev's new pick, and its entry replaces the old one: else the next
+    // packet would follow the old entry to the old backend.
+    let moved = picked[..3]
+        .iter()
+        .find(|(_, b)| *b != IpAddr::from(B4))
+        .expect("one of the first three flows is not on B4");
+    dp.set_service(&svc(
+        VIP.into(),
+        80,
+        Protocol::Tcp,
+        None,
+        &[(B4.into(), 8080)],
+    ))
+    .unwrap();
+    let (v, out) = run(dp, cl0, &c4(syn(moved.0, 80)));
+    assert_eq!(v, XDP_REDIRECT);
+    assert_eq!(backend_of(&out), IpAddr::from(B4));
+    ack_reaches(dp, cl0, moved.0, (B4_MAC, B4), "the reused tuple's ACK");
+
+    // Flood mode off: a new flow is written whatever the rate.
+    dp.set_flood_threshold(0).unwrap();
+    assert_eq!(run(dp, cl0, &c4(syn(21200, 80))).0, XDP_REDIRECT);
+    assert!(in_table(dp).contains(&21200), "written with flood mode off");
+}
+
 /// A TCP segment from the client with `flags`.
 fn c4_flags_to(sport: u16, dport: u16, flags: u8) -> Vec<u8> {
     c4(Tcp::new(sport, dport).seq(2000).ack(5001).flags(flags))

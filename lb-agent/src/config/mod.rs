@@ -52,6 +52,9 @@ pub struct AgentConfig {
     pub maglev_pool_entries: u32,
     /// Size of the flow table (entries, one per flow); likewise.
     pub flow_table_entries: u32,
+    /// Flood mode: new flows a second on one CPU above which stateless NAT
+    /// flows go untracked (`Dataplane::set_flood_threshold`); 0: off.
+    pub flood_threshold: u32,
     /// Announcing VIPs through a BGP speaker; `None`: no announcements.
     pub bgp: Option<BgpConfig>,
     /// Services from a Kubernetes cluster, besides those in the file.

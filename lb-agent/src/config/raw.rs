@@ -17,6 +17,7 @@ pub(super) struct RawConfig {
     pub(super) timeouts: Option<RawTimeouts>,
     pub(super) maglev_pool_entries: Option<u32>,
     pub(super) flow_table_entries: Option<u32>,
+    pub(super) flood_threshold: Option<u32>,
     pub(super) bgp: Option<RawBgp>,
     pub(super) kubernetes: Option<RawKubernetes>,
     pub(super) load_aware: Option<RawLoadAware>,

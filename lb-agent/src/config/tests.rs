@@ -113,6 +113,7 @@ fn full_example() {
         udp_timeout: Duration::from_secs(60),
         maglev_pool_entries: lb_common::MAGLEV_POOL_ENTRIES,
         flow_table_entries: lb_common::FLOWS_ENTRIES,
+        flood_threshold: lb_common::DEFAULT_FLOOD_THRESHOLD,
         bgp: None,
         kubernetes: None,
         load_interval: DEFAULT_LOAD_INTERVAL,
@@ -436,6 +437,25 @@ fn map_sizes() {
     );
     let text = edit(BASE, "snat_ipv4: 10.0.0.1", "maglev_pool_entries: 1000");
     rejects(&text, 2, "maglev_pool_entries", "1000 is outside");
+}
+
+#[test]
+fn flood_threshold() {
+    assert_eq!(
+        AgentConfig::parse(BASE).unwrap().flood_threshold,
+        lb_common::DEFAULT_FLOOD_THRESHOLD
+    );
+    let text = edit(BASE, "snat_ipv4: 10.0.0.1", "flood_threshold: 0");
+    assert_eq!(AgentConfig::parse(&text).unwrap().flood_threshold, 0);
+    let text = edit(BASE, "snat_ipv4: 10.0.0.1", "flood_threshold: 2000000000");
+    rejects(
+        &text,
+        2,
+        "flood_threshold",
+        "2000000000 is above 1000000000",
+    );
+    let text = edit(BASE, "snat_ipv4: 10.0.0.1", "flood_threshold: -1");
+    rejects(&text, 2, "flood_threshold", "expected u32");
 }
 
 #[test]

@@ -17,6 +17,8 @@ use crate::dataplane::{NewFlowLimit, Protocol};
 /// flows evicts live ones under any load; 2^26 flows take ~9 GiB.
 const MIN_FLOW_TABLE_ENTRIES: u32 = 1024;
 const MAX_FLOW_TABLE_ENTRIES: u32 = 1 << 26;
+/// Upper bound of `flood_threshold`: no CPU makes a billion flows a second.
+const MAX_FLOOD_THRESHOLD: u32 = 1_000_000_000;
 
 pub(super) struct Validator<'t> {
     pub(super) text: &'t str,
@@ -113,6 +115,16 @@ impl Validator<'_> {
                 ))
             }
         };
+        let flood_threshold = match raw.flood_threshold {
+            None => lb_common::DEFAULT_FLOOD_THRESHOLD,
+            Some(n) if n <= MAX_FLOOD_THRESHOLD => n,
+            Some(n) => {
+                return Err(self.err(
+                    root().key("flood_threshold"),
+                    format!("{n} is above {MAX_FLOOD_THRESHOLD} (0 turns flood mode off)"),
+                ))
+            }
+        };
         let bgp = match raw.bgp {
             None => None,
             Some(b) => Some(self.bgp(b)?),
@@ -148,6 +160,7 @@ impl Validator<'_> {
             udp_timeout,
             maglev_pool_entries,
             flow_table_entries,
+            flood_threshold,
             bgp,
             kubernetes,
             load_interval,

@@ -38,12 +38,13 @@ pub use lb_common::net::Protocol;
 use lb_common::{
     maglev, map_names as names,
     net::{ip_words, service_key, words_ip, Family},
-    BackendEntry, BackendLoad, Config, Flow, FlowKey, FlowLimit, FlowTimes, L2Iface, L2Vip,
-    L2VipKey, ReplyNat, ReverseKey, ReverseNat, ServiceInfo, ServiceKey, TrafficStats, FAMILY_V4,
-    FAMILY_V6, FLOWS_ENTRIES, FLOW_EVENT_COUNT, FLOW_EVENT_REPICKED, FLOW_F_CLOSED,
-    MAGLEV_POOL_ENTRIES, MAX_BACKENDS, MAX_SERVICES, PORT_F_BACKEND, PORT_F_SERVICE, PROTO_ICMP,
-    PROTO_ICMPV6, REASON_COUNT, SERVICE_F_CLIENT_AFFINITY, SERVICE_F_FLOW_LIMIT,
-    SERVICE_F_HOLD_UNKNOWN, SERVICE_F_LEAST_LOADED, SERVICE_F_SNAT, SERVICE_F_SOURCE_RANGES,
+    BackendEntry, BackendLoad, Config, FloodWindow, Flow, FlowKey, FlowLimit, FlowTimes, L2Iface,
+    L2Vip, L2VipKey, ReplyNat, ReverseKey, ReverseNat, ServiceInfo, ServiceKey, TrafficStats,
+    FAMILY_V4, FAMILY_V6, FLOWS_ENTRIES, FLOW_EVENT_COUNT, FLOW_EVENT_REPICKED,
+    FLOW_EVENT_UNTRACKED, FLOW_F_CLOSED, MAGLEV_POOL_ENTRIES, MAX_BACKENDS, MAX_SERVICES,
+    PORT_F_BACKEND, PORT_F_SERVICE, PROTO_ICMP, PROTO_ICMPV6, REASON_COUNT,
+    SERVICE_F_CLIENT_AFFINITY, SERVICE_F_FLOW_LIMIT, SERVICE_F_HOLD_UNKNOWN,
+    SERVICE_F_LEAST_LOADED, SERVICE_F_SNAT, SERVICE_F_SOURCE_RANGES,
 };
 
 pub use self::flow_limit::NewFlowLimit;
@@ -388,6 +389,7 @@ struct Maps {
     backend_reverse: HashMap<MapData, ReverseKey, ReverseNat>,
     flow_limits: Array<MapData, FlowLimit>,
     iface_macs: macs::InterfaceMacs,
+    flood: PerCpuArray<MapData, FloodWindow>,
 }
 
 impl Dataplane {
@@ -517,6 +519,8 @@ impl Dataplane {
                 .map_err(map_err(names::BACKEND_REVERSE))?,
             flow_limits: Array::try_from(take(&mut ebpf, names::FLOW_LIMITS)?)
                 .map_err(map_err(names::FLOW_LIMITS))?,
+            flood: PerCpuArray::try_from(take(&mut ebpf, names::FLOOD)?)
+                .map_err(map_err(names::FLOOD))?,
             iface_macs: macs::InterfaceMacs::new(
                 Array::try_from(take(&mut ebpf, names::IFACE_MACS)?)
                     .map_err(map_err(names::IFACE_MACS))?,
@@ -847,6 +851,23 @@ impl Dataplane {
             .config
             .set(0, cfg, 0)
             .map_err(map_err(names::CONFIG))
+    }
+
+    /// Flood mode's threshold: new flows a second on one CPU above which
+    /// NAT flows that Maglev alone re-derives are forwarded without a
+    /// flow-table entry (`lb_common::FloodWindow`); 0 turns it off. A
+    /// freshly loaded program has it off until this is called.
+    pub fn set_flood_threshold(&mut self, new_flows_per_s: u32) -> Result<()> {
+        let window = FloodWindow {
+            threshold: new_flows_per_s,
+            ..FloodWindow::default()
+        };
+        let values = aya::maps::PerCpuValues::try_from(vec![window; reads::possible_cpus()])
+            .expect("one value per possible CPU is what the kernel expects");
+        self.maps
+            .flood
+            .set(0, values, 0)
+            .map_err(map_err(names::FLOOD))
     }
 
     /// Whether the load found pins of another layout and started the

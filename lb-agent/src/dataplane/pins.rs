@@ -3,7 +3,7 @@
 
 use std::path::Path;
 
-use lb_common::{map_names as names, REASON_COUNT};
+use lb_common::{map_names as names, FLOW_EVENT_COUNT, REASON_COUNT};
 
 use super::{map_err, DataplaneError, Result};
 
@@ -44,6 +44,17 @@ pub(super) const COUNTERS: [&str; 9] = [
     names::SOURCE_RATES,
 ];
 
+/// A counter array this version has more slots in than its pin's
+/// `entries`: how many it wants.
+fn grown_counter(name: &str, entries: u32) -> Option<u32> {
+    let wanted = match name {
+        names::REASON_STATS => REASON_COUNT,
+        names::FLOW_EVENTS => FLOW_EVENT_COUNT,
+        _ => return None,
+    };
+    (entries < wanted).then_some(wanted)
+}
+
 /// Removes the pins in `dir` that this build cannot read as it lays them
 /// out (another xlb version's), so that the load creates them afresh; the
 /// program keeps running on the old maps until its links take the new one.
@@ -63,10 +74,11 @@ pub(super) fn start_afresh_where_layout_changed(dir: &Path) -> Result<Vec<&'stat
         if let Some(why) = crate::maps::layout_mismatch(name, &info) {
             log::warn!("{} has {why}", path.display());
             changed.push(name);
-        } else if name == names::REASON_STATS && info.max_entries() < REASON_COUNT {
-            // A version with fewer reasons: the new ones would go uncounted.
+        } else if let Some(wanted) = grown_counter(name, info.max_entries()) {
+            // A version with fewer reasons or flow events: the new ones
+            // would go uncounted.
             log::info!(
-                "{} counts {} reasons, this version {REASON_COUNT}",
+                "{} counts {} kinds, this version {wanted}",
                 path.display(),
                 info.max_entries()
             );

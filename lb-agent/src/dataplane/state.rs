@@ -146,6 +146,13 @@ impl Dataplane {
             .map_err(map_err(names::FLOW_EVENTS))
     }
 
+    /// Packets forwarded in flood mode without a flow-table entry, summed
+    /// over CPUs: see `lb_common::FLOW_EVENT_UNTRACKED`.
+    pub fn flows_untracked(&self) -> Result<u64> {
+        reads::flow_event(&self.maps.flow_events, FLOW_EVENT_UNTRACKED)
+            .map_err(map_err(names::FLOW_EVENTS))
+    }
+
     /// How many flows the flow table holds before it evicts the least
     /// recently used.
     pub fn flow_table_capacity(&self) -> u32 {

@@ -78,6 +78,9 @@ pub struct StatsReport {
     /// when it was full, or begun before this node saw it), re-picked by
     /// Maglev; `None` when the pinned maps predate the counter.
     pub flows_repicked: Option<u64>,
+    /// Packets forwarded in flood mode without a flow-table entry; `None`
+    /// when the pinned maps predate the counter.
+    pub flows_untracked: Option<u64>,
     pub cpu_shares: Vec<CpuShare>,
     /// With `--watch`: all packets a second since the previous report.
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -125,6 +128,7 @@ pub fn report(
         reasons,
         total_packets: total,
         flows_repicked: None,
+        flows_untracked: None,
         cpu_shares,
         packets_per_second: None,
         warning: skew.as_ref().map(skew_warning),
@@ -138,12 +142,13 @@ pub fn run(maps: &PinnedMaps) -> Result<StatsReport> {
     let online = maps::online_cpus();
     let machine_cpus = online.as_ref().map_or(counts.len(), Vec::len);
     let mut r = report(&counts, online.as_deref(), machine_cpus);
-    r.flows_repicked = match maps.flow_events()? {
-        Some(m) => Some(
+    if let Some(m) = maps.flow_events()? {
+        r.flows_repicked = Some(
             maps::flow_event(&m, lb_common::FLOW_EVENT_REPICKED).context("reading FLOW_EVENTS")?,
-        ),
-        None => None,
-    };
+        );
+        // Pins of a version before flood mode have no slot for it.
+        r.flows_untracked = maps::flow_event(&m, lb_common::FLOW_EVENT_UNTRACKED).ok();
+    }
     Ok(r)
 }
 
@@ -201,6 +206,11 @@ impl Render for StatsReport {
         if let Some(n) = self.flows_repicked {
             s.push_str(&format!(
                 "flows re-picked (TCP mid-connection, not in the flow table): {n}\n"
+            ));
+        }
+        if let Some(n) = self.flows_untracked.filter(|n| *n > 0) {
+            s.push_str(&format!(
+                "packets forwarded untracked (flood mode, no flow-table entry): {n}\n"
             ));
         }
         if let Some(w) = &self.warning {
