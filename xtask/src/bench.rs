@@ -13,7 +13,7 @@ use crate::{
 /// locality, pod-side interface and BGP convergence benchmarks. Arguments go to both (`xlb-bench` takes none and ignores them);
 /// `--e2e-only` / `--per-packet-only` run just one of them;
 /// `load-aware [ARGS]` (after `xlb-dispatch-model`), `l2 [ARGS]`,
-/// `rollout [ARGS]`, `podnet [ARGS]` and `chaos [ARGS]` run only that
+/// `rollout [ARGS]`, `podnet [ARGS]`, `latency [ARGS]` and `chaos [ARGS]` run only that
 /// benchmark (the chaos run only so: it takes about 10 minutes).
 pub fn run(args: &[String]) -> Result<()> {
     let only = [
@@ -22,6 +22,7 @@ pub fn run(args: &[String]) -> Result<()> {
         ("rollout", "xlb-rollout-bench"),
         ("podnet", "xlb-podnet-bench"),
         ("chaos", "xlb-chaos-bench"),
+        ("latency", "xlb-latency-bench"),
     ];
     if let Some((_, bin)) = only
         .iter()
@@ -64,6 +65,10 @@ pub fn run(args: &[String]) -> Result<()> {
     // What the program on a pod-side interface (generic XDP on cni0) costs
     // a Pod's own egress (16 iperf3 runs of 4 s).
     run_bench("xlb-podnet-bench", &[])?;
+    // Latency at 30/50/70 % of the maximum request rate (open loop) through
+    // xlb, nftables and no balancer; iperf3 throughput through xlb nat and
+    // snat to a Pod on the balancer's node and on another.
+    run_bench("xlb-latency-bench", &[])?;
     // Load-aware against static weights, the seed paper's patterns, after
     // the model of its dispatch policies.
     run_bench("xlb-dispatch-model", &[])?;
