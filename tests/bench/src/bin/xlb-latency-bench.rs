@@ -157,7 +157,8 @@ fn percentile_us(sorted: &[u64], p: f64) -> f64 {
     if sorted.is_empty() {
         return f64::NAN;
     }
-    let rank = ((p / 100.0) * sorted.len() as f64).ceil() as usize;
+    // (The small margin keeps 99.9 % of 1000 at 999 despite rounding.)
+    let rank = (p * sorted.len() as f64 / 100.0 - 1e-9).ceil() as usize;
     sorted[rank.clamp(1, sorted.len()) - 1] as f64 / 1000.0
 }
 
