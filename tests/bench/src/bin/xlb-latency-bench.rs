@@ -103,6 +103,10 @@ struct Opts {
     /// Skip the throughput part
     #[arg(long)]
     no_throughput: bool,
+    /// Run the client's threads at real-time priority (SCHED_FIFO 10), so
+    /// that they send on schedule when the machine's CPUs are busy
+    #[arg(long)]
+    client_fifo: bool,
     // E.g. a build of another commit.
     /// The lb-agent binary to measure (default: the one next to this binary)
     #[arg(long, value_name = "PATH")]
@@ -125,6 +129,10 @@ struct Load {
     errors: u64,
     /// Answers completed within the measured window, per second.
     done_per_s: f64,
+    /// How late the client itself sent each request of the window (its
+    /// send time minus its scheduled time), in ns: the client's share of
+    /// the latency.
+    lag_ns: Vec<u64>,
 }
 
 /// A complete HTTP/1.1 response at the start of `buf`: its length and
@@ -212,7 +220,15 @@ fn client_thread(
     t0: Instant,
     warmup: Duration,
     duration: Duration,
+    fifo: bool,
 ) -> Res<Load> {
+    if fifo {
+        let param = libc::sched_param { sched_priority: 10 };
+        // SAFETY: sched_setscheduler on the calling thread (pid 0).
+        if unsafe { libc::sched_setscheduler(0, libc::SCHED_FIFO, &param) } != 0 {
+            return Err(format!("SCHED_FIFO: {}", std::io::Error::last_os_error()));
+        }
+    }
     // Wake-ups on time: the default 50 µs timer slack would add to every latency.
     // SAFETY: prctl on the calling thread.
     unsafe {
@@ -278,9 +294,7 @@ fn client_thread(
             _ => false,
         }
     };
-    while Instant::now() < t0 {
-        std::hint::spin_loop();
-    }
+    std::thread::sleep(t0.saturating_duration_since(Instant::now()));
     loop {
         let now = Instant::now();
         match interval {
@@ -304,6 +318,8 @@ fn client_thread(
                 load.errors += 1;
                 cs[i] = None;
                 queue.push_front(sched);
+            } else if sched >= measure_from && sched < end {
+                load.lag_ns.push((now - sched).as_nanos() as u64);
             }
         }
         let inflight = cs.iter().flatten().filter(|c| c.inflight.is_some()).count();
@@ -408,12 +424,15 @@ fn run_client(
             let per_thread = rate.map(|r| r / threads as f64);
             // Thread k's schedule sits between the others': together one even stream.
             let phase = rate.map_or(Duration::ZERO, |r| Duration::from_secs_f64(k as f64 / r));
+            let fifo = o.client_fifo;
             let (warmup, dur) = (
                 Duration::from_secs_f64(o.warmup),
                 Duration::from_secs_f64(duration),
             );
             xlb_bench::support::in_ns(&ns.name, move || {
-                client_thread(&targets, first, conns, per_thread, phase, t0, warmup, dur)
+                client_thread(
+                    &targets, first, conns, per_thread, phase, t0, warmup, dur, fifo,
+                )
             })
         })
         .collect();
@@ -426,8 +445,10 @@ fn run_client(
         all.unfinished += l.unfinished;
         all.errors += l.errors;
         all.done_per_s += l.done_per_s;
+        all.lag_ns.extend(l.lag_ns);
     }
     all.lat_ns.sort_unstable();
+    all.lag_ns.sort_unstable();
     check_interrupt()?;
     Ok(all)
 }
@@ -491,6 +512,8 @@ struct Lat {
     p50: f64,
     p99: f64,
     p999: f64,
+    /// p99 of the client's own send lag.
+    lag99: f64,
     errors: u64,
     unfinished: u64,
     n: usize,
@@ -583,17 +606,19 @@ fn latency_part(t: &Topology, bins: &Bins, o: &Opts, md: &mut String) -> Res<Vec
                         p50: percentile_us(&l.lat_ns, 50.0),
                         p99: percentile_us(&l.lat_ns, 99.0),
                         p999: percentile_us(&l.lat_ns, 99.9),
+                        lag99: percentile_us(&l.lag_ns, 99.0),
                         errors: l.errors,
                         unfinished: l.unfinished,
                         n: l.lat_ns.len(),
                     };
                     println!(
-                        "  {:<46} {pct:>3} % ({rate:>6.0}/s): {:>6.0}/s answered, p50 {:>7.0} µs, p99 {:>7.0} µs, p99.9 {:>7.0} µs, {} requests, {} errors, {} unanswered",
+                        "  {:<46} {pct:>3} % ({rate:>6.0}/s): {:>6.0}/s answered, p50 {:>7.0} µs, p99 {:>7.0} µs, p99.9 {:>7.0} µs, send lag p99 {:>6.0} µs, {} requests, {} errors, {} unanswered",
                         case.label(),
                         lat.rate,
                         lat.p50,
                         lat.p99,
                         lat.p999,
+                        lat.lag99,
                         lat.n,
                         lat.errors,
                         lat.unfinished
@@ -629,20 +654,21 @@ fn latency_report(o: &Opts, max_rate: f64, runs: &LatRuns, md: &mut String) -> V
     let _ = writeln!(
         md,
         "Latency at a constant rate (open loop, from each request's scheduled time): {} keep-alive \
-         connections over {} client threads, {} s measured after {} s, {} interleaved rounds; \
+         connections over {} client threads{}, {} s measured after {} s, {} interleaved rounds; \
          maximum rate {:.0} requests/s (closed loop, same client, no balancer, {} s). Medians over \
          the rounds; added p99 = the case's p99 minus no balancer's in the same round, median \
          [lowest, highest]:\n",
         o.connections,
         o.threads,
+        if o.client_fifo { " (SCHED_FIFO)" } else { "" },
         o.duration,
         o.warmup,
         o.rounds,
         max_rate,
         o.max_duration
     );
-    md.push_str("| load | case | answered/s | p50 µs | p99 µs | p99.9 µs | added p99 µs | errors, unanswered |\n");
-    md.push_str("|---|---|---:|---:|---:|---:|---:|---:|\n");
+    md.push_str("| load | case | answered/s | p50 µs | p99 µs | p99.9 µs | added p99 µs | client's send lag p99 µs | errors, unanswered |\n");
+    md.push_str("|---|---|---:|---:|---:|---:|---:|---:|---:|\n");
     // added[load][case] = per-round added p99.
     let mut added: Vec<Vec<Vec<f64>>> = Vec::new();
     for (li, &pct) in o.loads.iter().enumerate() {
@@ -662,13 +688,14 @@ fn latency_report(o: &Opts, max_rate: f64, runs: &LatRuns, md: &mut String) -> V
             let unans: u64 = r.iter().map(|l| l.unfinished).sum();
             let _ = writeln!(
                 md,
-                "| {pct} % ({:.0}/s) | {} | {:.0} | {:.0} | {:.0} | {:.0} | {add_s} | {errs}, {unans} |",
+                "| {pct} % ({:.0}/s) | {} | {:.0} | {:.0} | {:.0} | {:.0} | {add_s} | {:.0} | {errs}, {unans} |",
                 max_rate * pct as f64 / 100.0,
                 case.short(),
                 med(|l| l.rate),
                 med(|l| l.p50),
                 med(|l| l.p99),
                 med(|l| l.p999),
+                med(|l| l.lag99),
             );
             per_case.push(add);
         }
@@ -1055,7 +1082,7 @@ mod tests {
         let o = Opts::try_parse_from(["xlb-latency-bench"]).unwrap();
         assert_eq!((o.rounds, o.connections, o.threads), (5, 32, 1));
         assert_eq!(o.loads, [30, 50, 70]);
-        assert!(!o.no_latency && !o.no_throughput);
+        assert!(!o.no_latency && !o.no_throughput && !o.client_fifo);
         let o = Opts::try_parse_from([
             "xlb-latency-bench",
             "--rounds",
