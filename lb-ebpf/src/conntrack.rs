@@ -250,7 +250,15 @@ pub fn lookup_or_create(
     // In the scratch, not a register: a pointer that is null on some paths
     // and not on others would make the verifier walk `create` twice.
     s.target.replaces = 0;
-    if let Some(flow) = FLOWS.get_ptr_mut(&s.key) {
+    // In flood mode a SYN does not look for an entry to replace: the
+    // lookup's cache misses were most of an untracked SYN's cost (docs/
+    // datapath.md, "Flood mode"). A handed flow's SYN still looks.
+    let look = !syn || svc.flags & SERVICE_F_HOLD_UNKNOWN != 0 || !crate::flood::engaged(t);
+    if let Some(flow) = if look {
+        FLOWS.get_ptr_mut(&s.key)
+    } else {
+        None
+    } {
         s.target.replaces = 1;
         // SAFETY: shared entry; plain stores, a racing CPU writes similar values.
         let flow = unsafe { &mut *flow };

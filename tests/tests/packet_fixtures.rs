@@ -2070,9 +2070,10 @@ fn a_full_flow_table_evicts_and_evicted_flows_keep_their_backend_needs_root() {
 /// Flood mode: above the threshold of new flows a second on a CPU, a NAT
 /// flow that Maglev alone re-derives is forwarded without a flow-table
 /// entry. Its SYN and its later packets reach Maglev's backend and are
-/// counted untracked, the SYN once as a new flow. SNAT flows, and a SYN
-/// that must replace an entry for its tuple, are still written; with the
-/// threshold at 0 every new flow is.
+/// counted untracked, the SYN once as a new flow. SNAT flows are still
+/// written. Below the threshold a SYN replaces an entry for its tuple; in
+/// flood mode it does not look for one (docs/datapath.md, "Flood mode").
+/// With the threshold at 0 every new flow is written.
 #[test]
 fn flood_mode_forwards_stateless_flows_without_an_entry_needs_root() {
     let mut bed = FixtureBed::new("xlb-fix-flood");
@@ -2131,9 +2132,11 @@ fn flood_mode_forwards_stateless_flows_without_an_entry_needs_root() {
         "the SNAT flow is in the table"
     );
 
-    // A SYN reusing a written tuple after the backends changed goes to
-    // Maglev's new pick, and its entry replaces the old one: else the next
-    // packet would follow the old entry to the old backend.
+    // Below the threshold (raised above this window's count), a SYN
+    // reusing a written tuple after the backends changed goes to Maglev's
+    // new pick, and its entry replaces the old one: else the next packet
+    // would follow the old entry to the old backend.
+    dp.set_flood_threshold(1000).unwrap();
     let moved = picked[..3]
         .iter()
         .find(|(_, b)| *b != IpAddr::from(B4))

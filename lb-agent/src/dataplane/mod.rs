@@ -856,13 +856,21 @@ impl Dataplane {
     /// Flood mode's threshold: new flows a second on one CPU above which
     /// NAT flows that Maglev alone re-derives are forwarded without a
     /// flow-table entry (`lb_common::FloodWindow`); 0 turns it off. A
-    /// freshly loaded program has it off until this is called.
+    /// freshly loaded program has it off until this is called. Each CPU's
+    /// current window and count are kept: a reload does not restart them.
     pub fn set_flood_threshold(&mut self, new_flows_per_s: u32) -> Result<()> {
-        let window = FloodWindow {
-            threshold: new_flows_per_s,
-            ..FloodWindow::default()
+        let windows: Vec<FloodWindow> = match self.maps.flood.get(&0, 0) {
+            Ok(v) => v.iter().copied().collect(),
+            Err(_) => vec![FloodWindow::default(); reads::possible_cpus()],
         };
-        let values = aya::maps::PerCpuValues::try_from(vec![window; reads::possible_cpus()])
+        let windows = windows
+            .into_iter()
+            .map(|w| FloodWindow {
+                threshold: new_flows_per_s,
+                ..w
+            })
+            .collect::<Vec<_>>();
+        let values = aya::maps::PerCpuValues::try_from(windows)
             .expect("one value per possible CPU is what the kernel expects");
         self.maps
             .flood
