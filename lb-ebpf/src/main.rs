@@ -240,12 +240,16 @@ fn to_backend(ctx: &XdpContext, h: &Headers, svc: &lb_common::ServiceInfo) -> Ve
     if found != conntrack::FOUND {
         return Verdict::new_raw(xdp_action::XDP_DROP, found);
     }
-    let new_flow = scratch.target.new_flow;
     // Every new flow counts toward this CPU's rate; above the threshold a
-    // stateless one goes untracked (`flood`).
-    let untracked =
-        new_flow != 0 && flood::over_threshold(now) && new_flow == scratch::NEW_FLOW_STATELESS;
-    let insert = new_flow != 0 && !untracked;
+    // stateless one goes untracked (`flood`). The verdict stays in the
+    // scratch, not in registers: live booleans multiplied the paths the
+    // verifier walks through the rest of this function.
+    if scratch.target.new_flow != 0
+        && flood::over_threshold(now)
+        && scratch.target.new_flow == scratch::NEW_FLOW_STATELESS
+    {
+        scratch.target.new_flow = scratch::UNTRACKED;
+    }
     let t = &scratch.target;
     let snat = svc.flags & SERVICE_F_SNAT != 0;
     let src = if snat {
@@ -259,14 +263,12 @@ fn to_backend(ctx: &XdpContext, h: &Headers, svc: &lb_common::ServiceInfo) -> Ve
     let bytes = (ctx.data_end() - ctx.data()) as u64;
     // An untracked flow's later packets are picked afresh: only its SYN
     // counts as a new flow.
-    stats::count_traffic(
-        svc.id,
-        t.backend_id,
-        bytes,
-        insert || (untracked && syn),
-        false,
-    );
-    if untracked {
+    let new_flow = t.new_flow;
+    let counted = new_flow == scratch::NEW_FLOW
+        || new_flow == scratch::NEW_FLOW_STATELESS
+        || (new_flow == scratch::UNTRACKED && syn);
+    stats::count_traffic(svc.id, t.backend_id, bytes, counted, false);
+    if new_flow == scratch::UNTRACKED {
         stats::count_flow_event(lb_common::FLOW_EVENT_UNTRACKED);
     }
     // The route to a backend is cached in its BACKENDS entry, shared by
@@ -296,7 +298,8 @@ fn to_backend(ctx: &XdpContext, h: &Headers, svc: &lb_common::ServiceInfo) -> Ve
         &scratch.target.backend.addr,
         cache,
     );
-    if insert {
+    let new_flow = scratch.target.new_flow;
+    if new_flow == scratch::NEW_FLOW || new_flow == scratch::NEW_FLOW_STATELESS {
         // A full LRU evicts its oldest entry; failure only costs a re-pick later.
         let _ = FLOWS.insert(&scratch.key, &scratch.flow, 0);
     }

@@ -33,6 +33,9 @@ pub const NEW_FLOW: u16 = 1;
 /// no SNAT port, open-flow count, per-prefix limit or hold), which flood
 /// mode may leave out of the flow table (`flood`).
 pub const NEW_FLOW_STATELESS: u16 = 2;
+/// `Target::new_flow`: a stateless new flow that flood mode leaves out of
+/// the flow table: forwarded, not written.
+pub const UNTRACKED: u16 = 3;
 
 /// Per-CPU scratch space for the new-flow path: these values would not
 /// fit the verifier's 512-byte stack limit across the call chain.
