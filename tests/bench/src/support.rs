@@ -366,12 +366,14 @@ impl Agent {
         }
     }
 
-    /// Stops the agent (SIGTERM), detaches the program and removes the pins.
+    /// Stops the agent (SIGTERM), detaches the program and removes the pins
+    /// and, in the agent's namespace, its nf_tables table `xlb` (notrack
+    /// rules a stopped agent keeps, as it keeps its pins).
     pub fn stop(&mut self) -> Res<()> {
         if let Some(mut c) = self.child.take() {
             terminate(&mut c, Duration::from_secs(5));
         }
-        cleanup(&self.lb_agent, &self.pin_dir)
+        cleanup_in(Some(&self.ns), &self.lb_agent, &self.pin_dir)
     }
 }
 
@@ -383,10 +385,24 @@ impl Drop for Agent {
 
 /// `lb-agent --cleanup --pin-dir DIR` (nothing to do if DIR does not exist).
 pub fn cleanup(lb_agent: &Path, pin_dir: &Path) -> Res<()> {
+    cleanup_in(None, lb_agent, pin_dir)
+}
+
+/// The same, run in network namespace `ns` (`None`: this one), where it
+/// also removes the agent's nf_tables table.
+fn cleanup_in(ns: Option<&str>, lb_agent: &Path, pin_dir: &Path) -> Res<()> {
     if !pin_dir.exists() {
         return Ok(());
     }
-    let out = Command::new(lb_agent)
+    let mut cmd = match ns {
+        Some(ns) => {
+            let mut c = nsenter(ns);
+            c.arg(lb_agent);
+            c
+        }
+        None => Command::new(lb_agent),
+    };
+    let out = cmd
         .arg("--cleanup")
         .arg("--pin-dir")
         .arg(pin_dir)
