@@ -658,6 +658,7 @@ fn run(o: &E2eArgs) -> Res<()> {
     if !o.no_tcp {
         tcp_rounds(&ctx, o, &mut tcp)?;
         tcp_table(o, &tcp, &mut md);
+        tcp_goals(&tcp, &mut md);
     }
     let mut udp: Vec<UdpSummary> = [Mech::Xlb, Mech::Nftables]
         .into_iter()
@@ -797,6 +798,62 @@ fn tcp_table(o: &E2eArgs, tcp: &[TcpSummary], md: &mut String) {
         }
     }
     md.push('\n');
+}
+
+/// Issue 33's goal for requests/s, against each kernel baseline measured:
+/// ahead by more than the noise, i.e. faster in every round, and the
+/// median per-round ratio above 1 by more than xlb's own spread over the
+/// rounds ((max - min) / median).
+fn tcp_goals(tcp: &[TcpSummary], md: &mut String) {
+    let Some(x) = tcp.iter().find(|s| s.mech == Mech::Xlb) else {
+        return;
+    };
+    let own: Vec<f64> = x.per_round.iter().flatten().copied().collect();
+    if own.is_empty() {
+        return;
+    }
+    let spread = |v: &[f64]| {
+        let lo = v.iter().copied().fold(f64::INFINITY, f64::min);
+        let hi = v.iter().copied().fold(0.0, f64::max);
+        (lo, hi)
+    };
+    let (lo, hi) = spread(&own);
+    let noise = (hi - lo) / median(&own);
+    for s in tcp
+        .iter()
+        .filter(|s| matches!(s.mech, Mech::Iptables | Mech::Nftables))
+    {
+        let ratios: Vec<f64> = x
+            .per_round
+            .iter()
+            .zip(&s.per_round)
+            .filter_map(|(a, b)| Some(a.as_ref()? / b.as_ref()?))
+            .collect();
+        if ratios.is_empty() {
+            continue;
+        }
+        let (rlo, rhi) = spread(&ratios);
+        let med = median(&ratios);
+        let met = rlo > 1.0 && med - 1.0 > noise;
+        let _ = writeln!(
+            md,
+            "Goal, ahead of {} by more than the noise in requests/s: xlb/{} {med:.2}x (rounds \
+             {rlo:.2}-{rhi:.2}x), xlb's own spread {:.1} %: {}",
+            s.mech.id(),
+            s.mech.id(),
+            noise * 100.0,
+            if met { "met" } else { "not met" }
+        );
+    }
+    let _ = writeln!(
+        md,
+        "IPVS: not measured ({}).\n",
+        if std::path::Path::new("/proc/net/ip_vs").exists() {
+            "this bench has no IPVS case yet"
+        } else {
+            "this kernel has no ip_vs: no /proc/net/ip_vs"
+        }
+    );
 }
 
 /// The UDP part: xlb and nftables once per round, interleaved.

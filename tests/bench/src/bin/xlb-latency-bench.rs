@@ -453,20 +453,11 @@ fn run_client(
     Ok(all)
 }
 
-/// Removes what a stopped agent leaves in its namespace: `Agent::stop`
-/// runs `lb-agent --cleanup` in the host's network namespace, which
-/// detaches the program and removes the pins but not the agent's
-/// nf_tables table `xlb` (notrack rules for its VIPs and SNAT address) in
-/// the LB namespace; `lb-agent --cleanup` run there removes it.
-fn remove_agent_table(t: &Topology, bins: &Bins, pin_dir: &Path) -> Res<()> {
-    sh_in(
-        &t.lb,
-        &format!(
-            "{} --cleanup --pin-dir {} >/dev/null 2>&1",
-            bins.lb_agent.display(),
-            pin_dir.display()
-        ),
-    )?;
+/// Checks that a stopped agent left nothing in the LB namespace:
+/// `Agent::stop` runs `lb-agent --cleanup` there, which also removes the
+/// agent's nf_tables table `xlb` (notrack rules for its VIPs and SNAT
+/// address).
+fn check_agent_gone(t: &Topology) -> Res<()> {
     let rules = sh_in(&t.lb, "nft list ruleset")?;
     if !rules.trim().is_empty() {
         return Err(format!("rules left after the agent stopped:\n{rules}"));
@@ -630,7 +621,7 @@ fn latency_part(t: &Topology, bins: &Bins, o: &Opts, md: &mut String) -> Res<Vec
             if let Some((m, mut r)) = running {
                 stop(&ctx, m, &mut r).map_err(|e| format!("removing {}: {e}", m.id()))?;
                 if m == Mech::Xlb {
-                    remove_agent_table(t, bins, &t.pin_dir)?;
+                    check_agent_gone(t)?;
                 }
             }
             let lats = result.map_err(|e| format!("{}: {e}", case.label()))?;
@@ -934,7 +925,7 @@ fn throughput_part(t: &mut Topology, bins: &Bins, o: &Opts, md: &mut String) -> 
                 {
                     return Err(format!("XDP still attached to {i} after the agent stopped"));
                 }
-                remove_agent_table(t, bins, &pin_dir)?;
+                check_agent_gone(t)?;
             }
             result?;
         }
