@@ -71,6 +71,20 @@ pub struct Bins {
 }
 
 impl Bins {
+    /// [`Bins::locate`], with `--lb-agent PATH` in place of the lb-agent
+    /// found there when it is given.
+    pub fn locate_with(lb_agent: Option<&Path>) -> Res<Self> {
+        let mut bins = Self::locate()?;
+        if let Some(p) = lb_agent {
+            if !p.exists() {
+                return Err(format!("--lb-agent {}: no such file", p.display()));
+            }
+            println!("lb-agent: {}", p.display());
+            bins.lb_agent = p.to_path_buf();
+        }
+        Ok(bins)
+    }
+
     /// Looks next to the running executable (`target/<profile>/`) and builds
     /// the two binaries with that profile if either is missing.
     pub fn locate() -> Res<Self> {
@@ -796,6 +810,28 @@ pub mod mechanisms {
         })??;
         Ok(r)
     }
+}
+
+/// Why IPVS is not among a benchmark's cases on this machine.
+pub fn ipvs_not_measured() -> &'static str {
+    if Path::new("/proc/net/ip_vs").exists() {
+        "this bench has no IPVS case yet"
+    } else {
+        "this kernel has no ip_vs: no /proc/net/ip_vs"
+    }
+}
+
+/// A shell command's output, stdout then stderr, trimmed (for a report's
+/// header: the kernel, the machine).
+pub fn cmd_line(cmd: &str) -> String {
+    Command::new("sh")
+        .args(["-c", cmd])
+        .output()
+        .map(|o| {
+            String::from_utf8_lossy(&o.stdout).trim().to_string()
+                + String::from_utf8_lossy(&o.stderr).trim()
+        })
+        .unwrap_or_default()
 }
 
 #[cfg(test)]

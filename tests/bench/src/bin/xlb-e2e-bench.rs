@@ -38,7 +38,7 @@ use clap::Parser;
 use xlb_bench::{
     args::{E2eArgs, Mech, E2E_SVG},
     support::{
-        check_interrupt, in_ns, install_sigint_flag, interrupted,
+        check_interrupt, cmd_line, in_ns, install_sigint_flag, interrupted, ipvs_not_measured,
         mechanisms::{check_serves, start, stop, write, Ctx, BACKENDS, UDP_BACKEND_PORT, UDP_PORT},
         median, metric, parse_wrk, run_in, sh_in, sleep_interruptible, strip_ansi, thousands,
         Agent, Bins, Res, Wrk,
@@ -602,26 +602,8 @@ fn main() -> ExitCode {
     }
 }
 
-fn cmd_line(cmd: &str) -> String {
-    std::process::Command::new("sh")
-        .args(["-c", cmd])
-        .output()
-        .map(|o| {
-            String::from_utf8_lossy(&o.stdout).trim().to_string()
-                + String::from_utf8_lossy(&o.stderr).trim()
-        })
-        .unwrap_or_default()
-}
-
 fn run(o: &E2eArgs) -> Res<()> {
-    let mut bins = Bins::locate()?;
-    if let Some(p) = &o.lb_agent {
-        if !p.exists() {
-            return Err(format!("--lb-agent {}: no such file", p.display()));
-        }
-        println!("lb-agent: {}", p.display());
-        bins.lb_agent = p.clone();
-    }
+    let bins = Bins::locate_with(o.lb_agent.as_deref())?;
     let started = Instant::now();
     let kernel = cmd_line("uname -r");
     let cpus = std::thread::available_parallelism().map_or(0, |n| n.get());
@@ -845,15 +827,7 @@ fn tcp_goals(tcp: &[TcpSummary], md: &mut String) {
             if met { "met" } else { "not met" }
         );
     }
-    let _ = writeln!(
-        md,
-        "IPVS: not measured ({}).\n",
-        if std::path::Path::new("/proc/net/ip_vs").exists() {
-            "this bench has no IPVS case yet"
-        } else {
-            "this kernel has no ip_vs: no /proc/net/ip_vs"
-        }
-    );
+    let _ = writeln!(md, "IPVS: not measured ({}).\n", ipvs_not_measured());
 }
 
 /// The UDP part: xlb and nftables once per round, interleaved.

@@ -519,11 +519,7 @@ fn where_the_time_goes(results: &Results) -> String {
     let _ = writeln!(
         out,
         "- IPVS beside nftables: not measured ({}).",
-        if std::path::Path::new("/proc/net/ip_vs").exists() {
-            "this bench has no IPVS case yet"
-        } else {
-            "this kernel has no ip_vs: no /proc/net/ip_vs"
-        }
+        xlb_bench::support::ipvs_not_measured()
     );
     out
 }

@@ -43,7 +43,7 @@ use clap::Parser;
 use xlb_bench::{
     args::{positive, Mech},
     support::{
-        check_interrupt, http_get, install_sigint_flag, interrupted,
+        check_interrupt, cmd_line, http_get, install_sigint_flag, interrupted, ipvs_not_measured,
         mechanisms::{check_serves, start, stop, Ctx, Running, BACKENDS},
         median, run_in, sh_in, xdp_attached, Agent, Bins, Res,
     },
@@ -736,7 +736,7 @@ fn latency_report(o: &Opts, max_rate: f64, runs: &LatRuns, md: &mut String) -> V
     } else {
         goals.push("latency goals: not judged (50 % is not among --loads)".into());
     }
-    goals.push("IPVS: not measured (no ip_vs in this kernel, no modules to load)".into());
+    goals.push(format!("IPVS: not measured ({})", ipvs_not_measured()));
     goals
 }
 
@@ -999,23 +999,8 @@ fn throughput_report(o: &Opts, runs: &TpRuns, md: &mut String) -> Vec<String> {
 
 // ---------------------------------------------------------------------------
 
-fn cmd_line(cmd: &str) -> String {
-    Command::new("sh")
-        .args(["-c", cmd])
-        .output()
-        .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
-        .unwrap_or_default()
-}
-
 fn run(o: &Opts) -> Res<()> {
-    let mut bins = Bins::locate()?;
-    if let Some(p) = &o.lb_agent {
-        if !p.exists() {
-            return Err(format!("--lb-agent {}: no such file", p.display()));
-        }
-        println!("lb-agent: {}", p.display());
-        bins.lb_agent = p.clone();
-    }
+    let bins = Bins::locate_with(o.lb_agent.as_deref())?;
     let started = Instant::now();
     println!(
         "xlb latency and throughput: client -> load balancer -> {BACKENDS} nginx backends in network \
