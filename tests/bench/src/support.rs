@@ -812,6 +812,54 @@ pub mod mechanisms {
     }
 }
 
+/// The remote Pod's address (`add_remote_node`).
+pub const REMOTE_POD: std::net::Ipv4Addr = std::net::Ipv4Addr::new(10, 4, 0, 2);
+
+/// A second node (`<prefix>-n2`, a router) and its Pod (`<prefix>-p2`, at
+/// [`REMOTE_POD`]), reached from the LB node over `lbn2` (10.3.0.0/24).
+pub fn add_remote_node(t: &xlb_tests::topology::Topology, prefix: &str) -> (Netns, Netns) {
+    use xlb_tests::netns::sh;
+    let n2 = Netns::new(&format!("{prefix}-n2"));
+    let pod = Netns::new(&format!("{prefix}-p2"));
+    sh(&format!(
+        "ip link add lbn2 netns {} type veth peer name eth0 netns {}",
+        t.lb.name, n2.name
+    ));
+    t.lb.run(
+        "ip addr add 10.3.0.1/24 dev lbn2 && ip link set lbn2 up && ip route add 10.4.0.0/24 via 10.3.0.2",
+    );
+    n2.run(
+        "ip addr add 10.3.0.2/24 dev eth0 && ip link set eth0 up && ip route add default via 10.3.0.1 \
+         && sysctl -qw net.ipv4.ip_forward=1 && ethtool -K eth0 gro on tx off >/dev/null",
+    );
+    sh(&format!(
+        "ip link add pod netns {} type veth peer name eth0 netns {}",
+        n2.name, pod.name
+    ));
+    n2.run(
+        "ip addr add 10.4.0.1/24 dev pod && ip link set pod up && ethtool -K pod tx off >/dev/null",
+    );
+    pod.run(&format!(
+        "ip addr add {REMOTE_POD}/24 dev eth0 && ip link set eth0 up && ip route add default via 10.4.0.1 \
+         && ethtool -K eth0 gro on tx off >/dev/null"
+    ));
+    (n2, pod)
+}
+
+/// `iperf3 -J`'s output as JSON, or the error it reports.
+pub fn iperf3_json(out: &std::process::Output) -> Res<serde_json::Value> {
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).map_err(|e| {
+        format!(
+            "iperf3's output: {e}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        )
+    })?;
+    match v["error"].as_str() {
+        Some(e) => Err(format!("iperf3: {e}")),
+        None => Ok(v),
+    }
+}
+
 /// Why IPVS is not among a benchmark's cases on this machine.
 pub fn ipvs_not_measured() -> &'static str {
     if Path::new("/proc/net/ip_vs").exists() {

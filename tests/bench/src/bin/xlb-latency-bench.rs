@@ -43,13 +43,14 @@ use clap::Parser;
 use xlb_bench::{
     args::{positive, Mech},
     support::{
-        check_interrupt, cmd_line, http_get, install_sigint_flag, interrupted, ipvs_not_measured,
+        self, check_interrupt, cmd_line, http_get, install_sigint_flag, interrupted, iperf3_json,
+        ipvs_not_measured,
         mechanisms::{check_serves, start, stop, Ctx, Running, BACKENDS},
-        median, run_in, sh_in, xdp_attached, Agent, Bins, Res,
+        median, run_in, sh_in, xdp_attached, Agent, Bins, Res, REMOTE_POD,
     },
 };
 use xlb_tests::{
-    netns::{sh, Netns},
+    netns::Netns,
     topology::{backend_ip, Topology, BACKEND_PORT, VIP},
     traffic::poll_until,
 };
@@ -59,7 +60,6 @@ const PREFIX: &str = "xlat";
 const TP_METRICS: &str = "127.0.0.1:9471";
 const IPERF_PORT: u16 = 5201;
 /// The Pod on the second node.
-const REMOTE_POD: Ipv4Addr = Ipv4Addr::new(10, 4, 0, 2);
 /// The LB node's address the snat services translate to.
 const SNAT_IP: Ipv4Addr = Ipv4Addr::new(10, 0, 0, 1);
 
@@ -743,33 +743,10 @@ fn latency_report(o: &Opts, max_rate: f64, runs: &LatRuns, md: &mut String) -> V
 // ---------------------------------------------------------------------------
 // The throughput part.
 
-/// The second node (`<p>-n2`, a router) and its Pod (`<p>-p2`), reached
-/// from the LB node over `lbn2`; the client routes the Pods through the LB.
+/// The second node and its Pod (`support::add_remote_node`); the client
+/// routes the Pods through the LB.
 fn add_remote_node(t: &Topology) -> (Netns, Netns) {
-    let n2 = Netns::new(&format!("{PREFIX}-n2"));
-    let pod = Netns::new(&format!("{PREFIX}-p2"));
-    sh(&format!(
-        "ip link add lbn2 netns {} type veth peer name eth0 netns {}",
-        t.lb.name, n2.name
-    ));
-    t.lb.run(
-        "ip addr add 10.3.0.1/24 dev lbn2 && ip link set lbn2 up && ip route add 10.4.0.0/24 via 10.3.0.2",
-    );
-    n2.run(
-        "ip addr add 10.3.0.2/24 dev eth0 && ip link set eth0 up && ip route add default via 10.3.0.1 \
-         && sysctl -qw net.ipv4.ip_forward=1 && ethtool -K eth0 gro on tx off >/dev/null",
-    );
-    sh(&format!(
-        "ip link add pod netns {} type veth peer name eth0 netns {}",
-        n2.name, pod.name
-    ));
-    n2.run(
-        "ip addr add 10.4.0.1/24 dev pod && ip link set pod up && ethtool -K pod tx off >/dev/null",
-    );
-    pod.run(&format!(
-        "ip addr add {REMOTE_POD}/24 dev eth0 && ip link set eth0 up && ip route add default via 10.4.0.1 \
-         && ethtool -K eth0 gro on tx off >/dev/null"
-    ));
+    let (n2, pod) = support::add_remote_node(t, PREFIX);
     t.client
         .run("ip route add 10.2.1.0/24 via 10.0.0.1 && ip route add 10.4.0.0/24 via 10.0.0.1");
     (n2, pod)
@@ -826,15 +803,7 @@ fn iperf(t: &Topology, addr: Ipv4Addr, streams: u32, secs: u32) -> Res<f64> {
             .args(["-P", &streams.to_string(), "-t", &secs.to_string()])
             .output()
             .map_err(|e| format!("running iperf3: {e}"))?;
-        let v: serde_json::Value = serde_json::from_slice(&out.stdout).map_err(|e| {
-            format!(
-                "iperf3's output: {e}: {}",
-                String::from_utf8_lossy(&out.stderr)
-            )
-        })?;
-        if let Some(e) = v["error"].as_str() {
-            return Err(format!("iperf3 -c {addr}: {e}"));
-        }
+        let v = iperf3_json(&out).map_err(|e| format!("-c {addr}: {e}"))?;
         v["end"]["sum_received"]["bits_per_second"]
             .as_f64()
             .map(|b| b / 1e9)

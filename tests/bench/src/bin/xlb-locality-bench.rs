@@ -12,17 +12,16 @@ use std::{net::SocketAddr, process::ExitCode};
 use clap::Parser;
 use xlb_bench::{
     args::positive,
-    support::{median, parse_wrk, Wrk},
+    support::{self, median, parse_wrk, Wrk, REMOTE_POD},
 };
 use xlb_tests::{
-    netns::{sh, Netns},
+    netns::Netns,
     topology::{nginx_config, wait_for_port, Topology, BACKEND_PORT},
 };
 
 const LOCAL_VIP: &str = "192.0.2.10";
 const REMOTE_VIP: &str = "192.0.2.11";
 const LOCAL_POD: &str = "10.2.1.2";
-const REMOTE_POD: &str = "10.4.0.2";
 
 /// What keeping traffic on the node buys: wrk against a VIP whose Pod is
 /// local and one whose Pod is behind a second node, in interleaved rounds.
@@ -43,30 +42,7 @@ struct Opts {
 /// The second node (`n2`, a router) and its Pod (`p2`, nginx), reached
 /// from the LB node over `lbn2`.
 fn add_remote_node(t: &mut Topology) -> (Netns, Netns) {
-    let n2 = Netns::new("loc-n2");
-    let pod = Netns::new("loc-p2");
-    sh(&format!(
-        "ip link add lbn2 netns {} type veth peer name eth0 netns {}",
-        t.lb.name, n2.name
-    ));
-    t.lb.run(
-        "ip addr add 10.3.0.1/24 dev lbn2 && ip link set lbn2 up && ip route add 10.4.0.0/24 via 10.3.0.2",
-    );
-    n2.run(
-        "ip addr add 10.3.0.2/24 dev eth0 && ip link set eth0 up && ip route add default via 10.3.0.1 \
-         && sysctl -qw net.ipv4.ip_forward=1 && ethtool -K eth0 gro on tx off >/dev/null",
-    );
-    sh(&format!(
-        "ip link add pod netns {} type veth peer name eth0 netns {}",
-        n2.name, pod.name
-    ));
-    n2.run(
-        "ip addr add 10.4.0.1/24 dev pod && ip link set pod up && ethtool -K pod tx off >/dev/null",
-    );
-    pod.run(&format!(
-        "ip addr add {REMOTE_POD}/24 dev eth0 && ip link set eth0 up && ip route add default via 10.4.0.1 \
-         && ethtool -K eth0 gro on tx off >/dev/null"
-    ));
+    let (n2, pod) = support::add_remote_node(t, "loc");
     let dir = t.dir.join("nginx-remote");
     std::fs::create_dir_all(&dir).unwrap();
     std::fs::write(dir.join("nginx.conf"), nginx_config(&dir, 9)).unwrap();
@@ -76,10 +52,7 @@ fn add_remote_node(t: &mut Topology) -> (Netns, Netns) {
         &["-c", &dir.join("nginx.conf").to_string_lossy()],
     );
     t.adopt_child(nginx);
-    wait_for_port(
-        &pod,
-        SocketAddr::new(REMOTE_POD.parse().unwrap(), BACKEND_PORT),
-    );
+    wait_for_port(&pod, SocketAddr::new(REMOTE_POD.into(), BACKEND_PORT));
     (n2, pod)
 }
 
@@ -123,7 +96,7 @@ fn run(o: &Opts) -> Result<(), String> {
     let config = format!(
         "interfaces: [lbc, lbb1, lbn2]\nservices:\n{}{}",
         service("local", LOCAL_VIP, LOCAL_POD),
-        service("remote", REMOTE_VIP, REMOTE_POD)
+        service("remote", REMOTE_VIP, &REMOTE_POD.to_string())
     );
     let _agent = t.start_agent(&config);
     for vip in [LOCAL_VIP, REMOTE_VIP] {

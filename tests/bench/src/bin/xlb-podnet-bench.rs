@@ -88,15 +88,7 @@ fn iperf(pod: &str, duration: u32, case: &Case) -> Result<f64, String> {
             .args(case.args)
             .output()
             .map_err(|e| format!("running iperf3: {e}"))?;
-        let v: serde_json::Value = serde_json::from_slice(&out.stdout).map_err(|e| {
-            format!(
-                "iperf3's output: {e}: {}",
-                String::from_utf8_lossy(&out.stderr)
-            )
-        })?;
-        if let Some(e) = v["error"].as_str() {
-            return Err(format!("iperf3: {e}"));
-        }
+        let v = xlb_bench::support::iperf3_json(&out)?;
         let end = &v["end"];
         let figure = if case.udp {
             end["sum"]["packets"]
