@@ -2125,6 +2125,15 @@ fn flood_mode_forwards_stateless_flows_without_an_entry_needs_root() {
     assert_eq!(dp.flows_untracked().unwrap(), 14);
     assert_eq!(dp.service_stats(id80).unwrap().new_flows, 10);
 
+    // The agent writes the threshold again at every reload: the CPU's
+    // window carries on, so the next new flow is still untracked.
+    dp.set_flood_threshold(3).unwrap();
+    assert_eq!(run(dp, cl0, &c4(syn(21010, 80))).0, XDP_REDIRECT);
+    assert!(
+        !in_table(dp).contains(&21010),
+        "a reload restarted the window"
+    );
+
     // An SNAT flow keeps its port in its entry: written in flood mode too.
     assert_eq!(run(dp, cl0, &c4(syn(21100, 443))).0, XDP_REDIRECT);
     assert!(

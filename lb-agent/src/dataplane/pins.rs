@@ -125,7 +125,7 @@ pub(super) fn iface_of_link_pin(name: &str) -> Option<String> {
 }
 
 #[cfg(test)]
-mod link_pin_tests {
+mod tests {
     use super::*;
 
     #[test]
@@ -136,5 +136,17 @@ mod link_pin_tests {
             assert_eq!(iface_of_link_pin(&pin).as_deref(), Some(iface));
         }
         assert_eq!(iface_of_link_pin("FLOWS"), None);
+    }
+
+    #[test]
+    fn counters_with_more_kinds_are_started_afresh() {
+        assert_eq!(grown_counter(names::FLOW_EVENTS, 1), Some(FLOW_EVENT_COUNT));
+        assert_eq!(grown_counter(names::FLOW_EVENTS, FLOW_EVENT_COUNT), None);
+        assert_eq!(
+            grown_counter(names::REASON_STATS, REASON_COUNT - 1),
+            Some(REASON_COUNT)
+        );
+        assert_eq!(grown_counter(names::REASON_STATS, REASON_COUNT), None);
+        assert_eq!(grown_counter(names::FLOWS, 1), None);
     }
 }
