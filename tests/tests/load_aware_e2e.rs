@@ -245,14 +245,20 @@ fn a_slowed_backend_loses_share_and_gets_it_back_needs_root() {
         back.is_ok(),
         "backend 1 did not get its weight back: {sampled:?}"
     );
-    let shares = shares_during(&load, Duration::from_secs(2));
-    assert!(
-        shares[0] > 0.2,
-        "recovered backend kept only {shares:?}; then {} {}; {} failed connections",
-        rows(&t)[&1]["load"],
-        rows(&t)[&2]["load"],
-        load.snapshot()[0]
-    );
+    // Back to an even share, in every window: least-loaded placement
+    // follows the data plane's open-flow counts, and a count the agent's
+    // table walk set wrong (it once took churn for drift) skewed whole
+    // windows, one backend down to 0.1 % of them.
+    for window in 0..4 {
+        let shares = shares_during(&load, Duration::from_secs(2));
+        assert!(
+            shares.iter().all(|s| (0.2..0.5).contains(s)),
+            "window {window}: shares {shares:?}; then {} {}; {} failed connections",
+            rows(&t)[&1]["load"],
+            rows(&t)[&2]["load"],
+            load.snapshot()[0]
+        );
+    }
     assert_eq!(
         held.get().unwrap(),
         "b1",

@@ -169,10 +169,47 @@ impl LoadTask {
 #[derive(Clone, Copy, Debug)]
 struct FlowCount {
     id: u32,
-    /// Open flows the walk found.
+    /// Open flows, as the walk set them right.
     base: u64,
     opened: u64,
     closed: u64,
+}
+
+/// One backend's data-plane counters, read together.
+#[derive(Clone, Copy, Debug)]
+struct Counters {
+    /// `BACKEND_ACTIVE`: the open-flow count new flows are placed by.
+    active: i64,
+    /// Flows opened and closed so far (`new_flows`, `BACKEND_CLOSED`).
+    opened: u64,
+    closed: u64,
+}
+
+/// How far a backend's `BACKEND_ACTIVE` is off (positive: too high), as
+/// far as a walk of the flow table that found `walked` open flows can
+/// prove, from the counters read just before and just after it.
+///
+/// The count drifts by flows that left the table without a FIN or RST
+/// (evicted, expired). The walk is not a snapshot: a flow opened while it
+/// ran may or may not be found, and so may one closed while it ran. The
+/// drift therefore lies between `before.active - walked - closes` and
+/// `before.active - walked + opens`; the walk proves only the part of it
+/// outside the churn, and the value nearest 0 in that range is returned.
+/// Setting the count to what the walk found instead, as xlb did, was
+/// wrong by a few flows a backend at a few thousand flows a second, which
+/// least-loaded placement then held against it until the next walk.
+fn walk_drift(before: &Counters, walked: u64, after: &Counters) -> i64 {
+    let opens = after.opened.saturating_sub(before.opened) as i64;
+    let closes = after.closed.saturating_sub(before.closed) as i64;
+    let seen = before.active - walked as i64;
+    let (low, high) = (seen - closes, seen + opens);
+    if low > 0 {
+        low
+    } else if high < 0 {
+        high
+    } else {
+        0
+    }
 }
 
 /// One backend's agent check: the latest answer, and the last error logged.
@@ -305,56 +342,81 @@ impl Run {
         self.tx.send_replace(Arc::new(all));
     }
 
-    /// Open flows per backend: the last walk's count plus flows opened
-    /// minus flows closed since.
+    /// Open flows per backend: the count set right at the last walk plus
+    /// flows opened minus flows closed since.
     fn open_flows(
         &mut self,
         targets: &[LoadTarget],
         walk: bool,
     ) -> BTreeMap<(ServiceKey, SocketAddr), u64> {
         let mut dp = self.dp.lock().expect("data plane lock");
-        let walk = walk
-            .then(|| dp.open_flows_by_backend(ACTIVE))
-            .and_then(|r| r.inspect_err(|e| warn!("counting open flows: {e}")).ok());
-        let mut out = BTreeMap::new();
-        for t in targets {
-            for &(addr, _) in &t.backends {
-                let Some(id) = dp.backend_id(&t.key, addr) else {
-                    continue;
-                };
-                let Ok((opened, closed)) = dp.backend_flows(id) else {
-                    continue;
-                };
-                let entry = self.flows.get(&(t.key, addr)).filter(|f| f.id == id);
-                let count = match (&walk, entry) {
-                    (Some(w), _) => FlowCount {
-                        id,
-                        base: w.get(&id).copied().unwrap_or(0),
-                        opened,
-                        closed,
-                    },
-                    (None, Some(f)) => *f,
-                    // A backend id not seen before: count from now.
-                    (None, None) => FlowCount {
-                        id,
-                        base: 0,
-                        opened,
-                        closed,
-                    },
-                };
-                if let Some(w) = &walk {
-                    // The data plane's own count, which new flows are
-                    // placed by, is set right by the walk too.
-                    let walked = w.get(&id).copied().unwrap_or(0);
-                    if let Err(e) = dp.set_backend_active(id, walked) {
-                        warn!("setting a backend's open flows: {e}");
+        let ids: Vec<((ServiceKey, SocketAddr), u32)> = targets
+            .iter()
+            .flat_map(|t| t.backends.iter().map(move |&(addr, _)| (t.key, addr)))
+            .filter_map(|k| dp.backend_id(&k.0, k.1).map(|id| (k, id)))
+            .collect();
+        let counters = |dp: &Dataplane, id: u32| {
+            let (opened, closed) = dp.backend_flows(id).ok()?;
+            let active = dp.backend_active(id).ok()?;
+            Some(Counters {
+                active,
+                opened,
+                closed,
+            })
+        };
+        let corrected: Option<BTreeMap<u32, Counters>> = walk
+            .then(|| {
+                let before: BTreeMap<u32, Counters> = ids
+                    .iter()
+                    .filter_map(|&(_, id)| Some((id, counters(&dp, id)?)))
+                    .collect();
+                let walked = dp
+                    .open_flows_by_backend(ACTIVE)
+                    .inspect_err(|e| warn!("counting open flows: {e}"))
+                    .ok()?;
+                let mut out = BTreeMap::new();
+                for (&id, b) in &before {
+                    let Some(a) = counters(&dp, id) else { continue };
+                    let drift = walk_drift(b, walked.get(&id).copied().unwrap_or(0), &a);
+                    let set = (a.active - drift).max(0);
+                    // The data plane's own count, which new flows are placed
+                    // by, loses only what the walk proves it gained or lost.
+                    if drift != 0 {
+                        if let Err(e) = dp.set_backend_active(id, set as u64) {
+                            warn!("setting a backend's open flows: {e}");
+                        }
                     }
+                    out.insert(id, Counters { active: set, ..a });
                 }
-                self.flows.insert((t.key, addr), count);
-                let open = (count.base + opened.saturating_sub(count.opened))
-                    .saturating_sub(closed.saturating_sub(count.closed));
-                out.insert((t.key, addr), open);
-            }
+                Some(out)
+            })
+            .flatten();
+        let mut out = BTreeMap::new();
+        for (key, id) in ids {
+            let Ok((opened, closed)) = dp.backend_flows(id) else {
+                continue;
+            };
+            let entry = self.flows.get(&key).filter(|f| f.id == id);
+            let count = match (corrected.as_ref().and_then(|c| c.get(&id)), entry) {
+                (Some(c), _) => FlowCount {
+                    id,
+                    base: c.active.max(0) as u64,
+                    opened: c.opened,
+                    closed: c.closed,
+                },
+                (None, Some(f)) => *f,
+                // A backend id not seen before: count from now.
+                (None, None) => FlowCount {
+                    id,
+                    base: 0,
+                    opened,
+                    closed,
+                },
+            };
+            self.flows.insert(key, count);
+            let open = (count.base + opened.saturating_sub(count.opened))
+                .saturating_sub(closed.saturating_sub(count.closed));
+            out.insert(key, open);
         }
         out
     }
@@ -581,6 +643,44 @@ mod tests {
 
     fn time(times_ms: &[f64]) -> Duration {
         mean_flow_time(&closed(times_ms)).expect("timed")
+    }
+
+    fn counters(active: i64, opened: u64, closed: u64) -> Counters {
+        Counters {
+            active,
+            opened,
+            closed,
+        }
+    }
+
+    #[test]
+    fn a_quiet_walk_corrects_the_whole_drift() {
+        // 3 flows vanished without a FIN; none opened or closed meanwhile.
+        let c = counters(10, 50, 40);
+        assert_eq!(walk_drift(&c, 7, &c), 3);
+        // Flows closed twice over or never counted: too low.
+        assert_eq!(
+            walk_drift(&counters(4, 50, 46), 6, &counters(4, 50, 46)),
+            -2
+        );
+        assert_eq!(walk_drift(&c, 10, &c), 0);
+    }
+
+    #[test]
+    fn churn_during_a_walk_is_not_taken_for_drift() {
+        // 5 open at the start; 4 closed and 4 opened while the walk ran.
+        // It found anything from 1 (closed before their turn, new ones
+        // after it) to 9 (the reverse): no drift is proven.
+        let (before, after) = (counters(5, 100, 95), counters(5, 104, 99));
+        for walked in 1..=9 {
+            assert_eq!(walk_drift(&before, walked, &after), 0, "walked {walked}");
+        }
+        // Beyond what churn explains, only the excess is drift.
+        assert_eq!(walk_drift(&before, 0, &after), 1);
+        assert_eq!(walk_drift(&before, 12, &after), -3);
+        // 2 of 8 gone; 1 closed and 1 opened meanwhile; the walk found 6.
+        // It proves 1 of the 2; the next quiet walk finds the other.
+        assert_eq!(walk_drift(&counters(8, 20, 12), 6, &counters(8, 21, 13)), 1);
     }
 
     #[test]
