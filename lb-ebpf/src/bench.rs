@@ -1,18 +1,22 @@
-//! Three programs for the forwarding benchmark; the agent never attaches
-//! them (it loads only `xlb`). They are tiny on purpose: the benchmark's
-//! traffic source, its limit and its receivers, not part of the data path.
+//! Programs for the benchmarks; the agent never attaches them (it loads
+//! only `xlb`). They are tiny on purpose: the forwarding benchmark's
+//! traffic source, its limit and its receivers, and the throughput
+//! benchmark's plain XDP router, not part of the data path.
 
 use aya_ebpf::{
-    bindings::xdp_action,
+    bindings::{bpf_fib_lookup as FibParams, xdp_action, BPF_FIB_LKUP_RET_SUCCESS},
     btf_maps::{Array, PerCpuArray},
-    helpers::bpf_redirect,
+    helpers::{bpf_fib_lookup, bpf_redirect},
     macros::{btf_map, xdp},
     programs::XdpContext,
+    EbpfContext,
 };
+use core::mem::MaybeUninit;
 
 use crate::{
     csum::Delta,
-    parse::{load16, load8, ptr_at, store16},
+    forward::{write_mac, zeroed},
+    parse::{load16, load32, load8, ptr_at, store16, store8},
 };
 
 /// Offsets in the generator's frame: Ethernet, then IPv4 without options.
@@ -96,4 +100,53 @@ pub fn xlb_redirect_only(_ctx: XdpContext) -> u32 {
 #[xdp]
 pub fn xlb_sink(_ctx: XdpContext) -> u32 {
     xdp_action::XDP_DROP
+}
+
+/// What any XDP forwarder pays on these interfaces, without balancing:
+/// every IPv4 frame routed as the kernel would route it (FIB lookup, MACs,
+/// TTL) and redirected, or sent back out with XDP_TX; anything else, and
+/// anything the FIB cannot answer, goes to the kernel. The throughput
+/// benchmark runs it where xlb runs, to tell xlb's cost from XDP's.
+#[xdp]
+pub fn xlb_route_only(ctx: XdpContext) -> u32 {
+    route(&ctx).unwrap_or(xdp_action::XDP_PASS)
+}
+
+#[inline(always)]
+fn route(ctx: &XdpContext) -> Option<u32> {
+    const ETH_P_IP: u16 = 0x0800;
+    const AF_INET: u8 = 2;
+    let eth = ptr_at(ctx, 0, 14 + 20)?;
+    let ip = eth + 14;
+    if u16::from_be(load16(eth + 12)) != ETH_P_IP || load8(ip + 8) <= 1 {
+        return None;
+    }
+    let mut p = MaybeUninit::<FibParams>::uninit();
+    let p = zeroed(&mut p);
+    p.family = AF_INET;
+    p.l4_protocol = load8(ip + 9);
+    p.ifindex = ctx.ingress_ifindex() as u32;
+    p.__bindgen_anon_1.tot_len = u16::from_be(load16(ip + 2));
+    p.__bindgen_anon_3.ipv4_src = load32(ip + 12);
+    p.__bindgen_anon_4.ipv4_dst = load32(ip + 16);
+    // SAFETY: a valid, fully initialised parameter block of the size given.
+    let rc =
+        unsafe { bpf_fib_lookup(ctx.as_ptr(), p, core::mem::size_of::<FibParams>() as i32, 0) };
+    if rc != BPF_FIB_LKUP_RET_SUCCESS as i64 {
+        return None;
+    }
+    write_mac(eth, &p.dmac);
+    write_mac(eth + 6, &p.smac);
+    // TTL shares a checksummed 16-bit word with the protocol byte.
+    let old = load16(ip + 8);
+    store8(ip + 8, load8(ip + 8) - 1);
+    let mut d = Delta::default();
+    d.replace16(old, load16(ip + 8));
+    store16(ip + 10, d.apply(load16(ip + 10)));
+    Some(if p.ifindex == ctx.ingress_ifindex() as u32 {
+        xdp_action::XDP_TX
+    } else {
+        // SAFETY: a helper call with a plain interface index.
+        unsafe { bpf_redirect(p.ifindex, 0) as u32 }
+    })
 }

@@ -169,7 +169,7 @@ pub fn too_big(ctx: &XdpContext, h: &Headers, src: &[u32; 4], dst: &[u32; 4]) ->
 /// BPF backend does not inline it: over 300 instructions); volatile stores
 /// cannot be merged back into one.
 #[inline(always)]
-fn zeroed(p: &mut MaybeUninit<FibParams>) -> &mut FibParams {
+pub(crate) fn zeroed(p: &mut MaybeUninit<FibParams>) -> &mut FibParams {
     const WORDS: usize = core::mem::size_of::<FibParams>() / 4;
     const _: () = assert!(core::mem::size_of::<FibParams>().is_multiple_of(4));
     const _: () = assert!(core::mem::align_of::<FibParams>() >= 4);
@@ -183,7 +183,7 @@ fn zeroed(p: &mut MaybeUninit<FibParams>) -> &mut FibParams {
 }
 
 #[inline(always)]
-fn write_mac(p: usize, mac: &[u8; 6]) {
+pub(crate) fn write_mac(p: usize, mac: &[u8; 6]) {
     store16(p, u16::from_ne_bytes([mac[0], mac[1]]));
     store32(p + 2, u32::from_ne_bytes([mac[2], mac[3], mac[4], mac[5]]));
 }

@@ -79,8 +79,8 @@ pub fn test_run(prog: &Xdp, ingress: u32, input: &[u8]) -> (u32, Vec<u8>, Durati
 /// allows up to 256).
 pub const LIVE_BATCH: u32 = 64;
 
-/// The forwarding benchmark's programs (`xlb_trafficgen`,
-/// `xlb_redirect_only`, `xlb_sink`, lb-ebpf/src/bench.rs), loaded from the
+/// The benchmarks' programs (`xlb_trafficgen`, `xlb_redirect_only`,
+/// `xlb_sink`, `xlb_route_only`, lb-ebpf/src/bench.rs), loaded from the
 /// agent's object. The object's other maps are made as small as the kernel
 /// allows: these programs use none of them.
 pub fn load_bench_programs() -> Result<Ebpf, String> {
@@ -102,7 +102,12 @@ pub fn load_bench_programs() -> Result<Ebpf, String> {
     Ok(ebpf)
 }
 
-pub const BENCH_PROGRAMS: [&str; 3] = ["xlb_trafficgen", "xlb_redirect_only", "xlb_sink"];
+pub const BENCH_PROGRAMS: [&str; 4] = [
+    "xlb_trafficgen",
+    "xlb_redirect_only",
+    "xlb_sink",
+    "xlb_route_only",
+];
 
 /// Attaches `xlb_floor` (XDP_PASS only) to `ifaces` of `ns`, natively. A
 /// veth hands the frames its peer sends with XDP_TX or a redirect to its

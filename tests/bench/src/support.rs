@@ -433,6 +433,58 @@ fn cleanup_in(ns: Option<&str>, lb_agent: &Path, pin_dir: &Path) -> Res<()> {
     Ok(())
 }
 
+/// The benchmark programs, pinned under `dir` (removed on drop).
+pub struct PinnedPrograms {
+    pub ebpf: aya::Ebpf,
+    dir: PathBuf,
+}
+
+impl Drop for PinnedPrograms {
+    fn drop(&mut self) {
+        let _ = fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// Loads the benchmark programs (lb-ebpf/src/bench.rs) from the agent's
+/// object and pins each under `dir` (made afresh), so that `ip link set …
+/// xdpdrv pinned` attaches them in any namespace.
+pub fn pin_bench_programs(dir: &Path) -> Res<PinnedPrograms> {
+    use aya::programs::Xdp;
+    let mut ebpf = xlb_tests::xdp::load_bench_programs()?;
+    let _ = fs::remove_dir_all(dir);
+    fs::create_dir_all(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+    for name in xlb_tests::xdp::BENCH_PROGRAMS {
+        let prog: &mut Xdp = ebpf
+            .program_mut(name)
+            .and_then(|p| p.try_into().ok())
+            .ok_or(format!("{name} is not an XDP program in the object"))?;
+        prog.pin(dir.join(name))
+            .map_err(|e| format!("pinning {name}: {e}"))?;
+    }
+    Ok(PinnedPrograms {
+        ebpf,
+        dir: dir.to_path_buf(),
+    })
+}
+
+/// Attaches benchmark program `prog`, pinned under `dir`, to `iface` in
+/// `ns` (native mode).
+pub fn attach_pinned(ns: &Netns, iface: &str, dir: &Path, prog: &str) -> Res<()> {
+    sh_in(
+        ns,
+        &format!(
+            "ip link set dev {iface} xdpdrv pinned {}",
+            dir.join(prog).display()
+        ),
+    )
+    .map(drop)
+}
+
+/// Detaches the native XDP program of `iface` in `ns`.
+pub fn detach_xdp(ns: &Netns, iface: &str) -> Res<()> {
+    sh_in(ns, &format!("ip link set dev {iface} xdpdrv off")).map(drop)
+}
+
 /// Whether an XDP program is attached to `iface` in `ns`.
 pub fn xdp_attached(ns: &Netns, iface: &str) -> bool {
     sh_in(ns, &format!("ip -d link show dev {iface}")).is_ok_and(|s| s.contains("prog/xdp"))

@@ -23,26 +23,23 @@
 //!
 //! `xlb-forwarding-bench [--rounds N] [--seconds S]` (defaults 3 and 3).
 
-use std::{
-    fmt::Write as _,
-    fs,
-    path::{Path, PathBuf},
-    process::ExitCode,
-    time::Duration,
-};
+use std::{fmt::Write as _, fs, path::Path, process::ExitCode, time::Duration};
 
-use aya::{maps::Array, programs::Xdp, Ebpf};
+use aya::maps::Array;
 use clap::Parser;
 use lb_agent::netif::ifindex;
 use xlb_bench::{
     args::positive,
-    support::{check_interrupt, install_sigint_flag, median, sh_in, thousands, Agent, Bins, Res},
+    support::{
+        attach_pinned, check_interrupt, detach_xdp, install_sigint_flag, median,
+        pin_bench_programs, sh_in, thousands, Agent, Bins, PinnedPrograms, Res,
+    },
 };
 use xlb_tests::{
     netns::Netns,
     packet::{Ipv4, PacketBuilder, Tcp, Udp},
     topology::{backend_ip, Topology, BACKEND_PORT, CLIENT_IP, VIP},
-    xdp::{generate_live, load_bench_programs, BENCH_PROGRAMS, LIVE_BATCH},
+    xdp::{generate_live, LIVE_BATCH},
 };
 
 const BACKENDS: usize = 3;
@@ -103,36 +100,23 @@ struct Opts {
     seconds: f64,
 }
 
-/// The three benchmark programs, loaded from the agent's object and pinned
-/// under [`PROG_DIR`] (removed on drop).
+/// The benchmark programs, loaded from the agent's object and pinned under
+/// [`PROG_DIR`] (removed on drop).
 struct Programs {
-    ebpf: Ebpf,
+    pinned: PinnedPrograms,
 }
 
 impl Programs {
     fn load() -> Res<Self> {
-        let mut ebpf = load_bench_programs()?;
-        let _ = fs::remove_dir_all(PROG_DIR);
-        fs::create_dir_all(PROG_DIR).map_err(|e| format!("{PROG_DIR}: {e}"))?;
-        for name in BENCH_PROGRAMS {
-            let prog: &mut Xdp = ebpf
-                .program_mut(name)
-                .and_then(|p| p.try_into().ok())
-                .ok_or(format!("{name} is not an XDP program in the object"))?;
-            prog.pin(Self::pinned(name))
-                .map_err(|e| format!("pinning {name}: {e}"))?;
-        }
-        Ok(Self { ebpf })
-    }
-
-    fn pinned(name: &str) -> PathBuf {
-        Path::new(PROG_DIR).join(name)
+        let pinned = pin_bench_programs(Path::new(PROG_DIR))?;
+        Ok(Self { pinned })
     }
 
     /// Points `xlb_redirect_only` at interface `ifindex`.
     fn redirect_to(&mut self, ifindex: u32) -> Res<()> {
         let mut to: Array<_, u32> = Array::try_from(
-            self.ebpf
+            self.pinned
+                .ebpf
                 .map_mut("REDIRECT_TO")
                 .ok_or("REDIRECT_TO is not in the object")?,
         )
@@ -142,26 +126,8 @@ impl Programs {
     }
 }
 
-impl Drop for Programs {
-    fn drop(&mut self) {
-        let _ = fs::remove_dir_all(PROG_DIR);
-    }
-}
-
-/// Attaches a pinned benchmark program to `iface` in `ns` (native mode).
 fn attach(ns: &Netns, iface: &str, prog: &str) -> Res<()> {
-    sh_in(
-        ns,
-        &format!(
-            "ip link set dev {iface} xdpdrv pinned {}",
-            Programs::pinned(prog).display()
-        ),
-    )
-    .map(drop)
-}
-
-fn detach(ns: &Netns, iface: &str) -> Res<()> {
-    sh_in(ns, &format!("ip link set dev {iface} xdpdrv off")).map(drop)
+    attach_pinned(ns, iface, Path::new(PROG_DIR), prog)
 }
 
 /// The MAC address of `iface` in `ns`.
@@ -223,7 +189,7 @@ fn frame(t: &Topology, traffic: Traffic) -> Res<Vec<u8>> {
 /// Sends `frames` generated frames out of the client's eth0; how long it took.
 fn generate(p: &mut Programs, t: &Topology, frame: &[u8], frames: u32) -> Res<Duration> {
     let eth0 = ifindex_in(&t.client, "eth0")?;
-    let ebpf = &mut p.ebpf;
+    let ebpf = &mut p.pinned.ebpf;
     std::thread::scope(|s| {
         s.spawn(|| {
             Netns::enter_by_name(&t.client.name);
@@ -323,7 +289,7 @@ fn start(p: &mut Programs, t: &Topology, bins: &Bins, case: Case) -> Res<Running
 
 fn stop(t: &Topology, running: Running) -> Res<()> {
     match running {
-        Running::Limit => detach(&t.lb, "lbc"),
+        Running::Limit => detach_xdp(&t.lb, "lbc"),
         Running::Xlb(mut agent) => agent.stop(),
         Running::Nftables => {
             sh_in(&t.lb, "nft delete table ip xlb_fwbench")?;

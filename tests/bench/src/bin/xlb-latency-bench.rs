@@ -43,10 +43,10 @@ use clap::Parser;
 use xlb_bench::{
     args::{positive, Mech},
     support::{
-        self, check_interrupt, cmd_line, http_get, install_sigint_flag, interrupted, iperf3_json,
-        ipvs_not_measured,
+        self, attach_pinned, check_interrupt, cmd_line, detach_xdp, http_get, install_sigint_flag,
+        interrupted, iperf3_json, ipvs_not_measured,
         mechanisms::{check_serves, start, stop, Ctx, Running, BACKENDS},
-        median, run_in, sh_in, xdp_attached, Agent, Bins, Res, REMOTE_POD,
+        median, pin_bench_programs, run_in, sh_in, xdp_attached, Agent, Bins, Res, REMOTE_POD,
     },
 };
 use xlb_tests::{
@@ -752,13 +752,21 @@ fn add_remote_node(t: &Topology) -> (Netns, Netns) {
     (n2, pod)
 }
 
-/// A throughput case: xlb in a mode, or no balancer.
+/// A throughput case: xlb in a mode, no balancer, or no balancer with a
+/// plain XDP router (`xlb_route_only`) where xlb runs: what XDP on these
+/// veths costs without any balancing.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 enum Via {
     Nat,
     Snat,
     None,
+    Route,
 }
+
+/// The interfaces xlb (and the plain XDP router) runs on.
+const TP_IFACES: [&str; 3] = ["lbc", "lbb1", "lbn2"];
+/// Where the throughput part pins the benchmark programs.
+const TP_PROG_DIR: &str = "/sys/fs/bpf/xlb-latbench-progs";
 
 /// The services: (VIP, mode, remote Pod?).
 const TP_SERVICES: [(Ipv4Addr, Via, bool); 4] = [
@@ -778,7 +786,8 @@ fn pod_ip(remote: bool) -> Ipv4Addr {
 
 fn tp_config() -> String {
     let mut s = format!(
-        "interfaces: [lbc, lbb1, lbn2]\nxdp_mode: native\nmetrics_addr: {TP_METRICS}\nsnat_ipv4: {SNAT_IP}\nservices:\n"
+        "interfaces: [{}]\nxdp_mode: native\nmetrics_addr: {TP_METRICS}\nsnat_ipv4: {SNAT_IP}\nservices:\n",
+        TP_IFACES.join(", ")
     );
     for (i, (vip, via, remote)) in TP_SERVICES.iter().enumerate() {
         let _ = writeln!(
@@ -825,9 +834,12 @@ fn throughput_part(t: &mut Topology, bins: &Bins, o: &Opts, md: &mut String) -> 
     let cfg = t.dir.join("throughput.yaml");
     std::fs::write(&cfg, tp_config()).map_err(|e| format!("{}: {e}", cfg.display()))?;
     let pin_dir = Path::new("/sys/fs/bpf").join(format!("xlb-{PREFIX}-tp"));
+    let prog_dir = Path::new(TP_PROG_DIR);
+    // Kept to the end: the pins go with the directory.
+    let _programs = pin_bench_programs(prog_dir)?;
     let streams = [1u32, 8];
     let mut runs: TpRuns = Vec::new();
-    for via in [Via::Nat, Via::Snat, Via::None] {
+    for via in [Via::Nat, Via::Snat, Via::None, Via::Route] {
         for remote in [false, true] {
             for s in streams {
                 runs.push(((via, remote, s), Vec::new()));
@@ -838,16 +850,14 @@ fn throughput_part(t: &mut Topology, bins: &Bins, o: &Opts, md: &mut String) -> 
         "\nthroughput: iperf3 -t {} with 1 and 8 streams, {} rounds",
         o.tp_duration, o.tp_rounds
     );
+    // xlb's runs share one agent; each round rotates which phase is first.
+    let phases = [Via::Nat, Via::None, Via::Route];
     for round in 0..o.tp_rounds {
         println!("round {}/{}", round + 1, o.tp_rounds);
-        let order = if round % 2 == 0 {
-            [true, false]
-        } else {
-            [false, true]
-        };
-        for with_xlb in order {
+        for i in 0..phases.len() {
+            let phase = phases[(round + i) % phases.len()];
             check_interrupt()?;
-            let mut agent = if with_xlb {
+            let mut agent = if phase == Via::Nat {
                 let mut a = Agent::spawn(
                     bins,
                     &t.lb,
@@ -861,13 +871,22 @@ fn throughput_part(t: &mut Topology, bins: &Bins, o: &Opts, md: &mut String) -> 
             } else {
                 None
             };
+            if phase == Via::Route {
+                for i in TP_IFACES {
+                    attach_pinned(&t.lb, i, prog_dir, "xlb_route_only")?;
+                }
+            }
             let result = (|| -> Res<()> {
                 for ((via, remote, s), v) in runs.iter_mut() {
-                    if (*via == Via::None) == with_xlb {
+                    let in_phase = match phase {
+                        Via::Nat => matches!(via, Via::Nat | Via::Snat),
+                        _ => *via == phase,
+                    };
+                    if !in_phase {
                         continue;
                     }
                     let addr = match via {
-                        Via::None => pod_ip(*remote),
+                        Via::None | Via::Route => pod_ip(*remote),
                         _ => {
                             TP_SERVICES
                                 .iter()
@@ -886,12 +905,14 @@ fn throughput_part(t: &mut Topology, bins: &Bins, o: &Opts, md: &mut String) -> 
                 }
                 Ok(())
             })();
+            if phase == Via::Route {
+                for i in TP_IFACES {
+                    detach_xdp(&t.lb, i)?;
+                }
+            }
             if let Some(a) = agent.as_mut() {
                 a.stop()?;
-                if let Some(i) = ["lbc", "lbb1", "lbn2"]
-                    .into_iter()
-                    .find(|i| xdp_attached(&t.lb, i))
-                {
+                if let Some(i) = TP_IFACES.into_iter().find(|i| xdp_attached(&t.lb, i)) {
                     return Err(format!("XDP still attached to {i} after the agent stopped"));
                 }
                 check_agent_gone(t)?;
@@ -905,13 +926,16 @@ fn throughput_part(t: &mut Topology, bins: &Bins, o: &Opts, md: &mut String) -> 
 fn throughput_report(o: &Opts, runs: &TpRuns, md: &mut String) -> Vec<String> {
     let _ = writeln!(
         md,
-        "TCP throughput, `iperf3 -c ADDR -P 1|8 -t {}` from the client, {} rounds alternating \
-         xlb and no balancer; medians in Gbit/s, and the median of the per-round ratios to no \
-         balancer (the same Pod, the same streams):\n",
+        "TCP throughput, `iperf3 -c ADDR -P 1|8 -t {}` from the client, {} rounds rotating xlb, \
+         no balancer and a plain XDP router (`xlb_route_only` where xlb runs, no balancing); \
+         medians in Gbit/s, and the median of the per-round ratios (the same Pod, the same \
+         streams):\n",
         o.tp_duration, o.tp_rounds
     );
-    md.push_str("| endpoint | streams | no balancer | xlb nat | nat / none | xlb snat | snat / none | runs (none; nat; snat) |\n");
-    md.push_str("|---|---:|---:|---:|---:|---:|---:|---|\n");
+    md.push_str(
+        "| endpoint | streams | no balancer | XDP router | xlb nat | xlb snat | router / none | nat / none | snat / none | nat / router | snat / router | runs (none; router; nat; snat) |\n",
+    );
+    md.push_str("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|\n");
     let get = |via: Via, remote: bool, s: u32| -> &Vec<f64> {
         &runs
             .iter()
@@ -925,45 +949,65 @@ fn throughput_report(o: &Opts, runs: &TpRuns, md: &mut String) -> Vec<String> {
             .collect::<Vec<_>>()
             .join(", ")
     };
-    let mut worst = f64::INFINITY;
-    let mut worst_case = String::new();
+    let ratio =
+        |a: &[f64], b: &[f64]| median(&a.iter().zip(b).map(|(a, b)| a / b).collect::<Vec<_>>());
+    // The lowest ratio of xlb to no balancer, and to the XDP router.
+    let mut worst = [
+        (f64::INFINITY, String::new()),
+        (f64::INFINITY, String::new()),
+    ];
     for remote in [false, true] {
         for s in [1u32, 8] {
             let none = get(Via::None, remote, s);
+            let route = get(Via::Route, remote, s);
             let nat = get(Via::Nat, remote, s);
             let snat = get(Via::Snat, remote, s);
-            let ratio =
-                |v: &[f64]| median(&v.iter().zip(none).map(|(a, b)| a / b).collect::<Vec<_>>());
-            let (rn, rs) = (ratio(nat), ratio(snat));
             let ep = if remote {
                 "Pod on another node"
             } else {
                 "Pod on the balancer's node"
             };
-            for (r, mode) in [(rn, "nat"), (rs, "snat")] {
-                if r < worst {
-                    worst = r;
-                    worst_case = format!("{mode}, {ep}, {s} stream(s)");
+            let (rn, rs) = (ratio(nat, none), ratio(snat, none));
+            let (qn, qs) = (ratio(nat, route), ratio(snat, route));
+            for (w, pairs) in worst
+                .iter_mut()
+                .zip([[(rn, "nat"), (rs, "snat")], [(qn, "nat"), (qs, "snat")]])
+            {
+                for (r, mode) in pairs {
+                    if r < w.0 {
+                        *w = (r, format!("{mode}, {ep}, {s} stream(s)"));
+                    }
                 }
             }
             let _ = writeln!(
                 md,
-                "| {ep} | {s} | {:.2} | {:.2} | {rn:.2}x | {:.2} | {rs:.2}x | {}; {}; {} |",
+                "| {ep} | {s} | {:.2} | {:.2} | {:.2} | {:.2} | {:.2}x | {rn:.2}x | {rs:.2}x | {qn:.2}x | {qs:.2}x | {}; {}; {}; {} |",
                 median(none),
+                median(route),
                 median(nat),
                 median(snat),
+                ratio(route, none),
                 list(none),
+                list(route),
                 list(nat),
                 list(snat)
             );
         }
     }
     md.push('\n');
-    vec![format!(
-        "throughput goal: xlb >= 90 % of no balancer in every case (lowest: {:.0} %, {worst_case}): {}",
-        worst * 100.0,
-        if worst >= 0.9 { "met" } else { "not met" }
-    )]
+    let [(w, wcase), (q, qcase)] = worst;
+    vec![
+        format!(
+            "throughput goal: xlb >= 90 % of no balancer in every case (lowest: {:.0} %, {wcase}): {}",
+            w * 100.0,
+            if w >= 0.9 { "met" } else { "not met" }
+        ),
+        format!(
+            "throughput against a plain XDP router on the same interfaces (XDP's own cost on veth \
+             set apart; no goal): lowest {:.0} %, {qcase}",
+            q * 100.0
+        ),
+    ]
 }
 
 // ---------------------------------------------------------------------------
