@@ -58,9 +58,10 @@ impl Dataplane {
     }
 
     /// Sets a backend's shared open-flow count (`BACKEND_ACTIVE`), which
-    /// new flows of least-loaded services are placed by, to `open` (a
-    /// walk's count): flows that vanished without a FIN or RST stop
-    /// counting. Flows opened or closed during the walk are lost to it.
+    /// new flows of least-loaded services are placed by, to `open`: the
+    /// count less the drift a table walk proved (`load_aware::walk_drift`),
+    /// so that flows that vanished without a FIN or RST stop counting. A
+    /// flow opened or closed between the read and this write is lost to it.
     pub fn set_backend_active(&mut self, id: u32, open: u64) -> Result<()> {
         self.maps
             .backend_active
